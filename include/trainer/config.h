@@ -1,0 +1,455 @@
+// The configuration: one struct per JSON section, one member per key, defaults written once here.
+//
+// Every struct lists its keys in visit(), in file order, with a one-line description. Parsing, --set overrides,
+// serialisation, the start-up table and the README's reference all walk visit(), so a key added here is
+// parsed, checked, printed and saved everywhere at once.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "trainer/errors.h"
+
+namespace trainer {
+
+// ---- value types with their own JSON spelling --------------------------------------------------------------
+
+// A number of bytes; JSON accepts an integer or a string with a unit: "24GiB", "512MiB", "5GB", "1.5GiB".
+struct ByteSize {
+  std::uint64_t bytes = 0;
+  bool operator==(const ByteSize&) const = default;
+};
+// Parses "24GiB" and friends; throws std::invalid_argument with the reason.
+ByteSize parse_byte_size(const std::string& text);
+// The shortest exact spelling: "24GiB", "5GB", "1536B"; "0" for zero.
+std::string format_byte_size(ByteSize size);
+// Rounded for people: "1.50 GiB".
+std::string human_bytes(double bytes);
+
+// A micro-batch size: a fixed count, or "auto" (the memory policy probes for the largest that fits).
+struct MicroBatchSize {
+  bool is_auto = true;
+  std::int64_t value = 0;  // meaningful when !is_auto
+  static MicroBatchSize automatic() { return {}; }
+  static MicroBatchSize fixed(std::int64_t n) { return {false, n}; }
+  bool operator==(const MicroBatchSize&) const = default;
+};
+
+// Enumerations are spelled in JSON by these names.
+template <class E>
+struct EnumName {
+  E value;
+  const char* name;
+};
+
+enum class ModelInit { kPretrained, kRandom };
+inline constexpr EnumName<ModelInit> kModelInitNames[] = {{ModelInit::kPretrained, "pretrained"},
+                                                          {ModelInit::kRandom, "random"}};
+inline std::span<const EnumName<ModelInit>> enum_names(ModelInit) { return kModelInitNames; }
+
+enum class TokenizerKind { kAuto, kSentencePiece, kBpe };
+inline constexpr EnumName<TokenizerKind> kTokenizerKindNames[] = {{TokenizerKind::kAuto, "auto"},
+                                                                  {TokenizerKind::kSentencePiece, "sentencepiece"},
+                                                                  {TokenizerKind::kBpe, "bpe"}};
+inline std::span<const EnumName<TokenizerKind>> enum_names(TokenizerKind) { return kTokenizerKindNames; }
+
+enum class OverlengthPolicy { kTruncate, kSkip };
+inline constexpr EnumName<OverlengthPolicy> kOverlengthPolicyNames[] = {{OverlengthPolicy::kTruncate, "truncate"},
+                                                                        {OverlengthPolicy::kSkip, "skip"}};
+inline std::span<const EnumName<OverlengthPolicy>> enum_names(OverlengthPolicy) { return kOverlengthPolicyNames; }
+
+enum class BadRecordPolicy { kError, kSkip };
+inline constexpr EnumName<BadRecordPolicy> kBadRecordPolicyNames[] = {{BadRecordPolicy::kError, "error"},
+                                                                      {BadRecordPolicy::kSkip, "skip"}};
+inline std::span<const EnumName<BadRecordPolicy>> enum_names(BadRecordPolicy) { return kBadRecordPolicyNames; }
+
+enum class OptimizerName { kAdamW };
+inline constexpr EnumName<OptimizerName> kOptimizerNames[] = {{OptimizerName::kAdamW, "adamw"}};
+inline std::span<const EnumName<OptimizerName>> enum_names(OptimizerName) { return kOptimizerNames; }
+
+enum class SchedulerName { kConstant, kLinear, kCosine };
+inline constexpr EnumName<SchedulerName> kSchedulerNames[] = {{SchedulerName::kConstant, "constant"},
+                                                              {SchedulerName::kLinear, "linear"},
+                                                              {SchedulerName::kCosine, "cosine"}};
+inline std::span<const EnumName<SchedulerName>> enum_names(SchedulerName) { return kSchedulerNames; }
+
+// fp16 is deliberately absent: T5-family activations overflow it, and bf16 covers the same hardware.
+enum class PrecisionMode { kFp32, kBf16Mixed, kBf16 };
+inline constexpr EnumName<PrecisionMode> kPrecisionModeNames[] = {{PrecisionMode::kFp32, "fp32"},
+                                                                  {PrecisionMode::kBf16Mixed, "bf16-mixed"},
+                                                                  {PrecisionMode::kBf16, "bf16"}};
+inline std::span<const EnumName<PrecisionMode>> enum_names(PrecisionMode) { return kPrecisionModeNames; }
+
+enum class OomPolicy { kAdapt, kFail };
+inline constexpr EnumName<OomPolicy> kOomPolicyNames[] = {{OomPolicy::kAdapt, "adapt"}, {OomPolicy::kFail, "fail"}};
+inline std::span<const EnumName<OomPolicy>> enum_names(OomPolicy) { return kOomPolicyNames; }
+
+enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError };
+inline constexpr EnumName<LogLevel> kLogLevelNames[] = {{LogLevel::kTrace, "trace"},
+                                                        {LogLevel::kDebug, "debug"},
+                                                        {LogLevel::kInfo, "info"},
+                                                        {LogLevel::kWarn, "warn"},
+                                                        {LogLevel::kError, "error"}};
+inline std::span<const EnumName<LogLevel>> enum_names(LogLevel) { return kLogLevelNames; }
+
+enum class ProgressStyle { kAuto, kBar, kPlain, kOff };
+inline constexpr EnumName<ProgressStyle> kProgressStyleNames[] = {{ProgressStyle::kAuto, "auto"},
+                                                                  {ProgressStyle::kBar, "bar"},
+                                                                  {ProgressStyle::kPlain, "plain"},
+                                                                  {ProgressStyle::kOff, "off"}};
+inline std::span<const EnumName<ProgressStyle>> enum_names(ProgressStyle) { return kProgressStyleNames; }
+
+template <class E>
+const char* enum_name(E value) {
+  for (const auto& entry : enum_names(value))
+    if (entry.value == value) return entry.name;
+  return "?";
+}
+
+// The steps of memory escalation, in the order the user lists them in memory.escalation.
+inline constexpr const char* kEscalationSteps[] = {"activation_checkpointing", "chunked_loss"};
+
+// ---- sections -------------------------------------------------------------------------------------------------
+
+struct ModelConfig {
+  std::string path;
+  ModelInit init = ModelInit::kPretrained;
+
+  template <class V>
+  void visit(V& v) {
+    v("path", path, "Hugging Face model directory: config.json, safetensors weights, tokenizer files");
+    v("init", init, "pretrained: load the weights in path; random: initialise from path/config.json alone");
+  }
+  bool operator==(const ModelConfig&) const = default;
+};
+
+struct TokenizerConfig {
+  std::string path;
+  TokenizerKind kind = TokenizerKind::kAuto;
+  bool add_eos = true;
+
+  template <class V>
+  void visit(V& v) {
+    v("path", path, "directory or file of the tokenizer; empty: model.path");
+    v("kind", kind, "auto (tokenizer.json -> bpe, spiece.model/tokenizer.model -> sentencepiece), sentencepiece, bpe");
+    v("add_eos", add_eos, "append the end-of-sequence token as the model family does in transformers");
+  }
+  bool operator==(const TokenizerConfig&) const = default;
+};
+
+struct DataConfig {
+  std::vector<std::string> train_files;
+  std::vector<std::string> validation_files;
+  double validation_fraction = 0.0;
+  std::string input_field = "input";
+  std::string target_field = "target";
+  std::string text_field = "text";
+  std::string prompt_field = "prompt";
+  std::string completion_field = "completion";
+  std::int64_t max_input_length = 512;
+  std::int64_t max_target_length = 128;
+  std::int64_t max_length = 1024;
+  OverlengthPolicy on_overlength = OverlengthPolicy::kTruncate;
+  BadRecordPolicy on_bad_record = BadRecordPolicy::kError;
+  bool shuffle = true;
+  bool group_by_length = false;
+  std::int64_t num_workers = 2;
+
+  template <class V>
+  void visit(V& v) {
+    v("train_files", train_files, "JSONL files or globs (plain or .gz) to train on");
+    v("validation_files", validation_files, "JSONL files or globs for evaluation");
+    v("validation_fraction", validation_fraction, "hold out this fraction of train_files when validation_files is empty");
+    v("input_field", input_field, "seq2seq: record field with the encoder input");
+    v("target_field", target_field, "seq2seq: record field with the target");
+    v("text_field", text_field, "causal: record field with the whole text (all tokens trained)");
+    v("prompt_field", prompt_field, "causal: record field with the prompt (masked out of the loss)");
+    v("completion_field", completion_field, "causal: record field with the completion (trained)");
+    v("max_input_length", max_input_length, "seq2seq: encoder tokens per example");
+    v("max_target_length", max_target_length, "seq2seq: decoder tokens per example");
+    v("max_length", max_length, "causal: tokens per example");
+    v("on_overlength", on_overlength, "truncate or skip examples longer than the maximum (counted either way)");
+    v("on_bad_record", on_bad_record, "error: stop at the first bad record (exit 3); skip: count and go on");
+    v("shuffle", shuffle, "shuffle the examples every epoch (seeded by training.seed)");
+    v("group_by_length", group_by_length, "group similar lengths into batches, longest batch first");
+    v("num_workers", num_workers, "tokenizer worker threads");
+  }
+  bool operator==(const DataConfig&) const = default;
+};
+
+struct TrainingConfig {
+  std::int64_t batch_size = 32;
+  MicroBatchSize micro_batch_size = MicroBatchSize::automatic();
+  std::int64_t gradient_accumulation_steps = 0;
+  std::int64_t max_steps = 0;
+  std::int64_t epochs = 1;
+  std::int64_t seed = 42;
+  double max_grad_norm = 1.0;
+  bool activation_checkpointing = false;
+  bool chunked_loss = false;
+  std::int64_t loss_chunk_size = 1024;
+
+  template <class V>
+  void visit(V& v) {
+    v("batch_size", batch_size, "examples per optimizer step (the effective batch); fixed for the whole run");
+    v("micro_batch_size", micro_batch_size, "examples per forward/backward: an integer, or \"auto\" to probe memory");
+    v("gradient_accumulation_steps", gradient_accumulation_steps,
+      "0: follows from batch_size and the micro-batch; else batch_size must equal micro x steps");
+    v("max_steps", max_steps, "optimizer steps to run; 0: run `epochs` epochs");
+    v("epochs", epochs, "passes over train_files when max_steps is 0");
+    v("seed", seed, "seed for initialisation, shuffling and dropout");
+    v("max_grad_norm", max_grad_norm, "clip gradients to this global norm; 0 turns clipping off");
+    v("activation_checkpointing", activation_checkpointing, "recompute each block's activations in backward");
+    v("chunked_loss", chunked_loss, "compute the LM head and loss in chunks of loss_chunk_size tokens");
+    v("loss_chunk_size", loss_chunk_size, "tokens per chunk of the chunked loss");
+  }
+  bool operator==(const TrainingConfig&) const = default;
+};
+
+struct EvaluationConfig {
+  std::int64_t every_steps = 0;
+  MicroBatchSize micro_batch_size = MicroBatchSize::automatic();
+  std::int64_t max_batches = 0;
+  std::vector<std::string> sample_prompts;
+  std::int64_t max_new_tokens = 64;
+
+  template <class V>
+  void visit(V& v) {
+    v("every_steps", every_steps, "evaluate every N optimizer steps; 0: only at the end when there is validation data");
+    v("micro_batch_size", micro_batch_size, "evaluation micro-batch, adapted on its own (never shrinks training)");
+    v("max_batches", max_batches, "evaluate on at most N micro-batches; 0: the whole validation set");
+    v("sample_prompts", sample_prompts, "prompts whose generations are logged at every evaluation");
+    v("max_new_tokens", max_new_tokens, "length limit of the sample generations");
+  }
+  bool operator==(const EvaluationConfig&) const = default;
+};
+
+struct OptimizerConfig {
+  OptimizerName name = OptimizerName::kAdamW;
+  double lr = 1e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decay_norms_biases_embeddings = false;
+
+  template <class V>
+  void visit(V& v) {
+    v("name", name, "optimizer (adamw)");
+    v("lr", lr, "peak learning rate");
+    v("beta1", beta1, "AdamW beta1");
+    v("beta2", beta2, "AdamW beta2");
+    v("eps", eps, "AdamW epsilon");
+    v("weight_decay", weight_decay, "decoupled weight decay");
+    v("decay_norms_biases_embeddings", decay_norms_biases_embeddings,
+      "also decay norm weights, biases and embeddings (off, as is usual)");
+  }
+  bool operator==(const OptimizerConfig&) const = default;
+};
+
+struct SchedulerConfig {
+  SchedulerName name = SchedulerName::kLinear;
+  std::int64_t warmup_steps = 0;
+  double warmup_ratio = 0.0;
+  double min_lr_ratio = 0.0;
+
+  template <class V>
+  void visit(V& v) {
+    v("name", name, "learning-rate schedule after warmup: constant, linear or cosine decay");
+    v("warmup_steps", warmup_steps, "linear warmup steps from 0 to optimizer.lr");
+    v("warmup_ratio", warmup_ratio, "warmup as a fraction of all steps (used when warmup_steps is 0)");
+    v("min_lr_ratio", min_lr_ratio, "decay ends at lr x min_lr_ratio");
+  }
+  bool operator==(const SchedulerConfig&) const = default;
+};
+
+struct PrecisionConfig {
+  PrecisionMode mode = PrecisionMode::kFp32;
+
+  template <class V>
+  void visit(V& v) {
+    v("mode", mode, "fp32; bf16-mixed (fp32 master weights, bf16 autocast); bf16 (bf16 weights)");
+  }
+  bool operator==(const PrecisionConfig&) const = default;
+};
+
+struct LoraConfig {
+  bool enabled = false;
+  std::int64_t r = 8;
+  double alpha = 16.0;
+  double dropout = 0.05;
+  std::vector<std::string> target_modules;
+  bool rslora = false;
+  bool base_in_bf16 = false;
+
+  template <class V>
+  void visit(V& v) {
+    v("enabled", enabled, "train LoRA adapters instead of the full model (saved in PEFT's format)");
+    v("r", r, "adapter rank");
+    v("alpha", alpha, "scaling numerator: scale = alpha / r (alpha / sqrt(r) with rslora)");
+    v("dropout", dropout, "dropout on the adapter input");
+    v("target_modules", target_modules, "module names to adapt; empty: q,v (T5) or q_proj,v_proj (Llama family)");
+    v("rslora", rslora, "rank-stabilised scaling alpha / sqrt(r)");
+    v("base_in_bf16", base_in_bf16, "hold the frozen base weights in bf16 to save memory");
+  }
+  bool operator==(const LoraConfig&) const = default;
+};
+
+struct MemoryConfig {
+  ByteSize limit;
+  OomPolicy on_oom = OomPolicy::kAdapt;
+  double shrink_factor = 0.5;
+  std::int64_t min_micro_batch_size = 1;
+  std::int64_t max_retries = 8;
+  std::vector<std::string> escalation = {"activation_checkpointing", "chunked_loss"};
+  std::int64_t regrow_after_steps = 0;
+  double auto_safety_margin = 0.1;
+  std::int64_t empty_cache_every = 0;
+  std::string allocator_conf;
+  bool snapshot_on_oom = false;
+
+  template <class V>
+  void visit(V& v) {
+    v("limit", limit, "memory budget: on CPU a hard cap on tensor memory, on a GPU a cap on the process; 0: none");
+    v("on_oom", on_oom, "adapt: shrink the micro-batch and retry the same batch; fail: stop (exit 4)");
+    v("shrink_factor", shrink_factor, "the micro-batch is multiplied by this after an out-of-memory error");
+    v("min_micro_batch_size", min_micro_batch_size, "the floor; below it the policy escalates, then stops");
+    v("max_retries", max_retries, "out-of-memory retries of one optimizer step before giving up");
+    v("escalation", escalation, "what to turn on at the floor, in order: activation_checkpointing, chunked_loss");
+    v("regrow_after_steps", regrow_after_steps, "try a larger micro-batch after N steps without OOM; 0: never");
+    v("auto_safety_margin", auto_safety_margin, "fraction of memory micro_batch_size=auto leaves free");
+    v("empty_cache_every", empty_cache_every, "release cached device memory every N steps; 0: only after an OOM");
+    v("allocator_conf", allocator_conf, "exported as PYTORCH_ALLOC_CONF unless it is set, e.g. expandable_segments:True");
+    v("snapshot_on_oom", snapshot_on_oom, "CUDA builds: record allocations and dump a memory_viz snapshot on OOM");
+  }
+  bool operator==(const MemoryConfig&) const = default;
+};
+
+struct DeviceConfig {
+  std::string type = "auto";
+  ByteSize min_free_memory;
+  bool wait_for_device = false;
+  double wait_timeout_s = 600.0;
+  double poll_interval_s = 10.0;
+  bool allow_cpu_fallback = false;
+
+  template <class V>
+  void visit(V& v) {
+    v("type", type, "auto (the accelerator with most free memory, else CPU), cpu, cuda or cuda:N");
+    v("min_free_memory", min_free_memory, "a device with less free memory is not taken");
+    v("wait_for_device", wait_for_device, "wait for a device with min_free_memory instead of failing");
+    v("wait_timeout_s", wait_timeout_s, "how long to wait for a device");
+    v("poll_interval_s", poll_interval_s, "how often to look while waiting");
+    v("allow_cpu_fallback", allow_cpu_fallback, "run on the CPU (with a loud warning) when no device is available");
+  }
+  bool operator==(const DeviceConfig&) const = default;
+};
+
+struct CheckpointConfig {
+  std::string output_dir = "runs/default";
+  std::int64_t every_steps = 0;
+  std::int64_t keep_last = 2;
+  bool keep_best = false;
+  bool save_final = true;
+  ByteSize max_shard_size{5'000'000'000};
+
+  template <class V>
+  void visit(V& v) {
+    v("output_dir", output_dir, "where checkpoints, the final model, metrics and TensorBoard files go");
+    v("every_steps", every_steps, "checkpoint every N optimizer steps; 0: only at the end");
+    v("keep_last", keep_last, "complete checkpoints to keep (older ones are deleted)");
+    v("keep_best", keep_best, "also keep the checkpoint with the best validation loss");
+    v("save_final", save_final, "save the final model (or LoRA adapter) in Hugging Face format");
+    v("max_shard_size", max_shard_size, "split saved weights into safetensors shards of at most this size");
+  }
+  bool operator==(const CheckpointConfig&) const = default;
+};
+
+struct LoggingConfig {
+  LogLevel level = LogLevel::kInfo;
+  std::int64_t every_steps = 10;
+  ProgressStyle progress = ProgressStyle::kAuto;
+  bool metrics_jsonl = true;
+  bool tensorboard = true;
+  std::string log_file;
+
+  template <class V>
+  void visit(V& v) {
+    v("level", level, "trace, debug, info, warn or error");
+    v("every_steps", every_steps, "log a metrics line every N optimizer steps");
+    v("progress", progress, "auto (a live line on a terminal, plain lines otherwise), bar, plain, off");
+    v("metrics_jsonl", metrics_jsonl, "write output_dir/metrics.jsonl");
+    v("tensorboard", tensorboard, "write TensorBoard event files to output_dir/tensorboard");
+    v("log_file", log_file, "also write the log to this file");
+  }
+  bool operator==(const LoggingConfig&) const = default;
+};
+
+struct Config {
+  ModelConfig model;
+  TokenizerConfig tokenizer;
+  DataConfig data;
+  TrainingConfig training;
+  EvaluationConfig evaluation;
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  PrecisionConfig precision;
+  LoraConfig lora;
+  MemoryConfig memory;
+  DeviceConfig device;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+
+  template <class V>
+  void visit(V& v) {
+    v.section("model", model, "the model to fine-tune");
+    v.section("tokenizer", tokenizer, "how text becomes token ids");
+    v.section("data", data, "JSONL training and validation data");
+    v.section("training", training, "the effective batch, length of the run, and what the memory policy may use");
+    v.section("evaluation", evaluation, "validation loss and sample generations");
+    v.section("optimizer", optimizer, "AdamW");
+    v.section("scheduler", scheduler, "learning-rate schedule");
+    v.section("precision", precision, "numeric precision of weights and compute");
+    v.section("lora", lora, "LoRA adapters (PEFT-compatible)");
+    v.section("memory", memory, "the memory budget and what happens on out-of-memory");
+    v.section("device", device, "which device to run on");
+    v.section("checkpoint", checkpoint, "checkpoints and the saved model");
+    v.section("logging", logging, "console, metrics and TensorBoard output");
+  }
+  bool operator==(const Config&) const = default;
+};
+
+// ---- reading, checking, writing -----------------------------------------------------------------------------
+
+// One key of the configuration, for documentation and suggestions.
+struct ConfigKey {
+  std::string path;          // "training.batch_size"
+  std::string type;          // "integer", "size", ...
+  std::string default_value; // as JSON
+  std::string description;
+};
+std::vector<ConfigKey> config_keys();
+
+// Reads a JSON file (comments allowed), applies `--set section.key=value` overrides, then validates.
+// Throws ConfigError listing every problem: syntax (file:line:column), unknown keys (with the closest known key),
+// wrong types and invalid values (with the key path).
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// The same from JSON text already in memory; `source` names it in messages.
+Config parse_config(const std::string& json_text, const std::string& source,
+                    const std::vector<std::string>& overrides = {});
+
+// Semantic checks on a complete config (ranges, consistency). Empty when the config is valid.
+std::vector<ConfigProblem> validate(const Config& config);
+
+// The config as JSON text in file order; parse_config(config_to_json(c)) == c.
+std::string config_to_json(const Config& config, int indent = 2);
+
+// The resolved configuration as a two- or three-column table; non-default values show the default beside them.
+std::string format_config_table(const Config& config);
+
+}  // namespace trainer

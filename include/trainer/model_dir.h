@@ -1,0 +1,26 @@
+// A Hugging Face model directory as trainer sees it before loading: config.json, weight files, tokenizer files.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trainer {
+
+struct ModelDirInfo {
+  std::string dir;
+  std::string model_type;                 // config.json "model_type": t5, llama, qwen2, mistral
+  std::string family;                     // "seq2seq" or "causal"
+  std::vector<std::string> weight_files;  // model.safetensors or the shards named in the index
+  std::uint64_t weight_bytes = 0;
+  std::string tokenizer_file;             // tokenizer.json, spiece.model or tokenizer.model; empty if none
+};
+
+// The model types trainer implements, and their family.
+const std::vector<std::pair<std::string, std::string>>& supported_model_types();
+
+// Reads dir/config.json and lists the weight and tokenizer files. With `need_weights` a directory without
+// weights is an error. Throws DataError naming the file and a hint.
+ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights);
+
+}  // namespace trainer

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Writes the tiny model directories the CPU configs use: config.json (made by transformers itself, so it is a
+real Hugging Face config) and a tokenizer trained on the demo data. No weights: the tiny configs initialise
+randomly (model.init = "random").
+
+    scripts/make_tiny_models.py            # rewrites configs/models/tiny-t5 and configs/models/tiny-qwen2
+
+Deterministic: the same data gives the same tokenizers.
+"""
+import argparse
+import json
+import os
+import tempfile
+
+import sentencepiece as spm
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import Qwen2Config, T5Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def texts(path, fields):
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line)
+            for field in fields:
+                yield record[field]
+
+
+def tiny_t5(out_dir, data):
+    os.makedirs(out_dir, exist_ok=True)
+    vocab = 256
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = os.path.join(tmp, "corpus.txt")
+        with open(corpus, "w", encoding="utf-8") as f:
+            for text in texts(data, ["input", "target"]):
+                f.write(text + "\n")
+        # T5's special ids: pad 0, eos 1, unk 2, no bos.
+        spm.SentencePieceTrainer.train(input=corpus, model_prefix=os.path.join(out_dir, "spiece"),
+                                       vocab_size=vocab, model_type="unigram", pad_id=0, eos_id=1, unk_id=2,
+                                       bos_id=-1, character_coverage=1.0, num_threads=1, minloglevel=2,
+                                       hard_vocab_limit=False)  # the corpus is small; config keeps 256
+    os.remove(os.path.join(out_dir, "spiece.vocab"))
+    # FLAN-T5 shape in miniature: gated-gelu, untied lm_head.
+    T5Config(vocab_size=vocab, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+             relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.1,
+             feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0,
+             pad_token_id=0, eos_token_id=1).save_pretrained(out_dir)
+
+
+def tiny_qwen2(out_dir, data):
+    os.makedirs(out_dir, exist_ok=True)
+    vocab = 512
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab - len(special), special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts(data, ["prompt", "completion"]), trainer=trainer)
+    tokenizer.add_special_tokens(special)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                   "pad_token": "<|endoftext|>", "model_max_length": 512}, f, indent=2)
+    # Qwen2 in miniature: q/k/v biases, grouped-query attention, tied embeddings.
+    Qwen2Config(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos,
+                eos_token_id=eos).save_pretrained(out_dir)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(ROOT, "configs", "models"))
+    args = parser.parse_args()
+    tiny_t5(os.path.join(args.out, "tiny-t5"), os.path.join(ROOT, "data", "demo", "recipes-seq2seq.jsonl"))
+    tiny_qwen2(os.path.join(args.out, "tiny-qwen2"), os.path.join(ROOT, "data", "demo", "recipes-causal.jsonl"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+// CLI11 front end. `train` is the default subcommand, so `trainer --config x.json` trains.
+#include <iomanip>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "trainer/cli.h"
+#include "trainer/config.h"
+#include "trainer/errors.h"
+#include "trainer/run.h"
+#include "trainer/version.h"
+
+namespace trainer {
+
+void print_config_reference_markdown(std::ostream& out) {
+  out << "| key | type | default | meaning |\n|---|---|---|---|\n";
+  for (const auto& key : config_keys()) {
+    std::string type = key.type;
+    for (std::size_t pos = 0; (pos = type.find('|', pos)) != std::string::npos; pos += 2) type.replace(pos, 1, "\\|");
+    out << "| `" << key.path << "` | " << type << " | `" << key.default_value << "` | " << key.description << " |\n";
+  }
+}
+
+void print_config_reference(std::ostream& out) {
+  out << "Configuration keys (JSON sections; override any with --set section.key=value):\n";
+  std::string section;
+  for (const auto& key : config_keys()) {
+    const auto this_section = key.path.substr(0, key.path.find('.'));
+    if (this_section != section) {
+      section = this_section;
+      out << "\n[" << section << "]\n";
+    }
+    out << "  " << std::left << std::setw(34) << key.path << " " << key.type << ", default " << key.default_value
+        << "\n      " << key.description << "\n";
+  }
+  out << "\nSizes accept bytes or units: 24GiB, 512MiB, 5GB. micro_batch_size accepts \"auto\".\n"
+         "Secrets (webhook URLs, API keys) are read from the environment only, never from the config.\n";
+}
+
+namespace {
+
+constexpr const char* kExitCodeHelp =
+    "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"
+    "4 out of memory after every adaptation; 130 interrupted; 1 internal error.";
+
+bool is_top_level_flag(const std::string& arg) {
+  return arg == "-h" || arg == "--help" || arg == "--version" || arg.starts_with("--help-config");
+}
+
+}  // namespace
+
+int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{"trainer: fine-tune Hugging Face T5 and Llama-family models from JSONL with LibTorch, adapting\n"
+               "the micro-batch to the memory it has instead of dying of out-of-memory.",
+               "trainer"};
+  app.set_version_flag("--version", std::string("trainer ") + kVersion + " (LibTorch " + kTorchBuildVersion + ")");
+  app.footer(std::string("`train` is the default subcommand: `trainer --config FILE` trains.\n") + kExitCodeHelp);
+  bool help_config = false, help_config_markdown = false;
+  app.add_flag("--help-config", help_config, "List every configuration key with its type, default and meaning");
+  app.add_flag("--help-config-markdown", help_config_markdown, "The same as a Markdown table (the README's reference)");
+  app.require_subcommand(0, 1);
+
+  std::string config_path;
+  std::vector<std::string> overrides;
+  TrainOptions train_options;
+  auto* train = app.add_subcommand("train", "Fine-tune a model as the config says (the default subcommand)");
+  train->add_option("-c,--config", config_path, "JSON config file (see configs/ and --help-config)");
+  train->add_option("--set", overrides, "Override one key: --set training.batch_size=64 (repeatable)")
+      ->type_name("SECTION.KEY=VALUE")
+      ->allow_extra_args(false);
+  train->add_flag("--dry-run", train_options.dry_run,
+                  "Validate the config, resolve model, data and device, print the plan; train nothing");
+  bool print_config = false;
+  train->add_flag("--print-config", print_config,
+                  "Print the resolved configuration (file + --set + defaults) as JSON and exit");
+  train->footer(kExitCodeHelp);
+
+  // `trainer --config x` means `trainer train --config x`.
+  std::vector<std::string> args;
+  for (int i = argc - 1; i > 0; --i) args.emplace_back(argv[i]);  // CLI11 takes them reversed
+  const bool has_subcommand =
+      !args.empty() && (args.back() == "train" || is_top_level_flag(args.back()));
+  if (!args.empty() && !has_subcommand) args.push_back("train");
+
+  try {
+    app.parse(args);
+  } catch (const CLI::CallForHelp&) {
+    out << app.help();
+    return kExitOk;
+  } catch (const CLI::CallForAllHelp&) {
+    out << app.help("", CLI::AppFormatMode::All);
+    return kExitOk;
+  } catch (const CLI::CallForVersion&) {
+    out << app.version() << "\n";
+    return kExitOk;
+  } catch (const CLI::ParseError& e) {
+    err << "error: " << e.what() << "\nhint: run `trainer --help` (or `trainer train --help`)\n";
+    return kExitUsage;
+  }
+
+  if (help_config) {
+    print_config_reference(out);
+    return kExitOk;
+  }
+  if (help_config_markdown) {
+    print_config_reference_markdown(out);
+    return kExitOk;
+  }
+  if (train->parsed()) {
+    if (config_path.empty())
+      throw UsageError("train needs a config file: trainer --config FILE",
+                       "start from configs/tiny-t5.json; `trainer --help-config` lists every key");
+    const Config config = load_config(config_path, overrides);
+    if (print_config) {
+      out << config_to_json(config) << "\n";
+      return kExitOk;
+    }
+    return run_train(config, train_options, out);
+  }
+  out << app.help();
+  return kExitUsage;
+}
+
+}  // namespace trainer

@@ -1,0 +1,160 @@
+// Semantic checks of a parsed configuration: ranges and consistency between keys. Pure: no file system access
+// (a config for another machine must validate here), so paths are checked when the run starts.
+#include <regex>
+#include <string>
+
+#include "trainer/config.h"
+#include "util/strings.h"
+
+namespace trainer {
+namespace {
+
+class Checker {
+ public:
+  explicit Checker(std::vector<ConfigProblem>& problems) : problems_(problems) {}
+
+  void require(bool ok, const std::string& where, const std::string& what) {
+    if (!ok) problems_.push_back({where, what});
+  }
+  void at_least(std::int64_t value, std::int64_t minimum, const std::string& where) {
+    require(value >= minimum, where, "must be at least " + std::to_string(minimum) + ", got " + std::to_string(value));
+  }
+  void in_range(double value, double low, double high, const std::string& where, bool high_inclusive = true) {
+    const bool ok = value >= low && (high_inclusive ? value <= high : value < high);
+    require(ok, where,
+            "must be in [" + trim(low) + ", " + trim(high) + (high_inclusive ? "]" : ")") + ", got " + trim(value));
+  }
+
+ private:
+  static std::string trim(double v) {
+    std::string s = std::to_string(v);
+    s.erase(s.find_last_not_of('0') + 1);
+    if (!s.empty() && s.back() == '.') s.pop_back();
+    return s;
+  }
+  std::vector<ConfigProblem>& problems_;
+};
+
+bool is_device_spec(const std::string& spec) {
+  static const std::regex pattern("auto|cpu|cuda(:[0-9]+)?");
+  return std::regex_match(spec, pattern);
+}
+
+}  // namespace
+
+std::vector<ConfigProblem> validate(const Config& c) {
+  std::vector<ConfigProblem> problems;
+  Checker check(problems);
+
+  check.require(!c.model.path.empty(), "model.path",
+                "is required: a Hugging Face model directory (for init=random, one holding config.json)");
+
+  const auto& d = c.data;
+  check.require(!d.train_files.empty(), "data.train_files", "is required: one or more JSONL files or globs");
+  check.in_range(d.validation_fraction, 0.0, 1.0, "data.validation_fraction", /*high_inclusive=*/false);
+  check.require(d.validation_files.empty() || d.validation_fraction == 0.0, "data.validation_fraction",
+                "give either validation_files or validation_fraction, not both");
+  check.at_least(d.max_input_length, 1, "data.max_input_length");
+  check.at_least(d.max_target_length, 1, "data.max_target_length");
+  check.at_least(d.max_length, 2, "data.max_length");
+  check.at_least(d.num_workers, 1, "data.num_workers");
+  for (const auto& [key, field] : {std::pair{"input_field", &d.input_field}, {"target_field", &d.target_field},
+                                   {"text_field", &d.text_field}, {"prompt_field", &d.prompt_field},
+                                   {"completion_field", &d.completion_field}})
+    check.require(!field->empty(), std::string("data.") + key, "must name a record field");
+
+  const auto& t = c.training;
+  check.at_least(t.batch_size, 1, "training.batch_size");
+  if (!t.micro_batch_size.is_auto) {
+    check.at_least(t.micro_batch_size.value, 1, "training.micro_batch_size");
+    check.require(t.micro_batch_size.value <= t.batch_size, "training.micro_batch_size",
+                  "(" + std::to_string(t.micro_batch_size.value) + ") is larger than training.batch_size (" +
+                      std::to_string(t.batch_size) + "); the micro-batch is a part of the effective batch");
+  }
+  check.at_least(t.gradient_accumulation_steps, 0, "training.gradient_accumulation_steps");
+  if (t.gradient_accumulation_steps > 0) {
+    if (t.micro_batch_size.is_auto) {
+      check.require(false, "training.gradient_accumulation_steps",
+                    "needs a fixed training.micro_batch_size; with \"auto\" the steps follow from batch_size");
+    } else {
+      const auto product = t.micro_batch_size.value * t.gradient_accumulation_steps;
+      check.require(product == t.batch_size, "training.batch_size",
+                    "(" + std::to_string(t.batch_size) + ") must equal micro_batch_size x gradient_accumulation_steps = " +
+                        std::to_string(product) + "; set batch_size to " + std::to_string(product) +
+                        " or leave gradient_accumulation_steps at 0");
+    }
+  }
+  check.at_least(t.max_steps, 0, "training.max_steps");
+  check.at_least(t.epochs, 0, "training.epochs");
+  check.require(t.max_steps > 0 || t.epochs > 0, "training.max_steps",
+                "the run has no length: set training.max_steps or training.epochs above 0");
+  check.require(t.max_grad_norm >= 0, "training.max_grad_norm", "must be >= 0 (0 turns clipping off)");
+  check.at_least(t.loss_chunk_size, 1, "training.loss_chunk_size");
+
+  const auto& e = c.evaluation;
+  check.at_least(e.every_steps, 0, "evaluation.every_steps");
+  if (!e.micro_batch_size.is_auto) check.at_least(e.micro_batch_size.value, 1, "evaluation.micro_batch_size");
+  check.at_least(e.max_batches, 0, "evaluation.max_batches");
+  check.at_least(e.max_new_tokens, 1, "evaluation.max_new_tokens");
+
+  const auto& o = c.optimizer;
+  check.require(o.lr > 0 && o.lr < 1, "optimizer.lr", "must be in (0, 1), got " + std::to_string(o.lr));
+  check.in_range(o.beta1, 0.0, 1.0, "optimizer.beta1", false);
+  check.in_range(o.beta2, 0.0, 1.0, "optimizer.beta2", false);
+  check.require(o.eps > 0, "optimizer.eps", "must be > 0");
+  check.require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0");
+
+  const auto& s = c.scheduler;
+  check.at_least(s.warmup_steps, 0, "scheduler.warmup_steps");
+  check.in_range(s.warmup_ratio, 0.0, 1.0, "scheduler.warmup_ratio");
+  check.require(s.warmup_steps == 0 || s.warmup_ratio == 0.0, "scheduler.warmup_ratio",
+                "give either warmup_steps or warmup_ratio, not both");
+  check.in_range(s.min_lr_ratio, 0.0, 1.0, "scheduler.min_lr_ratio");
+
+  const auto& l = c.lora;
+  if (l.enabled) {
+    check.at_least(l.r, 1, "lora.r");
+    check.require(l.alpha > 0, "lora.alpha", "must be > 0");
+    check.in_range(l.dropout, 0.0, 1.0, "lora.dropout", false);
+  }
+  check.require(!l.base_in_bf16 || l.enabled, "lora.base_in_bf16", "only applies with lora.enabled=true");
+
+  const auto& m = c.memory;
+  check.require(m.shrink_factor > 0 && m.shrink_factor < 1, "memory.shrink_factor",
+                "must be in (0, 1), e.g. 0.5 halves the micro-batch after an out-of-memory error");
+  check.at_least(m.min_micro_batch_size, 1, "memory.min_micro_batch_size");
+  check.at_least(m.max_retries, 0, "memory.max_retries");
+  check.at_least(m.regrow_after_steps, 0, "memory.regrow_after_steps");
+  check.in_range(m.auto_safety_margin, 0.0, 0.9, "memory.auto_safety_margin");
+  check.at_least(m.empty_cache_every, 0, "memory.empty_cache_every");
+  std::vector<std::string> steps(std::begin(kEscalationSteps), std::end(kEscalationSteps));
+  for (std::size_t i = 0; i < m.escalation.size(); ++i) {
+    const auto& step = m.escalation[i];
+    bool known = false;
+    for (const auto& s2 : steps) known = known || s2 == step;
+    std::string hint = closest_match(step, steps);
+    check.require(known, "memory.escalation[" + std::to_string(i) + "]",
+                  "'" + step + "' is not one of " + join_alternatives(steps) +
+                      (hint.empty() ? "" : "; did you mean '" + hint + "'?"));
+  }
+  if (!t.micro_batch_size.is_auto)
+    check.require(m.min_micro_batch_size <= t.micro_batch_size.value, "memory.min_micro_batch_size",
+                  "is larger than training.micro_batch_size");
+
+  const auto& dev = c.device;
+  check.require(is_device_spec(dev.type), "device.type",
+                "'" + dev.type + "' is not auto, cpu, cuda or cuda:N (N a device index)");
+  check.require(dev.wait_timeout_s >= 0, "device.wait_timeout_s", "must be >= 0");
+  check.require(dev.poll_interval_s > 0, "device.poll_interval_s", "must be > 0");
+
+  const auto& ck = c.checkpoint;
+  check.require(!ck.output_dir.empty(), "checkpoint.output_dir", "is required");
+  check.at_least(ck.every_steps, 0, "checkpoint.every_steps");
+  check.at_least(ck.keep_last, 1, "checkpoint.keep_last");
+  check.require(ck.max_shard_size.bytes >= (1u << 20), "checkpoint.max_shard_size", "must be at least 1MiB");
+
+  check.at_least(c.logging.every_steps, 1, "logging.every_steps");
+  return problems;
+}
+
+}  // namespace trainer

@@ -1,0 +1,87 @@
+// Looks at a Hugging Face model directory without loading any weights.
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "trainer/errors.h"
+#include "trainer/model_dir.h"
+
+namespace trainer {
+namespace fs = std::filesystem;
+
+const std::vector<std::pair<std::string, std::string>>& supported_model_types() {
+  static const std::vector<std::pair<std::string, std::string>> types = {
+      {"t5", "seq2seq"}, {"llama", "causal"}, {"qwen2", "causal"}, {"mistral", "causal"}};
+  return types;
+}
+
+namespace {
+
+nlohmann::json read_json_file(const fs::path& path) {
+  std::ifstream file(path);
+  if (!file) throw DataError("cannot open " + path.string());
+  try {
+    return nlohmann::json::parse(file);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw DataError(path.string() + ": invalid JSON: " + e.what());
+  }
+}
+
+}  // namespace
+
+ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
+  const fs::path root(dir);
+  if (!fs::is_directory(root))
+    throw DataError("model directory " + dir + " does not exist",
+                    "model.path must name a Hugging Face model directory (the one save_pretrained writes)");
+  const fs::path config_path = root / "config.json";
+  if (!fs::exists(config_path))
+    throw DataError(config_path.string() + " is missing", "a Hugging Face model directory holds config.json");
+  const auto config = read_json_file(config_path);
+
+  ModelDirInfo info;
+  info.dir = dir;
+  if (!config.is_object() || !config.contains("model_type") || !config["model_type"].is_string())
+    throw DataError(config_path.string() + ": no \"model_type\" string", "is this a transformers config.json?");
+  info.model_type = config["model_type"].get<std::string>();
+  std::string names;
+  for (const auto& [type, family] : supported_model_types()) {
+    names += (names.empty() ? "" : ", ") + type;
+    if (type == info.model_type) info.family = family;
+  }
+  if (info.family.empty())
+    throw DataError(config_path.string() + ": model_type \"" + info.model_type + "\" is not supported",
+                    "supported model types: " + names);
+
+  const fs::path single = root / "model.safetensors";
+  const fs::path index = root / "model.safetensors.index.json";
+  if (fs::exists(single)) {
+    info.weight_files.push_back(single.string());
+  } else if (fs::exists(index)) {
+    const auto map = read_json_file(index);
+    if (!map.contains("weight_map") || !map["weight_map"].is_object())
+      throw DataError(index.string() + ": no \"weight_map\" object");
+    std::vector<std::string> files;
+    for (const auto& [name, file] : map["weight_map"].items()) {
+      if (!file.is_string()) throw DataError(index.string() + ": weight_map[\"" + name + "\"] is not a file name");
+      const auto path = (root / file.get<std::string>()).string();
+      if (std::find(files.begin(), files.end(), path) == files.end()) files.push_back(path);
+    }
+    info.weight_files = files;
+  }
+  for (const auto& file : info.weight_files) {
+    if (!fs::exists(file)) throw DataError("weight file " + file + " is missing", "copy the whole model directory");
+    info.weight_bytes += fs::file_size(file);
+  }
+  if (need_weights && info.weight_files.empty())
+    throw DataError(dir + " holds no model.safetensors or model.safetensors.index.json",
+                    "convert .bin weights with transformers' save_pretrained(safe_serialization=True), or set "
+                    "model.init=random to start from config.json alone");
+  for (const char* name : {"tokenizer.json", "spiece.model", "tokenizer.model"})
+    if (info.tokenizer_file.empty() && fs::exists(root / name)) info.tokenizer_file = (root / name).string();
+  return info;
+}
+
+}  // namespace trainer

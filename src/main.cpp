@@ -1,0 +1,29 @@
+// trainer's entry point: run the command line, turn every error into one clear message and an exit code.
+#include <exception>
+#include <iostream>
+
+#include <c10/util/Exception.h>
+
+#include "trainer/cli.h"
+#include "trainer/errors.h"
+
+int main(int argc, char** argv) {
+  try {
+    return trainer::run_cli(argc, argv, std::cout, std::cerr);
+  } catch (const trainer::Error& e) {
+    std::cout.flush();
+    std::cerr << "error: " << e.what() << "\n";
+    if (!e.hint().empty()) std::cerr << "hint: " << e.hint() << "\n";
+    return e.exit_code();
+  } catch (const c10::OutOfMemoryError& e) {
+    std::cerr << "error: out of memory: " << e.what_without_backtrace() << "\n";
+    return trainer::kExitOutOfMemory;
+  } catch (const c10::Error& e) {
+    std::cerr << "error: LibTorch: " << e.what_without_backtrace()
+              << "\nThis is a bug in trainer unless the message says otherwise; please report it.\n";
+    return trainer::kExitFailure;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\nThis is a bug in trainer; please report it.\n";
+    return trainer::kExitFailure;
+  }
+}

@@ -1,0 +1,99 @@
+// The real trainer binary: exit codes and messages a user (or a CI script) relies on.
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+#include "support/process.h"
+
+namespace trainer::test {
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::string write_temp_config(const std::string& name, const std::string& text) {
+  const auto path = std::filesystem::temp_directory_path() / name;
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+}  // namespace
+
+TEST(IntegrationCli, TinyConfigsDryRunAndRun) {
+  for (const char* config : {"configs/tiny-t5.json", "configs/tiny-qwen2.json"}) {
+    SCOPED_TRACE(config);
+    auto dry = run_trainer({"--config", config, "--dry-run"});
+    EXPECT_EQ(dry.exit_code, 0) << dry.err;
+    EXPECT_TRUE(contains(dry.out, "Resolved configuration"));
+    EXPECT_TRUE(contains(dry.out, "Plan:"));
+    EXPECT_TRUE(contains(dry.out, "Dry run"));
+    auto run = run_trainer({"train", "--config", config});
+    EXPECT_EQ(run.exit_code, 0) << run.err;
+  }
+}
+
+TEST(IntegrationCli, HelpAndVersion) {
+  EXPECT_EQ(run_trainer({"--help"}).exit_code, 0);
+  EXPECT_EQ(run_trainer({"train", "--help"}).exit_code, 0);
+  auto version = run_trainer({"--version"});
+  EXPECT_EQ(version.exit_code, 0);
+  EXPECT_TRUE(contains(version.out, "LibTorch 2."));
+}
+
+TEST(IntegrationCli, ConfigErrorsExitTwoWithEveryProblem) {
+  const auto path = write_temp_config("trainer-bad-config.json", R"({
+    "model": {"path": "configs/models/tiny-t5"},
+    "data": {"train_files": ["data/demo/recipes-seq2seq.jsonl"]},
+    "training": {"batchsize": 8, "seed": "one"}
+  })");
+  auto r = run_trainer({"--config", path, "--set", "optimizer.lr=fast"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "3 problems")) << r.err;
+  EXPECT_TRUE(contains(r.err, "training.batchsize: unknown key; did you mean training.batch_size?"));
+  EXPECT_TRUE(contains(r.err, "training.seed: expected an integer"));
+  EXPECT_TRUE(contains(r.err, "--set optimizer.lr=fast"));
+  EXPECT_EQ(r.out.find("Resolved configuration"), std::string::npos) << "nothing runs on a bad config";
+
+  auto syntax = run_trainer({"--config", write_temp_config("trainer-syntax.json", "{\n  \"model\": {,}\n}")});
+  EXPECT_EQ(syntax.exit_code, 2);
+  EXPECT_TRUE(contains(syntax.err, "trainer-syntax.json:2:")) << syntax.err;
+}
+
+TEST(IntegrationCli, UsageErrorsExitTwo) {
+  auto unknown = run_trainer({"--config", "configs/tiny-t5.json", "--no-such-flag"});
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_TRUE(contains(unknown.err, "--no-such-flag"));
+  EXPECT_EQ(run_trainer({"train"}).exit_code, 2);
+  auto missing = run_trainer({"--config", "configs/does-not-exist.json"});
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_TRUE(contains(missing.err, "configs/does-not-exist.json"));
+  EXPECT_TRUE(contains(missing.err, "hint:"));
+}
+
+TEST(IntegrationCli, MissingDataOrModelExitsThree) {
+  auto data = run_trainer({"--config", "configs/tiny-t5.json", "--set", "data.train_files=data/none/*.jsonl"});
+  EXPECT_EQ(data.exit_code, 3);
+  EXPECT_TRUE(contains(data.err, "data.train_files: no file matches 'data/none/*.jsonl'")) << data.err;
+  auto model = run_trainer({"--config", "configs/tiny-t5.json", "--set", "model.path=/nonexistent/model"});
+  EXPECT_EQ(model.exit_code, 3);
+  EXPECT_TRUE(contains(model.err, "/nonexistent/model"));
+  // Pretrained weights asked for where there are none: says how to convert or start from random.
+  auto weights = run_trainer({"--config", "configs/tiny-t5.json", "--set", "model.init=pretrained"});
+  EXPECT_EQ(weights.exit_code, 3);
+  EXPECT_TRUE(contains(weights.err, "model.init=random")) << weights.err;
+}
+
+TEST(IntegrationCli, UnavailableDeviceIsAClearUsageError) {
+  auto r = run_trainer({"--config", "configs/tiny-t5.json", "--set", "device.type=cuda", "--dry-run"});
+  // On a machine with a usable GPU this config is fine; on the CPU build it must say why not and how to fix.
+  if (r.exit_code == 0) GTEST_SKIP() << "a CUDA device is available here";
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "device.type=cuda cannot be used"));
+  EXPECT_TRUE(contains(r.err, "allow_cpu_fallback"));
+  auto fallback = run_trainer({"--config", "configs/tiny-t5.json", "--set", "device.type=cuda", "--set",
+                               "device.allow_cpu_fallback=true", "--dry-run"});
+  EXPECT_EQ(fallback.exit_code, 0) << fallback.err;
+  EXPECT_TRUE(contains(fallback.err + fallback.out, "RUNNING ON THE CPU"));
+}
+
+}  // namespace trainer::test
