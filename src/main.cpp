@@ -4,10 +4,13 @@
 
 #include <c10/util/Exception.h>
 
+#include "memory/cpu_budget.h"
 #include "trainer/cli.h"
 #include "trainer/errors.h"
 
 int main(int argc, char** argv) {
+  // Before any tensor exists, so that the CPU memory budget (memory.limit) sees every allocation.
+  trainer::install_cpu_budget();
   try {
     return trainer::run_cli(argc, argv, std::cout, std::cerr);
   } catch (const trainer::Error& e) {

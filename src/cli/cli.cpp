@@ -4,8 +4,12 @@
 #include <string>
 #include <vector>
 
+#include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include "models/inspect.h"
+#include "models/model.h"
+#include "models/weights.h"
 #include "trainer/cli.h"
 #include "trainer/config.h"
 #include "trainer/errors.h"
@@ -45,6 +49,32 @@ constexpr const char* kExitCodeHelp =
     "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"
     "4 out of memory after every adaptation; 130 interrupted; 1 internal error.";
 
+struct GenerateCommand {
+  std::string model_dir;
+  std::vector<int64_t> ids;
+  GenerateOptions options;
+  std::optional<uint64_t> seed;
+  bool random_init = false;
+  std::string dtype = "fp32";
+};
+
+int run_generate(GenerateCommand& command, std::ostream& out) {
+  const auto dtype = command.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  auto model = load_model(command.model_dir, command.random_init ? ModelInit::kRandom : ModelInit::kPretrained,
+                          at::TensorOptions().dtype(dtype), command.seed.value_or(0));
+  for (const auto id : command.ids)
+    if (id < 0 || id >= model->vocab_size())
+      throw UsageError("--ids: token id " + std::to_string(id) + " is outside the vocabulary (0.." +
+                       std::to_string(model->vocab_size() - 1) + ")");
+  command.options.seed = command.seed;
+  const at::Tensor prompt = at::tensor(command.ids, at::kLong).unsqueeze(0);
+  const auto tokens = generate(*model, prompt, command.options);
+  out << "ids:";
+  for (const auto t : tokens) out << " " << t;
+  out << "\n";
+  return kExitOk;
+}
+
 bool is_top_level_flag(const std::string& arg) {
   return arg == "-h" || arg == "--help" || arg == "--version" || arg.starts_with("--help-config");
 }
@@ -77,11 +107,38 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");
   train->footer(kExitCodeHelp);
 
+  InspectOptions inspect_options;
+  std::string inspect_dir;
+  auto* inspect = app.add_subcommand("inspect", "Describe a Hugging Face model directory: architecture, parameters, "
+                                                "checkpoint size, training memory by precision (loads no weights)");
+  inspect->add_option("model_dir", inspect_dir, "Model directory (config.json, safetensors)")->required();
+  inspect->add_option("--lora-r", inspect_options.lora_r, "LoRA rank for the LoRA memory row")->capture_default_str();
+
+  GenerateCommand generate_command;
+  auto* generate_cmd = app.add_subcommand("generate", "Generate tokens from a model with a key-value cache "
+                                                      "(greedy, or temperature/top-p sampling)");
+  generate_cmd->add_option("--model", generate_command.model_dir, "Model directory")->required();
+  generate_cmd->add_option("--ids", generate_command.ids, "Prompt token ids, comma-separated: --ids 5,17,42")
+      ->required()
+      ->delimiter(',');
+  generate_cmd->add_option("--max-new-tokens", generate_command.options.max_new_tokens, "Stop after N new tokens")
+      ->capture_default_str();
+  generate_cmd->add_option("--temperature", generate_command.options.temperature, "0: greedy; above 0: sampling")
+      ->capture_default_str();
+  generate_cmd->add_option("--top-p", generate_command.options.top_p, "Nucleus sampling mass (with temperature)")
+      ->capture_default_str();
+  generate_cmd->add_option("--seed", generate_command.seed, "Sampling seed");
+  generate_cmd->add_flag("--random-init", generate_command.random_init,
+                         "Initialise from config.json alone instead of loading weights");
+  generate_cmd->add_option("--dtype", generate_command.dtype, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+
   // `trainer --config x` means `trainer train --config x`.
   std::vector<std::string> args;
   for (int i = argc - 1; i > 0; --i) args.emplace_back(argv[i]);  // CLI11 takes them reversed
   const bool has_subcommand =
-      !args.empty() && (args.back() == "train" || is_top_level_flag(args.back()));
+      !args.empty() && (args.back() == "train" || args.back() == "inspect" || args.back() == "generate" ||
+                        is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
 
   try {
@@ -119,6 +176,11 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     }
     return run_train(config, train_options, out);
   }
+  if (inspect->parsed()) {
+    inspect_model(inspect_dir, inspect_options, out);
+    return kExitOk;
+  }
+  if (generate_cmd->parsed()) return run_generate(generate_command, out);
   out << app.help();
   return kExitUsage;
 }

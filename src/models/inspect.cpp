@@ -1,0 +1,100 @@
+// Model inspection on the meta device: the architecture is built with shapes only, so a 7B model costs no memory.
+#include "models/inspect.h"
+
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <ostream>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "models/model.h"
+#include "trainer/config.h"
+#include "trainer/model_dir.h"
+#include "trainer/safetensors.h"
+
+namespace trainer {
+namespace {
+
+std::string group_of(const std::string& name) {
+  if (name.find("embed") != std::string::npos || name == "shared.weight") return "embeddings";
+  if (name.starts_with("lm_head")) return "lm_head";
+  if (name.find("norm") != std::string::npos) return "norms";
+  if (name.find("Attention") != std::string::npos || name.find("self_attn") != std::string::npos)
+    return "attention";
+  if (name.find("DenseReluDense") != std::string::npos || name.find("mlp") != std::string::npos)
+    return "feed-forward";
+  return "other";
+}
+
+std::string with_commas(int64_t n) {
+  std::string digits = std::to_string(n), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+void inspect_model(const std::string& dir, const InspectOptions& options, std::ostream& out) {
+  const auto info = inspect_model_dir(dir, /*need_weights=*/false);
+  std::ifstream config_file(dir + "/config.json");
+  const auto config = nlohmann::json::parse(config_file);
+  auto model = build_model(config, at::TensorOptions().device(at::kMeta).dtype(at::kFloat));
+
+  std::map<std::string, int64_t> groups;
+  int64_t total = 0, lora = 0;
+  const bool t5 = model->family() == ModelFamily::kSeq2Seq;
+  const std::vector<std::string> targets = t5 ? std::vector<std::string>{"q", "v"}
+                                              : std::vector<std::string>{"q_proj", "v_proj"};
+  model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    groups[group_of(name)] += p.numel();
+    total += p.numel();
+    for (const auto& target : targets)
+      if (name.ends_with("." + target + ".weight") && p.dim() == 2) lora += options.lora_r * (p.size(0) + p.size(1));
+  });
+
+  std::string dtype = "(no weights: random initialisation)";
+  if (!info.weight_files.empty()) {
+    const auto file = SafetensorsFile::open(info.weight_files.front());
+    if (!file.tensors().empty()) dtype = std::string(c10::toString(file.tensors().front().dtype));
+  }
+
+  out << "model        " << dir << "\n";
+  out << "type         " << info.model_type << " (" << info.family << ")"
+      << (model->lm_head_tied() ? ", LM head tied to the input embedding" : ", separate LM head") << "\n";
+  out << "parameters   " << with_commas(total) << "\n";
+  for (const auto& [group, count] : groups)
+    out << "  " << std::left << std::setw(13) << group << std::right << std::setw(16) << with_commas(count) << "  ("
+        << std::fixed << std::setprecision(1) << 100.0 * static_cast<double>(count) / static_cast<double>(total)
+        << "%)\n";
+  out << "checkpoint   " << dtype << ", " << human_bytes(static_cast<double>(info.weight_bytes)) << " in "
+      << info.weight_files.size() << " file(s)\n\n";
+
+  const double p = static_cast<double>(total), l = static_cast<double>(lora);
+  struct Row {
+    const char* mode;
+    double weights, grads, optimizer;
+    const char* note;
+  };
+  const Row rows[] = {
+      {"fp32", 4 * p, 4 * p, 8 * p, "fp32 weights, grads, AdamW moments"},
+      {"bf16-mixed", 4 * p, 4 * p, 8 * p, "fp32 master weights and grads; bf16 compute copies are transient"},
+      {"bf16", 2 * p, 2 * p, 8 * p, "bf16 weights and grads; AdamW moments kept in fp32"},
+      {"lora", 2 * p + 4 * l, 4 * l, 8 * l, "frozen bf16 base + fp32 adapters (grads and moments for adapters only)"},
+  };
+  out << "Training memory before activations (weights + gradients + AdamW state):\n";
+  out << "  mode        weights      grads        optimizer    total\n";
+  for (const auto& r : rows)
+    out << "  " << std::left << std::setw(11) << r.mode << " " << std::setw(12) << human_bytes(r.weights) << " "
+        << std::setw(12) << human_bytes(r.grads) << " " << std::setw(12) << human_bytes(r.optimizer) << " "
+        << std::setw(12) << human_bytes(r.weights + r.grads + r.optimizer) << " " << r.note << "\n";
+  out << "  (lora: r=" << options.lora_r << " on " << targets[0] << "," << targets[1] << ": "
+      << with_commas(lora) << " trainable parameters)\n";
+  out << "Activations come on top; they grow with the micro-batch and the sequence lengths.\n";
+}
+
+}  // namespace trainer

@@ -1,0 +1,61 @@
+// Layers shared by the architectures: linear, embedding, the two RMS norms, activations, masks.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
+
+#include "models/module.h"
+
+namespace trainer {
+
+// y = x W^T (+ b). Weight (out, in) as in PyTorch and the checkpoints.
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias, const c10::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& x) const;
+  at::Tensor weight;
+  at::Tensor bias;  // undefined when the layer has none
+};
+
+class Embedding : public Module {
+ public:
+  // A padding_idx row gets no gradient, as in torch.nn.Embedding (Llama-family checkpoints may name one).
+  Embedding(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding_idx,
+            const c10::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& ids) const;
+  at::Tensor weight;
+  std::optional<int64_t> padding_idx;
+};
+
+// T5LayerNorm: variance in fp32, the product in the weight's dtype when that is half precision.
+at::Tensor t5_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// LlamaRMSNorm / Qwen2RMSNorm: normalise in fp32, cast back to the input dtype, then multiply.
+at::Tensor llama_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// A parameter holder for a norm's weight, named "weight".
+class NormWeight : public Module {
+ public:
+  NormWeight(int64_t dim, const c10::TensorOptions& options);
+  at::Tensor weight;
+};
+
+// Activation by its transformers name: relu, gelu, gelu_new, gelu_pytorch_tanh, silu/swish.
+at::Tensor activation(const at::Tensor& x, const std::string& name);
+// Throws DataError for a name activation() does not know.
+void check_activation(const std::string& name, const std::string& where);
+
+// Additive float mask from a boolean one (true = attend): 0 where attended, the dtype's lowest value where not.
+at::Tensor additive_mask(const at::Tensor& allowed, c10::ScalarType dtype);
+
+// Additive float mask (B, 1, 1, Tk) from a 0/1 attention mask: 0 where attended, the dtype's lowest value where
+// not (as transformers does), so it can be added to a position bias.
+at::Tensor padding_bias(const at::Tensor& attention_mask, c10::ScalarType dtype);
+
+// Boolean mask (B, 1, Tq, Tk), true = attend: causal, key padding, optional sliding window, each query position
+// always sees itself so no row is empty. `offset` is the position of the first query (generation with a cache).
+at::Tensor causal_mask(const at::Tensor& key_attention_mask, int64_t query_length, int64_t offset,
+                       std::optional<int64_t> sliding_window);
+
+}  // namespace trainer

@@ -1,0 +1,92 @@
+// What every architecture provides to the rest of trainer, and how models are built from a config.json.
+// Models hold only the maths: precision, activation checkpointing, LoRA and the memory policy wrap them from
+// outside (ARCHITECTURE.md).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
+#include <nlohmann/json.hpp>
+
+#include "models/module.h"
+
+namespace trainer {
+
+enum class ModelFamily { kSeq2Seq, kCausal };
+
+// One collated micro-batch, on the model's device. Padding is on the right.
+struct Batch {
+  at::Tensor input_ids;       // (B, T) long: encoder input (seq2seq) or the whole sequence (causal)
+  at::Tensor attention_mask;  // (B, T) 0/1
+  at::Tensor labels;          // seq2seq: (B, L) decoder targets; causal: (B, T) unshifted, as transformers takes them;
+                              // -100 = not trained on (padding, causal prompt tokens)
+  at::Tensor decoder_attention_mask;  // seq2seq, optional (B, L): without it the decoder mask is causal only
+};
+
+// Per-sequence state of incremental decoding (key-value caches); generation only, never in training.
+struct GenerationState {
+  virtual ~GenerationState() = default;
+};
+
+class LanguageModel : public Module {
+ public:
+  virtual const std::string& model_type() const = 0;
+  virtual ModelFamily family() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual const nlohmann::json& hf_config() const = 0;
+
+  // Final hidden states (B, L, D) and the targets (B, L) they predict. Causal models shift the labels by one
+  // here (the last position predicts nothing: -100), so the logits line up with transformers' logits.
+  virtual std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) = 0;
+  // The LM head: (..., D) -> (..., V); T5 with tied embeddings rescales by d_model^-0.5 first.
+  virtual at::Tensor lm_head(const at::Tensor& hidden) = 0;
+
+  // Checkpoint names that are other names of one of our parameters (tied embeddings): (alias, canonical).
+  // A checkpoint may hold them or not; saving writes only the canonical names.
+  virtual std::vector<std::pair<std::string, std::string>> aliases() const = 0;
+  // Whether the output projection shares the input embedding (then no lm_head.weight of its own).
+  virtual bool lm_head_tied() const = 0;
+  // Unties the LM head: gives it its own parameter, e.g. when a checkpoint holds a distinct lm_head.weight.
+  virtual void untie_lm_head() = 0;
+
+  // Hugging Face's initialisation scheme for this architecture, from the global generator (seed it first).
+  virtual void init_weights() = 0;
+
+  // Generation with a key-value cache, batch of one. Returns the state and the logits (1, V) of the next token.
+  virtual std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids) = 0;
+  // Feeds one token (1, 1); returns the logits (1, V) of the next.
+  virtual at::Tensor decode_step(GenerationState& state, const at::Tensor& token) = 0;
+  virtual std::optional<int64_t> eos_token_id() const = 0;
+};
+
+// The sum of token losses (fp32) and the number of target tokens of one micro-batch. The training step divides
+// by the target tokens of the whole effective batch, so any split gives the same gradient.
+struct LossSum {
+  at::Tensor loss_sum;  // scalar, fp32
+  int64_t target_tokens = 0;
+  at::Tensor logits;    // (B, L, V) when asked for
+};
+LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits = false);
+
+// Builds the architecture that config.json names, with uninitialised parameters of `options` (dtype, device).
+// Throws DataError for an unsupported model_type or a config value the model cannot honour.
+std::unique_ptr<LanguageModel> build_model(const nlohmann::json& config, const c10::TensorOptions& options);
+
+// Parameter counts for `inspect` and `plan`.
+int64_t count_parameters(LanguageModel& model);
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 32;
+  double temperature = 0.0;  // 0: greedy
+  double top_p = 1.0;
+  std::optional<uint64_t> seed;
+};
+// New token ids after the prompt (1, T), ending at EOS (included) or max_new_tokens.
+std::vector<int64_t> generate(LanguageModel& model, const at::Tensor& prompt_ids, const GenerateOptions& options);
+
+}  // namespace trainer

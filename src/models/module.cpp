@@ -1,0 +1,23 @@
+// The module tree behind every model.
+#include "models/module.h"
+
+namespace trainer {
+
+void Module::for_each_parameter(const std::function<void(const std::string&, at::Tensor&)>& visit,
+                                const std::string& prefix) {
+  for (auto& [name, slot] : parameters_) visit(prefix + name, *slot);
+  for (auto& [name, child] : children_) child->for_each_parameter(visit, prefix + name + ".");
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Module::named_parameters() {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for_each_parameter([&](const std::string& name, at::Tensor& t) { out.emplace_back(name, t); });
+  return out;
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (auto& [name, child] : children_) child->train(on);
+}
+
+}  // namespace trainer

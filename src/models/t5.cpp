@@ -1,0 +1,404 @@
+// T5 and T5 v1.1 / FLAN-T5 (transformers' modeling_t5.py): encoder-decoder, RMS layer norm without bias,
+// relative position buckets (one learned bias per stack, computed in block 0 and shared by every layer), no
+// 1/sqrt(d) attention scaling, relu or gated-gelu feed-forward, decoder output rescaled by d_model^-0.5 when the
+// LM head is the shared embedding (original T5).
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "models/hf_config.h"
+#include "models/layers.h"
+#include "models/model.h"
+
+namespace trainer {
+namespace {
+
+struct T5Hyper {
+  int64_t vocab_size, d_model, d_kv, d_ff, num_layers, num_decoder_layers, num_heads;
+  int64_t num_buckets, max_distance;
+  double dropout, eps, initializer_factor;
+  bool gated;
+  std::string act;
+  bool scale_decoder_outputs, tie_lm_head;
+  int64_t decoder_start_token_id, pad_token_id;
+  std::optional<int64_t> eos;
+
+  explicit T5Hyper(const nlohmann::json& c) {
+    vocab_size = hf::get_int(c, "vocab_size", 32128);
+    d_model = hf::get_int(c, "d_model", 512);
+    d_kv = hf::get_int(c, "d_kv", 64);
+    d_ff = hf::get_int(c, "d_ff", 2048);
+    num_layers = hf::get_int(c, "num_layers", 6);
+    num_decoder_layers = hf::get_int(c, "num_decoder_layers", num_layers);
+    num_heads = hf::get_int(c, "num_heads", 8);
+    num_buckets = hf::get_int(c, "relative_attention_num_buckets", 32);
+    max_distance = hf::get_int(c, "relative_attention_max_distance", 128);
+    dropout = hf::get_double(c, "dropout_rate", 0.1);
+    eps = hf::get_double(c, "layer_norm_epsilon", 1e-6);
+    initializer_factor = hf::get_double(c, "initializer_factor", 1.0);
+    const std::string proj = hf::get_string(c, "feed_forward_proj", "relu");
+    gated = proj.starts_with("gated-");
+    act = gated ? proj.substr(6) : proj;
+    if (proj == "gated-gelu") act = "gelu_new";  // as transformers maps it
+    check_activation(act, "config.json \"feed_forward_proj\"");
+    // transformers 5 keeps the rescale as its own key; older configs say it through tie_word_embeddings
+    // (original T5: tied and rescaled; T5 v1.1 / FLAN-T5: "tie_word_embeddings": false, untied, no rescale).
+    const bool tie = hf::get_bool(c, "tie_word_embeddings", true);
+    scale_decoder_outputs = hf::get_bool(c, "scale_decoder_outputs", tie);
+    tie_lm_head = tie;
+    decoder_start_token_id = hf::get_int(c, "decoder_start_token_id", hf::get_int(c, "pad_token_id", 0));
+    pad_token_id = hf::get_int(c, "pad_token_id", 0);
+    eos = hf::get_eos(c);
+  }
+};
+
+// Bucket of each relative position (memory - query), as Mesh TensorFlow and transformers compute it: half the
+// buckets exact, half logarithmic up to max_distance; the encoder distinguishes direction, the decoder sees
+// only the past.
+at::Tensor relative_position_bucket(const at::Tensor& relative_position, bool bidirectional, int64_t num_buckets,
+                                    int64_t max_distance) {
+  at::Tensor buckets = at::zeros_like(relative_position);
+  at::Tensor position = relative_position;
+  if (bidirectional) {
+    num_buckets /= 2;
+    buckets = buckets + (position > 0).to(at::kLong) * num_buckets;
+    position = position.abs();
+  } else {
+    position = -at::minimum(position, at::zeros_like(position));
+  }
+  const int64_t max_exact = num_buckets / 2;
+  const at::Tensor is_small = position < max_exact;
+  at::Tensor large = max_exact + (at::log(position.to(at::kFloat) / max_exact) /
+                                  std::log(static_cast<double>(max_distance) / max_exact) * (num_buckets - max_exact))
+                                     .to(at::kLong);
+  large = at::minimum(large, at::full_like(large, num_buckets - 1));
+  return buckets + at::where(is_small, position, large);
+}
+
+class T5Attention : public Module {
+ public:
+  T5Attention(const T5Hyper& h, bool has_relative_bias, const c10::TensorOptions& options)
+      : heads_(h.num_heads), d_kv_(h.d_kv), dropout_(h.dropout) {
+    const int64_t inner = h.num_heads * h.d_kv;
+    q = register_module("q", std::make_shared<Linear>(h.d_model, inner, false, options));
+    k = register_module("k", std::make_shared<Linear>(h.d_model, inner, false, options));
+    v = register_module("v", std::make_shared<Linear>(h.d_model, inner, false, options));
+    o = register_module("o", std::make_shared<Linear>(inner, h.d_model, false, options));
+    if (has_relative_bias)
+      relative_attention_bias = register_module(
+          "relative_attention_bias", std::make_shared<Embedding>(h.num_buckets, h.num_heads, std::nullopt, options));
+  }
+
+  // (B, T, D) -> (B, H, T, d_kv)
+  at::Tensor heads(const Linear& projection, const at::Tensor& x) const {
+    return projection.forward(x).view({x.size(0), x.size(1), heads_, d_kv_}).transpose(1, 2);
+  }
+
+  // x (B, Tq, D) attends to keys/values (B, H, Tk, d_kv) with an additive bias (B or 1, H or 1, Tq, Tk).
+  at::Tensor attend(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias) {
+    const at::Tensor query = heads(*q, x);
+    const double p = is_training() ? dropout_ : 0.0;
+    const at::Tensor out = at::scaled_dot_product_attention(query, keys, values, bias.to(query.scalar_type()), p,
+                                                            /*is_causal=*/false, /*scale=*/1.0);
+    return o->forward(out.transpose(1, 2).reshape({x.size(0), x.size(1), heads_ * d_kv_}));  // (B, Tq, D)
+  }
+
+  std::shared_ptr<Linear> q, k, v, o;
+  std::shared_ptr<Embedding> relative_attention_bias;
+
+ private:
+  int64_t heads_, d_kv_;
+  double dropout_;
+};
+
+// layer.N of a block: a norm and an attention named SelfAttention or EncDecAttention.
+class T5AttentionLayer : public Module {
+ public:
+  T5AttentionLayer(const T5Hyper& h, const char* name, bool has_relative_bias, const c10::TensorOptions& o) {
+    attention = register_module(name, std::make_shared<T5Attention>(h, has_relative_bias, o));
+    layer_norm = register_module("layer_norm", std::make_shared<NormWeight>(h.d_model, o));
+  }
+  std::shared_ptr<T5Attention> attention;
+  std::shared_ptr<NormWeight> layer_norm;
+};
+
+class T5DenseReluDense : public Module {
+ public:
+  T5DenseReluDense(const T5Hyper& h, const c10::TensorOptions& o) : act_(h.act), dropout_(h.dropout) {
+    if (h.gated) {
+      wi_0 = register_module("wi_0", std::make_shared<Linear>(h.d_model, h.d_ff, false, o));
+      wi_1 = register_module("wi_1", std::make_shared<Linear>(h.d_model, h.d_ff, false, o));
+    } else {
+      wi = register_module("wi", std::make_shared<Linear>(h.d_model, h.d_ff, false, o));
+    }
+    wo = register_module("wo", std::make_shared<Linear>(h.d_ff, h.d_model, false, o));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor hidden = wi ? activation(wi->forward(x), act_) : activation(wi_0->forward(x), act_) * wi_1->forward(x);
+    hidden = at::dropout(hidden, dropout_, is_training());
+    return wo->forward(hidden.to(wo->weight.scalar_type()));
+  }
+  std::shared_ptr<Linear> wi, wi_0, wi_1, wo;
+
+ private:
+  std::string act_;
+  double dropout_;
+};
+
+class T5FeedForwardLayer : public Module {
+ public:
+  T5FeedForwardLayer(const T5Hyper& h, const c10::TensorOptions& o) {
+    DenseReluDense = register_module("DenseReluDense", std::make_shared<T5DenseReluDense>(h, o));
+    layer_norm = register_module("layer_norm", std::make_shared<NormWeight>(h.d_model, o));
+  }
+  std::shared_ptr<T5DenseReluDense> DenseReluDense;
+  std::shared_ptr<NormWeight> layer_norm;
+};
+
+// A numbered list of children ("block.0", "layer.1").
+template <class M>
+class ModuleList : public Module {
+ public:
+  void push_back(std::shared_ptr<M> child) { items.push_back(register_module(std::to_string(items.size()), child)); }
+  std::vector<std::shared_ptr<M>> items;
+};
+
+struct T5Block : public Module {
+  T5Block(const T5Hyper& h, bool decoder, bool first, const c10::TensorOptions& o) : eps(h.eps), dropout(h.dropout) {
+    auto list = register_module("layer", std::make_shared<ModuleList<Module>>());
+    self_attention = std::make_shared<T5AttentionLayer>(h, "SelfAttention", first, o);
+    list->push_back(self_attention);
+    if (decoder) {
+      cross_attention = std::make_shared<T5AttentionLayer>(h, "EncDecAttention", false, o);
+      list->push_back(cross_attention);
+    }
+    feed_forward = std::make_shared<T5FeedForwardLayer>(h, o);
+    list->push_back(feed_forward);
+  }
+
+  at::Tensor residual(const at::Tensor& x, const at::Tensor& update) const {
+    return x + at::dropout(update, dropout, is_training());
+  }
+
+  std::shared_ptr<T5AttentionLayer> self_attention, cross_attention;
+  std::shared_ptr<T5FeedForwardLayer> feed_forward;
+  double eps, dropout;
+};
+
+// Key-value cache of one decoder block during generation.
+struct T5LayerCache {
+  at::Tensor self_keys, self_values;    // grow by one position per step
+  at::Tensor cross_keys, cross_values;  // from the encoder output, computed once
+};
+
+struct T5GenerationState : GenerationState {
+  at::Tensor encoder_states;
+  at::Tensor cross_bias;  // (1, 1, 1, S)
+  std::vector<T5LayerCache> layers;
+  int64_t position = 0;   // decoder positions already in the cache
+};
+
+class T5Stack : public Module {
+ public:
+  T5Stack(const T5Hyper& h, bool decoder, const c10::TensorOptions& o) : h_(h), decoder_(decoder) {
+    block = register_module("block", std::make_shared<ModuleList<T5Block>>());
+    const int64_t n = decoder ? h.num_decoder_layers : h.num_layers;
+    for (int64_t i = 0; i < n; ++i) block->push_back(std::make_shared<T5Block>(h, decoder, i == 0, o));
+    final_layer_norm = register_module("final_layer_norm", std::make_shared<NormWeight>(h.d_model, o));
+  }
+
+  // (1, H, Tq, Tk) learned bias of block 0 for queries starting at `offset`.
+  at::Tensor position_bias(int64_t query_length, int64_t key_length, int64_t offset, const at::Device& device) {
+    const auto long_options = at::TensorOptions().dtype(at::kLong).device(device);
+    const at::Tensor context = at::arange(offset, offset + query_length, long_options).unsqueeze(1);
+    const at::Tensor memory = at::arange(key_length, long_options).unsqueeze(0);
+    const at::Tensor buckets = relative_position_bucket(memory - context, !decoder_, h_.num_buckets, h_.max_distance);
+    const auto& table = block->items[0]->self_attention->attention->relative_attention_bias;
+    return table->forward(buckets).permute({2, 0, 1}).unsqueeze(0);
+  }
+
+  // Whole-sequence forward (training, evaluation, the encoder during generation). embeddings (B, T, D).
+  at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& self_bias, const at::Tensor& encoder_states,
+                     const at::Tensor& cross_bias) {
+    at::Tensor x = at::dropout(embeddings, h_.dropout, is_training());
+    for (auto& b : block->items) {
+      auto& sa = *b->self_attention;
+      at::Tensor normed = t5_rms_norm(x, sa.layer_norm->weight, h_.eps);
+      x = b->residual(x, sa.attention->attend(normed, sa.attention->heads(*sa.attention->k, normed),
+                                              sa.attention->heads(*sa.attention->v, normed), self_bias));
+      if (decoder_) {
+        auto& ca = *b->cross_attention;
+        normed = t5_rms_norm(x, ca.layer_norm->weight, h_.eps);
+        x = b->residual(x, ca.attention->attend(normed, ca.attention->heads(*ca.attention->k, encoder_states),
+                                                ca.attention->heads(*ca.attention->v, encoder_states), cross_bias));
+      }
+      auto& ff = *b->feed_forward;
+      x = b->residual(x, ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps)));
+    }
+    return at::dropout(t5_rms_norm(x, final_layer_norm->weight, h_.eps), h_.dropout, is_training());
+  }
+
+  // One decoder position with the cache. embedding (1, 1, D).
+  at::Tensor decode_step(const at::Tensor& embedding, T5GenerationState& state) {
+    const int64_t key_length = state.position + 1;
+    const at::Tensor self_bias = position_bias(1, key_length, state.position, embedding.device());
+    at::Tensor x = embedding;
+    for (std::size_t i = 0; i < block->items.size(); ++i) {
+      auto& b = *block->items[i];
+      auto& cache = state.layers[i];
+      auto& sa = *b.self_attention->attention;
+      at::Tensor normed = t5_rms_norm(x, b.self_attention->layer_norm->weight, h_.eps);
+      const at::Tensor k = sa.heads(*sa.k, normed), v = sa.heads(*sa.v, normed);
+      cache.self_keys = cache.self_keys.defined() ? at::cat({cache.self_keys, k}, 2) : k;
+      cache.self_values = cache.self_values.defined() ? at::cat({cache.self_values, v}, 2) : v;
+      x = x + sa.attend(normed, cache.self_keys, cache.self_values, self_bias);
+      auto& ca = *b.cross_attention->attention;
+      normed = t5_rms_norm(x, b.cross_attention->layer_norm->weight, h_.eps);
+      x = x + ca.attend(normed, cache.cross_keys, cache.cross_values, state.cross_bias);
+      auto& ff = *b.feed_forward;
+      x = x + ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps));
+    }
+    state.position += 1;
+    return t5_rms_norm(x, final_layer_norm->weight, h_.eps);
+  }
+
+  std::shared_ptr<ModuleList<T5Block>> block;
+  std::shared_ptr<NormWeight> final_layer_norm;
+
+ private:
+  const T5Hyper& h_;
+  bool decoder_;
+};
+
+class T5Model : public LanguageModel {
+ public:
+  T5Model(const nlohmann::json& config, const c10::TensorOptions& options)
+      : config_(config), h_(config), options_(options) {
+    shared = register_module("shared", std::make_shared<Embedding>(h_.vocab_size, h_.d_model, std::nullopt, options));
+    encoder = register_module("encoder", std::make_shared<T5Stack>(h_, false, options));
+    decoder = register_module("decoder", std::make_shared<T5Stack>(h_, true, options));
+    if (!h_.tie_lm_head) untie_lm_head();
+  }
+
+  const std::string& model_type() const override { return type_; }
+  ModelFamily family() const override { return ModelFamily::kSeq2Seq; }
+  int64_t vocab_size() const override { return h_.vocab_size; }
+  const nlohmann::json& hf_config() const override { return config_; }
+  std::optional<int64_t> eos_token_id() const override { return h_.eos; }
+
+  // transformers' _shift_right: decoder_start_token_id first, -100 becomes padding.
+  at::Tensor shift_right(const at::Tensor& labels) const {
+    at::Tensor shifted = at::full_like(labels, h_.decoder_start_token_id);
+    shifted.narrow(1, 1, labels.size(1) - 1).copy_(labels.narrow(1, 0, labels.size(1) - 1));
+    return shifted.masked_fill(shifted == -100, h_.pad_token_id);
+  }
+
+  at::Tensor encode(const at::Tensor& input_ids, const at::Tensor& attention_mask) {
+    const int64_t t = input_ids.size(1);
+    const at::Tensor bias = encoder->position_bias(t, t, 0, input_ids.device()) +
+                            padding_bias(attention_mask, shared->weight.scalar_type());
+    return encoder->forward(shared->forward(input_ids), bias, {}, {});
+  }
+
+  std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) override {
+    const at::Tensor encoder_states = encode(batch.input_ids, batch.attention_mask);
+    const at::Tensor decoder_ids = shift_right(batch.labels);
+    const int64_t l = decoder_ids.size(1);
+    const auto dtype = shared->weight.scalar_type();
+    const at::Tensor decoder_mask = batch.decoder_attention_mask.defined()
+                                        ? batch.decoder_attention_mask
+                                        : at::ones_like(decoder_ids);
+    const at::Tensor causal = causal_mask(decoder_mask, l, 0, std::nullopt);  // (B, 1, L, L) bool
+    const at::Tensor self_bias = decoder->position_bias(l, l, 0, decoder_ids.device()) + additive_mask(causal, dtype);
+    const at::Tensor cross_bias = padding_bias(batch.attention_mask, dtype);
+    const at::Tensor hidden = decoder->forward(shared->forward(decoder_ids), self_bias, encoder_states, cross_bias);
+    return {hidden, batch.labels};
+  }
+
+  at::Tensor lm_head(const at::Tensor& hidden) override {
+    const at::Tensor h = h_.scale_decoder_outputs ? hidden * std::pow(static_cast<double>(h_.d_model), -0.5) : hidden;
+    return at::linear(h, lm_head_weight_.defined() ? lm_head_weight_ : shared->weight);
+  }
+
+  std::vector<std::pair<std::string, std::string>> aliases() const override {
+    std::vector<std::pair<std::string, std::string>> out = {{"encoder.embed_tokens.weight", "shared.weight"},
+                                                            {"decoder.embed_tokens.weight", "shared.weight"}};
+    if (lm_head_tied()) out.emplace_back("lm_head.weight", "shared.weight");
+    return out;
+  }
+  bool lm_head_tied() const override { return !lm_head_weight_.defined(); }
+  void untie_lm_head() override {
+    if (lm_head_weight_.defined()) return;
+    lm_head_weight_ = at::empty({h_.vocab_size, h_.d_model}, options_);
+    register_parameter("lm_head.weight", &lm_head_weight_);
+  }
+
+  void init_weights() override {
+    // transformers' T5PreTrainedModel._init_weights, factor = initializer_factor.
+    const double f = h_.initializer_factor;
+    at::NoGradGuard no_grad;
+    shared->weight.normal_(0.0, f * 1.0);
+    if (lm_head_weight_.defined()) lm_head_weight_.normal_(0.0, f * 1.0);
+    const double dm = static_cast<double>(h_.d_model), dff = static_cast<double>(h_.d_ff);
+    const double inner = static_cast<double>(h_.num_heads * h_.d_kv);
+    for (auto* stack : {encoder.get(), decoder.get()}) {
+      stack->final_layer_norm->weight.fill_(f);
+      for (auto& b : stack->block->items) {
+        for (auto* layer : {b->self_attention.get(), b->cross_attention.get()}) {
+          if (!layer) continue;
+          layer->layer_norm->weight.fill_(f);
+          auto& a = *layer->attention;
+          a.q->weight.normal_(0.0, f * std::pow(dm * h_.d_kv, -0.5));
+          a.k->weight.normal_(0.0, f * std::pow(dm, -0.5));
+          a.v->weight.normal_(0.0, f * std::pow(dm, -0.5));
+          a.o->weight.normal_(0.0, f * std::pow(inner, -0.5));
+          if (a.relative_attention_bias) a.relative_attention_bias->weight.normal_(0.0, f * std::pow(dm, -0.5));
+        }
+        auto& ff = *b->feed_forward;
+        ff.layer_norm->weight.fill_(f);
+        for (auto& wi : {ff.DenseReluDense->wi, ff.DenseReluDense->wi_0, ff.DenseReluDense->wi_1})
+          if (wi) wi->weight.normal_(0.0, f * std::pow(dm, -0.5));
+        ff.DenseReluDense->wo->weight.normal_(0.0, f * std::pow(dff, -0.5));
+      }
+    }
+  }
+
+  std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids) override {
+    auto state = std::make_unique<T5GenerationState>();
+    const at::Tensor mask = at::ones_like(prompt_ids);
+    state->encoder_states = encode(prompt_ids, mask);
+    state->cross_bias = padding_bias(mask, shared->weight.scalar_type());
+    for (auto& b : decoder->block->items) {
+      auto& ca = *b->cross_attention->attention;
+      state->layers.push_back({{}, {}, ca.heads(*ca.k, state->encoder_states), ca.heads(*ca.v, state->encoder_states)});
+    }
+    const at::Tensor start = at::full({1, 1}, h_.decoder_start_token_id, prompt_ids.options());
+    at::Tensor logits = decode_step(*state, start);
+    return {std::move(state), logits};
+  }
+
+  at::Tensor decode_step(GenerationState& state, const at::Tensor& token) override {
+    auto& s = static_cast<T5GenerationState&>(state);
+    const at::Tensor hidden = decoder->decode_step(shared->forward(token), s);
+    return lm_head(hidden).select(1, 0);  // (1, V)
+  }
+
+  std::shared_ptr<Embedding> shared;
+  std::shared_ptr<T5Stack> encoder, decoder;
+
+ private:
+  nlohmann::json config_;
+  T5Hyper h_;
+  c10::TensorOptions options_;
+  at::Tensor lm_head_weight_;
+  std::string type_ = "t5";
+};
+
+}  // namespace
+
+std::unique_ptr<LanguageModel> make_t5(const nlohmann::json& config, const c10::TensorOptions& options) {
+  return std::make_unique<T5Model>(config, options);
+}
+
+}  // namespace trainer

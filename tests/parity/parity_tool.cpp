@@ -1,0 +1,88 @@
+// trainer_parity: runs our models on inputs the parity tests (pytest) prepare, and writes what transformers
+// must reproduce. Like llm.c's comparison against a PyTorch dump, but the other way round: Python drives.
+//
+//   trainer_parity forward    MODEL_DIR BATCH.safetensors OUT.safetensors [bf16]
+//       logits, loss (mean over target tokens, as transformers reports it) and grad.<name> of every parameter
+//   trainer_parity train-step MODEL_DIR BATCH.safetensors OUT_DIR LR
+//       one SGD step on the mean loss, then the model saved to OUT_DIR and OUT_DIR/logits.safetensors holding the
+//       logits of the same batch after the step
+//
+// BATCH holds input_ids, attention_mask, labels (int64) and optionally decoder_attention_mask.
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "models/model.h"
+#include "models/weights.h"
+#include "trainer/errors.h"
+#include "trainer/safetensors.h"
+
+namespace {
+
+trainer::Batch read_batch(const std::string& path) {
+  auto file = trainer::SafetensorsFile::open(path);
+  trainer::Batch batch;
+  batch.input_ids = file.load("input_ids", at::kLong);
+  batch.attention_mask = file.load("attention_mask", at::kLong);
+  batch.labels = file.load("labels", at::kLong);
+  if (file.find("decoder_attention_mask")) batch.decoder_attention_mask = file.load("decoder_attention_mask", at::kLong);
+  return batch;
+}
+
+int forward(const std::string& model_dir, const std::string& batch_path, const std::string& out_path, bool bf16) {
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  auto model = trainer::load_model(model_dir, trainer::ModelInit::kPretrained, at::TensorOptions().dtype(dtype));
+  model->train(false);
+  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  const auto batch = read_batch(batch_path);
+  const auto result = trainer::forward_loss(*model, batch, /*keep_logits=*/true);
+  const at::Tensor loss = result.loss_sum / static_cast<double>(result.target_tokens);
+  loss.backward();
+  std::vector<std::pair<std::string, at::Tensor>> out = {{"logits", result.logits.detach().to(at::kFloat)},
+                                                         {"loss", loss.detach().reshape({1})}};
+  model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    if (p.grad().defined()) out.emplace_back("grad." + name, p.grad().to(at::kFloat));
+  });
+  trainer::write_safetensors(out_path, out, {});
+  return 0;
+}
+
+int train_step(const std::string& model_dir, const std::string& batch_path, const std::string& out_dir, double lr) {
+  auto model = trainer::load_model(model_dir, trainer::ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  model->train(false);  // no dropout: the step must be reproducible in Python
+  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  const auto batch = read_batch(batch_path);
+  auto result = trainer::forward_loss(*model, batch);
+  (result.loss_sum / static_cast<double>(result.target_tokens)).backward();
+  {
+    at::NoGradGuard no_grad;
+    model->for_each_parameter([&](const std::string&, at::Tensor& p) {
+      if (p.grad().defined()) p.sub_(p.grad(), lr);
+    });
+  }
+  trainer::save_model(*model, out_dir, 1ull << 40);
+  at::NoGradGuard no_grad;
+  const auto after = trainer::forward_loss(*model, batch, /*keep_logits=*/true);
+  trainer::write_safetensors(out_dir + "/logits.safetensors", {{"logits", after.logits.contiguous()}}, {});
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    if (args.size() >= 4 && args[0] == "forward") return forward(args[1], args[2], args[3], args.size() > 4 && args[4] == "bf16");
+    if (args.size() == 5 && args[0] == "train-step") return train_step(args[1], args[2], args[3], std::stod(args[4]));
+  } catch (const trainer::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    if (!e.hint().empty()) std::cerr << "hint: " << e.hint() << "\n";
+    return e.exit_code();
+  }
+  std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR\n";
+  return 2;
+}

@@ -1,0 +1,183 @@
+"""Our models against transformers itself, on the same random weights and the same padded batch.
+
+fp32: logits, loss and every parameter gradient agree within 1e-4 absolute + 1e-4 relative
+(torch.testing.assert_close(atol=1e-4, rtol=1e-4); the relative part matters only where values are large, e.g.
+the logits of T5 with unit-variance embeddings). bf16: logits within BF16_TOLERANCE of the logits' scale.
+Round trip: after one SGD step in trainer, transformers loads our save and reproduces our logits.
+Greedy generation gives the same tokens as transformers' generate.
+"""
+import json
+import subprocess
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+# bf16 keeps 8 significant bits: two implementations that round in different places drift apart by a few
+# percent of the logits' magnitude over a few layers.
+BF16_TOLERANCE = 0.05
+
+VOCAB = 96
+
+
+def t5_config(**kw):
+    base = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.1,
+                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    base.update(kw)
+    return transformers.T5Config(**base)
+
+
+def llama_family(kind, **kw):
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, eos_token_id=2,
+                bos_token_id=1)
+    base.update(kw)
+    return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+            "mistral": transformers.MistralConfig}[kind](**base)
+
+
+MODELS = {
+    "t5-relu-tied": lambda: t5_config(feed_forward_proj="relu", tie_word_embeddings=True),
+    "flan-gated-gelu-untied": lambda: t5_config(feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+    "llama": lambda: llama_family("llama", tie_word_embeddings=False),
+    "llama3-rope-biases": lambda: llama_family(
+        "llama", attention_bias=True, mlp_bias=True, head_dim=16, pad_token_id=3,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen2-gqa-tied": lambda: llama_family("qwen2", tie_word_embeddings=True),
+    "mistral-sliding-window": lambda: llama_family("mistral", sliding_window=4, num_key_value_heads=1),
+}
+
+
+def make_model_dir(name, path):
+    """A random model saved with save_pretrained; FLAN-style: a distinct lm_head written into the checkpoint."""
+    config = MODELS[name]()
+    torch.manual_seed(1234)
+    cls = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    model = cls.from_config(config)
+    model.save_pretrained(path)
+    if name.startswith("flan"):
+        weights = load_file(path / "model.safetensors")
+        weights["lm_head.weight"] = torch.randn(VOCAB, config.d_model)
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        saved = json.loads((path / "config.json").read_text())
+        saved["tie_word_embeddings"] = False
+        saved.pop("scale_decoder_outputs", None)
+        (path / "config.json").write_text(json.dumps(saved))
+    return path
+
+
+def hf_model(path, dtype=torch.float32):
+    config = transformers.AutoConfig.from_pretrained(path)
+    cls = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    model.eval()
+    return model
+
+
+def make_batch(seq2seq):
+    """Three rows of different lengths, padded on the right; causal rows have a prompt masked out of the loss."""
+    g = torch.Generator().manual_seed(7)
+    lengths, target_lengths = [9, 5, 12], [6, 3, 7]
+    t, l = max(lengths), max(target_lengths)
+    input_ids = torch.zeros(3, t, dtype=torch.long)
+    attention_mask = torch.zeros(3, t, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        input_ids[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
+        attention_mask[i, :n] = 1
+    if seq2seq:
+        labels = torch.full((3, l), -100, dtype=torch.long)
+        for i, n in enumerate(target_lengths):
+            labels[i, :n] = torch.randint(3, VOCAB, (n,), generator=g)
+            labels[i, n - 1] = 1  # EOS
+    else:
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[0, :4] = -100  # a prompt
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def run_parity_tool(binary, *args):
+    result = subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="session")
+def parity_tool(root):
+    path = root / "build" / "trainer_parity"
+    if not path.exists():
+        pytest.fail(f"{path} does not exist: build first (scripts/setup)")
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fp32_logits_loss_and_gradients_match_transformers(name, tmp_path, parity_tool):
+    model_dir = make_model_dir(name, tmp_path / "model")
+    model = hf_model(model_dir)
+    batch = make_batch(model.config.is_encoder_decoder)
+    save_file(batch, tmp_path / "batch.safetensors")
+    run_parity_tool(parity_tool, "forward", model_dir, tmp_path / "batch.safetensors", tmp_path / "ours.safetensors")
+    ours = load_file(tmp_path / "ours.safetensors")
+
+    theirs = model(**batch)
+    theirs.loss.backward()
+    torch.testing.assert_close(ours["logits"], theirs.logits.detach(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours["loss"][0], theirs.loss.detach(), atol=1e-4, rtol=1e-4)
+
+    grads = {name[len("grad."):]: g for name, g in ours.items() if name.startswith("grad.")}
+    expected = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == expected, f"ours only: {set(grads) - expected}; theirs only: {expected - set(grads)}"
+    for param_name, grad in grads.items():
+        torch.testing.assert_close(grad, model.get_parameter(param_name).grad, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=param_name: f"gradient of {n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "qwen2-gqa-tied"])
+def test_bf16_logits_match_transformers(name, tmp_path, parity_tool):
+    model_dir = make_model_dir(name, tmp_path / "model")
+    model = hf_model(model_dir, dtype=torch.bfloat16)
+    batch = make_batch(model.config.is_encoder_decoder)
+    save_file(batch, tmp_path / "batch.safetensors")
+    run_parity_tool(parity_tool, "forward", model_dir, tmp_path / "batch.safetensors", tmp_path / "ours.safetensors",
+                    "bf16")
+    ours = load_file(tmp_path / "ours.safetensors")["logits"]
+    with torch.no_grad():
+        theirs = model(**batch).logits.float()
+    scale = theirs.abs().max().item()
+    assert (ours - theirs).abs().max().item() <= BF16_TOLERANCE * scale
+
+
+@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "t5-relu-tied", "qwen2-gqa-tied", "llama"])
+def test_transformers_loads_our_save_after_a_training_step(name, tmp_path, parity_tool):
+    model_dir = make_model_dir(name, tmp_path / "model")
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    batch = make_batch(config.is_encoder_decoder)
+    save_file(batch, tmp_path / "batch.safetensors")
+    out = tmp_path / "stepped"
+    run_parity_tool(parity_tool, "train-step", model_dir, tmp_path / "batch.safetensors", out, 0.5)
+    ours = load_file(out / "logits.safetensors")["logits"]
+    before = hf_model(model_dir)
+    after = hf_model(out)
+    with torch.no_grad():
+        theirs_after = after(**batch).logits
+        theirs_before = before(**batch).logits
+    assert not torch.allclose(theirs_after, theirs_before, atol=1e-3), "the step changed nothing"
+    torch.testing.assert_close(ours, theirs_after, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "t5-relu-tied", "qwen2-gqa-tied",
+                                  "mistral-sliding-window"])
+def test_greedy_generation_matches_transformers(name, tmp_path, run_trainer):
+    model_dir = make_model_dir(name, tmp_path / "model")
+    model = hf_model(model_dir)
+    prompt = [5, 17, 42, 8, 9, 33]
+    with torch.no_grad():
+        output = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, num_beams=1,
+                                eos_token_id=model.config.eos_token_id, pad_token_id=0)[0].tolist()
+    theirs = output[1:] if model.config.is_encoder_decoder else output[len(prompt):]
+    result = run_trainer("generate", "--model", model_dir, "--ids", ",".join(map(str, prompt)),
+                         "--max-new-tokens", 12)
+    ours = [int(x) for x in result.stdout.split("ids:")[1].split()]
+    assert ours == theirs
