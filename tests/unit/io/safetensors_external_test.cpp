@@ -1,6 +1,7 @@
 // Driven by tests/parity/test_safetensors.py: reads every file Python's safetensors wrote into
-// $TRAINER_SAFETENSORS_DIR and writes it back with our writer as <name>.ours.safetensors, which the pytest then
-// loads with safetensors.torch and compares. Skipped when the variable is unset (a plain ctest run).
+// $TRAINER_SAFETENSORS_DIR and writes it back with our writer as <name>.ours.safetensors, and re-saves the model
+// directory transformers wrote into $TRAINER_HF_MODEL_DIR (sharded) into its subdirectory "ours"; the pytest then
+// loads our files with safetensors.torch and transformers and compares. Skipped when the variables are unset.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "trainer/hf_weights.h"
 #include "trainer/safetensors.h"
 
 namespace trainer {
@@ -42,6 +44,16 @@ TEST(SafetensorsExternal, RewritesEveryFileOfTheDirectory) {
     ++rewritten;
   }
   EXPECT_GT(rewritten, 0) << "no .safetensors files in " << dir;
+}
+
+TEST(SafetensorsExternal, ResavesATransformersModelDirectory) {
+  const char* dir = std::getenv("TRAINER_HF_MODEL_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "TRAINER_HF_MODEL_DIR is not set (run by tests/parity/test_safetensors.py)";
+  const char* shard_env = std::getenv("TRAINER_HF_MAX_SHARD_BYTES");
+  const StateDict state = load_state_dict(dir);
+  ASSERT_FALSE(state.empty());
+  const NamedTensors tensors(state.begin(), state.end());
+  save_state_dict(std::string(dir) + "/ours", tensors, shard_env ? std::strtoull(shard_env, nullptr, 10) : 0);
 }
 
 }  // namespace
