@@ -83,10 +83,11 @@ at::Tensor causal_mask(const at::Tensor& key_attention_mask, int64_t query_lengt
   const at::Tensor k = at::arange(key_length, long_options).unsqueeze(0);                    // (1, Tk)
   at::Tensor allowed = k <= q;
   if (sliding_window) allowed = allowed & (k > q - *sliding_window);
-  // (B, 1, Tq, Tk): causal and not padding, or the diagonal.
-  at::Tensor mask = allowed.unsqueeze(0).unsqueeze(0) &
-                    key_attention_mask.to(at::kBool).unsqueeze(1).unsqueeze(1);
-  return mask | (k == q).unsqueeze(0).unsqueeze(0);
+  // (B, 1, Tq, Tk): causal and not padding. A query that would see nothing (left padding) sees itself, so
+  // softmax has a finite row; such positions are padding and never trained on.
+  const at::Tensor mask = allowed.unsqueeze(0).unsqueeze(0) & key_attention_mask.to(at::kBool).unsqueeze(1).unsqueeze(1);
+  const at::Tensor empty = mask.any(-1, /*keepdim=*/true).logical_not();
+  return mask | (empty & (k == q).unsqueeze(0).unsqueeze(0));
 }
 
 }  // namespace trainer

@@ -53,8 +53,8 @@ at::Tensor additive_mask(const at::Tensor& allowed, c10::ScalarType dtype);
 // not (as transformers does), so it can be added to a position bias.
 at::Tensor padding_bias(const at::Tensor& attention_mask, c10::ScalarType dtype);
 
-// Boolean mask (B, 1, Tq, Tk), true = attend: causal, key padding, optional sliding window, each query position
-// always sees itself so no row is empty. `offset` is the position of the first query (generation with a cache).
+// Boolean mask (B, 1, Tq, Tk), true = attend: causal, key padding, optional sliding window; a query position that
+// would see nothing sees itself, so no row is empty. `offset` is the position of the first query (generation with a cache).
 at::Tensor causal_mask(const at::Tensor& key_attention_mask, int64_t query_length, int64_t offset,
                        std::optional<int64_t> sliding_window);
 

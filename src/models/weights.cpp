@@ -11,6 +11,7 @@
 
 #include "trainer/errors.h"
 #include "trainer/hf_weights.h"
+#include "trainer/safetensors.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {
@@ -34,30 +35,58 @@ nlohmann::json read_config(const std::string& dir) {
 std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init, const c10::TensorOptions& options,
                                           uint64_t seed) {
   const auto info = inspect_model_dir(dir, init == ModelInit::kPretrained);
-  auto model = build_model(read_config(dir), options);
+  const auto dtype = c10::typeMetaToScalarType(options.dtype());
+  const auto device = options.device();
   at::NoGradGuard no_grad;
   if (init == ModelInit::kRandom) {
-    at::manual_seed(seed);
     // Initialise in fp32 and convert, so bf16 models start from the same numbers as fp32 ones.
-    model->for_each_parameter([](const std::string&, at::Tensor& p) { p = p.to(at::kFloat); });
+    auto model = build_model(read_config(dir), options.dtype(at::kFloat));
+    at::manual_seed(seed);
     model->init_weights();
     model->for_each_parameter([&](const std::string&, at::Tensor& p) { p = p.to(options); });
     return model;
   }
+  auto model = build_model(read_config(dir), options.device(at::kMeta));
 
-  WeightSet weights = open_weights(info.weight_files);
+  // Every tensor's file and shape from the headers alone (no data read yet).
+  std::vector<SafetensorsFile> files;
+  std::map<std::string, std::pair<std::size_t, const TensorInfo*>> where;  // name -> (file, tensor)
+  for (const auto& path : info.weight_files) files.push_back(SafetensorsFile::open(path));
+  ShapeMap got;
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    for (const auto& tensor : files[f].tensors()) {
+      if (where.count(tensor.name))
+        throw DataError(tensor.name + " is in both " + files[where[tensor.name].first].path() + " and " +
+                        files[f].path());
+      where[tensor.name] = {f, &tensor};
+      got[tensor.name] = tensor.shape;
+    }
+  }
   // A checkpoint with its own lm_head.weight has an untied head even where config.json says tied (transformers
   // does the same); one without it uses the embedding.
-  if (model->lm_head_tied() && weights.contains("lm_head.weight")) model->untie_lm_head();
-
-  std::map<std::string, std::string> alias_of;  // checkpoint alias -> our parameter
-  for (const auto& [alias, canonical] : model->aliases()) alias_of[alias] = canonical;
-  std::map<std::string, std::vector<int64_t>> expected;
+  if (model->lm_head_tied() && where.count("lm_head.weight")) model->untie_lm_head();
+  // Tied aliases (older T5 checkpoints repeat shared.weight as encoder/decoder.embed_tokens.weight) stand for
+  // their canonical parameter when that is missing, and are ignored when it is there.
+  for (const auto& [alias, canonical] : model->aliases()) {
+    auto it = where.find(alias);
+    if (it == where.end()) continue;
+    if (!where.count(canonical)) {
+      where[canonical] = it->second;
+      got[canonical] = got[alias];
+    }
+    where.erase(it);
+    got.erase(alias);
+  }
+  ShapeMap expected;
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) { expected[name] = p.sizes().vec(); });
-  check_weight_names(weights, expected, alias_of, info.dir);
+  check_state_dict(expected, got, info.dir);
 
+  // The model was built on the meta device: each parameter becomes its loaded tensor, converted once, so the
+  // weights never exist twice (peak: the model plus one tensor in conversion).
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
-    p.copy_(weights.load(name, p.scalar_type()));  // one tensor at a time: peak memory is one tensor above the model
+    const auto& [file, tensor] = where.at(name);
+    at::Tensor loaded = files[file].load(tensor->name, dtype);
+    p = device.is_cpu() ? loaded : loaded.to(device);
   });
   return model;
 }
@@ -66,7 +95,7 @@ void save_model(LanguageModel& model, const std::string& dir, uint64_t max_shard
   fs::create_directories(dir);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) { tensors.emplace_back(name, p.detach()); });
-  save_weights(dir, tensors, max_shard_bytes);
+  save_state_dict(dir, tensors, max_shard_bytes);
   std::ofstream(fs::path(dir) / "config.json") << model.hf_config().dump(2) << "\n";
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include "models/model.h"
 #include "models/weights.h"
