@@ -34,6 +34,7 @@ using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>
 
 struct AddedToken {
   std::string content;
+  std::string pattern;  // what is matched: the content, normalized for `normalized` tokens (as tokenizers does)
   std::int32_t id = 0;
   bool single_word = false, lstrip = false, rstrip = false, normalized = false, special = false;
 };
@@ -58,8 +59,8 @@ struct PreTokenizerStep {
 class AddedTokenMatcher {
  public:
   void add(const AddedToken* token) {
-    if (token->content.empty()) return;
-    auto& bucket = by_first_byte_[static_cast<unsigned char>(token->content[0])];
+    if (token->pattern.empty()) return;
+    auto& bucket = by_first_byte_[static_cast<unsigned char>(token->pattern[0])];
     bucket.push_back(token);
     std::stable_sort(bucket.begin(), bucket.end(),
                      [](const AddedToken* a, const AddedToken* b) { return a->content.size() > b->content.size(); });
@@ -76,7 +77,7 @@ class AddedTokenMatcher {
     while (pos < text.size()) {
       const AddedToken* found = nullptr;
       for (const AddedToken* token : by_first_byte_[static_cast<unsigned char>(text[pos])])
-        if (text.compare(pos, token->content.size(), token->content) == 0) {
+        if (text.compare(pos, token->pattern.size(), token->pattern) == 0) {
           found = token;
           break;
         }
@@ -84,7 +85,7 @@ class AddedTokenMatcher {
         ++pos;
         continue;
       }
-      std::size_t start = pos, stop = pos + found->content.size();
+      std::size_t start = pos, stop = pos + found->pattern.size();
       pos = stop;
       if (found->single_word && !(is_word_boundary_before(text, start) && is_word_boundary_after(text, stop)))
         continue;
@@ -191,6 +192,7 @@ class BpeTokenizer final : public Tokenizer {
       read_model(root["model"]);
       read_added_tokens(root.value("added_tokens", json::array()));
       read_normalizer(root.value("normalizer", json()));
+      index_added_tokens();
       read_pre_tokenizer(root.value("pre_tokenizer", json()));
       if (pre_steps_.empty() || !pre_steps_.back().byte_level)
         unsupported("a pre-tokenizer without ByteLevel", "ByteLevel as the last pre-tokenizer (byte-level BPE)");
@@ -271,7 +273,7 @@ class BpeTokenizer final : public Tokenizer {
   std::optional<std::int32_t> bos_id() const override { return bos_; }
   std::optional<std::int32_t> token_to_id(std::string_view token) const override {
     for (const AddedToken& added : added_tokens_)
-      if (added.content == token) return added.id;
+      if (added.content == token || added.pattern == token) return added.id;
     if (const auto it = vocab_.find(token); it != vocab_.end()) return it->second;
     return std::nullopt;
   }
@@ -371,6 +373,17 @@ class BpeTokenizer final : public Tokenizer {
     for (const AddedToken& token : added_tokens_) {
       set_token(token.id, token.content);
       is_special_[static_cast<std::size_t>(token.id)] = token.special;
+    }
+  }
+
+  // After the normalizer is known: `normalized` tokens are matched in their normalized form.
+  void index_added_tokens() {
+    for (AddedToken& token : added_tokens_) {
+      token.pattern = token.content;
+      if (token.normalized) {
+        for (const NormalForm form : normal_forms_) token.pattern = normalize(token.pattern, form);
+        id_to_token_[static_cast<std::size_t>(token.id)] = token.pattern;  // tokenizers decodes it normalized too
+      }
       (token.normalized ? normalized_token_matcher_ : raw_token_matcher_).add(&token);
     }
   }
