@@ -6,6 +6,7 @@
 #include <deque>
 #include <fstream>
 #include <limits>
+#include <queue>
 #include <shared_mutex>
 #include <unordered_map>
 
@@ -24,6 +25,7 @@ constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 constexpr std::size_t kMaxCacheEntries = 200'000;
 constexpr std::size_t kMaxCachedWordBytes = 256;
+constexpr std::size_t kHeapMergeThreshold = 48;  // symbols
 
 struct StringHash {
   using is_transparent = void;
@@ -577,7 +579,9 @@ class BpeTokenizer final : public Tokenizer {
   }
 
   // Repeatedly merges the lowest-ranked adjacent pair (leftmost on ties): tokenizers' priority-queue order.
+  // Short words scan for the best pair each round; long ones (a minified line is one \p{L}+ word) use a heap.
   void merge(std::vector<std::int32_t>& symbols) const {
+    if (symbols.size() > kHeapMergeThreshold) return merge_with_heap(symbols);
     while (symbols.size() > 1) {
       std::int32_t best_rank = std::numeric_limits<std::int32_t>::max(), best_id = -1;
       std::size_t best_pos = 0;
@@ -593,6 +597,52 @@ class BpeTokenizer final : public Tokenizer {
       symbols[best_pos] = best_id;
       symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best_pos) + 1);
     }
+  }
+
+  void merge_with_heap(std::vector<std::int32_t>& symbols) const {
+    const auto n = static_cast<std::int64_t>(symbols.size());
+    std::vector<std::int64_t> next(static_cast<std::size_t>(n)), previous(static_cast<std::size_t>(n));
+    std::vector<bool> alive(static_cast<std::size_t>(n), true);
+    for (std::int64_t i = 0; i < n; ++i) {
+      next[static_cast<std::size_t>(i)] = i + 1 < n ? i + 1 : -1;
+      previous[static_cast<std::size_t>(i)] = i - 1;
+    }
+    struct Candidate {
+      std::int32_t rank;
+      std::int64_t pos;
+      std::int32_t left, right;
+      bool operator>(const Candidate& other) const {
+        return rank != other.rank ? rank > other.rank : pos > other.pos;
+      }
+    };
+    std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+    const auto push = [&](std::int64_t pos) {
+      if (pos < 0) return;
+      const std::int64_t right = next[static_cast<std::size_t>(pos)];
+      if (right < 0) return;
+      const std::int32_t a = symbols[static_cast<std::size_t>(pos)], b = symbols[static_cast<std::size_t>(right)];
+      if (const auto it = merges_.find(pair_key(a, b)); it != merges_.end()) heap.push({it->second.rank, pos, a, b});
+    };
+    for (std::int64_t i = 0; i + 1 < n; ++i) push(i);
+    while (!heap.empty()) {
+      const Candidate top = heap.top();
+      heap.pop();
+      const auto pos = static_cast<std::size_t>(top.pos);
+      const std::int64_t right = next[pos];
+      if (!alive[pos] || right < 0 || symbols[pos] != top.left ||
+          symbols[static_cast<std::size_t>(right)] != top.right)
+        continue;  // stale: one side was merged since
+      symbols[pos] = merges_.at(pair_key(top.left, top.right)).id;
+      alive[static_cast<std::size_t>(right)] = false;
+      next[pos] = next[static_cast<std::size_t>(right)];
+      if (next[pos] >= 0) previous[static_cast<std::size_t>(next[pos])] = top.pos;
+      push(previous[pos]);
+      push(top.pos);
+    }
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < symbols.size(); ++i)
+      if (alive[i]) symbols[kept++] = symbols[i];
+    symbols.resize(kept);
   }
 
   struct Merge {

@@ -37,6 +37,8 @@ FIXED_TEXTS = [
     "control \x00 \x01 \x7f chars", "e-mail: someone@example.com, https://example.com/a?b=c&d=e#f",
     "She said: \"Hello!\" — and left… ’twas 'quoted' «text» „so“.", "¿Qué? ¡Sí! Ça va. Straße. İstanbul. ǅ",
     "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟙𝟚𝟛 𐍈 outside the BMP", "x" * 300, "ab" * 150 + " " + "😀" * 30,
+    # long words take the heap merge path
+    "Supercalifragilistic" * 200, "".join(random.Random(7).choice("abcdefghijklmnopqrstuvwxyzETAOIN") for _ in range(5000)),
 ]
 # Added tokens written in the text: special ones, and gpt2-bytelevel's [MASK] (lstrip/rstrip), foo
 # (single_word), wörld and "new token" (normalized), and <sep> (a sentencepiece user-defined symbol).
