@@ -13,8 +13,8 @@ import os
 import tempfile
 
 import sentencepiece as spm
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import Qwen2Config, T5Config
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import Qwen2Config, Qwen2Tokenizer, T5Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def tiny_t5(out_dir, data):
         # T5's special ids: pad 0, eos 1, unk 2, no bos.
         spm.SentencePieceTrainer.train(input=corpus, model_prefix=os.path.join(out_dir, "spiece"),
                                        vocab_size=vocab, model_type="unigram", pad_id=0, eos_id=1, unk_id=2,
-                                       bos_id=-1, character_coverage=1.0, num_threads=1, minloglevel=2,
+                                       bos_id=-1, character_coverage=1.0, num_threads=1, minloglevel=2, shuffle_input_sentence=False,
                                        hard_vocab_limit=False)  # the corpus is small; config keeps 256
     os.remove(os.path.join(out_dir, "spiece.vocab"))
     # FLAN-T5 shape in miniature: gated-gelu, untied lm_head.
@@ -48,25 +48,35 @@ def tiny_t5(out_dir, data):
              pad_token_id=0, eos_token_id=1).save_pretrained(out_dir)
 
 
+# Qwen2's pre-tokenizer split pattern (its tokenizer.json on the Hub); transformers' Qwen2Tokenizer rebuilds this
+# pipeline whatever the file says, so the tiny model's tokenizer must have it for both to agree.
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
 def tiny_qwen2(out_dir, data):
     os.makedirs(out_dir, exist_ok=True)
-    vocab = 512
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab - len(special), special_tokens=[],
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizers.NFC()
+    trained.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=512 - len(special), special_tokens=[],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(texts(data, ["prompt", "completion"]), trainer=trainer)
-    tokenizer.add_special_tokens(special)
-    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                   "pad_token": "<|endoftext|>", "model_max_length": 512}, f, indent=2)
+    trained.train_from_iterator(texts(data, ["prompt", "completion"]), trainer=trainer)
+    vocab_merges = json.loads(trained.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in vocab_merges["merges"]]
+    # Saved by transformers' own Qwen2Tokenizer, so tokenizer.json and tokenizer_config.json are as on the Hub.
+    tokenizer = Qwen2Tokenizer(vocab=vocab_merges["vocab"], merges=merges)
+    tokenizer.add_special_tokens({"additional_special_tokens": special[1:]})
+    tokenizer.save_pretrained(out_dir)
+    for name in os.listdir(out_dir):
+        if name not in ("tokenizer.json", "tokenizer_config.json"):
+            os.remove(os.path.join(out_dir, name))
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     # Qwen2 in miniature: q/k/v biases, grouped-query attention, tied embeddings.
-    Qwen2Config(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
+    Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos,
                 eos_token_id=eos).save_pretrained(out_dir)
