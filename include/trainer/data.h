@@ -1,0 +1,94 @@
+// The data pipeline's contract with the training engine: JSONL records become tokenized examples, grouped into
+// effective batches of training.batch_size examples whose target-token count is known before any split, and
+// collated into padded micro-batches. The loader's position (cursor) is part of every checkpoint.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <nlohmann/json_fwd.hpp>
+
+#include "trainer/config.h"
+#include "trainer/tokenizer.h"
+
+namespace trainer {
+
+enum class DataFamily { kSeq2Seq, kCausal };
+
+// One tokenized training example.
+//   seq2seq: input_ids = encoder input; labels = decoder targets (ending in EOS when add_eos).
+//   causal:  input_ids = the whole sequence; labels has the same length, -100 on prompt tokens (the loss
+//            skips them), the token id elsewhere. The model shifts: position t predicts labels[t + 1].
+struct Example {
+  std::vector<int32_t> input_ids;
+  std::vector<int32_t> labels;
+  uint64_t source_index = 0;  // the record's position in its epoch's order (for the cursor and for tests)
+};
+
+// Tokens that count in the loss: seq2seq every label that is not -100; causal labels[1..] that are not -100.
+int64_t target_tokens(const Example& example, DataFamily family);
+
+// The examples of one optimizer step, with the token count the loss is normalised by.
+struct EffectiveBatch {
+  std::vector<Example> examples;
+  int64_t target_tokens = 0;  // sum over examples, counted before the memory policy splits the batch
+  int64_t epoch = 0;
+};
+
+// Counts shown at the end of every epoch and of the run: nothing is dropped silently.
+struct DataStats {
+  int64_t records_read = 0;
+  int64_t examples = 0;
+  int64_t bad_records_skipped = 0;  // with data.on_bad_record = skip
+  int64_t truncated = 0;            // over-length examples cut to the maximum
+  int64_t overlength_skipped = 0;   // with data.on_overlength = skip
+  std::vector<std::string> first_problems;  // "file:line: what is wrong", the first few
+};
+
+// Where the loader is: serialised into checkpoints; restoring it yields exactly the examples not yet seen.
+struct LoaderCursor {
+  int64_t epoch = 0;
+  uint64_t position = 0;  // examples of this epoch's order already handed out
+  uint64_t seed = 0;
+  bool operator==(const LoaderCursor&) const = default;
+};
+nlohmann::json cursor_to_json(const LoaderCursor& cursor);
+LoaderCursor cursor_from_json(const nlohmann::json& json);  // throws DataError on a malformed cursor
+
+class DataLoader {
+ public:
+  virtual ~DataLoader() = default;
+  // The next effective batch, or nothing when the configured epochs are done. Throws DataError (file:line)
+  // for a bad record when data.on_bad_record = error.
+  virtual std::optional<EffectiveBatch> next() = 0;
+  virtual LoaderCursor cursor() const = 0;
+  virtual void restore(const LoaderCursor& cursor) = 0;
+  virtual DataStats stats() const = 0;
+  // Examples per epoch (after skips), known once the files are indexed; used for the schedule's length.
+  virtual uint64_t examples_per_epoch() const = 0;
+};
+
+// Training data: data.train_files (minus data.validation_fraction), shuffled per epoch (data.shuffle) by
+// training.seed, training.batch_size examples per effective batch; the last batch of an epoch may be smaller
+// (nothing is dropped). Runs training.epochs epochs, or without end when training.max_steps > 0 (the engine
+// stops at the step count).
+std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family);
+// Validation data: data.validation_files or the held-out fraction; one pass, in file order, no shuffling;
+// `batch_size` examples per batch. Nothing when there is no validation data.
+std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const Tokenizer& tokenizer,
+                                                   DataFamily family, int64_t batch_size);
+
+// Pads to the longest sequence of these examples (never to a maximum length): input_ids with pad_id,
+// attention_mask 0/1, labels with -100; on `device`.
+struct CollatedBatch {
+  at::Tensor input_ids, attention_mask, labels;
+};
+CollatedBatch collate(std::span<const Example> examples, int32_t pad_id, const c10::Device& device);
+
+}  // namespace trainer
