@@ -97,3 +97,31 @@ TEST(IntegrationCli, UnavailableDeviceIsAClearUsageError) {
 }
 
 }  // namespace trainer::test
+
+namespace trainer::test {
+
+TEST(IntegrationModels, InspectDescribesAModelWithoutLoadingIt) {
+  auto r = run_trainer({"inspect", "configs/models/tiny-qwen2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.out.find("qwen2 (causal)") != std::string::npos) << r.out;
+  EXPECT_TRUE(r.out.find("bf16-mixed") != std::string::npos);
+  EXPECT_TRUE(r.out.find("trainable parameters") != std::string::npos);
+  auto missing = run_trainer({"inspect", "configs/models/nothing-here"});
+  EXPECT_EQ(missing.exit_code, 3);
+  EXPECT_TRUE(missing.err.find("configs/models/nothing-here") != std::string::npos);
+}
+
+TEST(IntegrationModels, GenerateChecksItsInputs) {
+  auto ok = run_trainer({"generate", "--model", "configs/models/tiny-t5", "--random-init", "--ids", "5,6,7",
+                         "--max-new-tokens", "4"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_TRUE(ok.out.starts_with("ids:")) << ok.out;
+  auto out_of_range = run_trainer({"generate", "--model", "configs/models/tiny-t5", "--random-init", "--ids", "5,999"});
+  EXPECT_EQ(out_of_range.exit_code, 2);
+  EXPECT_TRUE(out_of_range.err.find("outside the vocabulary") != std::string::npos);
+  auto no_weights = run_trainer({"generate", "--model", "configs/models/tiny-t5", "--ids", "5"});
+  EXPECT_EQ(no_weights.exit_code, 3);
+  EXPECT_TRUE(no_weights.err.find("--random-init") != std::string::npos || no_weights.err.find("model.init") != std::string::npos);
+}
+
+}  // namespace trainer::test
