@@ -245,8 +245,13 @@ class LlamaModel : public LanguageModel {
         if (!full_mask) full_mask = causal_mask(key_mask, ids.size(1), offset, std::nullopt);
         mask = *full_mask;
       }
-      x = model->layers->items[i]->forward(x, cos, sin, mask, state ? &state->keys[i] : nullptr,
-                                           state ? &state->values[i] : nullptr);
+      auto& block = model->layers->items[i];
+      if (state) {
+        x = block->forward(x, cos, sin, mask, &state->keys[i], &state->values[i]);
+      } else {
+        x = run_block([block](const std::vector<at::Tensor>& in) { return block->forward(in[0], in[1], in[2], in[3]); },
+                      {x, cos, sin, mask});
+      }
     }
     return llama_rms_norm(x, model->norm->weight, h_.eps);
   }

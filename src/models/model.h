@@ -3,6 +3,7 @@
 // outside (ARCHITECTURE.md).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,8 +34,18 @@ struct GenerationState {
   virtual ~GenerationState() = default;
 };
 
+// One transformer block as a function of its tensor inputs (hidden states first), for wrappers such as
+// activation checkpointing. It must capture nothing that needs gradients: every such tensor is an input.
+using BlockFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+// Runs a block; the default calls it. Activation checkpointing installs one that recomputes it in backward.
+using BlockRunner = std::function<at::Tensor(const BlockFn&, const std::vector<at::Tensor>&)>;
+
 class LanguageModel : public Module {
  public:
+  // Wrappers applied from outside (activation checkpointing); an empty runner calls blocks directly.
+  void set_block_runner(BlockRunner runner) { block_runner_ = std::move(runner); }
+  bool has_block_runner() const { return static_cast<bool>(block_runner_); }
+
   virtual const std::string& model_type() const = 0;
   virtual ModelFamily family() const = 0;
   virtual int64_t vocab_size() const = 0;
@@ -62,6 +73,14 @@ class LanguageModel : public Module {
   // Feeds one token (1, 1); returns the logits (1, V) of the next.
   virtual at::Tensor decode_step(GenerationState& state, const at::Tensor& token) = 0;
   virtual std::optional<int64_t> eos_token_id() const = 0;
+
+ protected:
+  at::Tensor run_block(const BlockFn& block, const std::vector<at::Tensor>& inputs) const {
+    return block_runner_ ? block_runner_(block, inputs) : block(inputs);
+  }
+
+ private:
+  BlockRunner block_runner_;
 };
 
 // The sum of token losses (fp32) and the number of target tokens of one micro-batch. The training step divides

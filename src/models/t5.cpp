@@ -218,23 +218,38 @@ class T5Stack : public Module {
     return table->forward(buckets).permute({2, 0, 1}).unsqueeze(0);
   }
 
+  // One block over the whole sequence: x (B, T, D), biases (B or 1, H or 1, T, Tk), encoder states or undefined.
+  at::Tensor block_forward(T5Block& b, const at::Tensor& input, const at::Tensor& self_bias,
+                           const at::Tensor& encoder_states, const at::Tensor& cross_bias) const {
+    auto& sa = *b.self_attention;
+    at::Tensor normed = t5_rms_norm(input, sa.layer_norm->weight, h_.eps);
+    at::Tensor x = b.residual(input, sa.attention->attend(normed, sa.attention->heads(*sa.attention->k, normed),
+                                                          sa.attention->heads(*sa.attention->v, normed), self_bias));
+    if (decoder_) {
+      auto& ca = *b.cross_attention;
+      normed = t5_rms_norm(x, ca.layer_norm->weight, h_.eps);
+      x = b.residual(x, ca.attention->attend(normed, ca.attention->heads(*ca.attention->k, encoder_states),
+                                             ca.attention->heads(*ca.attention->v, encoder_states), cross_bias));
+    }
+    auto& ff = *b.feed_forward;
+    return b.residual(x, ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps)));
+  }
+
   // Whole-sequence forward (training, evaluation, the encoder during generation). embeddings (B, T, D).
+  // `run` runs each block (directly, or through a wrapper such as activation checkpointing).
+  template <class Run>
   at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& self_bias, const at::Tensor& encoder_states,
-                     const at::Tensor& cross_bias) {
+                     const at::Tensor& cross_bias, const Run& run) {
     at::Tensor x = at::dropout(embeddings, h_.dropout, is_training());
     for (auto& b : block->items) {
-      auto& sa = *b->self_attention;
-      at::Tensor normed = t5_rms_norm(x, sa.layer_norm->weight, h_.eps);
-      x = b->residual(x, sa.attention->attend(normed, sa.attention->heads(*sa.attention->k, normed),
-                                              sa.attention->heads(*sa.attention->v, normed), self_bias));
+      std::vector<at::Tensor> inputs = {x, self_bias};
       if (decoder_) {
-        auto& ca = *b->cross_attention;
-        normed = t5_rms_norm(x, ca.layer_norm->weight, h_.eps);
-        x = b->residual(x, ca.attention->attend(normed, ca.attention->heads(*ca.attention->k, encoder_states),
-                                                ca.attention->heads(*ca.attention->v, encoder_states), cross_bias));
+        inputs.push_back(encoder_states);
+        inputs.push_back(cross_bias);
       }
-      auto& ff = *b->feed_forward;
-      x = b->residual(x, ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps)));
+      x = run([this, b](const std::vector<at::Tensor>& in) {
+        return block_forward(*b, in[0], in[1], in.size() > 2 ? in[2] : at::Tensor(), in.size() > 3 ? in[3] : at::Tensor());
+      }, inputs);
     }
     return at::dropout(t5_rms_norm(x, final_layer_norm->weight, h_.eps), h_.dropout, is_training());
   }
@@ -294,11 +309,15 @@ class T5Model : public LanguageModel {
     return shifted.masked_fill(shifted == -100, h_.pad_token_id);
   }
 
+  auto runner() const {
+    return [this](const BlockFn& fn, const std::vector<at::Tensor>& inputs) { return run_block(fn, inputs); };
+  }
+
   at::Tensor encode(const at::Tensor& input_ids, const at::Tensor& attention_mask) {
     const int64_t t = input_ids.size(1);
     const at::Tensor bias = encoder->position_bias(t, t, 0, input_ids.device()) +
                             padding_bias(attention_mask, shared->weight.scalar_type());
-    return encoder->forward(shared->forward(input_ids), bias, {}, {});
+    return encoder->forward(shared->forward(input_ids), bias, {}, {}, runner());
   }
 
   std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) override {
@@ -312,7 +331,8 @@ class T5Model : public LanguageModel {
     const at::Tensor causal = causal_mask(decoder_mask, l, 0, std::nullopt);  // (B, 1, L, L) bool
     const at::Tensor self_bias = decoder->position_bias(l, l, 0, decoder_ids.device()) + additive_mask(causal, dtype);
     const at::Tensor cross_bias = padding_bias(batch.attention_mask, dtype);
-    const at::Tensor hidden = decoder->forward(shared->forward(decoder_ids), self_bias, encoder_states, cross_bias);
+    const at::Tensor hidden =
+        decoder->forward(shared->forward(decoder_ids), self_bias, encoder_states, cross_bias, runner());
     return {hidden, batch.labels};
   }
 

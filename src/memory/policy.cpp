@@ -1,0 +1,86 @@
+// The memory policy (see policy.h).
+#include "memory/policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+namespace trainer {
+
+MemoryPolicy::MemoryPolicy(const MemoryConfig& memory, const TrainingConfig& training)
+    : memory_(memory),
+      micro_batch_(training.micro_batch_size.is_auto ? training.batch_size : training.micro_batch_size.value),
+      largest_ok_(std::numeric_limits<int64_t>::max()) {}
+
+void MemoryPolicy::set_micro_batch(int64_t n, int64_t step, const std::string& reason) {
+  if (n == micro_batch_) return;
+  adaptations_.push_back({step, micro_batch_, n, reason});
+  spdlog::warn("memory: step {}: micro-batch {} -> {} ({})", step, micro_batch_, n, reason);
+  micro_batch_ = n;
+}
+
+bool MemoryPolicy::shrink(int64_t step, const std::string& where) {
+  stable_steps_ = 0;
+  largest_ok_ = std::min(largest_ok_, micro_batch_ - 1);
+  if (memory_.on_oom == OomPolicy::kFail || micro_batch_ <= memory_.min_micro_batch_size) return false;
+  const auto smaller = std::max<int64_t>(
+      memory_.min_micro_batch_size,
+      std::min<int64_t>(micro_batch_ - 1, static_cast<int64_t>(std::floor(static_cast<double>(micro_batch_) * memory_.shrink_factor))));
+  set_micro_batch(smaller, step, "out of memory in " + where);
+  return true;
+}
+
+std::string MemoryPolicy::next_escalation(int64_t step) {
+  if (memory_.on_oom == OomPolicy::kFail) return {};
+  for (const auto& candidate : memory_.escalation) {
+    if (std::find(escalated_.begin(), escalated_.end(), candidate) != escalated_.end()) continue;
+    escalated_.push_back(candidate);
+    adaptations_.push_back({step, micro_batch_, micro_batch_, "escalate: turn on " + candidate});
+    spdlog::warn("memory: step {}: micro-batch at its floor ({}); turning on {}", step, micro_batch_, candidate);
+    return candidate;
+  }
+  return {};
+}
+
+void MemoryPolicy::step_succeeded(int64_t step, int64_t batch_size) {
+  ++stable_steps_;
+  if (memory_.regrow_after_steps <= 0 || stable_steps_ < memory_.regrow_after_steps) return;
+  stable_steps_ = 0;
+  // Grow by the inverse of the shrink factor, but never back to a size that has run out of memory.
+  const auto larger = std::min({batch_size, largest_ok_,
+                                static_cast<int64_t>(std::ceil(static_cast<double>(micro_batch_) / memory_.shrink_factor))});
+  if (larger > micro_batch_)
+    set_micro_batch(larger, step, "regrow after " + std::to_string(memory_.regrow_after_steps) + " stable steps");
+}
+
+nlohmann::json MemoryPolicy::state() const {
+  nlohmann::json adaptations = nlohmann::json::array();
+  for (const auto& a : adaptations_)
+    adaptations.push_back({{"step", a.step}, {"old", a.old_micro_batch}, {"new", a.new_micro_batch}, {"reason", a.reason}});
+  return {{"micro_batch", micro_batch_},
+          {"largest_ok", largest_ok_ == std::numeric_limits<int64_t>::max() ? -1 : largest_ok_},
+          {"escalated", escalated_},
+          {"adaptations", adaptations}};
+}
+
+void MemoryPolicy::restore(const nlohmann::json& state) {
+  micro_batch_ = state.at("micro_batch").get<int64_t>();
+  const auto largest = state.at("largest_ok").get<int64_t>();
+  largest_ok_ = largest < 0 ? std::numeric_limits<int64_t>::max() : largest;
+  escalated_ = state.at("escalated").get<std::vector<std::string>>();
+  adaptations_.clear();
+  for (const auto& a : state.at("adaptations"))
+    adaptations_.push_back({a.at("step").get<int64_t>(), a.at("old").get<int64_t>(), a.at("new").get<int64_t>(),
+                            a.at("reason").get<std::string>()});
+}
+
+std::vector<std::pair<int64_t, int64_t>> split_counts(int64_t count, int64_t micro) {
+  std::vector<std::pair<int64_t, int64_t>> parts;
+  for (int64_t begin = 0; begin < count; begin += micro) parts.emplace_back(begin, std::min(micro, count - begin));
+  return parts;
+}
+
+}  // namespace trainer

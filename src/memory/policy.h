@@ -1,0 +1,55 @@
+// The memory policy: which micro-batch the training step uses, how it shrinks after an out-of-memory error,
+// what it turns on at the floor, and when it tries a larger one again. Every decision is recorded.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "trainer/config.h"
+
+namespace trainer {
+
+struct Adaptation {
+  int64_t step = 0;
+  int64_t old_micro_batch = 0;
+  int64_t new_micro_batch = 0;
+  std::string reason;  // "out of memory in backward", "regrow after 200 stable steps", "escalate: ..."
+};
+
+class MemoryPolicy {
+ public:
+  MemoryPolicy(const MemoryConfig& memory, const TrainingConfig& training);
+
+  int64_t micro_batch() const { return micro_batch_; }
+  void set_micro_batch(int64_t n, int64_t step, const std::string& reason);
+
+  // After an out-of-memory error at `step` in `where`: a smaller micro-batch (true), or false at the floor.
+  bool shrink(int64_t step, const std::string& where);
+  // At the floor: the next escalation step from memory.escalation not yet on, or empty when none is left.
+  std::string next_escalation(int64_t step);
+  // After a step that completed; may grow the micro-batch back (memory.regrow_after_steps).
+  void step_succeeded(int64_t step, int64_t batch_size);
+
+  const std::vector<Adaptation>& adaptations() const { return adaptations_; }
+  const std::vector<std::string>& escalations() const { return escalated_; }
+
+  // The learned state, saved with checkpoints and restored on resume.
+  nlohmann::json state() const;
+  void restore(const nlohmann::json& state);
+
+ private:
+  MemoryConfig memory_;
+  int64_t micro_batch_;
+  int64_t largest_ok_;      // the largest micro-batch that has run out of memory: regrowth stays below it
+  int64_t stable_steps_ = 0;
+  std::vector<std::string> escalated_;
+  std::vector<Adaptation> adaptations_;
+};
+
+// Splits `count` examples into consecutive parts of at most `micro` (the last may be smaller).
+std::vector<std::pair<int64_t, int64_t>> split_counts(int64_t count, int64_t micro);
+
+}  // namespace trainer

@@ -1,0 +1,131 @@
+// AdamW and the learning-rate schedule (see optimizer.h).
+#include "train/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+namespace trainer {
+namespace {
+
+constexpr int64_t kChunk = 1 << 22;  // elements per update chunk: 16 MiB of fp32 scratch each
+
+}  // namespace
+
+bool decays_by_default(const std::string& name) {
+  return !(name.ends_with(".bias") || name.find("norm") != std::string::npos || name.find("embed") != std::string::npos ||
+           name == "shared.weight" || name.find("relative_attention_bias") != std::string::npos);
+}
+
+AdamW::AdamW(Module& model, const OptimizerConfig& config) : config_(config) {
+  int64_t largest = 0;
+  model.for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    if (!p.requires_grad()) return;
+    const auto options = p.options().dtype(at::kFloat);
+    slots_.push_back({name, &p, at::zeros(p.sizes(), options), at::zeros(p.sizes(), options),
+                      config.decay_norms_biases_embeddings || decays_by_default(name)});
+    largest = std::max(largest, p.numel());
+  });
+  const auto device = slots_.empty() ? at::Device(at::kCPU) : slots_.front().param->device();
+  const int64_t chunk = std::min(largest, kChunk);
+  scratch_a_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
+  scratch_b_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+void AdamW::step(double lr) {
+  at::NoGradGuard no_grad;
+  ++step_;
+  const double b1 = config_.beta1, b2 = config_.beta2;
+  const double bias1 = 1.0 - std::pow(b1, static_cast<double>(step_));
+  const double bias2_sqrt = std::sqrt(1.0 - std::pow(b2, static_cast<double>(step_)));
+  for (auto& slot : slots_) {
+    at::Tensor& p = *slot.param;
+    if (!p.grad().defined()) continue;
+    const at::Tensor param = p.view({-1}), grad = p.grad().view({-1});
+    const at::Tensor m = slot.exp_avg.view({-1}), v = slot.exp_avg_sq.view({-1});
+    const bool fp32 = p.scalar_type() == at::kFloat;
+    for (int64_t begin = 0; begin < param.numel(); begin += kChunk) {
+      const int64_t n = std::min(kChunk, param.numel() - begin);
+      at::Tensor pc = param.narrow(0, begin, n), mc = m.narrow(0, begin, n), vc = v.narrow(0, begin, n);
+      at::Tensor g = scratch_a_.narrow(0, 0, n);
+      g.copy_(grad.narrow(0, begin, n));  // fp32 whatever the gradient's dtype
+      mc.mul_(b1).add_(g, 1.0 - b1);
+      vc.mul_(b2).addcmul_(g, g, 1.0 - b2);
+      // denominator sqrt(v) / sqrt(1 - b2^t) + eps, into the first scratch (g is no longer needed)
+      at::Tensor denom = at::sqrt_out(g, vc).div_(bias2_sqrt).add_(config_.eps);
+      at::Tensor master = fp32 ? pc : scratch_b_.narrow(0, 0, n).copy_(pc);
+      if (slot.decay && config_.weight_decay > 0) master.mul_(1.0 - lr * config_.weight_decay);
+      master.addcdiv_(mc, denom, -lr / bias1);
+      if (!fp32) pc.copy_(master);
+    }
+  }
+}
+
+double AdamW::clip_grad_norm(double max_norm) {
+  at::NoGradGuard no_grad;
+  double sum_squares = 0.0;
+  for (auto& slot : slots_) {
+    const at::Tensor& g = slot.param->grad();
+    if (g.defined()) sum_squares += g.to(at::kFloat).pow(2).sum().item<double>();
+  }
+  const double norm = std::sqrt(sum_squares);
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);  // as torch.nn.utils.clip_grad_norm_
+    for (auto& slot : slots_)
+      if (slot.param->grad().defined()) slot.param->mutable_grad().mul_(scale);
+  }
+  return norm;
+}
+
+void AdamW::zero_grad() {
+  for (auto& slot : slots_) slot.param->mutable_grad() = at::Tensor();
+}
+
+int64_t AdamW::trainable_parameters() const {
+  int64_t n = 0;
+  for (const auto& slot : slots_) n += slot.param->numel();
+  return n;
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t n = 0;
+  for (const auto& slot : slots_) n += 2 * slot.exp_avg.numel() * 4;
+  return n;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> AdamW::state_tensors() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& slot : slots_) {
+    out.emplace_back("exp_avg." + slot.name, slot.exp_avg);
+    out.emplace_back("exp_avg_sq." + slot.name, slot.exp_avg_sq);
+  }
+  return out;
+}
+
+void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps) {
+  at::NoGradGuard no_grad;
+  for (auto& slot : slots_) {
+    for (const auto& [name, t] : tensors) {
+      if (name == "exp_avg." + slot.name) slot.exp_avg.copy_(t);
+      if (name == "exp_avg_sq." + slot.name) slot.exp_avg_sq.copy_(t);
+    }
+  }
+  step_ = steps;
+}
+
+double scheduled_lr(const SchedulerConfig& s, double peak_lr, int64_t step, int64_t total) {
+  int64_t warmup = s.warmup_steps;
+  if (warmup == 0 && s.warmup_ratio > 0) warmup = static_cast<int64_t>(std::ceil(s.warmup_ratio * static_cast<double>(total)));
+  // Step t (0-based) uses the rate for t + 1 steps done: warmup reaches the peak at its last step, as HF does.
+  if (warmup > 0 && step < warmup) return peak_lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  const double floor = peak_lr * s.min_lr_ratio;
+  if (s.name == SchedulerName::kConstant || total <= warmup) return peak_lr;
+  const double progress = std::clamp(static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, total - warmup)), 0.0, 1.0);
+  if (s.name == SchedulerName::kLinear) return floor + (peak_lr - floor) * (1.0 - progress);
+  return floor + (peak_lr - floor) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+}  // namespace trainer

@@ -1,0 +1,109 @@
+// The memory-adaptive training step (see step.h).
+#include "train/step.h"
+
+#include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <c10/util/Exception.h>
+#include <spdlog/spdlog.h>
+
+#include "memory/cpu_budget.h"
+#include "train/precision.h"
+
+namespace trainer {
+namespace {
+
+}  // namespace
+
+void release_cached_memory() {
+  if (at::accelerator::getAccelerator(false).has_value()) at::accelerator::emptyCache();
+}
+
+double TrainStep::forward_backward(std::span<const Example> examples, double normaliser) {
+  const CollatedBatch collated = collate(examples, options_.pad_id, options_.device);
+  const Batch batch{collated.input_ids, collated.attention_mask, collated.labels, {}};
+  if (!options_.chunked_loss) {
+    at::Tensor loss_sum;
+    {
+      AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
+      loss_sum = forward_loss(model_, batch).loss_sum;
+    }
+    (loss_sum / normaliser).backward();
+    return loss_sum.item<double>();
+  }
+  // Chunked loss: the LM head and cross-entropy run over loss_chunk_size target tokens at a time, each chunk's
+  // backward right after its forward, so the full (tokens x vocabulary) logits never exist. The gradient reaches
+  // the rest of the model through the hidden states in one backward at the end.
+  at::Tensor hidden, targets;
+  {
+    AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
+    std::tie(hidden, targets) = model_.hidden_and_targets(batch);
+  }
+  const at::Tensor flat_targets = targets.reshape({-1});
+  const at::Tensor rows = (flat_targets != -100).nonzero().reshape({-1});  // only trained positions
+  const at::Tensor detached = hidden.detach().reshape({-1, hidden.size(-1)}).requires_grad_(true);
+  double total = 0;
+  for (int64_t begin = 0; begin < rows.numel(); begin += options_.loss_chunk_size) {
+    const at::Tensor index = rows.narrow(0, begin, std::min(options_.loss_chunk_size, rows.numel() - begin));
+    at::Tensor loss_sum;
+    {
+      AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
+      const at::Tensor logits = model_.lm_head(detached.index_select(0, index));
+      loss_sum = at::cross_entropy_loss(logits.to(at::kFloat), flat_targets.index_select(0, index), {},
+                                        at::Reduction::Sum, -100);
+    }
+    (loss_sum / normaliser).backward();
+    total += loss_sum.item<double>();
+  }
+  if (detached.grad().defined()) hidden.backward(detached.grad().reshape(hidden.sizes()));
+  return total;
+}
+
+StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) {
+  const std::span<const Example> examples(batch.examples);
+  const double normaliser = static_cast<double>(std::max<int64_t>(1, batch.target_tokens));
+  StepResult result;
+  for (int64_t attempt = 0;; ++attempt) {
+    std::string phase = "forward/backward";
+    try {
+      optimizer_.zero_grad();
+      double loss_sum = 0;
+      const auto parts = split_counts(static_cast<int64_t>(examples.size()), policy_.micro_batch());
+      for (const auto& [begin, count] : parts)
+        loss_sum += forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+                                     normaliser);
+      phase = "the optimizer step";
+      result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
+      optimizer_.step(lr);
+      result.loss = loss_sum / normaliser;
+      result.micro_batch = policy_.micro_batch();
+      result.micro_steps = static_cast<int64_t>(parts.size());
+      result.retries = attempt;
+      result.target_tokens = batch.target_tokens;
+      policy_.step_succeeded(step, static_cast<int64_t>(examples.size()));
+      return result;
+    } catch (const c10::OutOfMemoryError& e) {
+      // The attempt's activations were freed while unwinding; drop its gradients too. No parameter has changed:
+      // the update allocates nothing, and everything before it only reads the parameters.
+      optimizer_.zero_grad();
+      release_cached_memory();
+      spdlog::debug("out of memory in {}: {}", phase, e.what_without_backtrace());
+      if (attempt + 1 > options_.max_retries)
+        throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
+                                     std::to_string(attempt + 1) + " attempts (memory.max_retries)",
+                                 "raise memory.max_retries or memory.limit");
+      if (policy_.shrink(step, phase)) continue;
+      const std::string escalation = policy_.next_escalation(step);
+      if (escalation == "chunked_loss" && !options_.chunked_loss) {
+        options_.chunked_loss = true;
+        continue;
+      }
+      if (!escalation.empty()) continue;  // a step already on or not applicable: try the next one
+      throw OutOfMemoryAtFloor("out of memory in " + phase + " at step " + std::to_string(step) +
+                                   " with micro-batch " + std::to_string(policy_.micro_batch()) +
+                                   " and every escalation used: " + std::string(e.what_without_backtrace()).substr(0, 300),
+                               "");
+    }
+  }
+}
+
+}  // namespace trainer

@@ -1,0 +1,73 @@
+// The memory-adaptive training step: one effective batch, split into micro-batches by the memory policy,
+// gradients accumulated with the loss normalised by the effective batch's target tokens, then clipping and the
+// optimizer update. On c10::OutOfMemoryError anywhere in it, everything of the attempt is dropped, the policy
+// shrinks (or escalates), and the same effective batch runs again: the result is the step a run without the error
+// would have taken.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+#include <c10/core/Device.h>
+
+#include "memory/policy.h"
+#include "models/model.h"
+#include "train/optimizer.h"
+#include "trainer/config.h"
+#include "trainer/data.h"
+#include "trainer/errors.h"
+
+namespace trainer {
+
+// Out of memory with the micro-batch at its floor and every escalation used: exit code 4.
+class OutOfMemoryAtFloor : public Error {
+ public:
+  using Error::Error;
+  ExitCode exit_code() const override { return kExitOutOfMemory; }
+};
+
+struct StepResult {
+  double loss = 0;         // mean loss per target token of the effective batch
+  double grad_norm = 0;    // before clipping
+  int64_t micro_batch = 0;
+  int64_t micro_steps = 0; // forward/backward passes of the successful attempt
+  int64_t retries = 0;     // attempts lost to out-of-memory errors
+  int64_t target_tokens = 0;
+};
+
+struct StepOptions {
+  c10::Device device{c10::kCPU};
+  int32_t pad_id = 0;
+  PrecisionMode precision = PrecisionMode::kFp32;
+  double max_grad_norm = 1.0;
+  int64_t max_retries = 8;
+  bool chunked_loss = false;
+  int64_t loss_chunk_size = 1024;
+};
+
+class TrainStep {
+ public:
+  TrainStep(LanguageModel& model, AdamW& optimizer, MemoryPolicy& policy, StepOptions options)
+      : model_(model), optimizer_(optimizer), policy_(policy), options_(std::move(options)) {}
+
+  StepResult run(const EffectiveBatch& batch, int64_t step, double lr);
+
+  // The summed loss of some examples, with gradients (scaled by 1/normaliser) accumulated into the parameters.
+  double forward_backward(std::span<const Example> examples, double normaliser);
+
+  bool chunked_loss() const { return options_.chunked_loss; }
+  void set_chunked_loss(bool on) { options_.chunked_loss = on; }
+
+ private:
+  LanguageModel& model_;
+  AdamW& optimizer_;
+  MemoryPolicy& policy_;
+  StepOptions options_;
+};
+
+// Releases cached device memory after an out-of-memory error (no-op on the CPU).
+void release_cached_memory();
+
+}  // namespace trainer
