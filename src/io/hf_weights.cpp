@@ -7,10 +7,13 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <set>
 
 #include "trainer/errors.h"
@@ -166,9 +169,14 @@ void fsync_directory(const fs::path& dir) {
   ::close(fd);
 }
 
+// model.safetensors or model-DDDDD-of-DDDDD.safetensors: the names a save of ours (or of transformers) owns.
 bool is_weight_file_name(const std::string& name) {
-  static const std::regex pattern(R"(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors)");
-  return std::regex_match(name, pattern);
+  if (name == kWeightsFileName) return true;
+  const std::string shape = "model-#####-of-#####.safetensors";
+  if (name.size() != shape.size()) return false;
+  for (std::size_t i = 0; i < name.size(); ++i)
+    if (shape[i] == '#' ? !std::isdigit(static_cast<unsigned char>(name[i])) : name[i] != shape[i]) return false;
+  return true;
 }
 
 }  // namespace

@@ -34,7 +34,9 @@ TEST(SafetensorsExternal, RewritesEveryFileOfTheDirectory) {
       const at::Tensor view = file.view(info.name);
       ASSERT_EQ(loaded.scalar_type(), view.scalar_type()) << info.name;
       ASSERT_EQ(loaded.sizes(), view.sizes()) << info.name;
-      ASSERT_EQ(std::memcmp(loaded.const_data_ptr(), view.const_data_ptr(), info.nbytes()), 0) << info.name;
+      if (info.nbytes() > 0) {  // empty tensors may have no data pointer at all
+        ASSERT_EQ(std::memcmp(loaded.const_data_ptr(), view.const_data_ptr(), info.nbytes()), 0) << info.name;
+      }
       tensors.emplace_back(info.name, loaded);
     }
     auto metadata = file.metadata();

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <random>
 
 #include "support/temp_dir.h"
@@ -98,7 +99,9 @@ TEST(SafetensorsFuzz, MutatedFilesLoadOrThrowDataError) {
         const at::Tensor view = file.view(info.name);
         const at::Tensor copy = file.load(info.name);
         ASSERT_EQ(view.numel() * view.element_size(), static_cast<int64_t>(info.nbytes()));
-        ASSERT_EQ(std::memcmp(view.const_data_ptr(), copy.const_data_ptr(), info.nbytes()), 0);
+        if (info.nbytes() > 0) {  // empty tensors may have no data pointer at all
+          ASSERT_EQ(std::memcmp(view.const_data_ptr(), copy.const_data_ptr(), info.nbytes()), 0);
+        }
       }
       ++loaded;
     } catch (const DataError&) {
