@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "memory/cpu_budget.h"
+#include "train/checkpointing.h"
 #include "train/precision.h"
 
 namespace trainer {
@@ -93,11 +94,14 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
                                  "raise memory.max_retries or memory.limit");
       if (policy_.shrink(step, phase)) continue;
       const std::string escalation = policy_.next_escalation(step);
-      if (escalation == "chunked_loss" && !options_.chunked_loss) {
+      if (escalation == "chunked_loss") {
         options_.chunked_loss = true;
         continue;
       }
-      if (!escalation.empty()) continue;  // a step already on or not applicable: try the next one
+      if (escalation == "activation_checkpointing") {
+        if (!model_.has_block_runner()) apply_activation_checkpointing(model_);
+        continue;
+      }
       throw OutOfMemoryAtFloor("out of memory in " + phase + " at step " + std::to_string(step) +
                                    " with micro-batch " + std::to_string(policy_.micro_batch()) +
                                    " and every escalation used: " + std::string(e.what_without_backtrace()).substr(0, 300),

@@ -1,0 +1,285 @@
+// The training loop (see trainer.h).
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+
+#include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "memory/cpu_budget.h"
+#include "memory/policy.h"
+#include "models/weights.h"
+#include "train/checkpointing.h"
+#include "train/optimizer.h"
+#include "train/step.h"
+#include "trainer/data.h"
+#include "trainer/tokenizer.h"
+
+namespace trainer {
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct MemoryNow {
+  int64_t allocated = 0, peak = 0;
+};
+
+MemoryNow memory_now(const c10::Device& device) {
+  if (device.is_cpu()) {
+    const auto stats = cpu_memory_stats();
+    return {stats.allocated, stats.peak};
+  }
+  const auto stats = at::accelerator::getDeviceStats(device.index());
+  return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};
+}
+
+// Examples of the longest lengths the config allows: the worst case micro_batch_size=auto must fit.
+std::vector<Example> worst_case_examples(const Config& config, DataFamily family, int64_t count, int32_t token) {
+  Example e;
+  if (family == DataFamily::kSeq2Seq) {
+    e.input_ids.assign(static_cast<std::size_t>(config.data.max_input_length), token);
+    e.labels.assign(static_cast<std::size_t>(config.data.max_target_length), token);
+  } else {
+    e.input_ids.assign(static_cast<std::size_t>(config.data.max_length), token);
+    e.labels = e.input_ids;
+  }
+  return std::vector<Example>(static_cast<std::size_t>(count), e);
+}
+
+// The largest micro-batch whose forward and backward at maximum lengths fit: doubling, then bisecting between
+// the last fit and the first failure, then the safety margin (memory.auto_safety_margin) off.
+int64_t probe_micro_batch(TrainStep& step, AdamW& optimizer, const Config& config, DataFamily family) {
+  const int64_t batch_size = config.training.batch_size;
+  auto fits = [&](int64_t n) {
+    const auto examples = worst_case_examples(config, family, n, 5);
+    try {
+      step.forward_backward(examples, 1.0);
+      optimizer.zero_grad();
+      return true;
+    } catch (const c10::OutOfMemoryError&) {
+      optimizer.zero_grad();
+      release_cached_memory();
+      return false;
+    }
+  };
+  int64_t good = 0, bad = batch_size + 1;
+  for (int64_t n = 1; n <= batch_size; n *= 2) {
+    if (!fits(n)) {
+      bad = n;
+      break;
+    }
+    good = n;
+    if (n * 2 > batch_size && n < batch_size) {
+      if (fits(batch_size)) good = batch_size;
+      else bad = batch_size;
+      break;
+    }
+  }
+  while (bad - good > 1) {
+    const int64_t mid = (good + bad) / 2;
+    (fits(mid) ? good : bad) = mid;
+  }
+  if (good == 0) return 0;
+  const auto with_margin = static_cast<int64_t>(std::floor(static_cast<double>(good) * (1.0 - config.memory.auto_safety_margin)));
+  spdlog::info("micro_batch_size=auto: {} fits at maximum lengths ({} with the {:.0f}% safety margin)", good,
+               std::max<int64_t>(1, with_margin), 100 * config.memory.auto_safety_margin);
+  return std::max<int64_t>(1, with_margin);
+}
+
+struct EvalResult {
+  double loss = 0;
+  int64_t tokens = 0;
+};
+
+// Validation loss with its own micro-batch: an out-of-memory error halves it and retries the same batch,
+// and never touches the training policy.
+EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, const Config& config,
+                    const c10::Device& device, int32_t pad_id) {
+  at::NoGradGuard no_grad;
+  model.train(false);
+  EvalResult result;
+  double loss_sum = 0;
+  int64_t batches = 0;
+  while (auto batch = loader.next()) {
+    for (;;) {
+      try {
+        double part_sum = 0;
+        int64_t part_tokens = 0;
+        const std::span<const Example> examples(batch->examples);
+        for (const auto& [begin, count] : split_counts(static_cast<int64_t>(examples.size()), micro)) {
+          const auto collated = collate(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+                                        pad_id, device);
+          const auto out = forward_loss(model, {collated.input_ids, collated.attention_mask, collated.labels, {}});
+          part_sum += out.loss_sum.item<double>();
+          part_tokens += out.target_tokens;
+        }
+        loss_sum += part_sum;
+        result.tokens += part_tokens;
+        break;
+      } catch (const c10::OutOfMemoryError&) {
+        release_cached_memory();
+        if (micro <= 1) throw;
+        spdlog::warn("evaluation: out of memory; evaluation micro-batch {} -> {}", micro, micro / 2);
+        micro /= 2;
+      }
+    }
+    if (config.evaluation.max_batches > 0 && ++batches >= config.evaluation.max_batches) break;
+  }
+  model.train(true);
+  result.loss = result.tokens ? loss_sum / static_cast<double>(result.tokens) : 0.0;
+  return result;
+}
+
+}  // namespace
+
+int train(const Config& config, const ResolvedDevice& resolved, std::ostream& out) {
+  const c10::Device device = resolved.device;
+  if (device.is_cpu() && config.memory.limit.bytes > 0)
+    set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
+  const auto start = Clock::now();
+
+  const auto tokenizer = load_tokenizer(config.tokenizer.path.empty() ? config.model.path : config.tokenizer.path,
+                                        config.tokenizer.kind);
+  const auto dtype = config.precision.mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat;
+  auto model = load_model(config.model.path, config.model.init, at::TensorOptions().dtype(dtype).device(device),
+                          static_cast<uint64_t>(config.training.seed));
+  model->train(true);
+  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  if (config.training.activation_checkpointing) apply_activation_checkpointing(*model);
+  const DataFamily family = model->family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
+  if (tokenizer->vocab_size() > model->vocab_size())
+    throw DataError("the tokenizer " + tokenizer->source() + " has " + std::to_string(tokenizer->vocab_size()) +
+                        " tokens but the model's vocabulary has " + std::to_string(model->vocab_size()),
+                    "tokenizer.path must belong to model.path");
+  const int32_t pad_id = tokenizer->pad_id().value_or(tokenizer->eos_id().value_or(0));
+
+  auto loader = make_train_loader(config, *tokenizer, family);
+  const int64_t per_epoch = static_cast<int64_t>(
+      (loader->examples_per_epoch() + static_cast<uint64_t>(config.training.batch_size) - 1) /
+      static_cast<uint64_t>(config.training.batch_size));
+  const int64_t total_steps = config.training.max_steps > 0 ? config.training.max_steps : per_epoch * config.training.epochs;
+
+  std::unique_ptr<AdamW> optimizer;
+  try {
+    optimizer = std::make_unique<AdamW>(*model, config.optimizer);
+  } catch (const c10::OutOfMemoryError&) {
+    throw OutOfMemoryAtFloor("the AdamW state (two fp32 moments per trainable parameter) does not fit next to the model",
+                             "use LoRA (lora.enabled), a larger memory.limit or a larger device");
+  }
+  MemoryPolicy policy(config.memory, config.training);
+  StepOptions options;
+  options.device = device;
+  options.pad_id = pad_id;
+  options.precision = config.precision.mode;
+  options.max_grad_norm = config.training.max_grad_norm;
+  options.max_retries = config.memory.max_retries;
+  options.chunked_loss = config.training.chunked_loss;
+  options.loss_chunk_size = config.training.loss_chunk_size;
+  TrainStep step(*model, *optimizer, policy, options);
+  if (config.training.micro_batch_size.is_auto) {
+    const int64_t probed = probe_micro_batch(step, *optimizer, config, family);
+    if (probed == 0)
+      throw OutOfMemoryAtFloor("not even one example of the maximum lengths fits for micro_batch_size=auto",
+                               "lower data.max_length / max_input_length / max_target_length, turn on "
+                               "training.activation_checkpointing and training.chunked_loss, or raise memory.limit");
+    policy.set_micro_batch(probed, 0, "micro_batch_size=auto probe");
+  }
+
+  std::unique_ptr<DataLoader> validation;
+  int64_t eval_micro = config.evaluation.micro_batch_size.is_auto ? policy.micro_batch()
+                                                                  : config.evaluation.micro_batch_size.value;
+  const fs::path output_dir(config.checkpoint.output_dir);
+  fs::create_directories(output_dir);
+  std::ofstream metrics;
+  if (config.logging.metrics_jsonl) metrics.open(output_dir / "metrics.jsonl", std::ios::app);
+
+  out << "Training " << model->model_type() << " (" << count_parameters(*model) << " parameters, "
+      << optimizer->trainable_parameters() << " trainable) for " << total_steps << " steps of "
+      << config.training.batch_size << " examples; micro-batch " << policy.micro_batch() << "\n";
+  int64_t tokens_seen = 0;
+  int64_t step_index = 0;
+  auto window_start = Clock::now();
+  int64_t window_tokens = 0;
+  double last_eval = std::nan("");
+  while (step_index < total_steps) {
+    auto batch = loader->next();
+    if (!batch) break;
+    const double lr = scheduled_lr(config.scheduler, config.optimizer.lr, step_index, total_steps);
+    StepResult result;
+    try {
+      result = step.run(*batch, step_index + 1, lr);
+    } catch (const OutOfMemoryAtFloor&) {
+      const auto saved = output_dir / "last-completed-step";
+      save_model(*model, saved.string(), config.checkpoint.max_shard_size.bytes);
+      spdlog::error("memory report: weights+grads+optimizer in use {}; peak {}; AdamW state {}; micro-batch {}; "
+                    "escalations used: {}. The model of step {} is in {}",
+                    human_bytes(static_cast<double>(memory_now(device).allocated)),
+                    human_bytes(static_cast<double>(memory_now(device).peak)),
+                    human_bytes(static_cast<double>(optimizer->state_bytes())), policy.micro_batch(),
+                    policy.escalations().size(), step_index, saved.string());
+      throw;
+    }
+    ++step_index;
+    tokens_seen += result.target_tokens;
+    window_tokens += result.target_tokens;
+    const auto memory = memory_now(device);
+    if (metrics.is_open()) {
+      metrics << nlohmann::json{{"step", step_index}, {"loss", result.loss}, {"lr", lr},
+                                {"grad_norm", result.grad_norm}, {"tokens", tokens_seen},
+                                {"micro_batch", result.micro_batch}, {"micro_steps", result.micro_steps},
+                                {"oom_retries", result.retries}, {"memory_allocated", memory.allocated},
+                                {"memory_peak", memory.peak}}
+                     .dump()
+              << "\n";
+    }
+    if (step_index % config.logging.every_steps == 0 || step_index == total_steps) {
+      const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
+      spdlog::info("step {}/{} loss {:.4f} lr {:.2e} grad_norm {:.3f} tokens/s {:.0f} memory {} (peak {}) micro-batch {} x {}",
+                   step_index, total_steps, result.loss, lr, result.grad_norm,
+                   seconds > 0 ? static_cast<double>(window_tokens) / seconds : 0.0,
+                   human_bytes(static_cast<double>(memory.allocated)), human_bytes(static_cast<double>(memory.peak)),
+                   result.micro_batch, result.micro_steps);
+      window_start = Clock::now();
+      window_tokens = 0;
+    }
+    const bool eval_now = config.evaluation.every_steps > 0 && step_index % config.evaluation.every_steps == 0;
+    if (eval_now || step_index == total_steps) {
+      validation = make_validation_loader(config, *tokenizer, family, config.training.batch_size);
+      if (validation) {
+        const auto eval = evaluate(*model, *validation, eval_micro, config, device, pad_id);
+        last_eval = eval.loss;
+        spdlog::info("eval step {}: loss {:.4f} perplexity {:.2f} ({} tokens)", step_index, eval.loss,
+                     std::exp(eval.loss), eval.tokens);
+        if (metrics.is_open())
+          metrics << nlohmann::json{{"step", step_index}, {"eval_loss", eval.loss}}.dump() << "\n";
+      }
+    }
+  }
+
+  if (config.checkpoint.save_final) save_model(*model, (output_dir / "final").string(), config.checkpoint.max_shard_size.bytes);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const auto stats = loader->stats();
+  out << "\nDone: " << step_index << " steps, " << tokens_seen << " target tokens in " << seconds << " s ("
+      << (seconds > 0 ? static_cast<double>(tokens_seen) / seconds : 0.0) << " tokens/s)\n";
+  if (!std::isnan(last_eval)) out << "  validation loss " << last_eval << "\n";
+  out << "  records " << stats.records_read << ", bad records skipped " << stats.bad_records_skipped << ", truncated "
+      << stats.truncated << ", too long and skipped " << stats.overlength_skipped << "\n";
+  out << "  peak memory " << human_bytes(static_cast<double>(memory_now(device).peak)) << "; micro-batch adaptations: "
+      << policy.adaptations().size() << "\n";
+  for (const auto& a : policy.adaptations())
+    out << "    step " << a.step << ": " << a.old_micro_batch << " -> " << a.new_micro_batch << " (" << a.reason << ")\n";
+  if (config.checkpoint.save_final) out << "  model saved to " << (output_dir / "final").string() << "\n";
+  return kExitOk;
+}
+
+}  // namespace trainer
