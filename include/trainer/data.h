@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <optional>
 #include <span>
@@ -90,5 +91,13 @@ struct CollatedBatch {
   at::Tensor input_ids, attention_mask, labels;
 };
 CollatedBatch collate(std::span<const Example> examples, int32_t pad_id, const c10::Device& device);
+
+}  // namespace trainer
+
+namespace trainer {
+
+// `trainer data`: streams train (and validation) data once through the loader and collation, and prints the
+// counts, the first problems and the throughput. Returns the exit code; throws DataError for bad data.
+int run_data(const Config& config, std::ostream& out);
 
 }  // namespace trainer

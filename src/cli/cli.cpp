@@ -12,6 +12,7 @@
 #include "models/weights.h"
 #include "trainer/cli.h"
 #include "trainer/config.h"
+#include "trainer/data.h"
 #include "trainer/errors.h"
 #include "trainer/run.h"
 #include "trainer/version.h"
@@ -107,6 +108,16 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");
   train->footer(kExitCodeHelp);
 
+  std::string data_config_path;
+  std::vector<std::string> data_overrides;
+  auto* data_cmd = app.add_subcommand("data", "Stream the configured data once through the loader: counts, bad "
+                                              "records (file:line), truncation, throughput; trains nothing");
+  data_cmd->add_option("-c,--config", data_config_path, "JSON config file")->required();
+  data_cmd->add_option("--set", data_overrides, "Override one key: --set data.num_workers=4 (repeatable)")
+      ->type_name("SECTION.KEY=VALUE")
+      ->allow_extra_args(false);
+  data_cmd->footer(kExitCodeHelp);
+
   InspectOptions inspect_options;
   std::string inspect_dir;
   auto* inspect = app.add_subcommand("inspect", "Describe a Hugging Face model directory: architecture, parameters, "
@@ -137,7 +148,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   std::vector<std::string> args;
   for (int i = argc - 1; i > 0; --i) args.emplace_back(argv[i]);  // CLI11 takes them reversed
   const bool has_subcommand =
-      !args.empty() && (args.back() == "train" || args.back() == "inspect" || args.back() == "generate" ||
+      !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "inspect" || args.back() == "generate" ||
                         is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
 
@@ -176,6 +187,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     }
     return run_train(config, train_options, out);
   }
+  if (data_cmd->parsed()) return run_data(load_config(data_config_path, data_overrides), out);
   if (inspect->parsed()) {
     inspect_model(inspect_dir, inspect_options, out);
     return kExitOk;

@@ -1,0 +1,91 @@
+// `trainer data --config FILE`: streams the configured data once through the real loader (same tokenizer, field
+// mapping, length policy and collation as training) and prints the counts, the first problems and the
+// throughput. For checking a data set before spending GPU time on it, and for the loader benchmark.
+#include <sys/resource.h>
+
+#include <chrono>
+#include <fstream>
+#include <ostream>
+
+#include <fmt/format.h>
+
+#include "trainer/data.h"
+#include "trainer/errors.h"
+#include "trainer/model_dir.h"
+
+namespace trainer {
+namespace {
+
+// Peak resident memory of this process (VmHWM), in bytes.
+std::uint64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
+}
+
+struct PassResult {
+  DataStats stats;
+  std::uint64_t batches = 0, tokens = 0, target_tokens = 0, padded_tokens = 0;
+  double seconds = 0;
+};
+
+PassResult stream_all(DataLoader& loader, int32_t pad_id) {
+  PassResult result;
+  const auto start = std::chrono::steady_clock::now();
+  while (auto batch = loader.next()) {
+    ++result.batches;
+    result.target_tokens += static_cast<std::uint64_t>(batch->target_tokens);
+    for (const auto& e : batch->examples) result.tokens += e.input_ids.size() + e.labels.size();
+    const CollatedBatch collated = collate(batch->examples, pad_id, c10::Device(c10::kCPU));
+    result.padded_tokens += static_cast<std::uint64_t>(collated.input_ids.numel() + collated.labels.numel());
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.stats = loader.stats();
+  return result;
+}
+
+void print_pass(const char* name, const PassResult& r, std::ostream& out) {
+  const DataStats& s = r.stats;
+  const double seconds = std::max(r.seconds, 1e-9);
+  out << fmt::format("{}:\n", name);
+  out << fmt::format("  records read        {}\n", s.records_read);
+  out << fmt::format("  examples            {}\n", s.examples);
+  out << fmt::format("  bad records skipped {}\n", s.bad_records_skipped);
+  out << fmt::format("  truncated           {}\n", s.truncated);
+  out << fmt::format("  over-length skipped {}\n", s.overlength_skipped);
+  out << fmt::format("  batches             {}\n", r.batches);
+  out << fmt::format("  tokens              {} ({} target; {:.1f}% padding after collation)\n", r.tokens,
+                     r.target_tokens,
+                     r.padded_tokens ? 100.0 * (1.0 - static_cast<double>(r.tokens) / static_cast<double>(r.padded_tokens)) : 0.0);
+  out << fmt::format("  time                {:.2f} s: {:.0f} examples/s, {:.0f} tokens/s\n", r.seconds,
+                     static_cast<double>(s.examples) / seconds, static_cast<double>(r.tokens) / seconds);
+  for (const auto& problem : s.first_problems) out << "  problem: " << problem << "\n";
+}
+
+}  // namespace
+
+int run_data(const Config& config, std::ostream& out) {
+  const ModelDirInfo model = inspect_model_dir(config.model.path, false);
+  const std::string tokenizer_path = config.tokenizer.path.empty() ? model.dir : config.tokenizer.path;
+  const auto tokenizer = load_tokenizer(tokenizer_path, config.tokenizer.kind);
+  const DataFamily family = model.family == "seq2seq" ? DataFamily::kSeq2Seq : DataFamily::kCausal;
+  const int32_t pad_id = tokenizer->pad_id().value_or(tokenizer->eos_id().value_or(0));
+
+  // One pass, whatever the run length says.
+  Config one_pass = config;
+  one_pass.training.max_steps = 0;
+  one_pass.training.epochs = 1;
+  out << fmt::format("data: {} model ({}), tokenizer {}, {} worker(s), batch_size {}\n", model.family,
+                     model.model_type, tokenizer->source(), config.data.num_workers, config.training.batch_size);
+  auto train = make_train_loader(one_pass, *tokenizer, family);
+  out << fmt::format("train: {} records per epoch\n", train->examples_per_epoch());
+  print_pass("train", stream_all(*train, pad_id), out);
+  if (auto validation = make_validation_loader(one_pass, *tokenizer, family, config.training.batch_size))
+    print_pass("validation", stream_all(*validation, pad_id), out);
+  out << fmt::format("peak RSS {:.1f} MiB\n", static_cast<double>(peak_rss_bytes()) / (1024.0 * 1024.0));
+  return kExitOk;
+}
+
+}  // namespace trainer

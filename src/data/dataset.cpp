@@ -1,0 +1,191 @@
+// Record selection and epoch order (see dataset.h).
+#include "data/dataset.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "trainer/errors.h"
+
+namespace trainer::data {
+namespace {
+
+constexpr std::uint64_t kSplitSalt = 0x5EEDC0DE5911700Dull;
+constexpr std::uint64_t kEpochSalt = 0xE90C4E90C4E90C4Eull;
+
+// Indexed files: each record is read at its offset, so any order costs the same.
+class IndexedStream final : public RecordStream {
+ public:
+  IndexedStream(std::shared_ptr<const Dataset> dataset, bool shuffle, std::uint64_t seed, std::int64_t epoch,
+                std::uint64_t start_slot)
+      : dataset_(std::move(dataset)), shuffle_(shuffle), slot_(start_slot), files_(dataset_->files.size()) {
+    if (shuffle_) {
+      order_ = Permutation(dataset_->size(), mix_seed(seed, kEpochSalt, static_cast<std::uint64_t>(epoch)));
+    } else if (dataset_->subset != Dataset::Subset::kAll) {
+      // File order over a subset: walk to the start_slot-th record of the subset.
+      std::uint64_t seen = 0;
+      while (seen < start_slot && next_g_ < dataset_->total()) seen += dataset_->contains(next_g_++) ? 1 : 0;
+    } else {
+      next_g_ = start_slot;
+    }
+  }
+
+  bool next(RawRecord& record) override {
+    if (slot_ >= dataset_->size()) return false;
+    const std::uint64_t g = record_at_next_slot();
+    const std::uint32_t f = dataset_->file_of(g);
+    const FileIndex& file = dataset_->files[f];
+    const std::uint64_t local = g - dataset_->first[f];
+    const std::uint64_t end = local + 1 < file.records ? file.offsets[local + 1] : file.file_size;
+    if (!files_[f]) files_[f] = std::make_unique<RandomAccessFile>(file.path);
+    record.slot = slot_++;
+    record.file = f;
+    record.offset = file.offsets[local];
+    record.line = 0;
+    files_[f]->read_record(record.offset, end, record.text);
+    return true;
+  }
+
+ private:
+  std::uint64_t record_at_next_slot() {
+    const Dataset& d = *dataset_;
+    if (shuffle_) {
+      const std::uint64_t k = order_(slot_);
+      switch (d.subset) {
+        case Dataset::Subset::kAll: return k;
+        case Dataset::Subset::kTrain: return d.split.inverse(d.held_out + k);
+        case Dataset::Subset::kHeldOut: return d.split.inverse(k);
+      }
+    }
+    while (!d.contains(next_g_)) ++next_g_;
+    return next_g_++;
+  }
+
+  std::shared_ptr<const Dataset> dataset_;
+  bool shuffle_;
+  std::uint64_t slot_;
+  Permutation order_;
+  std::uint64_t next_g_ = 0;
+  std::vector<std::unique_ptr<RandomAccessFile>> files_;
+};
+
+// Gzip files: read in order; shuffling draws from a bounded buffer (as tf.data and HF IterableDataset do).
+class StreamedStream final : public RecordStream {
+ public:
+  StreamedStream(std::shared_ptr<const Dataset> dataset, bool shuffle, std::uint64_t seed, std::int64_t epoch,
+                 std::uint64_t start_slot)
+      : dataset_(std::move(dataset)),
+        shuffle_(shuffle),
+        rng_(mix_seed(seed, kEpochSalt, static_cast<std::uint64_t>(epoch))),
+        start_slot_(start_slot) {}
+
+  bool next(RawRecord& record) override {
+    for (;;) {
+      if (!draw(record)) return false;
+      if (record.slot >= start_slot_) return true;  // earlier slots were handed out before the resume
+    }
+  }
+
+ private:
+  // The next record in the epoch's order, whatever its slot.
+  bool draw(RawRecord& record) {
+    if (!shuffle_) {
+      if (!read_selected(record)) return false;
+      record.slot = slot_++;
+      return true;
+    }
+    while (!exhausted_ && buffer_.size() < kShuffleBufferRecords) {
+      RawRecord incoming;
+      if (!read_selected(incoming)) {
+        exhausted_ = true;
+        break;
+      }
+      buffer_.push_back(std::move(incoming));
+    }
+    if (buffer_.empty()) return false;
+    const std::size_t j = static_cast<std::size_t>(rng_() % buffer_.size());
+    std::swap(buffer_[j], buffer_.back());
+    record = std::move(buffer_.back());
+    buffer_.pop_back();
+    record.slot = slot_++;
+    return true;
+  }
+
+  // The next record of the files in order that belongs to the subset.
+  bool read_selected(RawRecord& record) {
+    for (;;) {
+      if (!reader_) {
+        if (file_ >= dataset_->files.size()) return false;
+        reader_ = std::make_unique<LineReader>(dataset_->files[file_].path);
+      }
+      if (!reader_->next(record.text, record.line, record.offset)) {
+        reader_.reset();
+        ++file_;
+        continue;
+      }
+      const std::uint64_t g = g_++;
+      if (!dataset_->contains(g)) continue;
+      record.file = static_cast<std::uint32_t>(file_);
+      return true;
+    }
+  }
+
+  std::shared_ptr<const Dataset> dataset_;
+  bool shuffle_;
+  std::mt19937_64 rng_;
+  std::uint64_t start_slot_;
+  std::uint64_t slot_ = 0, g_ = 0;
+  std::size_t file_ = 0;
+  std::unique_ptr<LineReader> reader_;
+  std::vector<RawRecord> buffer_;
+  bool exhausted_ = false;
+};
+
+// Ends another stream before a slot (a length-grouping mega-batch reads only its own slots).
+class LimitedStream final : public RecordStream {
+ public:
+  LimitedStream(std::unique_ptr<RecordStream> inner, std::uint64_t end_slot)
+      : inner_(std::move(inner)), end_slot_(end_slot) {}
+  bool next(RawRecord& record) override { return inner_->next(record) && record.slot < end_slot_; }
+
+ private:
+  std::unique_ptr<RecordStream> inner_;
+  std::uint64_t end_slot_;
+};
+
+}  // namespace
+
+std::uint32_t Dataset::file_of(std::uint64_t g) const {
+  const auto it = std::upper_bound(first.begin(), first.end(), g);
+  return static_cast<std::uint32_t>(it - first.begin() - 1);
+}
+
+std::shared_ptr<Dataset> open_dataset(const std::vector<std::string>& files, Dataset::Subset subset, double fraction,
+                                      std::uint64_t split_seed) {
+  auto dataset = std::make_shared<Dataset>();
+  dataset->first.push_back(0);
+  for (const auto& path : files) {
+    dataset->files.push_back(index_file(path));
+    dataset->streamed = dataset->streamed || dataset->files.back().gzip;
+    dataset->first.push_back(dataset->first.back() + dataset->files.back().records);
+  }
+  dataset->subset = subset;
+  if (subset != Dataset::Subset::kAll) {
+    dataset->held_out = static_cast<std::uint64_t>(std::floor(fraction * static_cast<double>(dataset->total())));
+    dataset->split = Permutation(dataset->total(), mix_seed(split_seed, kSplitSalt));
+  }
+  return dataset;
+}
+
+std::unique_ptr<RecordStream> open_epoch(std::shared_ptr<const Dataset> dataset, bool shuffle, std::uint64_t seed,
+                                         std::int64_t epoch, std::uint64_t start_slot, std::uint64_t end_slot) {
+  std::unique_ptr<RecordStream> stream;
+  if (dataset->streamed)
+    stream = std::make_unique<StreamedStream>(std::move(dataset), shuffle, seed, epoch, start_slot);
+  else
+    stream = std::make_unique<IndexedStream>(std::move(dataset), shuffle, seed, epoch, start_slot);
+  if (end_slot == UINT64_MAX) return stream;
+  return std::make_unique<LimitedStream>(std::move(stream), end_slot);
+}
+
+}  // namespace trainer::data

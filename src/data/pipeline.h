@@ -1,0 +1,75 @@
+// The threaded part of the loader: one reader thread cuts the epoch's record stream into numbered chunks,
+// worker threads map them (parse + tokenize), and the consumer takes the results back in chunk order. The
+// number of chunks in flight is bounded (backpressure), so memory does not depend on the data's size, and the
+// output is the same for any number of workers.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "data/dataset.h"
+#include "data/record.h"
+
+namespace trainer::data {
+
+struct MappedRecord {
+  std::uint64_t slot = 0;
+  std::uint32_t file = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t line = 0;
+  Outcome outcome;
+};
+
+using MapFunction = std::function<Outcome(std::string_view)>;
+
+class Pipeline {
+ public:
+  // workers = 0 maps on the calling thread (no threads at all).
+  Pipeline(std::unique_ptr<RecordStream> stream, MapFunction map, int workers);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // The next mapped record in slot order; false at the end of the epoch. Rethrows, in order, what a reader or
+  // worker thread threw.
+  bool next(MappedRecord& out);
+
+ private:
+  struct Chunk {
+    std::vector<RawRecord> raw;
+    std::vector<MappedRecord> mapped;
+    std::exception_ptr error;
+  };
+  void read_loop();
+  void work_loop();
+  void map_chunk(Chunk& chunk) const;
+
+  std::unique_ptr<RecordStream> stream_;
+  MapFunction map_;
+  int workers_;
+  std::size_t capacity_;
+
+  std::mutex mutex_;
+  std::condition_variable work_ready_, done_ready_, room_ready_;
+  std::map<std::uint64_t, Chunk> waiting_;  // read, not yet mapped
+  std::map<std::uint64_t, Chunk> done_;     // mapped, not yet consumed
+  std::uint64_t produced_ = 0;              // chunks read
+  std::uint64_t consumed_ = 0;              // chunks taken by the consumer
+  bool reader_finished_ = false;
+  bool stopping_ = false;
+  std::exception_ptr reader_error_;
+  std::vector<std::thread> threads_;
+
+  Chunk current_;
+  std::size_t current_pos_ = 0;
+  bool ended_ = false;
+};
+
+}  // namespace trainer::data

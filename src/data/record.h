@@ -1,0 +1,42 @@
+// One JSONL record -> one tokenized Example: field mapping, validation, tokenization and the length policy.
+// Pure and thread-safe (the tokenizer's encode is const): the loader's worker threads call map_record
+// concurrently. No LibTorch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "trainer/config.h"
+#include "trainer/data.h"
+#include "trainer/tokenizer.h"
+
+namespace trainer::data {
+
+struct MappingSpec {
+  DataFamily family = DataFamily::kSeq2Seq;
+  std::string input_field = "input", target_field = "target";
+  std::string text_field = "text", prompt_field = "prompt", completion_field = "completion";
+  std::int64_t max_input_length = 512, max_target_length = 128, max_length = 1024;
+  OverlengthPolicy on_overlength = OverlengthPolicy::kTruncate;
+  bool add_eos = true;
+};
+MappingSpec mapping_spec(const Config& config, DataFamily family);
+
+enum class OutcomeKind { kExample, kBadRecord, kOverlengthSkipped };
+
+struct Outcome {
+  OutcomeKind kind = OutcomeKind::kExample;
+  Example example;         // kExample
+  bool truncated = false;  // kExample cut to the maximum length
+  std::string problem;     // kBadRecord, kOverlengthSkipped: what is wrong, without the file:line
+};
+
+// Maps one record (a line of JSON, without its newline). Never throws for bad data: a bad record is an Outcome,
+// so the loader decides (in record order) whether to stop or to count and skip it.
+Outcome map_record(std::string_view line, const MappingSpec& spec, const Tokenizer& tokenizer);
+
+// The byte offset of the first invalid UTF-8 sequence (overlong forms and surrogates included), or npos.
+std::size_t find_invalid_utf8(std::string_view text);
+
+}  // namespace trainer::data
