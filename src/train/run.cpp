@@ -12,6 +12,7 @@
 #include "trainer/model_dir.h"
 #include "trainer/run.h"
 #include "trainer/version.h"
+#include "train/trainer.h"
 
 namespace trainer {
 namespace {
@@ -87,9 +88,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
     out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
     return kExitOk;
   }
-  out << "The training loop is not part of this build yet: the configuration is valid and every path resolves, "
-         "but nothing was trained.\n";
-  return kExitOk;
+  return train(config, device, out);
 }
 
 }  // namespace trainer

@@ -56,44 +56,57 @@ std::vector<Example> worst_case_examples(const Config& config, DataFamily family
   return std::vector<Example>(static_cast<std::size_t>(count), e);
 }
 
-// The largest micro-batch whose forward and backward at maximum lengths fit: doubling, then bisecting between
-// the last fit and the first failure, then the safety margin (memory.auto_safety_margin) off.
-int64_t probe_micro_batch(TrainStep& step, AdamW& optimizer, const Config& config, DataFamily family) {
+// Memory the run may use on `device`: memory.limit, else the device's total; 0 when unknown (CPU, no limit).
+int64_t memory_capacity(const Config& config, const c10::Device& device) {
+  if (config.memory.limit.bytes > 0) return static_cast<int64_t>(config.memory.limit.bytes);
+  if (device.is_cpu()) return 0;
+  return static_cast<int64_t>(at::accelerator::getMemoryInfo(device.index()).second);
+}
+
+void reset_peak(const c10::Device& device) {
+  if (device.is_cpu()) reset_cpu_peak();
+  else at::accelerator::resetPeakStats(device.index());
+}
+
+// The largest micro-batch whose forward and backward at maximum lengths fit and leave memory.auto_safety_margin
+// of the capacity free: doubling, then bisecting between the last fit and the first failure.
+int64_t probe_micro_batch(TrainStep& step, AdamW& optimizer, const Config& config, DataFamily family,
+                          const c10::Device& device) {
   const int64_t batch_size = config.training.batch_size;
+  const int64_t capacity = memory_capacity(config, device);
+  const double allowed = static_cast<double>(capacity) * (1.0 - config.memory.auto_safety_margin);
   auto fits = [&](int64_t n) {
     const auto examples = worst_case_examples(config, family, n, 5);
+    reset_peak(device);
     try {
       step.forward_backward(examples, 1.0);
       optimizer.zero_grad();
-      return true;
     } catch (const c10::OutOfMemoryError&) {
       optimizer.zero_grad();
       release_cached_memory();
+      spdlog::info("micro_batch_size=auto: {} does not fit (out of memory)", n);
       return false;
     }
+    const auto peak = static_cast<double>(memory_now(device).peak);
+    const bool ok = capacity == 0 || peak <= allowed;
+    spdlog::info("micro_batch_size=auto: {} at maximum lengths peaks at {}{}", n, human_bytes(peak),
+                 ok ? "" : " (inside the safety margin: too close)");
+    return ok;
   };
   int64_t good = 0, bad = batch_size + 1;
-  for (int64_t n = 1; n <= batch_size; n *= 2) {
+  for (int64_t n = 1;; n = std::min(2 * n, batch_size)) {
     if (!fits(n)) {
       bad = n;
       break;
     }
     good = n;
-    if (n * 2 > batch_size && n < batch_size) {
-      if (fits(batch_size)) good = batch_size;
-      else bad = batch_size;
-      break;
-    }
+    if (n == batch_size) break;
   }
   while (bad - good > 1) {
     const int64_t mid = (good + bad) / 2;
     (fits(mid) ? good : bad) = mid;
   }
-  if (good == 0) return 0;
-  const auto with_margin = static_cast<int64_t>(std::floor(static_cast<double>(good) * (1.0 - config.memory.auto_safety_margin)));
-  spdlog::info("micro_batch_size=auto: {} fits at maximum lengths ({} with the {:.0f}% safety margin)", good,
-               std::max<int64_t>(1, with_margin), 100 * config.memory.auto_safety_margin);
-  return std::max<int64_t>(1, with_margin);
+  return good;
 }
 
 struct EvalResult {
@@ -187,7 +200,7 @@ int train(const Config& config, const ResolvedDevice& resolved, std::ostream& ou
   options.loss_chunk_size = config.training.loss_chunk_size;
   TrainStep step(*model, *optimizer, policy, options);
   if (config.training.micro_batch_size.is_auto) {
-    const int64_t probed = probe_micro_batch(step, *optimizer, config, family);
+    const int64_t probed = probe_micro_batch(step, *optimizer, config, family, device);
     if (probed == 0)
       throw OutOfMemoryAtFloor("not even one example of the maximum lengths fits for micro_batch_size=auto",
                                "lower data.max_length / max_input_length / max_target_length, turn on "
