@@ -33,14 +33,22 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config) : config_(config) {
   const int64_t chunk = std::min(largest, kChunk);
   scratch_a_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
   scratch_b_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
+  eps_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  decay_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device));
 }
 
 void AdamW::step(double lr) {
+  // Only tensor-tensor and Scalar-argument kernels below: a plain Scalar operand (x.mul_(0.9)) is wrapped into a
+  // freshly allocated tensor, which could run out of memory half way through the parameters.
   at::NoGradGuard no_grad;
   ++step_;
   const double b1 = config_.beta1, b2 = config_.beta2;
   const double bias1 = 1.0 - std::pow(b1, static_cast<double>(step_));
   const double bias2_sqrt = std::sqrt(1.0 - std::pow(b2, static_cast<double>(step_)));
+  // p -= lr / bias1 * m / (sqrt(v) / bias2_sqrt + eps)  ==  p -= (lr * bias2_sqrt / bias1) * m / (sqrt(v) + eps * bias2_sqrt)
+  const double step_size = lr * bias2_sqrt / bias1;
+  eps_.fill_(config_.eps * bias2_sqrt);
+  decay_.fill_(1.0 - lr * config_.weight_decay);
   for (auto& slot : slots_) {
     at::Tensor& p = *slot.param;
     if (!p.grad().defined()) continue;
@@ -50,15 +58,15 @@ void AdamW::step(double lr) {
     for (int64_t begin = 0; begin < param.numel(); begin += kChunk) {
       const int64_t n = std::min(kChunk, param.numel() - begin);
       at::Tensor pc = param.narrow(0, begin, n), mc = m.narrow(0, begin, n), vc = v.narrow(0, begin, n);
-      at::Tensor g = scratch_a_.narrow(0, 0, n);
-      g.copy_(grad.narrow(0, begin, n));  // fp32 whatever the gradient's dtype
-      mc.mul_(b1).add_(g, 1.0 - b1);
-      vc.mul_(b2).addcmul_(g, g, 1.0 - b2);
-      // denominator sqrt(v) / sqrt(1 - b2^t) + eps, into the first scratch (g is no longer needed)
-      at::Tensor denom = at::sqrt_out(g, vc).div_(bias2_sqrt).add_(config_.eps);
-      at::Tensor master = fp32 ? pc : scratch_b_.narrow(0, 0, n).copy_(pc);
-      if (slot.decay && config_.weight_decay > 0) master.mul_(1.0 - lr * config_.weight_decay);
-      master.addcdiv_(mc, denom, -lr / bias1);
+      at::Tensor a = scratch_a_.narrow(0, 0, n), b = scratch_b_.narrow(0, 0, n);
+      a.copy_(grad.narrow(0, begin, n));  // fp32 whatever the gradient's dtype
+      mc.lerp_(a, 1.0 - b1);              // m = b1 m + (1 - b1) g
+      at::mul_out(b, a, a);
+      vc.lerp_(b, 1.0 - b2);              // v = b2 v + (1 - b2) g^2
+      at::sqrt_out(a, vc).add_(eps_);     // a = sqrt(v) + eps * bias2_sqrt
+      at::Tensor master = fp32 ? pc : b.copy_(pc);
+      if (slot.decay && config_.weight_decay > 0) master.mul_(decay_);
+      master.addcdiv_(mc, a, -step_size);
       if (!fp32) pc.copy_(master);
     }
   }

@@ -45,6 +45,7 @@ class AdamW {
   OptimizerConfig config_;
   int64_t step_ = 0;
   at::Tensor scratch_a_, scratch_b_;  // fp32 chunk buffers for the update
+  at::Tensor eps_, decay_;            // 0-dim operands, refilled each step (no allocation during the update)
 };
 
 // Whether a parameter is decayed by default: not norms, biases or embeddings (nor T5's relative bias table).

@@ -1,0 +1,181 @@
+// The memory-adaptive step against real out-of-memory errors from the CPU budget allocator (no faked exceptions).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "memory/cpu_budget.h"
+#include "memory/policy.h"
+#include "models/weights.h"
+#include "support/paths.h"
+#include "train/optimizer.h"
+#include "train/step.h"
+
+namespace trainer {
+namespace {
+
+struct BudgetScope {
+  BudgetScope() { install_cpu_budget(); }
+  ~BudgetScope() { set_cpu_budget_limit(0); }
+};
+
+// Causal examples of different lengths (variable-length data is where wrong normalisation shows).
+EffectiveBatch make_batch(int64_t count, uint64_t seed) {
+  at::manual_seed(seed);
+  EffectiveBatch batch;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t length = 40 + at::randint(0, 80, {1}).item<int64_t>();
+    Example e;
+    const at::Tensor ids = at::randint(3, 500, {length}, at::kInt);
+    e.input_ids.assign(ids.data_ptr<int32_t>(), ids.data_ptr<int32_t>() + length);
+    e.labels = e.input_ids;
+    for (int64_t j = 0; j < length / 4; ++j) e.labels[static_cast<std::size_t>(j)] = -100;  // a prompt
+    batch.target_tokens += target_tokens(e, DataFamily::kCausal);
+    batch.examples.push_back(std::move(e));
+  }
+  return batch;
+}
+
+struct Trainee {  // a model with its optimizer, policy and step
+  std::unique_ptr<LanguageModel> model;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<MemoryPolicy> policy;
+  std::unique_ptr<TrainStep> step;
+
+  explicit Trainee(int64_t micro, MemoryConfig memory = {}) {
+    model = load_model(test::source_path("configs/models/tiny-qwen2"), ModelInit::kRandom,
+                       at::TensorOptions().dtype(at::kFloat), 7);
+    model->train(true);
+    model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+    OptimizerConfig adam;
+    adam.lr = 1e-3;
+    adam.weight_decay = 0.01;
+    optimizer = std::make_unique<AdamW>(*model, adam);
+    TrainingConfig training;
+    training.batch_size = 8;
+    training.micro_batch_size = MicroBatchSize::fixed(micro);
+    policy = std::make_unique<MemoryPolicy>(memory, training);
+    StepOptions options;
+    options.pad_id = 0;
+    options.max_grad_norm = 1.0;
+    step = std::make_unique<TrainStep>(*model, *optimizer, *policy, options);
+  }
+
+  std::map<std::string, at::Tensor> grads_of(const EffectiveBatch& batch) {
+    optimizer->zero_grad();
+    const std::span<const Example> examples(batch.examples);
+    for (const auto& [begin, count] : split_counts(static_cast<int64_t>(examples.size()), policy->micro_batch()))
+      step->forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+                             static_cast<double>(batch.target_tokens));
+    std::map<std::string, at::Tensor> grads;
+    model->for_each_parameter([&](const std::string& name, at::Tensor& p) { grads[name] = p.grad().clone(); });
+    return grads;
+  }
+};
+
+void expect_close(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b, double tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a)
+    EXPECT_TRUE(at::allclose(t, b.at(name), tol, tol))
+        << name << ": max difference " << (t - b.at(name)).abs().max().item<double>();
+}
+
+std::map<std::string, at::Tensor> weights_of(LanguageModel& model) {
+  std::map<std::string, at::Tensor> out;
+  model.for_each_parameter([&](const std::string& name, at::Tensor& p) { out[name] = p.detach().clone(); });
+  return out;
+}
+
+}  // namespace
+
+TEST(TrainStep, AnySplitGivesTheSameGradient) {
+  // The loss is normalised by the target tokens of the whole effective batch, so 8 x 1, 4 x 2 and 1 x 8 agree.
+  const auto batch = make_batch(8, 1);
+  const auto whole = Trainee(8).grads_of(batch);
+  expect_close(whole, Trainee(4).grads_of(batch), 1e-5);
+  expect_close(whole, Trainee(1).grads_of(batch), 1e-5);
+}
+
+TEST(TrainStep, OutOfMemoryMidRunReachesTheSameWeights) {
+  BudgetScope budget;
+  std::vector<EffectiveBatch> batches;
+  for (uint64_t i = 0; i < 4; ++i) batches.push_back(make_batch(8, 10 + i));
+
+  Trainee free_run(8);
+  for (int64_t s = 0; s < 4; ++s) free_run.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
+
+  // Measure what micro-batches of 2 and 8 need above the model and optimizer, then allow something between.
+  Trainee constrained(8);
+  const int64_t base = cpu_memory_stats().allocated;
+  auto extra = [&](int64_t n) {
+    reset_cpu_peak();
+    constrained.step->forward_backward(std::span<const Example>(batches[0].examples).subspan(0, static_cast<std::size_t>(n)),
+                                       1.0);
+    constrained.optimizer->zero_grad();
+    return cpu_memory_stats().peak - base;
+  };
+  const int64_t two = extra(2), eight = extra(8);
+  ASSERT_LT(two, eight);
+  set_cpu_budget_limit(base + (two + eight) / 2);
+  StepResult last;
+  for (int64_t s = 0; s < 4; ++s) last = constrained.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
+  set_cpu_budget_limit(0);
+
+  ASSERT_FALSE(constrained.policy->adaptations().empty()) << "the budget must have forced the micro-batch down";
+  EXPECT_EQ(constrained.policy->adaptations().front().old_micro_batch, 8);
+  EXPECT_LE(last.micro_batch, 4);
+  EXPECT_GE(last.micro_batch, 2);
+  expect_close(weights_of(*free_run.model), weights_of(*constrained.model), 1e-5);
+}
+
+TEST(TrainStep, AtTheFloorItEscalatesThenStopsWithoutTouchingTheWeights) {
+  BudgetScope budget;
+  MemoryConfig memory;
+  memory.max_retries = 20;
+  Trainee run(8, memory);
+  const auto before = weights_of(*run.model);
+  const auto batch = make_batch(8, 3);
+  set_cpu_budget_limit(cpu_memory_stats().allocated + (64 << 10));  // 64 KiB: nothing fits
+  EXPECT_THROW(run.step->run(batch, 1, 1e-3), OutOfMemoryAtFloor);
+  set_cpu_budget_limit(0);
+  EXPECT_EQ(run.policy->micro_batch(), 1);
+  EXPECT_EQ(run.policy->escalations(), (std::vector<std::string>{"activation_checkpointing", "chunked_loss"}));
+  EXPECT_TRUE(run.model->has_block_runner()) << "activation checkpointing was turned on";
+  EXPECT_TRUE(run.step->chunked_loss());
+  expect_close(before, weights_of(*run.model), 0.0);
+  EXPECT_EQ(run.optimizer->steps(), 0);
+}
+
+TEST(TrainStep, TheOptimizerUpdateAllocatesNothing) {
+  // So an out-of-memory error can never leave some parameters updated and others not.
+  BudgetScope budget;
+  Trainee run(8);
+  const auto batch = make_batch(8, 4);
+  run.grads_of(batch);
+  set_cpu_budget_limit(cpu_memory_stats().allocated + 1);  // not one more byte
+  EXPECT_NO_THROW(run.optimizer->step(1e-3));
+  set_cpu_budget_limit(0);
+  EXPECT_EQ(run.optimizer->steps(), 1);
+}
+
+TEST(TrainStep, ChunkedLossAndCheckpointingGiveTheSameGradient) {
+  const auto batch = make_batch(4, 5);
+  Trainee plain(4), chunked(4);
+  chunked.step->set_chunked_loss(true);
+  expect_close(plain.grads_of(batch), chunked.grads_of(batch), 1e-5);
+}
+
+TEST(Scheduler, WarmupThenDecay) {
+  SchedulerConfig s;
+  s.warmup_steps = 10;
+  s.name = SchedulerName::kLinear;
+  EXPECT_DOUBLE_EQ(scheduled_lr(s, 1.0, 0, 110), 0.1);
+  EXPECT_DOUBLE_EQ(scheduled_lr(s, 1.0, 9, 110), 1.0);
+  EXPECT_NEAR(scheduled_lr(s, 1.0, 60, 110), 0.5, 1e-12);
+  s.name = SchedulerName::kCosine;
+  s.min_lr_ratio = 0.1;
+  EXPECT_NEAR(scheduled_lr(s, 1.0, 60, 110), 0.55, 1e-12);
+  EXPECT_NEAR(scheduled_lr(s, 1.0, 110, 110), 0.1, 1e-12);
+  s.name = SchedulerName::kConstant;
+  EXPECT_DOUBLE_EQ(scheduled_lr(s, 1.0, 100, 110), 1.0);
+}
+
+}  // namespace trainer
