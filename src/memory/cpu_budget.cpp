@@ -1,6 +1,5 @@
-// The CPU budget allocator (see cpu_budget.h). Each allocation is forwarded to the allocator that was installed
-// before (LibTorch's default); the returned DataPtr's context owns the inner DataPtr and remembers the size,
-// so freeing gives the bytes back to the budget.
+// The CPU budget allocator (see cpu_budget.h): counts bytes, refuses past the limit, allocates with c10's
+// aligned CPU allocation like LibTorch's default allocator.
 #include "memory/cpu_budget.h"
 
 #include <atomic>
@@ -8,6 +7,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/Exception.h>
 
 #include "trainer/config.h"
@@ -15,10 +15,13 @@
 namespace trainer {
 namespace {
 
+// Each block carries its size in a 64-byte header in front of the data (64 keeps LibTorch's alignment), so the
+// DataPtr is "simple" (data == context) and raw_allocate()/raw_deleter() work: some kernels (oneDNN's bf16
+// paths) allocate through them, and a DataPtr with a separate context would fail their internal assert.
+constexpr std::size_t kHeader = 64;
+
 class BudgetAllocator final : public c10::Allocator {
  public:
-  explicit BudgetAllocator(c10::Allocator* inner) : inner_(inner) {}
-
   c10::DataPtr allocate(size_t bytes) override {
     const auto n = static_cast<int64_t>(bytes);
     const int64_t now = allocated_.fetch_add(n) + n;
@@ -33,22 +36,21 @@ class BudgetAllocator final : public c10::Allocator {
     int64_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
     }
-    // If the inner allocator throws, the guard gives the bytes back and its error goes on unchanged.
-    struct Undo {
-      std::atomic<int64_t>& counter;
-      int64_t bytes;
-      bool armed = true;
-      ~Undo() {
-        if (armed) counter.fetch_sub(bytes);
-      }
-    } undo{allocated_, n};
-    c10::DataPtr inner = inner_->allocate(bytes);
-    undo.armed = false;
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    auto* context = new Context{std::move(inner), n, this};
-    return c10::DataPtr(data, context, &release, device);
+    void* base = nullptr;
+    try {
+      base = c10::alloc_cpu(bytes + kHeader);  // aligned, with LibTorch's large-page advice
+    } catch (const c10::Error&) {  // the machine itself is out of memory: give the bytes back, report it as OOM
+      allocated_.fetch_sub(n);
+      num_ooms_.fetch_add(1);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory: could not allocate ",
+                       human_bytes(static_cast<double>(n)));
+    }
+    *static_cast<int64_t*>(base) = n;
+    void* data = static_cast<char*>(base) + kHeader;
+    return c10::DataPtr(data, data, &release, c10::Device(c10::kCPU));
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -59,18 +61,8 @@ class BudgetAllocator final : public c10::Allocator {
   void reset_peak() { peak_.store(allocated_.load()); }
 
  private:
-  struct Context {
-    c10::DataPtr inner;
-    int64_t bytes;
-    BudgetAllocator* owner;
-  };
-  static void release(void* raw) {
-    auto* context = static_cast<Context*>(raw);
-    context->owner->allocated_.fetch_sub(context->bytes);
-    delete context;  // frees the inner DataPtr with the inner allocator's deleter
-  }
+  static void release(void* data);
 
-  c10::Allocator* inner_;
   std::atomic<int64_t> allocated_{0}, peak_{0}, limit_{0}, num_ooms_{0};
 };
 
@@ -79,9 +71,16 @@ BudgetAllocator* instance = nullptr;
 
 }  // namespace
 
+void BudgetAllocator::release(void* data) {
+  if (!data) return;
+  void* base = static_cast<char*>(data) - kHeader;
+  instance->allocated_.fetch_sub(*static_cast<int64_t*>(base));
+  c10::free_cpu(base);
+}
+
 void install_cpu_budget() {
   if (instance) return;
-  instance = new BudgetAllocator(c10::GetCPUAllocator());
+  instance = new BudgetAllocator();
   // Priority above the built-in registration (0), so nothing re-registers over it.
   c10::SetCPUAllocator(instance, /*priority=*/100);
 }

@@ -157,6 +157,9 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
 
 int train(const Config& config, const ResolvedDevice& resolved, std::ostream& out) {
   const c10::Device device = resolved.device;
+  if (config.lora.enabled)
+    throw UsageError("lora.enabled=true: LoRA training is not in this version of trainer yet",
+                     "train the full model (lora.enabled=false) or use a version with LoRA support");
   if (device.is_cpu() && config.memory.limit.bytes > 0)
     set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
   const auto start = Clock::now();
@@ -187,7 +190,7 @@ int train(const Config& config, const ResolvedDevice& resolved, std::ostream& ou
     optimizer = std::make_unique<AdamW>(*model, config.optimizer);
   } catch (const c10::OutOfMemoryError&) {
     throw OutOfMemoryAtFloor("the AdamW state (two fp32 moments per trainable parameter) does not fit next to the model",
-                             "use LoRA (lora.enabled), a larger memory.limit or a larger device");
+                             "a larger memory.limit or a larger device");
   }
   MemoryPolicy policy(config.memory, config.training);
   StepOptions options;
@@ -231,16 +234,25 @@ int train(const Config& config, const ResolvedDevice& resolved, std::ostream& ou
     StepResult result;
     try {
       result = step.run(*batch, step_index + 1, lr);
-    } catch (const OutOfMemoryAtFloor&) {
+    } catch (const OutOfMemoryAtFloor& e) {
       const auto saved = output_dir / "last-completed-step";
       save_model(*model, saved.string(), config.checkpoint.max_shard_size.bytes);
-      spdlog::error("memory report: weights+grads+optimizer in use {}; peak {}; AdamW state {}; micro-batch {}; "
-                    "escalations used: {}. The model of step {} is in {}",
-                    human_bytes(static_cast<double>(memory_now(device).allocated)),
-                    human_bytes(static_cast<double>(memory_now(device).peak)),
-                    human_bytes(static_cast<double>(optimizer->state_bytes())), policy.micro_batch(),
-                    policy.escalations().size(), step_index, saved.string());
-      throw;
+      throw OutOfMemoryAtFloor(
+          std::string(e.what()) + "\nmemory report:" + "\n  weights       " +
+              human_bytes(static_cast<double>(count_parameters(*model)) * (dtype == at::kBFloat16 ? 2 : 4)) +
+              "\n  AdamW state   " + human_bytes(static_cast<double>(optimizer->state_bytes())) +
+              "\n  gradients     up to the size of the trainable weights during backward" +
+              "\n  in use now    " + human_bytes(static_cast<double>(memory_now(device).allocated)) +
+              " (peak " + human_bytes(static_cast<double>(memory_now(device).peak)) + ")" +
+              (device.is_cpu() ? "\n  CPU budget    " + format_byte_size(config.memory.limit) + ", refused allocations " +
+                                     std::to_string(cpu_memory_stats().num_ooms)
+                               : std::string()) +
+              "\n  micro-batch   " + std::to_string(policy.micro_batch()) + " (floor " +
+              std::to_string(config.memory.min_micro_batch_size) + "); escalations used: " +
+              std::to_string(policy.escalations().size()) + " of " + std::to_string(config.memory.escalation.size()) +
+              "\nthe model of the last completed step (" + std::to_string(step_index) + ") is saved in " + saved.string(),
+          "shorter sequences (data.max_length / max_input_length / max_target_length), precision.mode=bf16, "
+          "or more memory (memory.limit, a larger device)");
     }
     ++step_index;
     tokens_seen += result.target_tokens;

@@ -3,6 +3,7 @@
 #include <fstream>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "support/process.h"
 
@@ -27,9 +28,50 @@ TEST(IntegrationCli, TinyConfigsDryRunAndRun) {
     EXPECT_TRUE(contains(dry.out, "Resolved configuration"));
     EXPECT_TRUE(contains(dry.out, "Plan:"));
     EXPECT_TRUE(contains(dry.out, "Dry run"));
-    auto run = run_trainer({"train", "--config", config});
-    EXPECT_EQ(run.exit_code, 0) << run.err;
   }
+}
+
+// The README's main command: each tiny config trains on the CPU, its loss falls clearly, the model is saved.
+TEST(IntegrationTrain, TinyConfigsTrainAndTheLossFalls) {
+  for (const char* name : {"tiny-t5", "tiny-qwen2"}) {
+    SCOPED_TRACE(name);
+    const auto out_dir = std::filesystem::temp_directory_path() / ("trainer-train-" + std::string(name));
+    std::filesystem::remove_all(out_dir);
+    auto run = run_trainer({"--config", std::string("configs/") + name + ".json", "--set",
+                            "checkpoint.output_dir=" + out_dir.string()});
+    ASSERT_EQ(run.exit_code, 0) << run.err;
+    EXPECT_TRUE(contains(run.out, "Done: 60 steps"));
+    std::ifstream metrics(out_dir / "metrics.jsonl");
+    std::vector<double> losses, eval_losses;
+    for (std::string line; std::getline(metrics, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.contains("loss")) losses.push_back(record["loss"].get<double>());
+      if (record.contains("eval_loss")) eval_losses.push_back(record["eval_loss"].get<double>());
+    }
+    ASSERT_EQ(losses.size(), 60u);
+    const double first = (losses[0] + losses[1] + losses[2]) / 3, last = (losses[57] + losses[58] + losses[59]) / 3;
+    EXPECT_LT(last, 0.5 * first) << "loss " << first << " -> " << last;
+    ASSERT_EQ(eval_losses.size(), 3u);
+    EXPECT_LT(eval_losses.back(), eval_losses.front());
+    EXPECT_TRUE(std::filesystem::exists(out_dir / "final" / "model.safetensors"));
+    EXPECT_TRUE(std::filesystem::exists(out_dir / "final" / "config.json"));
+    std::filesystem::remove_all(out_dir);
+  }
+}
+
+// A budget too small for one example at the floor: exit code 4, a report, and the last completed step saved.
+TEST(IntegrationTrain, OutOfMemoryAtTheFloorExitsFourWithTheModelSaved) {
+  const auto out_dir = std::filesystem::temp_directory_path() / "trainer-train-floor";
+  std::filesystem::remove_all(out_dir);
+  auto run = run_trainer({"--config", "configs/tiny-qwen2.json", "--set", "checkpoint.output_dir=" + out_dir.string(),
+                          "--set", "memory.limit=2MiB", "--set", "training.micro_batch_size=16"});
+  EXPECT_EQ(run.exit_code, 4) << run.err;
+  EXPECT_TRUE(contains(run.err, "out of memory")) << run.err;
+  EXPECT_TRUE(contains(run.err, "memory report")) << run.err;
+  EXPECT_TRUE(contains(run.err, "escalations used: 2 of 2")) << run.err;
+  EXPECT_TRUE(contains(run.err, "hint:")) << run.err;
+  EXPECT_TRUE(std::filesystem::exists(out_dir / "last-completed-step" / "model.safetensors"));
+  std::filesystem::remove_all(out_dir);
 }
 
 TEST(IntegrationCli, HelpAndVersion) {
