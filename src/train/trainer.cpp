@@ -21,6 +21,7 @@
 #include "train/optimizer.h"
 #include "train/step.h"
 #include "trainer/data.h"
+#include "trainer/safetensors.h"
 #include "trainer/tokenizer.h"
 
 namespace trainer {
@@ -153,10 +154,67 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
   return result;
 }
 
+// Generations from evaluation.sample_prompts, logged as text: what the model has learned, at a glance.
+void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config& config, const c10::Device& device,
+                 int64_t step) {
+  for (const auto& prompt : config.evaluation.sample_prompts) {
+    // A seq2seq input carries EOS as in training; a causal prompt must not end in one.
+    const bool seq2seq = model.family() == ModelFamily::kSeq2Seq;
+    const auto ids32 = encode_for_training(tokenizer, prompt, seq2seq && config.tokenizer.add_eos);
+    std::vector<int64_t> ids(ids32.begin(), ids32.end());
+    if (ids.empty()) continue;
+    GenerateOptions options;
+    options.max_new_tokens = config.evaluation.max_new_tokens;
+    const auto generated = generate(model, at::tensor(ids, at::kLong).unsqueeze(0).to(device), options);
+    const std::vector<int32_t> out(generated.begin(), generated.end());
+    spdlog::info("sample step {}: {:?} -> {:?}", step, prompt, tokenizer.decode(out));
+  }
+}
+
+// A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
+// config, written to a temporary directory and renamed into place, so a crash leaves the previous one intact.
+// Older checkpoints beyond checkpoint.keep_last are removed.
+void write_checkpoint(const fs::path& output_dir, int64_t step, LanguageModel& model, const AdamW& optimizer,
+                      const MemoryPolicy& policy, const DataLoader& loader, int64_t tokens_seen, const Config& config) {
+  const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
+  const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
+  fs::remove_all(temp_dir);
+  save_model(model, temp_dir.string(), config.checkpoint.max_shard_size.bytes);
+  write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer.state_tensors(), {});
+  const nlohmann::json state = {{"version", 1},
+                                {"step", step},
+                                {"optimizer_steps", optimizer.steps()},
+                                {"tokens_seen", tokens_seen},
+                                {"data_cursor", cursor_to_json(loader.cursor())},
+                                {"memory_policy", policy.state()},
+                                {"config", nlohmann::json::parse(config_to_json(config))}};
+  std::ofstream(temp_dir / "train_state.json") << state.dump(2) << "\n";
+  fs::remove_all(final_dir);
+  fs::rename(temp_dir, final_dir);
+  std::ofstream(final_dir / "COMPLETE") << step << "\n";  // written last: a checkpoint without it is not trusted
+  // Keep the newest keep_last.
+  std::vector<std::pair<int64_t, fs::path>> existing;
+  for (const auto& entry : fs::directory_iterator(output_dir)) {
+    const auto name = entry.path().filename().string();
+    if (entry.is_directory() && name.starts_with("checkpoint-"))
+      existing.emplace_back(std::stoll(name.substr(11)), entry.path());
+  }
+  std::sort(existing.begin(), existing.end());
+  for (std::size_t i = 0; i + static_cast<std::size_t>(config.checkpoint.keep_last) < existing.size(); ++i)
+    fs::remove_all(existing[i].second);
+  spdlog::info("checkpoint step {}: {}", step, final_dir.string());
+}
+
 }  // namespace
 
 int train(const Config& config, const ResolvedDevice& resolved, std::ostream& out) {
   const c10::Device device = resolved.device;
+  if (config.memory.snapshot_on_oom)
+    throw UsageError("memory.snapshot_on_oom: allocator snapshots are not in this version of trainer yet",
+                     "leave memory.snapshot_on_oom=false");
+  if (config.checkpoint.keep_best)
+    spdlog::warn("checkpoint.keep_best: keeping the best checkpoint by validation loss is not in this version yet; "
+                 "the newest {} checkpoints (checkpoint.keep_last) are kept", config.checkpoint.keep_last);
   if (config.lora.enabled)
     throw UsageError("lora.enabled=true: LoRA training is not in this version of trainer yet",
                      "train the full model (lora.enabled=false) or use a version with LoRA support");
@@ -288,7 +346,11 @@ int train(const Config& config, const ResolvedDevice& resolved, std::ostream& ou
         if (metrics.is_open())
           metrics << nlohmann::json{{"step", step_index}, {"eval_loss", eval.loss}}.dump() << "\n";
       }
+      log_samples(*model, *tokenizer, config, device, step_index);
     }
+    if (config.checkpoint.every_steps > 0 && step_index % config.checkpoint.every_steps == 0 && step_index < total_steps)
+      write_checkpoint(output_dir, step_index, *model, *optimizer, policy, *loader, tokens_seen, config);
+    if (config.memory.empty_cache_every > 0 && step_index % config.memory.empty_cache_every == 0) release_cached_memory();
   }
 
   if (config.checkpoint.save_final) save_model(*model, (output_dir / "final").string(), config.checkpoint.max_shard_size.bytes);

@@ -167,3 +167,35 @@ TEST(IntegrationModels, GenerateChecksItsInputs) {
 }
 
 }  // namespace trainer::test
+
+namespace trainer::test {
+
+int64_t state_step(const std::filesystem::path& checkpoint) {
+  std::ifstream file(checkpoint / "train_state.json");
+  return nlohmann::json::parse(file)["step"].get<int64_t>();
+}
+
+TEST(IntegrationTrain, CheckpointsAreCompleteAndPruned) {
+  const auto out_dir = std::filesystem::temp_directory_path() / "trainer-train-checkpoints";
+  std::filesystem::remove_all(out_dir);
+  auto run = run_trainer({"--config", "configs/tiny-qwen2.json", "--set", "checkpoint.output_dir=" + out_dir.string(),
+                          "--set", "training.max_steps=12", "--set", "checkpoint.every_steps=3", "--set",
+                          "checkpoint.keep_last=2"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  // Steps 3, 6 and 9 were written; the newest two are kept; step 12 is the final model.
+  EXPECT_FALSE(std::filesystem::exists(out_dir / "checkpoint-3"));
+  for (const char* name : {"checkpoint-6", "checkpoint-9"}) {
+    EXPECT_TRUE(std::filesystem::exists(out_dir / name / "COMPLETE")) << name;
+    EXPECT_TRUE(std::filesystem::exists(out_dir / name / "model.safetensors")) << name;
+    EXPECT_TRUE(std::filesystem::exists(out_dir / name / "optimizer.safetensors")) << name;
+    std::ifstream state_file(out_dir / name / "train_state.json");
+    const auto state = nlohmann::json::parse(state_file);
+    EXPECT_EQ(state["config"]["training"]["max_steps"], 12);
+    EXPECT_TRUE(state.contains("data_cursor"));
+    EXPECT_TRUE(state.contains("memory_policy"));
+  }
+  EXPECT_EQ(state_step(out_dir / "checkpoint-9"), 9);
+  std::filesystem::remove_all(out_dir);
+}
+
+}  // namespace trainer::test
