@@ -2,6 +2,7 @@
 #pragma once
 
 #include <iosfwd>
+#include <string>
 
 #include "trainer/config.h"
 
@@ -9,6 +10,8 @@ namespace trainer {
 
 struct TrainOptions {
   bool dry_run = false;  // resolve and print the plan, then stop before touching the model weights
+  bool resume = false;   // continue from the newest complete checkpoint in checkpoint.output_dir
+  std::string resume_from;  // or from this checkpoint directory
 };
 
 // Runs the train command on a validated config; returns the process exit code. Throws trainer::Error.

@@ -103,6 +103,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       ->allow_extra_args(false);
   train->add_flag("--dry-run", train_options.dry_run,
                   "Validate the config, resolve model, data and device, print the plan; train nothing");
+  train->add_flag("--resume", train_options.resume,
+                  "Continue from the newest complete checkpoint in checkpoint.output_dir");
+  train->add_option("--resume-from", train_options.resume_from, "Continue from this checkpoint directory");
   bool print_config = false;
   train->add_flag("--print-config", print_config,
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");

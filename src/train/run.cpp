@@ -88,7 +88,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
     out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
     return kExitOk;
   }
-  return train(config, device, out);
+  return train(config, device, options, out);
 }
 
 }  // namespace trainer

@@ -31,6 +31,20 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The CPU generator's state (dropout, sampling), saved with checkpoints for an exact resume.
+at::Tensor rng_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_rng_state(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+
 struct MemoryNow {
   int64_t allocated = 0, peak = 0;
 };
@@ -180,7 +194,9 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, LanguageModel& m
   const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
   fs::remove_all(temp_dir);
   save_model(model, temp_dir.string(), config.checkpoint.max_shard_size.bytes);
-  write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer.state_tensors(), {});
+  auto tensors = optimizer.state_tensors();
+  tensors.emplace_back("rng.cpu", rng_state());
+  write_safetensors((temp_dir / "optimizer.safetensors").string(), tensors, {});
   const nlohmann::json state = {{"version", 1},
                                 {"step", step},
                                 {"optimizer_steps", optimizer.steps()},
@@ -205,9 +221,55 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, LanguageModel& m
   spdlog::info("checkpoint step {}: {}", step, final_dir.string());
 }
 
+// The newest checkpoint-N in `dir` that was completely written.
+std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
+  std::optional<std::pair<int64_t, fs::path>> best;
+  if (!fs::is_directory(dir)) return std::nullopt;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (!entry.is_directory() || !name.starts_with("checkpoint-") || !fs::exists(entry.path() / "COMPLETE")) continue;
+    const int64_t step = std::stoll(name.substr(11));
+    if (!best || step > best->first) best = {{step, entry.path()}};
+  }
+  if (!best) return std::nullopt;
+  return best->second;
+}
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream file(path);
+  if (!file) throw DataError("cannot open " + path.string(), "is this a complete trainer checkpoint?");
+  try {
+    return nlohmann::json::parse(file);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw DataError(path.string() + ": invalid JSON: " + e.what());
+  }
+}
+
+// A checkpoint of another architecture cannot continue this run: its config.json must equal model.path's.
+void check_same_architecture(const fs::path& checkpoint, const Config& config) {
+  auto saved = read_json(checkpoint / "config.json");
+  auto current = read_json(fs::path(config.model.path) / "config.json");
+  std::string differences;
+  for (const auto& [key, value] : current.items()) {
+    if (key == "transformers_version") continue;
+    if (!saved.contains(key) || saved[key] != value)
+      differences += "\n  " + key + ": checkpoint " + (saved.contains(key) ? saved[key].dump() : "(missing)") +
+                     ", model.path " + value.dump();
+  }
+  if (!differences.empty())
+    throw DataError("checkpoint " + checkpoint.string() + " belongs to another model than model.path:" + differences,
+                    "resume with the model.path the checkpoint was trained from");
+  const auto state = read_json(checkpoint / "train_state.json");
+  const auto saved_batch = state.at("config").at("training").at("batch_size").get<int64_t>();
+  if (saved_batch != config.training.batch_size)
+    throw DataError("checkpoint " + checkpoint.string() + " was trained with training.batch_size " +
+                        std::to_string(saved_batch) + ", the config says " + std::to_string(config.training.batch_size),
+                    "an exact resume needs the same effective batch");
+}
+
 }  // namespace
 
-int train(const Config& config, const ResolvedDevice& resolved, std::ostream& out) {
+int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options, std::ostream& out) {
   const c10::Device device = resolved.device;
   if (config.memory.snapshot_on_oom)
     throw UsageError("memory.snapshot_on_oom: allocator snapshots are not in this version of trainer yet",
@@ -225,8 +287,24 @@ int train(const Config& config, const ResolvedDevice& resolved, std::ostream& ou
   const auto tokenizer = load_tokenizer(config.tokenizer.path.empty() ? config.model.path : config.tokenizer.path,
                                         config.tokenizer.kind);
   const auto dtype = config.precision.mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat;
-  auto model = load_model(config.model.path, config.model.init, at::TensorOptions().dtype(dtype).device(device),
-                          static_cast<uint64_t>(config.training.seed));
+  std::optional<fs::path> resume_dir;
+  if (!train_options.resume_from.empty()) {
+    resume_dir = fs::path(train_options.resume_from);
+    if (!fs::exists(*resume_dir / "COMPLETE"))
+      throw DataError(train_options.resume_from + " is not a complete checkpoint (no COMPLETE marker)",
+                      "resume from a checkpoint-N directory that trainer finished writing");
+  } else if (train_options.resume) {
+    resume_dir = newest_checkpoint(config.checkpoint.output_dir);
+    if (!resume_dir)
+      throw DataError("--resume: no complete checkpoint in " + config.checkpoint.output_dir,
+                      "start without --resume, or point checkpoint.output_dir at the run to continue");
+  }
+  if (resume_dir) check_same_architecture(*resume_dir, config);
+  auto model = resume_dir ? load_model(resume_dir->string(), ModelInit::kPretrained,
+                                       at::TensorOptions().dtype(dtype).device(device))
+                          : load_model(config.model.path, config.model.init,
+                                       at::TensorOptions().dtype(dtype).device(device),
+                                       static_cast<uint64_t>(config.training.seed));
   model->train(true);
   model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
   if (config.training.activation_checkpointing) apply_activation_checkpointing(*model);
@@ -260,7 +338,22 @@ int train(const Config& config, const ResolvedDevice& resolved, std::ostream& ou
   options.chunked_loss = config.training.chunked_loss;
   options.loss_chunk_size = config.training.loss_chunk_size;
   TrainStep step(*model, *optimizer, policy, options);
-  if (config.training.micro_batch_size.is_auto) {
+  int64_t tokens_seen = 0;
+  int64_t step_index = 0;
+  if (resume_dir) {
+    const auto state = read_json(*resume_dir / "train_state.json");
+    const auto file = SafetensorsFile::open((*resume_dir / "optimizer.safetensors").string());
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& t : file.tensors())
+      if (t.name != "rng.cpu") tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
+    optimizer->load_state(tensors, state.at("optimizer_steps").get<int64_t>());
+    loader->restore(cursor_from_json(state.at("data_cursor")));
+    policy.restore(state.at("memory_policy"));
+    step_index = state.at("step").get<int64_t>();
+    tokens_seen = state.at("tokens_seen").get<int64_t>();
+    if (file.find("rng.cpu")) set_rng_state(file.load("rng.cpu"));
+    spdlog::info("resuming from {} at step {} (micro-batch {})", resume_dir->string(), step_index, policy.micro_batch());
+  } else if (config.training.micro_batch_size.is_auto) {
     const int64_t probed = probe_micro_batch(step, *optimizer, config, family, device);
     if (probed == 0)
       throw OutOfMemoryAtFloor("not even one example of the maximum lengths fits for micro_batch_size=auto",
@@ -280,8 +373,6 @@ int train(const Config& config, const ResolvedDevice& resolved, std::ostream& ou
   out << "Training " << model->model_type() << " (" << count_parameters(*model) << " parameters, "
       << optimizer->trainable_parameters() << " trainable) for " << total_steps << " steps of "
       << config.training.batch_size << " examples; micro-batch " << policy.micro_batch() << "\n";
-  int64_t tokens_seen = 0;
-  int64_t step_index = 0;
   auto window_start = Clock::now();
   int64_t window_tokens = 0;
   double last_eval = std::nan("");

@@ -6,10 +6,13 @@
 
 #include "trainer/config.h"
 #include "trainer/device.h"
+#include "trainer/run.h"
 
 namespace trainer {
 
 // Trains as the config says on `device`; returns the exit code. Throws trainer::Error (OutOfMemoryAtFloor: 4).
-int train(const Config& config, const ResolvedDevice& device, std::ostream& out);
+// With options.resume / resume_from, continues from a checkpoint: weights, optimizer state, step, data position,
+// RNG state and the memory policy's micro-batch, so the run reaches the weights an uninterrupted run would.
+int train(const Config& config, const ResolvedDevice& device, const TrainOptions& options, std::ostream& out);
 
 }  // namespace trainer
