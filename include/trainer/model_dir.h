@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace trainer {
 
 struct ModelDirInfo {
@@ -18,6 +20,9 @@ struct ModelDirInfo {
 
 // The model types trainer implements, and their family.
 const std::vector<std::pair<std::string, std::string>>& supported_model_types();
+
+// A JSON file (config.json, an index, a train state); DataError naming the file when missing or invalid.
+nlohmann::json read_json_file(const std::string& path);
 
 // Reads dir/config.json and lists the weight and tokenizer files. With `need_weights` a directory without
 // weights is an error. Throws DataError naming the file and a hint.

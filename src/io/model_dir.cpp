@@ -17,19 +17,15 @@ const std::vector<std::pair<std::string, std::string>>& supported_model_types() 
   return types;
 }
 
-namespace {
-
-nlohmann::json read_json_file(const fs::path& path) {
+nlohmann::json read_json_file(const std::string& path) {
   std::ifstream file(path);
-  if (!file) throw DataError("cannot open " + path.string());
+  if (!file) throw DataError("cannot open " + path);
   try {
     return nlohmann::json::parse(file);
   } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(path.string() + ": invalid JSON: " + e.what());
+    throw DataError(path + ": invalid JSON: " + e.what());
   }
 }
-
-}  // namespace
 
 ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
   const fs::path root(dir);
@@ -39,7 +35,7 @@ ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
   const fs::path config_path = root / "config.json";
   if (!fs::exists(config_path))
     throw DataError(config_path.string() + " is missing", "a Hugging Face model directory holds config.json");
-  const auto config = read_json_file(config_path);
+  const auto config = read_json_file(config_path.string());
 
   ModelDirInfo info;
   info.dir = dir;
@@ -60,7 +56,7 @@ ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
   if (fs::exists(single)) {
     info.weight_files.push_back(single.string());
   } else if (fs::exists(index)) {
-    const auto map = read_json_file(index);
+    const auto map = read_json_file(index.string());
     if (!map.contains("weight_map") || !map["weight_map"].is_object())
       throw DataError(index.string() + ": no \"weight_map\" object");
     std::vector<std::string> files;

@@ -41,8 +41,7 @@ std::string with_commas(int64_t n) {
 
 void inspect_model(const std::string& dir, const InspectOptions& options, std::ostream& out) {
   const auto info = inspect_model_dir(dir, /*need_weights=*/false);
-  std::ifstream config_file(dir + "/config.json");
-  const auto config = nlohmann::json::parse(config_file);
+  const auto config = read_json_file(dir + "/config.json");
   auto model = build_model(config, at::TensorOptions().device(at::kMeta).dtype(at::kFloat));
 
   std::map<std::string, int64_t> groups;

@@ -17,20 +17,6 @@
 namespace trainer {
 namespace fs = std::filesystem;
 
-namespace {
-
-nlohmann::json read_config(const std::string& dir) {
-  const auto path = fs::path(dir) / "config.json";
-  std::ifstream file(path);
-  if (!file) throw DataError("cannot open " + path.string(), "model.path must hold config.json");
-  try {
-    return nlohmann::json::parse(file);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(path.string() + ": invalid JSON: " + e.what());
-  }
-}
-
-}  // namespace
 
 std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init, const c10::TensorOptions& options,
                                           uint64_t seed) {
@@ -40,13 +26,13 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
   at::NoGradGuard no_grad;
   if (init == ModelInit::kRandom) {
     // Initialise in fp32 and convert, so bf16 models start from the same numbers as fp32 ones.
-    auto model = build_model(read_config(dir), options.dtype(at::kFloat));
+    auto model = build_model(read_json_file((fs::path(dir) / "config.json").string()), options.dtype(at::kFloat));
     at::manual_seed(seed);
     model->init_weights();
     model->for_each_parameter([&](const std::string&, at::Tensor& p) { p = p.to(options); });
     return model;
   }
-  auto model = build_model(read_config(dir), options.device(at::kMeta));
+  auto model = build_model(read_json_file((fs::path(dir) / "config.json").string()), options.device(at::kMeta));
 
   // Every tensor's file and shape from the headers alone (no data read yet).
   std::vector<SafetensorsFile> files;

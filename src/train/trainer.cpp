@@ -21,6 +21,7 @@
 #include "train/optimizer.h"
 #include "train/step.h"
 #include "trainer/data.h"
+#include "trainer/model_dir.h"
 #include "trainer/safetensors.h"
 #include "trainer/tokenizer.h"
 
@@ -235,20 +236,11 @@ std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
   return best->second;
 }
 
-nlohmann::json read_json(const fs::path& path) {
-  std::ifstream file(path);
-  if (!file) throw DataError("cannot open " + path.string(), "is this a complete trainer checkpoint?");
-  try {
-    return nlohmann::json::parse(file);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(path.string() + ": invalid JSON: " + e.what());
-  }
-}
 
 // A checkpoint of another architecture cannot continue this run: its config.json must equal model.path's.
 void check_same_architecture(const fs::path& checkpoint, const Config& config) {
-  auto saved = read_json(checkpoint / "config.json");
-  auto current = read_json(fs::path(config.model.path) / "config.json");
+  auto saved = read_json_file((checkpoint / "config.json").string());
+  auto current = read_json_file((fs::path(config.model.path) / "config.json").string());
   std::string differences;
   for (const auto& [key, value] : current.items()) {
     if (key == "transformers_version") continue;
@@ -259,7 +251,7 @@ void check_same_architecture(const fs::path& checkpoint, const Config& config) {
   if (!differences.empty())
     throw DataError("checkpoint " + checkpoint.string() + " belongs to another model than model.path:" + differences,
                     "resume with the model.path the checkpoint was trained from");
-  const auto state = read_json(checkpoint / "train_state.json");
+  const auto state = read_json_file((checkpoint / "train_state.json").string());
   const auto saved_batch = state.at("config").at("training").at("batch_size").get<int64_t>();
   if (saved_batch != config.training.batch_size)
     throw DataError("checkpoint " + checkpoint.string() + " was trained with training.batch_size " +
@@ -341,7 +333,7 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
   int64_t tokens_seen = 0;
   int64_t step_index = 0;
   if (resume_dir) {
-    const auto state = read_json(*resume_dir / "train_state.json");
+    const auto state = read_json_file((*resume_dir / "train_state.json").string());
     const auto file = SafetensorsFile::open((*resume_dir / "optimizer.safetensors").string());
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& t : file.tensors())
