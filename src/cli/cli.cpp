@@ -15,6 +15,7 @@
 #include "trainer/data.h"
 #include "trainer/errors.h"
 #include "trainer/run.h"
+#include "trainer/tokenizer.h"
 #include "trainer/version.h"
 
 namespace trainer {
@@ -53,6 +54,8 @@ constexpr const char* kExitCodeHelp =
 struct GenerateCommand {
   std::string model_dir;
   std::vector<int64_t> ids;
+  std::string prompt;
+  std::string tokenizer;
   GenerateOptions options;
   std::optional<uint64_t> seed;
   bool random_init = false;
@@ -67,12 +70,18 @@ int run_generate(GenerateCommand& command, std::ostream& out) {
     if (id < 0 || id >= model->vocab_size())
       throw UsageError("--ids: token id " + std::to_string(id) + " is outside the vocabulary (0.." +
                        std::to_string(model->vocab_size() - 1) + ")");
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (!command.prompt.empty() || !command.tokenizer.empty())
+    tokenizer = load_tokenizer(command.tokenizer.empty() ? command.model_dir : command.tokenizer);
+  if (!command.prompt.empty()) command.ids = prompt_ids(*model, *tokenizer, command.prompt, /*add_eos=*/true);
+  if (command.ids.empty()) throw UsageError("generate needs a prompt: --prompt TEXT or --ids 1,2,3");
   command.options.seed = command.seed;
   const at::Tensor prompt = at::tensor(command.ids, at::kLong).unsqueeze(0);
   const auto tokens = generate(*model, prompt, command.options);
   out << "ids:";
   for (const auto t : tokens) out << " " << t;
   out << "\n";
+  if (tokenizer) out << "text: " << tokenizer->decode(std::vector<int32_t>(tokens.begin(), tokens.end())) << "\n";
   return kExitOk;
 }
 
@@ -132,9 +141,13 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   auto* generate_cmd = app.add_subcommand("generate", "Generate tokens from a model with a key-value cache "
                                                       "(greedy, or temperature/top-p sampling)");
   generate_cmd->add_option("--model", generate_command.model_dir, "Model directory")->required();
-  generate_cmd->add_option("--ids", generate_command.ids, "Prompt token ids, comma-separated: --ids 5,17,42")
-      ->required()
-      ->delimiter(',');
+  auto* prompt_option = generate_cmd->add_option("--prompt", generate_command.prompt,
+                                                 "Prompt text, tokenized with the model's tokenizer");
+  generate_cmd->add_option("--ids", generate_command.ids, "Or prompt token ids, comma-separated: --ids 5,17,42")
+      ->delimiter(',')
+      ->excludes(prompt_option);
+  generate_cmd->add_option("--tokenizer", generate_command.tokenizer,
+                           "Tokenizer file or directory (default: the model directory); decodes the output");
   generate_cmd->add_option("--max-new-tokens", generate_command.options.max_new_tokens, "Stop after N new tokens")
       ->capture_default_str();
   generate_cmd->add_option("--temperature", generate_command.options.temperature, "0: greedy; above 0: sampling")

@@ -58,6 +58,12 @@ int64_t sample(const at::Tensor& logits, const GenerateOptions& options, at::Gen
 
 }  // namespace
 
+std::vector<int64_t> prompt_ids(const LanguageModel& model, const Tokenizer& tokenizer, std::string_view prompt,
+                                bool add_eos) {
+  const auto ids = encode_for_training(tokenizer, prompt, model.family() == ModelFamily::kSeq2Seq && add_eos);
+  return {ids.begin(), ids.end()};
+}
+
 std::vector<int64_t> generate(LanguageModel& model, const at::Tensor& prompt_ids, const GenerateOptions& options) {
   at::NoGradGuard no_grad;
   const bool was_training = model.is_training();

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/module.h"
+#include "trainer/tokenizer.h"
 
 namespace trainer {
 
@@ -105,6 +106,11 @@ struct GenerateOptions {
   double top_p = 1.0;
   std::optional<uint64_t> seed;
 };
+// A text prompt as the model saw inputs in training: a seq2seq input with its EOS (when add_eos), a causal
+// prompt without one (the model continues it).
+std::vector<int64_t> prompt_ids(const LanguageModel& model, const Tokenizer& tokenizer, std::string_view prompt,
+                                bool add_eos);
+
 // New token ids after the prompt (1, T), ending at EOS (included) or max_new_tokens.
 std::vector<int64_t> generate(LanguageModel& model, const at::Tensor& prompt_ids, const GenerateOptions& options);
 

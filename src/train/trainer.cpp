@@ -169,14 +169,21 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
   return result;
 }
 
+// The tokenizer files beside the saved weights, so a saved directory is complete for from_pretrained and for
+// `trainer generate --prompt`.
+void copy_tokenizer_files(const Config& config, const fs::path& to) {
+  fs::path from(config.tokenizer.path.empty() ? config.model.path : config.tokenizer.path);
+  if (!fs::is_directory(from)) from = from.parent_path();
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
+                           "tokenizer.model", "generation_config.json"})
+    if (fs::exists(from / name)) fs::copy_file(from / name, to / name, fs::copy_options::overwrite_existing);
+}
+
 // Generations from evaluation.sample_prompts, logged as text: what the model has learned, at a glance.
 void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config& config, const c10::Device& device,
                  int64_t step) {
   for (const auto& prompt : config.evaluation.sample_prompts) {
-    // A seq2seq input carries EOS as in training; a causal prompt must not end in one.
-    const bool seq2seq = model.family() == ModelFamily::kSeq2Seq;
-    const auto ids32 = encode_for_training(tokenizer, prompt, seq2seq && config.tokenizer.add_eos);
-    std::vector<int64_t> ids(ids32.begin(), ids32.end());
+    const auto ids = prompt_ids(model, tokenizer, prompt, config.tokenizer.add_eos);
     if (ids.empty()) continue;
     GenerateOptions options;
     options.max_new_tokens = config.evaluation.max_new_tokens;
@@ -195,6 +202,7 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, LanguageModel& m
   const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
   fs::remove_all(temp_dir);
   save_model(model, temp_dir.string(), config.checkpoint.max_shard_size.bytes);
+  copy_tokenizer_files(config, temp_dir);
   auto tensors = optimizer.state_tensors();
   tensors.emplace_back("rng.cpu", rng_state());
   write_safetensors((temp_dir / "optimizer.safetensors").string(), tensors, {});
@@ -378,6 +386,7 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     } catch (const OutOfMemoryAtFloor& e) {
       const auto saved = output_dir / "last-completed-step";
       save_model(*model, saved.string(), config.checkpoint.max_shard_size.bytes);
+      copy_tokenizer_files(config, saved);
       throw OutOfMemoryAtFloor(
           std::string(e.what()) + "\nmemory report:" + "\n  weights       " +
               human_bytes(static_cast<double>(count_parameters(*model)) * (dtype == at::kBFloat16 ? 2 : 4)) +
@@ -436,7 +445,10 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     if (config.memory.empty_cache_every > 0 && step_index % config.memory.empty_cache_every == 0) release_cached_memory();
   }
 
-  if (config.checkpoint.save_final) save_model(*model, (output_dir / "final").string(), config.checkpoint.max_shard_size.bytes);
+  if (config.checkpoint.save_final) {
+    save_model(*model, (output_dir / "final").string(), config.checkpoint.max_shard_size.bytes);
+    copy_tokenizer_files(config, output_dir / "final");
+  }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   const auto stats = loader->stats();
   out << "\nDone: " << step_index << " steps, " << tokens_seen << " target tokens in " << seconds << " s ("

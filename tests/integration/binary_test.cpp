@@ -55,6 +55,11 @@ TEST(IntegrationTrain, TinyConfigsTrainAndTheLossFalls) {
     EXPECT_LT(eval_losses.back(), eval_losses.front());
     EXPECT_TRUE(std::filesystem::exists(out_dir / "final" / "model.safetensors"));
     EXPECT_TRUE(std::filesystem::exists(out_dir / "final" / "config.json"));
+    // The saved directory is complete: generate --prompt works on it with its own tokenizer.
+    auto sample = run_trainer({"generate", "--model", (out_dir / "final").string(), "--prompt", "Recipe: Golden soup",
+                               "--max-new-tokens", "8"});
+    EXPECT_EQ(sample.exit_code, 0) << sample.err;
+    EXPECT_TRUE(contains(sample.out, "text: ")) << sample.out;
     std::filesystem::remove_all(out_dir);
   }
 }
