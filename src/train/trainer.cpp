@@ -84,6 +84,8 @@ void reset_peak(const c10::Device& device) {
   else at::accelerator::resetPeakStats(device.index());
 }
 
+}  // namespace
+
 // The largest micro-batch whose forward and backward at maximum lengths fit and leave memory.auto_safety_margin
 // of the capacity free: doubling, then bisecting between the last fit and the first failure.
 int64_t probe_micro_batch(TrainStep& step, AdamW& optimizer, const Config& config, DataFamily family,
@@ -125,11 +127,6 @@ int64_t probe_micro_batch(TrainStep& step, AdamW& optimizer, const Config& confi
   return good;
 }
 
-struct EvalResult {
-  double loss = 0;
-  int64_t tokens = 0;
-};
-
 // Validation loss with its own micro-batch: an out-of-memory error halves it and retries the same batch,
 // and never touches the training policy.
 EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, const Config& config,
@@ -168,6 +165,8 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
   result.loss = result.tokens ? loss_sum / static_cast<double>(result.tokens) : 0.0;
   return result;
 }
+
+namespace {
 
 // The tokenizer files beside the saved weights, so a saved directory is complete for from_pretrained and for
 // `trainer generate --prompt`.

@@ -4,7 +4,10 @@
 
 #include <iosfwd>
 
+#include "train/optimizer.h"
+#include "train/step.h"
 #include "trainer/config.h"
+#include "trainer/data.h"
 #include "trainer/device.h"
 #include "trainer/run.h"
 
@@ -14,5 +17,21 @@ namespace trainer {
 // With options.resume / resume_from, continues from a checkpoint: weights, optimizer state, step, data position,
 // RNG state and the memory policy's micro-batch, so the run reaches the weights an uninterrupted run would.
 int train(const Config& config, const ResolvedDevice& device, const TrainOptions& options, std::ostream& out);
+
+// The steps of the run, exposed for their tests.
+
+// The largest micro-batch whose forward and backward at maximum lengths fit and leave memory.auto_safety_margin
+// of the capacity (memory.limit, or the device's total) free; 0 when not even one fits.
+int64_t probe_micro_batch(TrainStep& step, AdamW& optimizer, const Config& config, DataFamily family,
+                          const c10::Device& device);
+
+struct EvalResult {
+  double loss = 0;  // mean per target token
+  int64_t tokens = 0;
+};
+// Validation loss with its own micro-batch `micro`: an out-of-memory error halves it (in place) and retries;
+// the training policy is never touched.
+EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, const Config& config,
+                    const c10::Device& device, int32_t pad_id);
 
 }  // namespace trainer

@@ -1,0 +1,104 @@
+// micro_batch_size=auto and evaluation, against real out-of-memory errors from the CPU budget.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include "memory/cpu_budget.h"
+#include "models/weights.h"
+#include "support/paths.h"
+#include "train/trainer.h"
+
+namespace trainer {
+namespace {
+
+struct BudgetScope {
+  BudgetScope() { install_cpu_budget(); }
+  ~BudgetScope() { set_cpu_budget_limit(0); }
+};
+
+Config tiny_qwen2_config() {
+  Config c = load_config(test::source_path("configs/tiny-qwen2.json"));
+  c.model.path = test::source_path("configs/models/tiny-qwen2");
+  c.data.train_files = {test::source_path("data/demo/recipes-causal.jsonl")};
+  c.data.validation_files = {test::source_path("data/demo/recipes-causal-val.jsonl")};
+  c.data.max_length = 96;
+  c.memory.auto_safety_margin = 0.0;
+  return c;
+}
+
+struct TinyRun {
+  Config config = tiny_qwen2_config();
+  std::unique_ptr<LanguageModel> model;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<MemoryPolicy> policy;
+  std::unique_ptr<TrainStep> step;
+  TinyRun() {
+    model = load_model(config.model.path, ModelInit::kRandom, at::TensorOptions().dtype(at::kFloat), 3);
+    model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+    optimizer = std::make_unique<AdamW>(*model, config.optimizer);
+    policy = std::make_unique<MemoryPolicy>(config.memory, config.training);
+    step = std::make_unique<TrainStep>(*model, *optimizer, *policy, StepOptions{});
+  }
+  bool fits(int64_t n) {
+    Example e;
+    e.input_ids.assign(static_cast<std::size_t>(config.data.max_length), 5);
+    e.labels = e.input_ids;
+    const std::vector<Example> examples(static_cast<std::size_t>(n), e);
+    try {
+      step->forward_backward(examples, 1.0);
+      optimizer->zero_grad();
+      return true;
+    } catch (const c10::OutOfMemoryError&) {
+      optimizer->zero_grad();
+      return false;
+    }
+  }
+};
+
+}  // namespace
+
+TEST(AutoMicroBatch, PicksTheLargestThatFits) {
+  BudgetScope budget;
+  TinyRun s;
+  const int64_t base = cpu_memory_stats().allocated;
+  reset_cpu_peak();
+  ASSERT_TRUE(s.fits(1));
+  const int64_t one = cpu_memory_stats().peak - base;
+  // Room for a few examples but not for the whole batch of 16.
+  s.config.memory.limit.bytes = static_cast<uint64_t>(base + 5 * one);
+  set_cpu_budget_limit(base + 5 * one);
+  const int64_t chosen = probe_micro_batch(*s.step, *s.optimizer, s.config, DataFamily::kCausal, at::Device(at::kCPU));
+  ASSERT_GT(chosen, 1);
+  ASSERT_LT(chosen, s.config.training.batch_size);
+  EXPECT_TRUE(s.fits(chosen));
+  EXPECT_FALSE(s.fits(chosen + 1)) << "one above the probed size must not fit";
+}
+
+TEST(Evaluation, AnOutOfMemoryShrinksOnlyTheEvaluationMicroBatch) {
+  BudgetScope budget;
+  TinyRun s;
+  auto tokenizer = load_tokenizer(s.config.model.path);
+  const int32_t pad = 0;
+  const c10::Device cpu(at::kCPU);
+  int64_t free_micro = 16;
+  auto loader = make_validation_loader(s.config, *tokenizer, DataFamily::kCausal, 16);
+  ASSERT_TRUE(loader);
+  const int64_t base = cpu_memory_stats().allocated;
+  reset_cpu_peak();
+  const auto unconstrained = evaluate(*s.model, *loader, free_micro, s.config, cpu, pad);
+  const int64_t sixteen = cpu_memory_stats().peak - base;
+  EXPECT_EQ(free_micro, 16);
+
+  const int64_t training_micro = s.policy->micro_batch();
+  set_cpu_budget_limit(base + sixteen / 3);
+  int64_t micro = 16;
+  loader = make_validation_loader(s.config, *tokenizer, DataFamily::kCausal, 16);
+  const auto constrained = evaluate(*s.model, *loader, micro, s.config, cpu, pad);
+  set_cpu_budget_limit(0);
+  EXPECT_LT(micro, 16) << "the evaluation micro-batch shrank";
+  EXPECT_EQ(s.policy->micro_batch(), training_micro) << "the training micro-batch did not";
+  EXPECT_EQ(constrained.tokens, unconstrained.tokens);
+  EXPECT_NEAR(constrained.loss, unconstrained.loss, 1e-5);
+}
+
+}  // namespace trainer
