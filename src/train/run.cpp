@@ -1,12 +1,11 @@
 // The train command: everything is resolved and checked before any step runs, so a mistake in paths, device or
 // data shows in the first second, not after the model has loaded.
-#include <glob.h>
-
 #include <cstdlib>
 #include <ostream>
 
 #include <spdlog/spdlog.h>
 
+#include "data/jsonl.h"
 #include "trainer/device.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"
@@ -16,23 +15,6 @@
 
 namespace trainer {
 namespace {
-
-// Expands the patterns of one data key; a pattern that matches nothing is an error naming it.
-std::vector<std::string> expand_files(const std::vector<std::string>& patterns, const char* key) {
-  std::vector<std::string> files;
-  for (const auto& pattern : patterns) {
-    glob_t matches{};
-    const int rc = glob(pattern.c_str(), GLOB_TILDE | GLOB_BRACE, nullptr, &matches);
-    if (rc == 0)
-      for (std::size_t i = 0; i < matches.gl_pathc; ++i) files.emplace_back(matches.gl_pathv[i]);
-    globfree(&matches);
-    if (rc != 0)
-      throw DataError(std::string(key) + ": no file matches '" + pattern + "'",
-                      "check the path (relative paths are taken from the current directory: run trainer from the "
-                      "repository root, or use absolute paths)");
-  }
-  return files;
-}
 
 // PYTORCH_ALLOC_CONF must be in the environment before the first device allocation; the user's wins.
 void export_allocator_conf(const MemoryConfig& memory) {
@@ -52,8 +34,8 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
 
   export_allocator_conf(config.memory);
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
-  const auto train_files = expand_files(config.data.train_files, "data.train_files");
-  const auto validation_files = expand_files(config.data.validation_files, "data.validation_files");
+  const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
+  const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
   const auto device = resolve_device(config.device);
 
   const auto& t = config.training;
