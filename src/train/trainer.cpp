@@ -2,6 +2,7 @@
 #include "train/trainer.h"
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include "models/weights.h"
 #include "train/checkpointing.h"
 #include "train/optimizer.h"
+#include "train/signals.h"
 #include "train/step.h"
 #include "trainer/data.h"
 #include "trainer/model_dir.h"
@@ -270,6 +272,7 @@ void check_same_architecture(const fs::path& checkpoint, const Config& config) {
 
 int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options, std::ostream& out) {
   const c10::Device device = resolved.device;
+  install_stop_handlers();  // from here a signal stops at the next step boundary (with a checkpoint)
   if (config.memory.snapshot_on_oom)
     throw UsageError("memory.snapshot_on_oom: allocator snapshots are not in this version of trainer yet",
                      "leave memory.snapshot_on_oom=false");
@@ -376,6 +379,13 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
   int64_t window_tokens = 0;
   double last_eval = std::nan("");
   while (step_index < total_steps) {
+    if (const int signal = stop_requested()) {
+      write_checkpoint(output_dir, step_index, *model, *optimizer, policy, *loader, tokens_seen, config);
+      out << "Stopped by " << (signal == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << step_index
+          << "; the checkpoint is in " << (output_dir / ("checkpoint-" + std::to_string(step_index))).string()
+          << ".\nContinue with the same command and --resume.\n";
+      return signal == SIGINT ? kExitInterrupted : kExitOk;
+    }
     auto batch = loader->next();
     if (!batch) break;
     const double lr = scheduled_lr(config.scheduler, config.optimizer.lr, step_index, total_steps);

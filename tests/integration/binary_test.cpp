@@ -245,3 +245,32 @@ TEST(IntegrationTrain, ResumeContinuesExactly) {
 }
 
 }  // namespace trainer::test
+
+namespace trainer::test {
+
+// SIGTERM (a preempted container) and SIGINT (Ctrl-C): finish the step, write a checkpoint, exit 0 or 130, and
+// the run continues from it with --resume.
+TEST(IntegrationTrain, SignalsStopWithACheckpoint) {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / "trainer-signals";
+  fs::remove_all(dir);
+  const std::vector<std::string> args = {"--config", "configs/tiny-qwen2.json", "--set", "training.max_steps=5000",
+                                         "--set", "checkpoint.output_dir=" + dir.string()};
+  auto term = run_trainer(args, "timeout --preserve-status -s TERM 4");
+  EXPECT_EQ(term.exit_code, 0) << term.err;
+  EXPECT_TRUE(term.out.find("Stopped by SIGTERM") != std::string::npos) << term.out;
+  EXPECT_TRUE(term.out.find("--resume") != std::string::npos);
+  bool complete = false;
+  for (const auto& entry : fs::directory_iterator(dir)) complete = complete || fs::exists(entry.path() / "COMPLETE");
+  EXPECT_TRUE(complete);
+
+  auto resume_args = args;
+  resume_args.push_back("--resume");
+  auto interrupted = run_trainer(resume_args, "timeout --preserve-status -s INT 4");
+  EXPECT_EQ(interrupted.exit_code, 130) << interrupted.err;
+  EXPECT_TRUE(interrupted.err.find("resuming from") != std::string::npos) << interrupted.err;
+  EXPECT_TRUE(interrupted.out.find("Stopped by SIGINT") != std::string::npos) << interrupted.out;
+  fs::remove_all(dir);
+}
+
+}  // namespace trainer::test
