@@ -274,3 +274,50 @@ TEST(IntegrationTrain, SignalsStopWithACheckpoint) {
 }
 
 }  // namespace trainer::test
+
+namespace trainer::test {
+
+// kill -9 at many moments, checkpoints written every step: the newest complete checkpoint always loads and the
+// run resumes from it.
+TEST(IntegrationTrain, KillNineNeverLosesTheLastCompleteCheckpoint) {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / "trainer-kill9";
+  fs::remove_all(dir);
+  const std::vector<std::string> args = {"--config", "configs/tiny-qwen2.json", "--set", "training.max_steps=100000",
+                                         "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=2",
+                                         "--set", "evaluation.every_steps=0",
+                                         "--set", "checkpoint.output_dir=" + dir.string()};
+  int64_t last_step = -1;
+  for (const char* seconds : {"3.0", "3.6", "4.2", "4.8"}) {  // the first after start-up and a few steps
+    SCOPED_TRACE(seconds);
+    auto resume_args = args;
+    if (last_step >= 0) resume_args.push_back("--resume");
+    auto killed = run_trainer(resume_args, std::string("timeout -s KILL ") + seconds);
+    EXPECT_EQ(killed.exit_code, 128 + 9) << killed.err;
+    // The newest complete checkpoint: its weights load and its state parses; it never goes backwards.
+    int64_t newest = -1;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const auto name = entry.path().filename().string();
+      if (name.starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
+        newest = std::max<int64_t>(newest, std::stoll(name.substr(11)));
+    }
+    ASSERT_GE(newest, 0) << "no complete checkpoint after the kill";
+    EXPECT_GE(newest, last_step);
+    last_step = newest;
+    const auto checkpoint = dir / ("checkpoint-" + std::to_string(newest));
+    auto load = run_trainer({"generate", "--model", checkpoint.string(), "--ids", "5", "--max-new-tokens", "1"});
+    EXPECT_EQ(load.exit_code, 0) << load.err;
+    std::ifstream state_file(checkpoint / "train_state.json");
+    EXPECT_EQ(nlohmann::json::parse(state_file)["step"].get<int64_t>(), newest);
+  }
+  // And the run finishes from there.
+  auto finish_args = args;
+  finish_args[3] = "training.max_steps=" + std::to_string(last_step + 2);
+  finish_args.push_back("--resume");
+  auto finished = run_trainer(finish_args);
+  EXPECT_EQ(finished.exit_code, 0) << finished.err;
+  EXPECT_TRUE(finished.err.find("resuming from") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+}  // namespace trainer::test
