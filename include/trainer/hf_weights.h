@@ -7,6 +7,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <string>
@@ -48,6 +49,10 @@ StateDict load_state_dict_files(const std::vector<std::string>& files,
 // place. Tensors sharing storage (tied weights) are written once per name: drop tied names before saving.
 std::vector<std::string> save_state_dict(const std::string& dir, const NamedTensors& tensors,
                                          std::uint64_t max_shard_bytes = kDefaultMaxShardBytes);
+
+// The index of a sharded checkpoint (model.safetensors.index.json): tensor name -> shard file name. Throws
+// DataError for a malformed index or a shard path that leaves the model directory.
+std::map<std::string, std::string> read_weight_map(const std::filesystem::path& index_path);
 
 // Names and shapes of a state dict (or of a model's parameters), for check_state_dict.
 ShapeMap shapes_of(const StateDict& tensors);

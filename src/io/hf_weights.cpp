@@ -39,34 +39,6 @@ void append_lines(std::string& message, const std::vector<std::string>& items, c
   if (items.size() > limit) message += "\n  ... and " + std::to_string(items.size() - limit) + " more";
 }
 
-// The index of a sharded checkpoint: tensor name -> shard file name.
-std::map<std::string, std::string> read_weight_map(const fs::path& index_path) {
-  std::ifstream in(index_path);
-  if (!in) throw DataError("cannot open " + index_path.string());
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw DataError(index_path.string() + ": invalid JSON: " + e.what(), "download or save the model again");
-  }
-  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-    throw DataError(index_path.string() + ": no \"weight_map\" object", "is this a transformers index file?");
-  std::map<std::string, std::string> weight_map;
-  for (const auto& [name, file] : index["weight_map"].items()) {
-    if (!file.is_string())
-      throw DataError(index_path.string() + ": weight_map[" + in_quotes(name) + "] is not a file name");
-    const auto file_name = file.get<std::string>();
-    // Shards live next to the index; a path out of the directory is a corrupt or hostile index.
-    const fs::path relative(file_name);
-    if (file_name.empty() || relative.is_absolute() ||
-        std::find(relative.begin(), relative.end(), fs::path("..")) != relative.end())
-      throw DataError(index_path.string() + ": weight_map[" + in_quotes(name) + "] = " + in_quotes(file_name) +
-                      " is not a file in the model directory");
-    weight_map[name] = file_name;
-  }
-  return weight_map;
-}
-
 StateDict load_sharded(const fs::path& dir, std::optional<at::ScalarType> dtype) {
   const fs::path index_path = dir / kWeightsIndexName;
   const auto weight_map = read_weight_map(index_path);
@@ -180,6 +152,35 @@ bool is_weight_file_name(const std::string& name) {
 }
 
 }  // namespace
+
+// The index of a sharded checkpoint: tensor name -> shard file name.
+std::map<std::string, std::string> read_weight_map(const std::filesystem::path& index_path) {
+  std::ifstream in(index_path);
+  if (!in) throw DataError("cannot open " + index_path.string());
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw DataError(index_path.string() + ": invalid JSON: " + e.what(), "download or save the model again");
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw DataError(index_path.string() + ": no \"weight_map\" object", "is this a transformers index file?");
+  std::map<std::string, std::string> weight_map;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string())
+      throw DataError(index_path.string() + ": weight_map[" + in_quotes(name) + "] is not a file name");
+    const auto file_name = file.get<std::string>();
+    // Shards live next to the index; a path out of the directory is a corrupt or hostile index.
+    const fs::path relative(file_name);
+    if (file_name.empty() || relative.is_absolute() ||
+        std::find(relative.begin(), relative.end(), fs::path("..")) != relative.end())
+      throw DataError(index_path.string() + ": weight_map[" + in_quotes(name) + "] = " + in_quotes(file_name) +
+                      " is not a file in the model directory");
+    weight_map[name] = file_name;
+  }
+  return weight_map;
+}
+
 
 StateDict load_state_dict(const std::string& dir, std::optional<at::ScalarType> dtype) {
   const fs::path root(dir);

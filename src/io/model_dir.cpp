@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "trainer/errors.h"
+#include "trainer/hf_weights.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {
@@ -56,16 +57,11 @@ ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
   if (fs::exists(single)) {
     info.weight_files.push_back(single.string());
   } else if (fs::exists(index)) {
-    const auto map = read_json_file(index.string());
-    if (!map.contains("weight_map") || !map["weight_map"].is_object())
-      throw DataError(index.string() + ": no \"weight_map\" object");
-    std::vector<std::string> files;
-    for (const auto& [name, file] : map["weight_map"].items()) {
-      if (!file.is_string()) throw DataError(index.string() + ": weight_map[\"" + name + "\"] is not a file name");
-      const auto path = (root / file.get<std::string>()).string();
-      if (std::find(files.begin(), files.end(), path) == files.end()) files.push_back(path);
+    for (const auto& [name, file] : read_weight_map(index)) {
+      const auto path = (root / file).string();
+      if (std::find(info.weight_files.begin(), info.weight_files.end(), path) == info.weight_files.end())
+        info.weight_files.push_back(path);
     }
-    info.weight_files = files;
   }
   for (const auto& file : info.weight_files) {
     if (!fs::exists(file)) throw DataError("weight file " + file + " is missing", "copy the whole model directory");

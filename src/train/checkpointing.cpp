@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "train/precision.h"
+#include "train/rng.h"
 
 namespace trainer {
 namespace {
@@ -20,22 +21,6 @@ struct BlockHolder : torch::CustomClassHolder {
   explicit BlockHolder(BlockFn f) : fn(std::move(f)) {}
   BlockFn fn;
 };
-
-at::Generator generator_for(const at::Device& device) {
-  return device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device);
-}
-
-at::Tensor get_rng_state(const at::Device& device) {
-  at::Generator gen = generator_for(device);
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_rng_state(const at::Device& device, const at::Tensor& state) {
-  at::Generator gen = generator_for(device);
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
 
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
   // inputs[0] is a dummy that requires grad, so backward runs even when no real input needs a gradient (frozen

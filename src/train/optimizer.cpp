@@ -2,6 +2,7 @@
 #include "train/optimizer.h"
 
 #include <algorithm>
+#include <map>
 #include <cmath>
 #include <numbers>
 
@@ -115,11 +116,10 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::state_tensors() const {
 
 void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps) {
   at::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> by_name(tensors.begin(), tensors.end());
   for (auto& slot : slots_) {
-    for (const auto& [name, t] : tensors) {
-      if (name == "exp_avg." + slot.name) slot.exp_avg.copy_(t);
-      if (name == "exp_avg_sq." + slot.name) slot.exp_avg_sq.copy_(t);
-    }
+    if (auto it = by_name.find("exp_avg." + slot.name); it != by_name.end()) slot.exp_avg.copy_(it->second);
+    if (auto it = by_name.find("exp_avg_sq." + slot.name); it != by_name.end()) slot.exp_avg_sq.copy_(it->second);
   }
   step_ = steps;
 }

@@ -20,6 +20,7 @@
 #include "models/weights.h"
 #include "train/checkpointing.h"
 #include "train/optimizer.h"
+#include "train/rng.h"
 #include "train/signals.h"
 #include "train/step.h"
 #include "trainer/data.h"
@@ -33,20 +34,6 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// The CPU generator's state (dropout, sampling), saved with checkpoints for an exact resume.
-at::Tensor rng_state() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-void set_rng_state(const at::Tensor& state) {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-
 
 struct MemoryNow {
   int64_t allocated = 0, peak = 0;
@@ -170,6 +157,21 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
 
 namespace {
 
+// The checkpoint-N directories in `dir` (complete or not), oldest first; other names are left alone.
+std::vector<std::pair<int64_t, fs::path>> checkpoint_dirs(const fs::path& dir) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  if (!fs::is_directory(dir)) return found;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (!entry.is_directory() || !name.starts_with("checkpoint-")) continue;
+    const auto digits = name.substr(11);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    found.emplace_back(std::stoll(digits), entry.path());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
 // The tokenizer files beside the saved weights, so a saved directory is complete for from_pretrained and for
 // `trainer generate --prompt`.
 void copy_tokenizer_files(const Config& config, const fs::path& to) {
@@ -205,7 +207,7 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, LanguageModel& m
   save_model(model, temp_dir.string(), config.checkpoint.max_shard_size.bytes);
   copy_tokenizer_files(config, temp_dir);
   auto tensors = optimizer.state_tensors();
-  tensors.emplace_back("rng.cpu", rng_state());
+  tensors.emplace_back("rng.cpu", get_rng_state(at::Device(at::kCPU)));  // for an exact resume
   write_safetensors((temp_dir / "optimizer.safetensors").string(), tensors, {});
   const nlohmann::json state = {{"version", 1},
                                 {"step", step},
@@ -219,13 +221,7 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, LanguageModel& m
   fs::rename(temp_dir, final_dir);
   std::ofstream(final_dir / "COMPLETE") << step << "\n";  // written last: a checkpoint without it is not trusted
   // Keep the newest keep_last.
-  std::vector<std::pair<int64_t, fs::path>> existing;
-  for (const auto& entry : fs::directory_iterator(output_dir)) {
-    const auto name = entry.path().filename().string();
-    if (entry.is_directory() && name.starts_with("checkpoint-"))
-      existing.emplace_back(std::stoll(name.substr(11)), entry.path());
-  }
-  std::sort(existing.begin(), existing.end());
+  const auto existing = checkpoint_dirs(output_dir);
   for (std::size_t i = 0; i + static_cast<std::size_t>(config.checkpoint.keep_last) < existing.size(); ++i)
     fs::remove_all(existing[i].second);
   spdlog::info("checkpoint step {}: {}", step, final_dir.string());
@@ -233,16 +229,10 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, LanguageModel& m
 
 // The newest checkpoint-N in `dir` that was completely written.
 std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
-  std::optional<std::pair<int64_t, fs::path>> best;
-  if (!fs::is_directory(dir)) return std::nullopt;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const auto name = entry.path().filename().string();
-    if (!entry.is_directory() || !name.starts_with("checkpoint-") || !fs::exists(entry.path() / "COMPLETE")) continue;
-    const int64_t step = std::stoll(name.substr(11));
-    if (!best || step > best->first) best = {{step, entry.path()}};
-  }
-  if (!best) return std::nullopt;
-  return best->second;
+  const auto all = checkpoint_dirs(dir);
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if (fs::exists(it->second / "COMPLETE")) return it->second;
+  return std::nullopt;
 }
 
 
@@ -353,7 +343,7 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     policy.restore(state.at("memory_policy"));
     step_index = state.at("step").get<int64_t>();
     tokens_seen = state.at("tokens_seen").get<int64_t>();
-    if (file.find("rng.cpu")) set_rng_state(file.load("rng.cpu"));
+    if (file.find("rng.cpu")) set_rng_state(at::Device(at::kCPU), file.load("rng.cpu"));
     spdlog::info("resuming from {} at step {} (micro-batch {})", resume_dir->string(), step_index, policy.micro_batch());
   } else if (config.training.micro_batch_size.is_auto) {
     const int64_t probed = probe_micro_batch(step, *optimizer, config, family, device);
