@@ -71,6 +71,11 @@ enum class OptimizerName { kAdamW };
 inline constexpr EnumName<OptimizerName> kOptimizerNames[] = {{OptimizerName::kAdamW, "adamw"}};
 inline std::span<const EnumName<OptimizerName>> enum_names(OptimizerName) { return kOptimizerNames; }
 
+// The dtype AdamW keeps its two moments in.
+enum class StateDtype { kFp32, kBf16 };
+inline constexpr EnumName<StateDtype> kStateDtypeNames[] = {{StateDtype::kFp32, "fp32"}, {StateDtype::kBf16, "bf16"}};
+inline std::span<const EnumName<StateDtype>> enum_names(StateDtype) { return kStateDtypeNames; }
+
 enum class SchedulerName { kConstant, kLinear, kCosine };
 inline constexpr EnumName<SchedulerName> kSchedulerNames[] = {{SchedulerName::kConstant, "constant"},
                                                               {SchedulerName::kLinear, "linear"},
@@ -236,6 +241,7 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double weight_decay = 0.0;
   bool decay_norms_biases_embeddings = false;
+  StateDtype state_dtype = StateDtype::kFp32;
 
   template <class V>
   void visit(V& v) {
@@ -247,6 +253,8 @@ struct OptimizerConfig {
     v("weight_decay", weight_decay, "decoupled weight decay");
     v("decay_norms_biases_embeddings", decay_norms_biases_embeddings,
       "also decay norm weights, biases and embeddings (off, as is usual)");
+    v("state_dtype", state_dtype,
+      "dtype of the two AdamW moments: fp32 (8 bytes per parameter) or bf16 (4; the update is still computed in fp32)");
   }
   bool operator==(const OptimizerConfig&) const = default;
 };

@@ -175,7 +175,8 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
     plan.weights = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
     plan.gradients = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
   }
-  plan.optimizer_state = 8.0 * static_cast<double>(plan.trainable_parameters);
+  plan.optimizer_state = (config.optimizer.state_dtype == StateDtype::kBf16 ? 4.0 : 8.0) *
+                         static_cast<double>(plan.trainable_parameters);
   // bf16-mixed: autocast keeps a bf16 copy of every weight it casts until backward has used it.
   if (mode == PrecisionMode::kBf16Mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
   if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
@@ -224,7 +225,9 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
   out << "  parameters " << plan.parameters << ", trainable " << plan.trainable_parameters << "\n\n";
   row("weights", plan.weights, config.lora.enabled ? "frozen base + fp32 adapters" : "");
   row("gradients", plan.gradients, "trainable parameters, kept across micro-batches");
-  row("optimizer state (AdamW)", plan.optimizer_state, "two fp32 moments per trainable parameter");
+  row("optimizer state (AdamW)", plan.optimizer_state,
+      config.optimizer.state_dtype == StateDtype::kBf16 ? "two bf16 moments per trainable parameter"
+                                                         : "two fp32 moments per trainable parameter");
   row("workspace", plan.workspace, plan.workspace > 0 ? "autocast weight copies / device libraries" : "");
   row("activations per example", plan.activations_per_example, "at the maximum lengths");
   row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
@@ -272,7 +275,10 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
         << human_bytes(fixed) << " of the " << human_bytes(allowed) << " usable";
     if (fixed >= allowed) {
       out << ": that is more than the device holds whatever the batch; train LoRA adapters (lora.enabled=true"
-          << (config.precision.mode == PrecisionMode::kBf16 ? "" : ", precision.mode=bf16") << ") or use a larger device\n";
+          << (config.precision.mode == PrecisionMode::kBf16 ? "" : ", precision.mode=bf16")
+          << (config.optimizer.state_dtype == StateDtype::kBf16 ? "" : "), halve the optimizer state "
+                                                                       "(optimizer.state_dtype=bf16")
+          << ") or use a larger device\n";
     } else {
       out << "; one example at the maximum lengths needs " << human_bytes(plan.peak(1, true, true) - fixed)
           << " more with checkpointing and chunked loss: shorten data.max_length / max_input_length / "

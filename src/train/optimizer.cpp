@@ -25,7 +25,7 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config) : config_(config) {
   int64_t largest = 0;
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) {
     if (!p.requires_grad()) return;
-    const auto options = p.options().dtype(at::kFloat);
+    const auto options = p.options().dtype(config.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat);
     slots_.push_back({name, &p, at::zeros(p.sizes(), options), at::zeros(p.sizes(), options),
                       config.decay_norms_biases_embeddings || decays_by_default(name)});
     largest = std::max(largest, p.numel());
@@ -34,6 +34,10 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config) : config_(config) {
   const int64_t chunk = std::min(largest, kChunk);
   scratch_a_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
   scratch_b_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
+  if (config.state_dtype == StateDtype::kBf16) {
+    scratch_m_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
+    scratch_v_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
+  }
   eps_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device));
   decay_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device));
 }
@@ -50,6 +54,7 @@ void AdamW::step(double lr) {
   const double step_size = lr * bias2_sqrt / bias1;
   eps_.fill_(config_.eps * bias2_sqrt);
   decay_.fill_(1.0 - lr * config_.weight_decay);
+  const bool bf16_state = config_.state_dtype == StateDtype::kBf16;
   for (auto& slot : slots_) {
     at::Tensor& p = *slot.param;
     if (!p.grad().defined()) continue;
@@ -58,7 +63,10 @@ void AdamW::step(double lr) {
     const bool fp32 = p.scalar_type() == at::kFloat;
     for (int64_t begin = 0; begin < param.numel(); begin += kChunk) {
       const int64_t n = std::min(kChunk, param.numel() - begin);
-      at::Tensor pc = param.narrow(0, begin, n), mc = m.narrow(0, begin, n), vc = v.narrow(0, begin, n);
+      at::Tensor pc = param.narrow(0, begin, n), m_state = m.narrow(0, begin, n), v_state = v.narrow(0, begin, n);
+      // bf16 moments are updated in fp32 copies and rounded back; fp32 moments in place.
+      at::Tensor mc = bf16_state ? scratch_m_.narrow(0, 0, n).copy_(m_state) : m_state;
+      at::Tensor vc = bf16_state ? scratch_v_.narrow(0, 0, n).copy_(v_state) : v_state;
       at::Tensor a = scratch_a_.narrow(0, 0, n), b = scratch_b_.narrow(0, 0, n);
       a.copy_(grad.narrow(0, begin, n));  // fp32 whatever the gradient's dtype
       mc.lerp_(a, 1.0 - b1);              // m = b1 m + (1 - b1) g
@@ -69,6 +77,10 @@ void AdamW::step(double lr) {
       if (slot.decay && config_.weight_decay > 0) master.mul_(decay_);
       master.addcdiv_(mc, a, -step_size);
       if (!fp32) pc.copy_(master);
+      if (bf16_state) {
+        m_state.copy_(mc);
+        v_state.copy_(vc);
+      }
     }
   }
 }
@@ -101,7 +113,7 @@ int64_t AdamW::trainable_parameters() const {
 
 int64_t AdamW::state_bytes() const {
   int64_t n = 0;
-  for (const auto& slot : slots_) n += 2 * slot.exp_avg.numel() * 4;
+  for (const auto& slot : slots_) n += 2 * slot.exp_avg.numel() * static_cast<int64_t>(slot.exp_avg.element_size());
   return n;
 }
 

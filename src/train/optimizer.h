@@ -1,5 +1,5 @@
 // AdamW (decoupled weight decay, as torch.optim.AdamW) over a model's trainable parameters, with no decay on
-// norms, biases and embeddings by default. The state (fp32 moments) is allocated when the optimizer is built, so
+// norms, biases and embeddings by default. The state (two moments, fp32 or bf16) is allocated when the optimizer is built, so
 // an optimizer-state out-of-memory shows before step 1, and the update itself allocates nothing (it works through
 // a fixed scratch buffer in chunks): an out-of-memory error cannot leave some parameters updated and others not.
 #pragma once
@@ -38,13 +38,14 @@ class AdamW {
   struct Slot {
     std::string name;
     at::Tensor* param;
-    at::Tensor exp_avg, exp_avg_sq;  // fp32, same shape
+    at::Tensor exp_avg, exp_avg_sq;  // optimizer.state_dtype (fp32 or bf16), same shape
     bool decay;
   };
   std::vector<Slot> slots_;
   OptimizerConfig config_;
   int64_t step_ = 0;
   at::Tensor scratch_a_, scratch_b_;  // fp32 chunk buffers for the update
+  at::Tensor scratch_m_, scratch_v_;  // fp32 copies of a chunk of bf16 moments (state_dtype bf16 only)
   at::Tensor eps_, decay_;            // 0-dim operands, refilled each step (no allocation during the update)
 };
 
