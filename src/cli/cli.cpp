@@ -234,7 +234,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   if (merge_cmd->parsed()) {
     const auto merged = merge_adapter(merge_options);
     out << "Merged " << merged.layers << " LoRA layers of " << merge_options.adapter_dir << " into "
-        << merged.base_dir << " (" << c10::toString(merged.dtype) << "): " << merge_options.output_dir << "\n";
+        << merged.base_dir << " (" << (merged.dtype == at::kBFloat16 ? "bf16" : merged.dtype == at::kFloat ? "fp32" : c10::toString(merged.dtype))
+        << "): " << merge_options.output_dir << "\n";
     return kExitOk;
   }
   out << app.help();

@@ -204,13 +204,14 @@ void save_trained(const TrainedWeights& trained, const fs::path& dir, const Conf
 }
 
 // LoRA on the frozen base, restored from `resume_dir` when resuming. The adapter's base is model.path; a randomly
-// initialised base (the tiny demos) is saved once to output_dir/base, so the adapter has a base to be loaded onto.
+// initialised base (the tiny demos) is saved to output_dir/base at the start of a run (a resumed run recreates
+// the same one from training.seed), so the adapter has a base to be loaded onto.
 std::unique_ptr<LoraAdapters> apply_lora_for_training(LanguageModel& model, const Config& config,
                                                       const std::optional<fs::path>& resume_dir, std::string& base) {
   base = fs::absolute(config.model.path).lexically_normal().string();
   if (config.model.init == ModelInit::kRandom) {
     const fs::path saved = fs::absolute(fs::path(config.checkpoint.output_dir) / "base").lexically_normal();
-    if (!fs::exists(saved / kWeightsFileName) && !fs::exists(saved / kWeightsIndexName)) {
+    if (!resume_dir || (!fs::exists(saved / kWeightsFileName) && !fs::exists(saved / kWeightsIndexName))) {
       save_model(model, saved.string(), config.checkpoint.max_shard_size.bytes);
       copy_tokenizer_files(config, saved);
     }
