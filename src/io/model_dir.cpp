@@ -35,7 +35,11 @@ ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
                     "model.path must name a Hugging Face model directory (the one save_pretrained writes)");
   const fs::path config_path = root / "config.json";
   if (!fs::exists(config_path))
-    throw DataError(config_path.string() + " is missing", "a Hugging Face model directory holds config.json");
+    throw DataError(config_path.string() + " is missing",
+                    fs::exists(root / "adapter_config.json")
+                        ? "this is a LoRA adapter, not a model: `trainer merge --adapter " + dir +
+                              " --output DIR` writes the base model with it merged"
+                        : "a Hugging Face model directory holds config.json");
   const auto config = read_json_file(config_path.string());
 
   ModelDirInfo info;

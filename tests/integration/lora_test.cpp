@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -121,6 +122,37 @@ TEST(IntegrationLora, ResumeContinuesExactly) {
   EXPECT_NE(merge_full.err.find("lora.enabled"), std::string::npos) << merge_full.err;
   fs::remove_all(straight);
   fs::remove_all(resumed);
+}
+
+// What merge needs and does not find is named, with the way out.
+TEST(IntegrationLora, MergeAndGenerateSayWhatIsMissing) {
+  const auto dir = fs::temp_directory_path() / "trainer-lora-merge-errors";
+  fs::remove_all(dir);
+  auto no_adapter = run_trainer({"merge", "--adapter", (dir / "nothing").string(), "--output", (dir / "out").string()});
+  EXPECT_EQ(no_adapter.exit_code, 3);
+  EXPECT_NE(no_adapter.err.find("adapter_config.json is missing"), std::string::npos) << no_adapter.err;
+
+  // An adapter whose base is not here: the hint says to give --base.
+  fs::create_directories(dir / "adapter");
+  std::ofstream(dir / "adapter" / "adapter_config.json")
+      << R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "base_model_name_or_path": "Qwen/Qwen2.5-7B"})";
+  auto no_weights = run_trainer({"merge", "--adapter", (dir / "adapter").string(), "--output", (dir / "out").string()});
+  EXPECT_EQ(no_weights.exit_code, 3);
+  EXPECT_NE(no_weights.err.find("adapter_model.safetensors is missing"), std::string::npos) << no_weights.err;
+  write_safetensors((dir / "adapter" / "adapter_model.safetensors").string(),
+                    {{"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", at::zeros({4, 64})},
+                     {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", at::zeros({64, 4})}});
+  auto no_base = run_trainer({"merge", "--adapter", (dir / "adapter").string(), "--output", (dir / "out").string()});
+  EXPECT_EQ(no_base.exit_code, 3);
+  EXPECT_NE(no_base.err.find("Qwen/Qwen2.5-7B is not a directory here"), std::string::npos) << no_base.err;
+  EXPECT_NE(no_base.err.find("--base"), std::string::npos) << no_base.err;
+
+  // generate on an adapter directory points at merge.
+  auto generate = run_trainer({"generate", "--model", (dir / "adapter").string(), "--ids", "5"});
+  EXPECT_EQ(generate.exit_code, 3);
+  EXPECT_NE(generate.err.find("trainer merge --adapter"), std::string::npos) << generate.err;
+  EXPECT_FALSE(fs::exists(dir / "out"));
+  fs::remove_all(dir);
 }
 
 }  // namespace trainer::test
