@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include "memory/planner.h"
 #include "models/inspect.h"
 #include "models/lora.h"
 #include "models/model.h"
@@ -134,6 +135,17 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       ->allow_extra_args(false);
   data_cmd->footer(kExitCodeHelp);
 
+  std::string plan_config_path;
+  std::vector<std::string> plan_overrides;
+  auto* plan_cmd = app.add_subcommand("plan", "Estimate the memory of the configured run (weights, gradients, "
+                                              "optimizer state, activations per example, logits) against the device "
+                                              "or memory.limit, and recommend a micro-batch; loads no weights");
+  plan_cmd->add_option("-c,--config", plan_config_path, "JSON config file")->required();
+  plan_cmd->add_option("--set", plan_overrides, "Override one key: --set data.max_length=1024 (repeatable)")
+      ->type_name("SECTION.KEY=VALUE")
+      ->allow_extra_args(false);
+  plan_cmd->footer(kExitCodeHelp);
+
   InspectOptions inspect_options;
   std::string inspect_dir;
   auto* inspect = app.add_subcommand("inspect", "Describe a Hugging Face model directory: architecture, parameters, "
@@ -186,8 +198,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   std::vector<std::string> args;
   for (int i = argc - 1; i > 0; --i) args.emplace_back(argv[i]);  // CLI11 takes them reversed
   const bool has_subcommand =
-      !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "inspect" ||
-                        args.back() == "generate" || args.back() == "merge" || is_top_level_flag(args.back()));
+      !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
+                        args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
+                        is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
 
   try {
@@ -226,6 +239,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     return run_train(config, train_options, out);
   }
   if (data_cmd->parsed()) return run_data(load_config(data_config_path, data_overrides), out);
+  if (plan_cmd->parsed()) return run_plan(load_config(plan_config_path, plan_overrides), out);
   if (inspect->parsed()) {
     inspect_model(inspect_dir, inspect_options, out);
     return kExitOk;

@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "memory/cpu_budget.h"
+#include "memory/cuda_extras.h"
 #include "memory/policy.h"
 #include "models/lora.h"
 #include "models/weights.h"
@@ -274,6 +275,19 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, const TrainedWei
   spdlog::info("checkpoint step {}: {}", step, final_dir.string());
 }
 
+// With memory.snapshot_on_oom on a CUDA device: the allocator's history up to the run's first out-of-memory error,
+// for pytorch.org/memory_viz. Later errors add nothing new to look at.
+void dump_snapshot_once(const fs::path& output_dir, int64_t step) {
+  static bool dumped = false;
+  if (dumped) return;
+  const auto path = output_dir / ("memory-snapshot-step-" + std::to_string(step) + ".pickle");
+  if (dump_allocator_snapshot(path.string())) {
+    dumped = true;
+    spdlog::warn("out of memory at step {}: allocator snapshot written to {} (open it in pytorch.org/memory_viz)",
+                 step, path.string());
+  }
+}
+
 // The newest checkpoint-N in `dir` that was completely written.
 std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
   const auto all = checkpoint_dirs(dir);
@@ -328,9 +342,11 @@ void check_same_architecture(const fs::path& checkpoint, const Config& config) {
 int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options, std::ostream& out) {
   const c10::Device device = resolved.device;
   install_stop_handlers();  // from here a signal stops at the next step boundary (with a checkpoint)
-  if (config.memory.snapshot_on_oom)
-    throw UsageError("memory.snapshot_on_oom: allocator snapshots are not in this version of trainer yet",
-                     "leave memory.snapshot_on_oom=false");
+  if (config.memory.snapshot_on_oom) {
+    if (cuda_extras_available() && device.is_cuda()) start_recording_allocations();
+    else spdlog::warn("memory.snapshot_on_oom: allocator snapshots need a CUDA device and a CUDA build of trainer; "
+                      "none will be written on {}", device.str());
+  }
   if (config.checkpoint.keep_best)
     spdlog::warn("checkpoint.keep_best: keeping the best checkpoint by validation loss is not in this version yet; "
                  "the newest {} checkpoints (checkpoint.keep_last) are kept", config.checkpoint.keep_last);
@@ -339,8 +355,10 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
   if (train_options.merge && !config.checkpoint.save_final)
     throw UsageError("--merge merges the final adapter, but checkpoint.save_final=false",
                      "drop --merge, or set checkpoint.save_final=true");
-  if (device.is_cpu() && config.memory.limit.bytes > 0)
-    set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
+  if (config.memory.limit.bytes > 0) {
+    if (device.is_cpu()) set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
+    else cap_device_memory(device, static_cast<int64_t>(config.memory.limit.bytes));
+  }
   const auto start = Clock::now();
 
   const auto tokenizer = load_tokenizer(config.tokenizer.path.empty() ? config.model.path : config.tokenizer.path,
@@ -458,6 +476,7 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     try {
       result = step.run(*batch, step_index + 1, lr);
     } catch (const OutOfMemoryAtFloor& e) {
+      dump_snapshot_once(output_dir, step_index + 1);
       const auto saved = output_dir / "last-completed-step";
       save_trained(trained, saved, config);
       throw OutOfMemoryAtFloor(
@@ -478,6 +497,7 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
           "or more memory (memory.limit, a larger device)");
     }
     ++step_index;
+    if (result.retries > 0) dump_snapshot_once(output_dir, step_index);
     tokens_seen += result.target_tokens;
     window_tokens += result.target_tokens;
     const auto memory = memory_now(device);

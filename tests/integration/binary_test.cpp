@@ -154,6 +154,17 @@ TEST(IntegrationModels, InspectDescribesAModelWithoutLoadingIt) {
   EXPECT_TRUE(missing.err.find("configs/models/nothing-here") != std::string::npos);
 }
 
+TEST(IntegrationModels, PlanPrintsTheBudgetAndARecommendation) {
+  auto r = run_trainer({"plan", "--config", "configs/tiny-t5.json", "--set", "memory.limit=12MiB"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("optimizer state (AdamW)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("activations per example"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("recommendation: micro_batch_size "), std::string::npos) << r.out;
+  auto missing = run_trainer({"plan", "--config", "configs/tiny-t5.json", "--set", "model.path=configs/models/nothing"});
+  EXPECT_EQ(missing.exit_code, 3) << missing.err;
+  EXPECT_NE(missing.err.find("configs/models/nothing"), std::string::npos) << missing.err;
+}
+
 TEST(IntegrationModels, GenerateChecksItsInputs) {
   auto ok = run_trainer({"generate", "--model", "configs/models/tiny-t5", "--random-init", "--ids", "5,6,7",
                          "--max-new-tokens", "4"});

@@ -13,6 +13,11 @@
 //       `steps` SGD steps on the adapters, the adapter saved to OUT_DIR in PEFT's format, and
 //       OUT_DIR/logits.safetensors holding the adapted logits of the same batch after the steps
 //
+//   trainer_parity activations MODEL_DIR B T L
+//       bytes that forward keeps for backward (CPU budget allocator: allocated after forward minus the weights) for a
+//       batch of B sequences of T tokens (seq2seq: T input, L target tokens); scripts/bench/calibrate_planner.py
+//       fits the planner's coefficients to these
+//
 // BATCH holds input_ids, attention_mask, labels (int64) and optionally decoder_attention_mask.
 #include <cstdlib>
 #include <iostream>
@@ -24,6 +29,7 @@
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
+#include "memory/cpu_budget.h"
 #include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
@@ -132,9 +138,24 @@ int lora_train(const std::string& model_dir, const std::string& batch_path, cons
 
 }  // namespace
 
+int activations(const std::string& model_dir, int64_t b, int64_t t, int64_t l) {
+  using namespace trainer;
+  install_cpu_budget();
+  auto model = load_model(model_dir, ModelInit::kRandom, at::TensorOptions().dtype(at::kFloat), 1);
+  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
+  const int64_t before = cpu_memory_stats().allocated;
+  const Batch batch{at::full({b, t}, 5, at::kLong), at::ones({b, t}, at::kLong), at::full({b, seq2seq ? l : t}, 7, at::kLong), {}};
+  const auto out = forward_loss(*model, batch);
+  std::cout << "{\"saved\": " << cpu_memory_stats().allocated - before << "}\n";
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   try {
+    if (args.size() == 5 && args[0] == "activations")
+      return activations(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]));
     if (args.size() >= 4 && args[0] == "forward") return forward(args[1], args[2], args[3], args.size() > 4 && args[4] == "bf16");
     if (args.size() == 5 && args[0] == "train-step") return train_step(args[1], args[2], args[3], std::stod(args[4]));
     if (args.size() == 5 && args[0] == "lora-forward") return lora_forward(args[1], args[2], args[3], args[4]);
@@ -145,6 +166,7 @@ int main(int argc, char** argv) {
     return e.exit_code();
   }
   std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR |\n"
-               "       lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT | lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON\n";
+               "       activations MODEL_DIR B T L | lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT |\n"
+               "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON\n";
   return 2;
 }

@@ -20,11 +20,11 @@ struct BudgetScope {
 };
 
 // Causal examples of different lengths (variable-length data is where wrong normalisation shows).
-EffectiveBatch make_batch(int64_t count, uint64_t seed) {
+EffectiveBatch make_batch(int64_t count, uint64_t seed, int64_t min_length = 40, int64_t length_range = 80) {
   at::manual_seed(seed);
   EffectiveBatch batch;
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t length = 40 + at::randint(0, 80, {1}).item<int64_t>();
+    const int64_t length = min_length + at::randint(0, length_range, {1}).item<int64_t>();
     Example e;
     const at::Tensor ids = at::randint(3, 500, {length}, at::kInt);
     e.input_ids.assign(ids.data_ptr<int32_t>(), ids.data_ptr<int32_t>() + length);
@@ -143,6 +143,53 @@ void out_of_memory_mid_run_reaches_the_same_weights(bool lora) {
 TEST(TrainStep, OutOfMemoryMidRunReachesTheSameWeights) { out_of_memory_mid_run_reaches_the_same_weights(false); }
 
 TEST(LoraTrainStep, OutOfMemoryMidRunReachesTheSameAdapterWeights) { out_of_memory_mid_run_reaches_the_same_weights(true); }
+
+TEST(TrainStep, RegrowsAfterStableStepsButNotToASizeThatFailed) {
+  BudgetScope budget;
+  // One batch of long examples, then short ones: the long batch forces 8 -> 4; after two stable steps the policy
+  // grows to 7 (8 has failed), which the short batches fit. The weights still equal an unconstrained run's.
+  std::vector<EffectiveBatch> batches{make_batch(8, 20, 110, 10)};
+  for (uint64_t i = 0; i < 4; ++i) batches.push_back(make_batch(8, 21 + i, 12, 8));
+  MemoryConfig memory;
+  memory.regrow_after_steps = 2;
+
+  Trainee free_run(8);
+  for (std::size_t s = 0; s < batches.size(); ++s) free_run.step->run(batches[s], static_cast<int64_t>(s) + 1, 1e-3);
+
+  Trainee constrained(8, memory);
+  const int64_t base = cpu_memory_stats().allocated;
+  auto extra = [&](const EffectiveBatch& batch, int64_t n) {
+    reset_cpu_peak();
+    constrained.step->forward_backward(std::span<const Example>(batch.examples).subspan(0, static_cast<std::size_t>(n)), 1.0);
+    constrained.optimizer->zero_grad();
+    return cpu_memory_stats().peak - base;
+  };
+  const int64_t long_four = extra(batches[0], 4), long_eight = extra(batches[0], 8);
+  const int64_t short_eight = extra(batches[1], 8);
+  ASSERT_LT(short_eight, long_four) << "the short batches must fit whole where half a long batch does";
+  set_cpu_budget_limit(base + (long_four + long_eight) / 2);
+  std::vector<int64_t> micro;
+  for (std::size_t s = 0; s < batches.size(); ++s)
+    micro.push_back(constrained.step->run(batches[s], static_cast<int64_t>(s) + 1, 1e-3).micro_batch);
+  set_cpu_budget_limit(0);
+
+  const auto& a = constrained.policy->adaptations();
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a[0].old_micro_batch, 8);
+  EXPECT_EQ(a[0].new_micro_batch, 4);
+  EXPECT_EQ(a[1].new_micro_batch, 7);
+  EXPECT_NE(a[1].reason.find("regrow"), std::string::npos) << a[1].reason;
+  EXPECT_EQ(micro, (std::vector<int64_t>{4, 4, 7, 7, 7}));
+  expect_close(weights_of(*free_run.model), weights_of(*constrained.model), 1e-5);
+
+  // The learned size, and the cap below the failed one, survive a checkpoint.
+  MemoryPolicy restored(memory, TrainingConfig{});
+  restored.restore(constrained.policy->state());
+  EXPECT_EQ(restored.micro_batch(), 7);
+  restored.step_succeeded(6, 8);
+  restored.step_succeeded(7, 8);
+  EXPECT_EQ(restored.micro_batch(), 7) << "8 ran out of memory: regrowth stays below it";
+}
 
 TEST(TrainStep, AtTheFloorItEscalatesThenStopsWithoutTouchingTheWeights) {
   BudgetScope budget;

@@ -1,0 +1,311 @@
+// The memory planner (see planner.h).
+//
+// Activation model. For each architecture, what our forward pass keeps for backward is a sum of tensors whose
+// sizes are products of the dimensions: per token and layer, so many elements of size d_model, d_ff, heads x d_kv,
+// and per (query, key) pair so many elements of the attention maps and masks. The coefficients below are those
+// counts for our implementation, measured with the CPU budget allocator (allocated bytes after forward, minus the
+// weights) over several shapes of each architecture and solved by least squares; the fits reproduce every
+// measurement within 0.6% (scripts/bench/calibrate_planner.py measures and fits them). They are element counts in
+// the activation dtype; the log-probabilities of the loss are always fp32. Dropout masks are float tensors on the CPU and bytes on CUDA, hence the separate dropout terms.
+// Re-measure them when a model's forward changes (tests/unit/memory/planner_test.cpp fails when they drift).
+#include "memory/planner.h"
+
+#include <algorithm>
+#include <iomanip>
+#include <ostream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include "memory/cpu_budget.h"
+#include "models/hf_config.h"
+#include "models/model.h"
+#include "trainer/device.h"
+#include "trainer/model_dir.h"
+
+namespace trainer {
+namespace {
+
+// Elements kept per example: the whole forward, and with activation checkpointing (block inputs only, plus one
+// block recomputed at a time during backward).
+struct Activations {
+  double saved = 0;          // without checkpointing
+  double checkpointed = 0;   // block inputs + everything outside the blocks
+  double largest_block = 0;  // one block's activations, alive while it is recomputed
+  double log_probs = 0;      // fp32 elements of the log-softmax kept by the loss (targets x vocabulary)
+  double targets = 0;        // target positions per example
+};
+
+// T5 / FLAN-T5 (t5.cpp). Coefficients per token and layer with dropout (dropout_rate > 0) and without.
+struct T5Coefficients {
+  double d, ff, heads_kv, attention, decoder_d, decoder_heads_kv, cross_attention, cross_kv, encoder_out, decoder_out,
+      per_token;
+};
+constexpr T5Coefficients kT5Dropout{8.32, 4.99, 2.73, 3.30, 11.33, 5.62, 3.16, 2.07, 4.54, 5.92, 194};
+constexpr T5Coefficients kT5NoDropout{6.32, 3.99, 2.73, 1.30, 8.33, 5.65, 0.16, 2.07, 2.54, 3.92, 195};
+
+T5Coefficients mix(const T5Coefficients& off, const T5Coefficients& on, double share) {
+  auto m = [share](double a, double b) { return a + share * (b - a); };
+  return {m(off.d, on.d),
+          m(off.ff, on.ff),
+          m(off.heads_kv, on.heads_kv),
+          m(off.attention, on.attention),
+          m(off.decoder_d, on.decoder_d),
+          m(off.decoder_heads_kv, on.decoder_heads_kv),
+          m(off.cross_attention, on.cross_attention),
+          m(off.cross_kv, on.cross_kv),
+          m(off.encoder_out, on.encoder_out),
+          m(off.decoder_out, on.decoder_out),
+          m(off.per_token, on.per_token)};
+}
+
+Activations t5_activations(const nlohmann::json& c, double t, double l, double dropout_share) {
+  const double d = static_cast<double>(hf::get_int(c, "d_model"));
+  const double ff = static_cast<double>(hf::get_int(c, "d_ff"));
+  const double heads = static_cast<double>(hf::get_int(c, "num_heads"));
+  const double inner = heads * static_cast<double>(hf::get_int(c, "d_kv"));
+  const double encoder_layers = static_cast<double>(hf::get_int(c, "num_layers"));
+  const double decoder_layers = static_cast<double>(hf::get_int(c, "num_decoder_layers", hf::get_int(c, "num_layers")));
+  const double vocab = static_cast<double>(hf::get_int(c, "vocab_size"));
+  const bool dropout = hf::get_double(c, "dropout_rate", 0.1) > 0;
+  const T5Coefficients k = dropout ? mix(kT5NoDropout, kT5Dropout, dropout_share) : kT5NoDropout;
+
+  const double encoder_block = t * (k.d * d + k.ff * ff + k.heads_kv * inner + k.attention * heads * t);
+  const double decoder_block = l * (k.decoder_d * d + k.ff * ff + k.decoder_heads_kv * inner + k.attention * heads * l +
+                                    k.cross_attention * heads * t) +
+                               t * k.cross_kv * inner;
+  const double outside = t * k.encoder_out * d + l * k.decoder_out * d + (t + l) * k.per_token;
+  Activations a;
+  a.saved = encoder_layers * encoder_block + decoder_layers * decoder_block + outside;
+  a.checkpointed = encoder_layers * t * d + decoder_layers * l * d + outside;
+  a.largest_block = std::max(encoder_block, decoder_block);
+  a.log_probs = l * vocab;
+  a.targets = l;
+  return a;
+}
+
+// Llama, Qwen2, Mistral (llama.cpp): per token and layer 6 d_model + 4 intermediate + 2 (q and attention output)
+// heads x head_dim + 2 (k, v) kv_heads x head_dim, plus the float attention mask of t x t per layer.
+Activations llama_activations(const nlohmann::json& c, double t) {
+  const double d = static_cast<double>(hf::get_int(c, "hidden_size"));
+  const double ff = static_cast<double>(hf::get_int(c, "intermediate_size"));
+  const auto heads_int = hf::get_int(c, "num_attention_heads");
+  const double heads = static_cast<double>(heads_int);
+  const double kv_heads = static_cast<double>(hf::get_int(c, "num_key_value_heads", heads_int));
+  const double head_dim = static_cast<double>(hf::get_int(c, "head_dim", hf::get_int(c, "hidden_size") / heads_int));
+  const double layers = static_cast<double>(hf::get_int(c, "num_hidden_layers"));
+  const double vocab = static_cast<double>(hf::get_int(c, "vocab_size"));
+
+  const double block = t * (6 * d + 4 * ff + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
+  const double outside = t * (3 * d + 21 + 2 * head_dim);
+  Activations a;
+  a.saved = layers * block + outside;
+  a.checkpointed = layers * t * d + outside;
+  a.largest_block = block;
+  a.log_probs = t * vocab;
+  a.targets = t;
+  return a;
+}
+
+// PEFT's rule for lora.target_modules: a module whose name is the target or ends with ".target".
+bool is_lora_target(const std::string& module, const std::vector<std::string>& targets) {
+  for (const auto& target : targets)
+    if (module == target || module.ends_with("." + target)) return true;
+  return false;
+}
+
+std::string precision_name(PrecisionMode mode) {
+  for (const auto& [value, name] : enum_names(mode))
+    if (value == mode) return std::string(name);
+  return "?";
+}
+
+}  // namespace
+
+double MemoryPlan::peak(int64_t micro, bool checkpointing, bool chunked_loss) const {
+  const double m = static_cast<double>(micro);
+  const double activations = checkpointing ? activations_per_example_checkpointed : activations_per_example;
+  const double loss = chunked_loss ? loss_chunked : m * loss_per_example;
+  return weights + gradients + optimizer_state + workspace + m * activations + loss;
+}
+
+int64_t MemoryPlan::largest_micro_batch(bool checkpointing, bool chunked_loss) const {
+  if (capacity <= 0) return batch_size;
+  const double allowed = capacity * (1.0 - safety_margin);
+  int64_t best = 0;
+  for (int64_t m = 1; m <= batch_size; ++m)
+    if (peak(m, checkpointing, chunked_loss) <= allowed) best = m;
+  return best;
+}
+
+MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
+                       double capacity, const std::string& capacity_source) {
+  auto model = build_model(hf_config, at::TensorOptions().device(at::kMeta).dtype(at::kFloat));
+  const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
+  std::vector<std::string> targets = config.lora.target_modules;
+  if (targets.empty()) targets = seq2seq ? std::vector<std::string>{"q", "v"} : std::vector<std::string>{"q_proj", "v_proj"};
+
+  MemoryPlan plan;
+  int64_t adapter = 0;
+  // LoRA keeps, per token of each adapted module: the adapter's input after dropout and its mask (in_features
+  // each, when lora.dropout > 0) and A's output (r). Summed over the modules of the encoder/decoder stacks.
+  double adapter_elements_input = 0, adapter_elements_target = 0;
+  model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    plan.parameters += p.numel();
+    if (p.dim() != 2 || !name.ends_with(".weight") || !is_lora_target(name.substr(0, name.size() - 7), targets)) return;
+    adapter += config.lora.r * (p.size(0) + p.size(1));
+    const double per_token =
+        static_cast<double>(config.lora.r) + (config.lora.dropout > 0 ? 2.0 * static_cast<double>(p.size(1)) : 0.0);
+    (name.starts_with("decoder.") ? adapter_elements_target : adapter_elements_input) += per_token;
+  });
+
+  const PrecisionMode mode = config.precision.mode;
+  const double p = static_cast<double>(plan.parameters);
+  const double compute_bytes = mode == PrecisionMode::kFp32 ? 4 : 2;  // activations
+  if (config.lora.enabled) {
+    plan.trainable_parameters = adapter;
+    const double base_bytes = config.lora.base_in_bf16 || mode == PrecisionMode::kBf16 ? 2 : 4;
+    plan.weights = p * base_bytes + 4.0 * static_cast<double>(adapter);
+    plan.gradients = 4.0 * static_cast<double>(adapter);
+  } else {
+    plan.trainable_parameters = plan.parameters;
+    plan.weights = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
+    plan.gradients = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
+  }
+  plan.optimizer_state = 8.0 * static_cast<double>(plan.trainable_parameters);
+  // bf16-mixed: autocast keeps a bf16 copy of every weight it casts until backward has used it.
+  if (mode == PrecisionMode::kBf16Mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
+  if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
+
+  // Dropout masks: float tensors of the activation dtype on the CPU, one byte per element on CUDA.
+  const double dropout_share = device.is_cpu() ? 1.0 : 1.0 / compute_bytes;
+  const Activations base_activations =
+      seq2seq ? t5_activations(hf_config, static_cast<double>(config.data.max_input_length),
+                               static_cast<double>(config.data.max_target_length), dropout_share)
+              : llama_activations(hf_config, static_cast<double>(config.data.max_length));
+  Activations a = base_activations;
+  if (config.lora.enabled) {
+    const double input_tokens = static_cast<double>(seq2seq ? config.data.max_input_length : config.data.max_length);
+    const double extra = adapter_elements_input * input_tokens +
+                         adapter_elements_target * static_cast<double>(config.data.max_target_length);
+    const double layers =
+        seq2seq ? static_cast<double>(hf::get_int(hf_config, "num_layers") +
+                                      hf::get_int(hf_config, "num_decoder_layers", hf::get_int(hf_config, "num_layers")))
+                : static_cast<double>(hf::get_int(hf_config, "num_hidden_layers"));
+    a.saved += extra;
+    a.largest_block += extra / layers;
+  }
+  // Backward starts with the gradients of the log-probabilities and of the logits next to the kept ones (fp32,
+  // plus the compute-dtype logits in bf16); with checkpointing, one block is recomputed at a time instead.
+  const double logits_bytes = 4 + (mode == PrecisionMode::kFp32 ? 0 : compute_bytes);
+  const double vocab = static_cast<double>(model->vocab_size());
+  plan.loss_per_example = a.log_probs * 4 + 2 * a.targets * vocab * logits_bytes;
+  const double chunk = std::min<double>(static_cast<double>(config.training.loss_chunk_size), a.targets);
+  plan.loss_chunked = 3 * chunk * vocab * logits_bytes;
+  plan.activations_per_example = a.saved * compute_bytes;
+  plan.activations_per_example_checkpointed = (a.checkpointed + a.largest_block) * compute_bytes;
+  plan.capacity = capacity;
+  plan.capacity_source = capacity_source;
+  plan.safety_margin = config.memory.auto_safety_margin;
+  plan.batch_size = config.training.batch_size;
+  return plan;
+}
+
+void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out) {
+  auto row = [&out](const std::string& what, double bytes, const std::string& note) {
+    out << "  " << std::left << std::setw(36) << what << std::right << std::setw(12) << human_bytes(bytes) << "  "
+        << note << "\n";
+  };
+  out << "Memory plan (" << (config.lora.enabled ? "LoRA r=" + std::to_string(config.lora.r) : "full fine-tune")
+      << ", precision " << precision_name(config.precision.mode) << ")\n";
+  out << "  parameters " << plan.parameters << ", trainable " << plan.trainable_parameters << "\n\n";
+  row("weights", plan.weights, config.lora.enabled ? "frozen base + fp32 adapters" : "");
+  row("gradients", plan.gradients, "trainable parameters, kept across micro-batches");
+  row("optimizer state (AdamW)", plan.optimizer_state, "two fp32 moments per trainable parameter");
+  row("workspace", plan.workspace, plan.workspace > 0 ? "autocast weight copies / device libraries" : "");
+  row("activations per example", plan.activations_per_example, "at the maximum lengths");
+  row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
+  row("logits and loss per example", plan.loss_per_example, "full-vocabulary fp32 logits and their gradients");
+  row("  with chunked loss (per micro-batch)", plan.loss_chunked,
+      std::to_string(config.training.loss_chunk_size) + " tokens at a time");
+  out << "\n";
+  out << "  capacity: " << (plan.capacity > 0 ? human_bytes(plan.capacity) : std::string("unknown")) << " ("
+      << plan.capacity_source << "), safety margin " << static_cast<int>(plan.safety_margin * 100) << "%\n\n";
+
+  out << "  micro-batch   peak (plain)   peak (checkpointing + chunked loss)\n";
+  std::vector<int64_t> rows;
+  for (int64_t m = 1; m < plan.batch_size; m *= 2) rows.push_back(m);
+  rows.push_back(plan.batch_size);
+  for (const int64_t m : rows)
+    out << "  " << std::setw(11) << m << "   " << std::setw(12) << human_bytes(plan.peak(m, false, false)) << "   "
+        << std::setw(12) << human_bytes(plan.peak(m, true, true)) << "\n";
+  out << "\n";
+
+  const bool checkpointing = config.training.activation_checkpointing;
+  const bool chunked = config.training.chunked_loss;
+  if (plan.capacity <= 0) {
+    out << "recommendation: no capacity is known (CPU without memory.limit); the whole batch of " << plan.batch_size
+        << " needs " << human_bytes(plan.peak(plan.batch_size, checkpointing, chunked)) << "\n";
+    return;
+  }
+  const int64_t as_configured = plan.largest_micro_batch(checkpointing, chunked);
+  const int64_t with_everything = plan.largest_micro_batch(true, true);
+  if (as_configured > 0) {
+    out << "recommendation: micro_batch_size " << as_configured << " ("
+        << (plan.batch_size + as_configured - 1) / as_configured << " accumulation steps for batch_size "
+        << plan.batch_size << ") with the configured activation_checkpointing="
+        << (checkpointing ? "true" : "false") << ", chunked_loss=" << (chunked ? "true" : "false") << "\n";
+    if (with_everything > as_configured)
+      out << "  with training.activation_checkpointing=true and training.chunked_loss=true: " << with_everything
+          << "\n";
+  } else if (with_everything > 0) {
+    out << "recommendation: turn on training.activation_checkpointing=true and training.chunked_loss=true; then "
+           "micro_batch_size "
+        << with_everything << " fits\n";
+  } else {
+    const double fixed = plan.weights + plan.gradients + plan.optimizer_state + plan.workspace;
+    const double allowed = plan.capacity * (1.0 - plan.safety_margin);
+    out << "recommendation: not even one example fits. Weights, gradients and optimizer state alone need "
+        << human_bytes(fixed) << " of the " << human_bytes(allowed) << " usable";
+    if (fixed >= allowed) {
+      out << ": that is more than the device holds whatever the batch; train LoRA adapters (lora.enabled=true"
+          << (config.precision.mode == PrecisionMode::kBf16 ? "" : ", precision.mode=bf16") << ") or use a larger device\n";
+    } else {
+      out << "; one example at the maximum lengths needs " << human_bytes(plan.peak(1, true, true) - fixed)
+          << " more with checkpointing and chunked loss: shorten data.max_length / max_input_length / "
+             "max_target_length, lower training.loss_chunk_size, or use a larger device\n";
+    }
+  }
+  out << "micro_batch_size=auto measures the same on the device at the start of training.\n";
+}
+
+int run_plan(const Config& config, std::ostream& out) {
+  DeviceConfig device_config = config.device;
+  device_config.wait_for_device = false;
+  device_config.allow_cpu_fallback = true;
+  const ResolvedDevice resolved = resolve_device(device_config);
+  double capacity = 0;
+  std::string source;
+  if (config.memory.limit.bytes > 0) {
+    capacity = static_cast<double>(config.memory.limit.bytes);
+    source = "memory.limit on " + resolved.description;
+  } else if (!resolved.device.is_cpu()) {
+    capacity = static_cast<double>(at::accelerator::getMemoryInfo(resolved.device.index()).second);
+    source = resolved.description;
+  } else {
+    source = "CPU without memory.limit; this machine has " +
+             human_bytes(static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE))) +
+             " of RAM";
+  }
+  inspect_model_dir(config.model.path, /*need_weights=*/false);  // a clear error for a wrong model.path
+  const auto hf_config = read_json_file(config.model.path + "/config.json");
+  const auto plan = plan_memory(config, hf_config, resolved.device, capacity, source);
+  out << "model " << config.model.path << " on " << resolved.description << "\n";
+  print_plan(plan, config, out);
+  return kExitOk;
+}
+
+}  // namespace trainer

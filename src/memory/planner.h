@@ -1,0 +1,52 @@
+// `trainer plan`: the memory a training run needs, estimated before any weight is loaded or any device time is
+// spent. Weights, gradients and optimizer state are counted exactly from the architecture built on the meta device;
+// activations come from a per-architecture model of what our forward pass keeps for backward, calibrated against
+// the CPU budget allocator (the coefficients and how they were measured are in planner.cpp).
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+
+#include <c10/core/Device.h>
+#include <nlohmann/json_fwd.hpp>
+
+#include "trainer/config.h"
+
+namespace trainer {
+
+struct MemoryPlan {
+  int64_t parameters = 0;
+  int64_t trainable_parameters = 0;
+  double weights = 0;          // bytes
+  double gradients = 0;        // bytes, kept across the micro-batches of a step
+  double optimizer_state = 0;  // bytes: two fp32 AdamW moments per trainable parameter
+  // Per example at the maximum lengths: what forward keeps for backward, plus the largest transient of backward.
+  double activations_per_example = 0;
+  double activations_per_example_checkpointed = 0;
+  double loss_per_example = 0;   // logits, log-probabilities and their gradients without chunked loss
+  double loss_chunked = 0;       // the same for one chunk of training.loss_chunk_size tokens (per micro-batch)
+  double workspace = 0;          // allocator and library workspaces outside the tensors above
+  double capacity = 0;           // memory.limit, else the device's total; 0: unknown
+  std::string capacity_source;
+  double safety_margin = 0;      // fraction of capacity left free (memory.auto_safety_margin)
+  int64_t batch_size = 0;
+
+  // Peak bytes of a training step with `micro` examples per micro-batch.
+  double peak(int64_t micro, bool checkpointing, bool chunked_loss) const;
+  // The largest micro-batch (at most batch_size) whose peak fits in capacity minus the margin; 0 when none.
+  int64_t largest_micro_batch(bool checkpointing, bool chunked_loss) const;
+};
+
+// Estimates the run `config` describes on `device` with `capacity` bytes (0: unknown) from the model's
+// config.json (`hf_config`); builds the architecture on the meta device only.
+MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
+                       double capacity, const std::string& capacity_source);
+
+// The budget table and the recommendation, as `trainer plan` prints them.
+void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out);
+
+// `trainer plan --config FILE`: resolves the device (without waiting), reads model.path/config.json, prints.
+int run_plan(const Config& config, std::ostream& out);
+
+}  // namespace trainer

@@ -1,0 +1,121 @@
+// `trainer plan`'s estimate against the peak the CPU budget allocator measures in a real training step.
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "memory/cpu_budget.h"
+#include "memory/planner.h"
+#include "memory/policy.h"
+#include "models/weights.h"
+#include "support/paths.h"
+#include "train/checkpointing.h"
+#include "train/step.h"
+#include "trainer/model_dir.h"
+
+namespace trainer {
+namespace {
+
+struct Case {
+  std::string config_file;
+  int64_t micro;
+  bool checkpointing;
+  bool chunked_loss;
+};
+
+Config case_config(const Case& c) {
+  Config config = load_config(test::source_path(c.config_file));
+  config.model.path = test::source_path(config.model.path);
+  config.data.max_length = 128;
+  config.data.max_input_length = 128;
+  config.data.max_target_length = 64;
+  config.training.batch_size = 2 * c.micro;
+  config.training.activation_checkpointing = c.checkpointing;
+  config.training.chunked_loss = c.chunked_loss;
+  config.training.loss_chunk_size = 64;
+  return config;
+}
+
+// Peak bytes of one optimizer step over two micro-batches of `micro` worst-case examples, counted from before the
+// model existed: weights, optimizer state, gradients, activations, everything.
+double measured_peak(const Config& config, int64_t micro) {
+  install_cpu_budget();
+  reset_cpu_peak();
+  const int64_t before = cpu_memory_stats().allocated;
+  auto model = load_model(config.model.path, ModelInit::kRandom, at::TensorOptions().dtype(at::kFloat), 1);
+  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  if (config.training.activation_checkpointing) apply_activation_checkpointing(*model);
+  AdamW optimizer(*model, config.optimizer);
+  Config fixed = config;
+  fixed.training.micro_batch_size = MicroBatchSize::fixed(micro);
+  MemoryPolicy policy(fixed.memory, fixed.training);
+  StepOptions options;
+  options.chunked_loss = config.training.chunked_loss;
+  options.loss_chunk_size = config.training.loss_chunk_size;
+  TrainStep step(*model, optimizer, policy, options);
+  Example e;
+  const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
+  e.input_ids.assign(static_cast<std::size_t>(seq2seq ? config.data.max_input_length : config.data.max_length), 5);
+  e.labels.assign(static_cast<std::size_t>(seq2seq ? config.data.max_target_length : config.data.max_length), 7);
+  EffectiveBatch batch;
+  batch.examples.assign(static_cast<std::size_t>(2 * micro), e);
+  batch.target_tokens = 2 * micro * static_cast<int64_t>(e.labels.size());
+  step.run(batch, 1, 1e-3);
+  return static_cast<double>(cpu_memory_stats().peak - before);
+}
+
+class PlanEstimate : public ::testing::TestWithParam<Case> {};
+
+}  // namespace
+
+TEST_P(PlanEstimate, IsWithinTwentyPercentOfTheMeasuredPeak) {
+  const Case c = GetParam();
+  const Config config = case_config(c);
+  const auto hf = read_json_file(config.model.path + "/config.json");
+  const MemoryPlan plan = plan_memory(config, hf, at::Device(at::kCPU), 0, "test");
+  const double estimate = plan.peak(c.micro, c.checkpointing, c.chunked_loss);
+  const double measured = measured_peak(config, c.micro);
+  EXPECT_NEAR(estimate / measured, 1.0, 0.2) << "estimate " << human_bytes(estimate) << ", measured "
+                                             << human_bytes(measured);
+  // The activations are a large part of the peak here, so the test says something about their model.
+  EXPECT_GT(c.micro * (c.checkpointing ? plan.activations_per_example_checkpointed : plan.activations_per_example),
+            0.3 * measured);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    TinyModels, PlanEstimate,
+    ::testing::Values(Case{"configs/tiny-qwen2.json", 4, false, false}, Case{"configs/tiny-qwen2.json", 2, true, true},
+                      Case{"configs/tiny-t5.json", 4, false, false}, Case{"configs/tiny-t5.json", 2, true, true},
+                      Case{"configs/tiny-t5.json", 1, false, true}),
+    [](const auto& param_info) {
+      const auto& c = param_info.param;
+      return std::string(c.config_file.find("t5") != std::string::npos ? "T5" : "Qwen2") + "Micro" +
+             std::to_string(c.micro) + (c.checkpointing ? "Checkpointing" : "") + (c.chunked_loss ? "ChunkedLoss" : "");
+    });
+
+TEST(Plan, RecommendsTheLargestMicroBatchUnderTheCapacity) {
+  Config config = case_config({"configs/tiny-qwen2.json", 4, false, false});
+  config.training.batch_size = 64;
+  const auto hf = read_json_file(config.model.path + "/config.json");
+  const MemoryPlan unlimited = plan_memory(config, hf, at::Device(at::kCPU), 0, "test");
+  const double capacity = unlimited.peak(5, false, false) / (1.0 - config.memory.auto_safety_margin) + 1;
+  const MemoryPlan plan = plan_memory(config, hf, at::Device(at::kCPU), capacity, "test");
+  EXPECT_EQ(plan.largest_micro_batch(false, false), 5);
+  EXPECT_GT(plan.largest_micro_batch(true, true), 5);
+  std::ostringstream out;
+  print_plan(plan, config, out);
+  EXPECT_NE(out.str().find("recommendation: micro_batch_size 5 (13 accumulation steps"), std::string::npos) << out.str();
+}
+
+TEST(Plan, LoraCountsOnlyTheAdaptersAsTrainable) {
+  Config config = case_config({"configs/tiny-qwen2.json", 1, false, false});
+  config.lora.enabled = true;
+  config.lora.r = 4;
+  const auto hf = read_json_file(config.model.path + "/config.json");
+  const MemoryPlan plan = plan_memory(config, hf, at::Device(at::kCPU), 0, "test");
+  // q_proj 64 -> 64 and v_proj 64 -> 32 in each of the 2 layers: r * (in + out).
+  EXPECT_EQ(plan.trainable_parameters, 2 * 4 * ((64 + 64) + (64 + 32)));
+  EXPECT_DOUBLE_EQ(plan.optimizer_state, 8.0 * static_cast<double>(plan.trainable_parameters));
+}
+
+}  // namespace trainer
