@@ -59,7 +59,8 @@ PeftLoraConfig parse_config(const nlohmann::json& c, const std::string& file) {
   if (is_true(c, "use_dora")) unsupported.push_back("use_dora=true (DoRA)");
   if (is_true(c, "lora_bias")) unsupported.push_back("lora_bias=true");
   if (is_true(c, "fan_in_fan_out")) unsupported.push_back("fan_in_fan_out=true (GPT-2 Conv1D layers)");
-  if (c.contains("bias") && c["bias"] != "none") unsupported.push_back("bias=" + c["bias"].dump());
+  if (c.contains("bias") && !c["bias"].is_null() && c["bias"] != "none")
+    unsupported.push_back("bias=" + c["bias"].dump());
   for (const char* key : {"modules_to_save", "alpha_pattern", "layer_replication", "trainable_token_indices",
                           "target_parameters", "alora_invocation_tokens"})
     if (!is_null_or_empty(c, key)) unsupported.push_back(std::string(key) + "=" + c[key].dump());
