@@ -28,4 +28,8 @@ nlohmann::json read_json_file(const std::string& path);
 // weights is an error. Throws DataError naming the file and a hint.
 ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights);
 
+// Copies the tokenizer files (and generation_config.json) that `from_dir` holds into `to_dir`, so a saved model or
+// adapter directory is complete for from_pretrained and for `trainer generate --prompt`.
+void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir);
+
 }  // namespace trainer

@@ -12,6 +12,7 @@ struct TrainOptions {
   bool dry_run = false;  // resolve and print the plan, then stop before touching the model weights
   bool resume = false;   // continue from the newest complete checkpoint in checkpoint.output_dir
   std::string resume_from;  // or from this checkpoint directory
+  bool merge = false;       // LoRA: also write output_dir/final-merged, the base with the adapters merged
 };
 
 // Runs the train command on a validated config; returns the process exit code. Throws trainer::Error.

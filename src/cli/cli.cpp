@@ -9,6 +9,7 @@
 
 #include "memory/planner.h"
 #include "models/inspect.h"
+#include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
 #include "trainer/cli.h"
@@ -116,6 +117,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   train->add_flag("--resume", train_options.resume,
                   "Continue from the newest complete checkpoint in checkpoint.output_dir");
   train->add_option("--resume-from", train_options.resume_from, "Continue from this checkpoint directory");
+  train->add_flag("--merge", train_options.merge,
+                  "LoRA: after the final adapter (output_dir/final), also write output_dir/final-merged, a full "
+                  "Hugging Face model with the adapters merged into the base weights");
   bool print_config = false;
   train->add_flag("--print-config", print_config,
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");
@@ -148,6 +152,24 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                                                 "checkpoint size, training memory by precision (loads no weights)");
   inspect->add_option("model_dir", inspect_dir, "Model directory (config.json, safetensors)")->required();
   inspect->add_option("--lora-r", inspect_options.lora_r, "LoRA rank for the LoRA memory row")->capture_default_str();
+  inspect->add_option("--lora-targets", inspect_options.lora_targets,
+                      "LoRA target modules for the LoRA row, comma-separated (default: q,v for T5, q_proj,v_proj "
+                      "for the Llama family)")
+      ->delimiter(',');
+
+  MergeOptions merge_options;
+  auto* merge_cmd = app.add_subcommand("merge", "Merge a LoRA adapter (PEFT format) into its base model and write a "
+                                                "full Hugging Face model (W + scale * B A)");
+  merge_cmd->add_option("--adapter", merge_options.adapter_dir,
+                        "Adapter directory (adapter_config.json, adapter_model.safetensors)")
+      ->required();
+  merge_cmd->add_option("--base", merge_options.base_dir,
+                        "Base model directory (default: the adapter's base_model_name_or_path)");
+  merge_cmd->add_option("--output", merge_options.output_dir, "Directory for the merged model")->required();
+  merge_cmd->add_option("--dtype", merge_options.dtype, "Weights of the merged model: auto (the base's), fp32 or bf16")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16"}))
+      ->capture_default_str();
+  merge_cmd->footer(kExitCodeHelp);
 
   GenerateCommand generate_command;
   auto* generate_cmd = app.add_subcommand("generate", "Generate tokens from a model with a key-value cache "
@@ -176,7 +198,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   std::vector<std::string> args;
   for (int i = argc - 1; i > 0; --i) args.emplace_back(argv[i]);  // CLI11 takes them reversed
   const bool has_subcommand =
-      !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" || args.back() == "inspect" || args.back() == "generate" ||
+      !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
+                        args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
                         is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
 
@@ -222,6 +245,13 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     return kExitOk;
   }
   if (generate_cmd->parsed()) return run_generate(generate_command, out);
+  if (merge_cmd->parsed()) {
+    const auto merged = merge_adapter(merge_options);
+    out << "Merged " << merged.layers << " LoRA layers of " << merge_options.adapter_dir << " into "
+        << merged.base_dir << " (" << (merged.dtype == at::kBFloat16 ? "bf16" : merged.dtype == at::kFloat ? "fp32" : c10::toString(merged.dtype))
+        << "): " << merge_options.output_dir << "\n";
+    return kExitOk;
+  }
   out << app.help();
   return kExitUsage;
 }

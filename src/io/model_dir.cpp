@@ -35,7 +35,11 @@ ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
                     "model.path must name a Hugging Face model directory (the one save_pretrained writes)");
   const fs::path config_path = root / "config.json";
   if (!fs::exists(config_path))
-    throw DataError(config_path.string() + " is missing", "a Hugging Face model directory holds config.json");
+    throw DataError(config_path.string() + " is missing",
+                    fs::exists(root / "adapter_config.json")
+                        ? "this is a LoRA adapter, not a model: `trainer merge --adapter " + dir +
+                              " --output DIR` writes the base model with it merged"
+                        : "a Hugging Face model directory holds config.json");
   const auto config = read_json_file(config_path.string());
 
   ModelDirInfo info;
@@ -74,6 +78,14 @@ ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
   for (const char* name : {"tokenizer.json", "spiece.model", "tokenizer.model"})
     if (info.tokenizer_file.empty() && fs::exists(root / name)) info.tokenizer_file = (root / name).string();
   return info;
+}
+
+void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir) {
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
+                           "tokenizer.model", "generation_config.json"}) {
+    const fs::path from = fs::path(from_dir) / name;
+    if (fs::exists(from)) fs::copy_file(from, fs::path(to_dir) / name, fs::copy_options::overwrite_existing);
+  }
 }
 
 }  // namespace trainer

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "models/lora.h"
 #include "models/model.h"
 #include "trainer/config.h"
 #include "trainer/model_dir.h"
@@ -45,16 +46,20 @@ void inspect_model(const std::string& dir, const InspectOptions& options, std::o
   auto model = build_model(config, at::TensorOptions().device(at::kMeta).dtype(at::kFloat));
 
   std::map<std::string, int64_t> groups;
-  int64_t total = 0, lora = 0;
-  const bool t5 = model->family() == ModelFamily::kSeq2Seq;
-  const std::vector<std::string> targets = t5 ? std::vector<std::string>{"q", "v"}
-                                              : std::vector<std::string>{"q_proj", "v_proj"};
+  int64_t total = 0;
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     groups[group_of(name)] += p.numel();
     total += p.numel();
-    for (const auto& target : targets)
-      if (name.ends_with("." + target + ".weight") && p.dim() == 2) lora += options.lora_r * (p.size(0) + p.size(1));
   });
+  // The adapters training would add, applied to the shape-only model by the same code.
+  LoraConfig lora_config;
+  lora_config.enabled = true;
+  lora_config.r = options.lora_r;
+  lora_config.target_modules = options.lora_targets;
+  const auto adapters = apply_lora(*model, lora_config, 0);
+  const int64_t lora = adapters->trainable_parameters();
+  std::string targets;
+  for (const auto& t : adapters->config().target_modules) targets += (targets.empty() ? "" : ",") + t;
 
   std::string dtype = "(no weights: random initialisation)";
   if (!info.weight_files.empty()) {
@@ -83,7 +88,8 @@ void inspect_model(const std::string& dir, const InspectOptions& options, std::o
       {"fp32", 4 * p, 4 * p, 8 * p, "fp32 weights, grads, AdamW moments"},
       {"bf16-mixed", 4 * p, 4 * p, 8 * p, "fp32 master weights and grads; bf16 compute copies are transient"},
       {"bf16", 2 * p, 2 * p, 8 * p, "bf16 weights and grads; AdamW moments kept in fp32"},
-      {"lora", 2 * p + 4 * l, 4 * l, 8 * l, "frozen bf16 base + fp32 adapters (grads and moments for adapters only)"},
+      {"lora", 4 * p + 4 * l, 4 * l, 8 * l, "frozen fp32 base + fp32 adapters (grads and moments for adapters only)"},
+      {"lora-bf16", 2 * p + 4 * l, 4 * l, 8 * l, "the same with lora.base_in_bf16=true (or precision.mode=bf16)"},
   };
   out << "Training memory before activations (weights + gradients + AdamW state):\n";
   out << "  mode        weights      grads        optimizer    total\n";
@@ -91,8 +97,8 @@ void inspect_model(const std::string& dir, const InspectOptions& options, std::o
     out << "  " << std::left << std::setw(11) << r.mode << " " << std::setw(12) << human_bytes(r.weights) << " "
         << std::setw(12) << human_bytes(r.grads) << " " << std::setw(12) << human_bytes(r.optimizer) << " "
         << std::setw(12) << human_bytes(r.weights + r.grads + r.optimizer) << " " << r.note << "\n";
-  out << "  (lora: r=" << options.lora_r << " on " << targets[0] << "," << targets[1] << ": "
-      << with_commas(lora) << " trainable parameters)\n";
+  out << "  (lora: r=" << options.lora_r << " on " << targets << ", " << adapters->layers().size()
+      << " layers: " << with_commas(lora) << " trainable parameters; AdamW keeps two fp32 moments for each)\n";
   out << "Activations come on top; they grow with the micro-batch and the sequence lengths.\n";
 }
 

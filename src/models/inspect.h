@@ -4,15 +4,18 @@
 #include <cstdint>
 #include <iosfwd>
 #include <string>
+#include <vector>
 
 namespace trainer {
 
 struct InspectOptions {
   int64_t lora_r = 8;
+  std::vector<std::string> lora_targets;  // empty: the family's defaults
 };
 
 // Prints architecture, parameter counts by group, checkpoint dtype and bytes, and the memory that weights,
-// gradients and AdamW state need in each precision mode and with LoRA. Throws DataError for a bad directory.
+// gradients and AdamW state need in each precision mode and with LoRA (the
+// adapters counted by applying them to the shape-only model, as training does). Throws DataError for a bad directory.
 void inspect_model(const std::string& dir, const InspectOptions& options, std::ostream& out);
 
 }  // namespace trainer

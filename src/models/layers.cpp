@@ -18,7 +18,8 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, const 
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) const {
-  return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+  at::Tensor y = bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+  return output_hook_ ? output_hook_(x, y, is_training()) : y;
 }
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding, const c10::TensorOptions& options)

@@ -1,6 +1,7 @@
 // Layers shared by the architectures: linear, embedding, the two RMS norms, activations, masks.
 #pragma once
 
+#include <functional>
 #include <optional>
 
 #include <ATen/core/Tensor.h>
@@ -10,13 +11,22 @@
 
 namespace trainer {
 
+// A wrapper's change to a linear layer's output, installed from outside (LoRA adds its low-rank term here):
+// (input, output of x W^T + b, training) -> the output the layer returns. Models never set one.
+using LinearOutputHook = std::function<at::Tensor(const at::Tensor& x, const at::Tensor& y, bool training)>;
+
 // y = x W^T (+ b). Weight (out, in) as in PyTorch and the checkpoints.
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias, const c10::TensorOptions& options);
   at::Tensor forward(const at::Tensor& x) const;
+  void set_output_hook(LinearOutputHook hook) { output_hook_ = std::move(hook); }
+  bool has_output_hook() const { return static_cast<bool>(output_hook_); }
   at::Tensor weight;
   at::Tensor bias;  // undefined when the layer has none
+
+ private:
+  LinearOutputHook output_hook_;
 };
 
 class Embedding : public Module {

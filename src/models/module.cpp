@@ -15,6 +15,13 @@ std::vector<std::pair<std::string, at::Tensor>> Module::named_parameters() {
   return out;
 }
 
+void Module::for_each_module(const std::function<void(const std::string&, Module&)>& visit, const std::string& prefix) {
+  for (auto& [name, child] : children_) {
+    visit(prefix + name, *child);
+    child->for_each_module(visit, prefix + name + ".");
+  }
+}
+
 void Module::train(bool on) {
   training_ = on;
   for (auto& [name, child] : children_) child->train(on);

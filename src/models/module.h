@@ -25,6 +25,9 @@ class Module {
   void for_each_parameter(const std::function<void(const std::string&, at::Tensor&)>& visit,
                           const std::string& prefix = "");
   std::vector<std::pair<std::string, at::Tensor>> named_parameters();
+  // Every module below this one with its full dotted name ("model.layers.0.self_attn.q_proj"), parents first:
+  // how wrappers applied from outside (LoRA) find the layers they adapt.
+  void for_each_module(const std::function<void(const std::string&, Module&)>& visit, const std::string& prefix = "");
 
   // Dropout and other training-only behaviour.
   void train(bool on = true);

@@ -64,6 +64,16 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
   out << "  memory       "
       << (config.memory.limit.bytes ? "limit " + format_byte_size(config.memory.limit) : std::string("no limit"))
       << ", on out-of-memory: " << enum_name(config.memory.on_oom) << "\n";
+  if (config.lora.enabled) {
+    const auto& l = config.lora;
+    std::string targets;
+    for (const auto& target : l.target_modules) targets += (targets.empty() ? "" : ",") + target;
+    if (targets.empty()) targets = model.family == "seq2seq" ? "q,v" : "q_proj,v_proj";
+    out << "  lora         r=" << l.r << ", alpha " << l.alpha << (l.rslora ? " (rsLoRA)" : "") << ", on "
+        << targets
+        << (l.base_in_bf16 ? "; frozen base in bf16" : "; frozen base") << "; saved as a PEFT adapter"
+        << (options.merge ? " and merged" : "") << "\n";
+  }
   out << "  output       " << config.checkpoint.output_dir << "\n\n";
 
   if (options.dry_run) {

@@ -18,6 +18,7 @@
 #include "memory/cpu_budget.h"
 #include "memory/cuda_extras.h"
 #include "memory/policy.h"
+#include "models/lora.h"
 #include "models/weights.h"
 #include "train/checkpointing.h"
 #include "train/optimizer.h"
@@ -26,6 +27,7 @@
 #include "train/step.h"
 #include "trainer/data.h"
 #include "trainer/model_dir.h"
+#include "trainer/peft.h"
 #include "trainer/safetensors.h"
 #include "trainer/tokenizer.h"
 
@@ -67,6 +69,12 @@ int64_t memory_capacity(const Config& config, const c10::Device& device) {
   if (config.memory.limit.bytes > 0) return static_cast<int64_t>(config.memory.limit.bytes);
   if (device.is_cpu()) return 0;
   return static_cast<int64_t>(at::accelerator::getMemoryInfo(device.index()).second);
+}
+
+int64_t parameter_bytes(Module& module) {
+  int64_t bytes = 0;
+  module.for_each_parameter([&](const std::string&, at::Tensor& p) { bytes += static_cast<int64_t>(p.nbytes()); });
+  return bytes;
 }
 
 void reset_peak(const c10::Device& device) {
@@ -178,9 +186,48 @@ std::vector<std::pair<int64_t, fs::path>> checkpoint_dirs(const fs::path& dir) {
 void copy_tokenizer_files(const Config& config, const fs::path& to) {
   fs::path from(config.tokenizer.path.empty() ? config.model.path : config.tokenizer.path);
   if (!fs::is_directory(from)) from = from.parent_path();
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
-                           "tokenizer.model", "generation_config.json"})
-    if (fs::exists(from / name)) fs::copy_file(from / name, to / name, fs::copy_options::overwrite_existing);
+  trainer::copy_tokenizer_files(from.string(), to.string());
+}
+
+// What checkpoints and the final save hold: the full model, or with LoRA the adapter alone, in PEFT's format.
+struct TrainedWeights {
+  LanguageModel& model;
+  const LoraAdapters* lora = nullptr;
+  std::string base_model;  // the adapter's base_model_name_or_path
+};
+
+void save_trained(const TrainedWeights& trained, const fs::path& dir, const Config& config) {
+  if (trained.lora)
+    write_peft_adapter(dir.string(), to_peft_adapter(*trained.lora, trained.model, trained.base_model));
+  else
+    save_model(trained.model, dir.string(), config.checkpoint.max_shard_size.bytes);
+  copy_tokenizer_files(config, dir);
+}
+
+// LoRA on the frozen base, restored from `resume_dir` when resuming. The adapter's base is model.path; a randomly
+// initialised base (the tiny demos) is saved to output_dir/base at the start of a run (a resumed run recreates
+// the same one from training.seed), so the adapter has a base to be loaded onto.
+std::unique_ptr<LoraAdapters> apply_lora_for_training(LanguageModel& model, const Config& config,
+                                                      const std::optional<fs::path>& resume_dir, std::string& base) {
+  base = fs::absolute(config.model.path).lexically_normal().string();
+  if (config.model.init == ModelInit::kRandom) {
+    const fs::path saved = fs::absolute(fs::path(config.checkpoint.output_dir) / "base").lexically_normal();
+    if (!resume_dir || (!fs::exists(saved / kWeightsFileName) && !fs::exists(saved / kWeightsIndexName))) {
+      save_model(model, saved.string(), config.checkpoint.max_shard_size.bytes);
+      copy_tokenizer_files(config, saved);
+    }
+    base = saved.string();
+  }
+  auto adapters = apply_lora(model, config.lora, static_cast<uint64_t>(config.training.seed));
+  if (resume_dir) load_lora_weights(*adapters, read_peft_adapter(resume_dir->string()), resume_dir->string());
+  const auto& applied = adapters->config();
+  std::string targets;
+  for (const auto& t : applied.target_modules) targets += (targets.empty() ? "" : ",") + t;
+  spdlog::info("LoRA r={} alpha={} (scale {:.4g}{}) dropout={} on {} layers ({}); base frozen{}; {} trainable parameters",
+               applied.r, applied.alpha, lora_scaling(applied.alpha, applied.r, applied.rslora),
+               applied.rslora ? ", rsLoRA" : "", applied.dropout, adapters->layers().size(), targets,
+               applied.base_in_bf16 ? " in bf16" : "", adapters->trainable_parameters());
+  return adapters;
 }
 
 // Generations from evaluation.sample_prompts, logged as text: what the model has learned, at a glance.
@@ -200,23 +247,23 @@ void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config&
 // A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
 // config, written to a temporary directory and renamed into place, so a crash leaves the previous one intact.
 // Older checkpoints beyond checkpoint.keep_last are removed.
-void write_checkpoint(const fs::path& output_dir, int64_t step, LanguageModel& model, const AdamW& optimizer,
+void write_checkpoint(const fs::path& output_dir, int64_t step, const TrainedWeights& trained, const AdamW& optimizer,
                       const MemoryPolicy& policy, const DataLoader& loader, int64_t tokens_seen, const Config& config) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
   fs::remove_all(temp_dir);
-  save_model(model, temp_dir.string(), config.checkpoint.max_shard_size.bytes);
-  copy_tokenizer_files(config, temp_dir);
+  save_trained(trained, temp_dir, config);
   auto tensors = optimizer.state_tensors();
   tensors.emplace_back("rng.cpu", get_rng_state(at::Device(at::kCPU)));  // for an exact resume
   write_safetensors((temp_dir / "optimizer.safetensors").string(), tensors, {});
-  const nlohmann::json state = {{"version", 1},
+  nlohmann::json state = {{"version", 1},
                                 {"step", step},
                                 {"optimizer_steps", optimizer.steps()},
                                 {"tokens_seen", tokens_seen},
                                 {"data_cursor", cursor_to_json(loader.cursor())},
                                 {"memory_policy", policy.state()},
                                 {"config", nlohmann::json::parse(config_to_json(config))}};
+  if (trained.lora) state["base_model_config"] = trained.model.hf_config();  // an adapter has no config.json
   std::ofstream(temp_dir / "train_state.json") << state.dump(2) << "\n";
   fs::remove_all(final_dir);
   fs::rename(temp_dir, final_dir);
@@ -250,9 +297,28 @@ std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
 }
 
 
-// A checkpoint of another architecture cannot continue this run: its config.json must equal model.path's.
+// A checkpoint of another architecture cannot continue this run: its config.json (a LoRA checkpoint's base
+// model config) must equal model.path's, and a LoRA checkpoint needs the same adapter shape and scaling.
 void check_same_architecture(const fs::path& checkpoint, const Config& config) {
-  auto saved = read_json_file((checkpoint / "config.json").string());
+  const auto state = read_json_file((checkpoint / "train_state.json").string());
+  const auto& saved_lora = state.at("config").at("lora");
+  if (saved_lora.at("enabled").get<bool>() != config.lora.enabled)
+    throw DataError("checkpoint " + checkpoint.string() + " holds " +
+                        (config.lora.enabled ? "a full model, not a LoRA adapter" : "a LoRA adapter, not a full model"),
+                    "resume with the lora.enabled setting the checkpoint was trained with");
+  if (config.lora.enabled) {
+    const auto current_lora = nlohmann::json::parse(config_to_json(config)).at("lora");
+    std::string changed;
+    for (const char* key : {"r", "alpha", "target_modules", "rslora"})
+      if (saved_lora.at(key) != current_lora.at(key))
+        changed += std::string("\n  lora.") + key + ": checkpoint " + saved_lora.at(key).dump() + ", config " +
+                   current_lora.at(key).dump();
+    if (!changed.empty())
+      throw DataError("checkpoint " + checkpoint.string() + " was trained with other LoRA settings:" + changed,
+                      "resume with the lora settings of the checkpoint");
+  }
+  auto saved = config.lora.enabled ? state.at("base_model_config")
+                                   : read_json_file((checkpoint / "config.json").string());
   auto current = read_json_file((fs::path(config.model.path) / "config.json").string());
   std::string differences;
   for (const auto& [key, value] : current.items()) {
@@ -264,7 +330,6 @@ void check_same_architecture(const fs::path& checkpoint, const Config& config) {
   if (!differences.empty())
     throw DataError("checkpoint " + checkpoint.string() + " belongs to another model than model.path:" + differences,
                     "resume with the model.path the checkpoint was trained from");
-  const auto state = read_json_file((checkpoint / "train_state.json").string());
   const auto saved_batch = state.at("config").at("training").at("batch_size").get<int64_t>();
   if (saved_batch != config.training.batch_size)
     throw DataError("checkpoint " + checkpoint.string() + " was trained with training.batch_size " +
@@ -285,9 +350,11 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
   if (config.checkpoint.keep_best)
     spdlog::warn("checkpoint.keep_best: keeping the best checkpoint by validation loss is not in this version yet; "
                  "the newest {} checkpoints (checkpoint.keep_last) are kept", config.checkpoint.keep_last);
-  if (config.lora.enabled)
-    throw UsageError("lora.enabled=true: LoRA training is not in this version of trainer yet",
-                     "train the full model (lora.enabled=false) or use a version with LoRA support");
+  if (train_options.merge && !config.lora.enabled)
+    throw UsageError("--merge merges LoRA adapters, but lora.enabled=false", "add --set lora.enabled=true, or drop --merge");
+  if (train_options.merge && !config.checkpoint.save_final)
+    throw UsageError("--merge merges the final adapter, but checkpoint.save_final=false",
+                     "drop --merge, or set checkpoint.save_final=true");
   if (config.memory.limit.bytes > 0) {
     if (device.is_cpu()) set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
     else cap_device_memory(device, static_cast<int64_t>(config.memory.limit.bytes));
@@ -296,7 +363,9 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
 
   const auto tokenizer = load_tokenizer(config.tokenizer.path.empty() ? config.model.path : config.tokenizer.path,
                                         config.tokenizer.kind);
-  const auto dtype = config.precision.mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat;
+  // A LoRA base held in bf16 is loaded in bf16: a 7B model never exists in fp32 on the device.
+  const bool bf16_weights = config.precision.mode == PrecisionMode::kBf16 || (config.lora.enabled && config.lora.base_in_bf16);
+  const auto dtype = bf16_weights ? at::kBFloat16 : at::kFloat;
   std::optional<fs::path> resume_dir;
   if (!train_options.resume_from.empty()) {
     resume_dir = fs::path(train_options.resume_from);
@@ -310,13 +379,18 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
                       "start without --resume, or point checkpoint.output_dir at the run to continue");
   }
   if (resume_dir) check_same_architecture(*resume_dir, config);
-  auto model = resume_dir ? load_model(resume_dir->string(), ModelInit::kPretrained,
-                                       at::TensorOptions().dtype(dtype).device(device))
-                          : load_model(config.model.path, config.model.init,
-                                       at::TensorOptions().dtype(dtype).device(device),
-                                       static_cast<uint64_t>(config.training.seed));
+  // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
+  auto model = resume_dir && !config.lora.enabled
+                   ? load_model(resume_dir->string(), ModelInit::kPretrained,
+                                at::TensorOptions().dtype(dtype).device(device))
+                   : load_model(config.model.path, config.model.init, at::TensorOptions().dtype(dtype).device(device),
+                                static_cast<uint64_t>(config.training.seed));
   model->train(true);
   model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  std::unique_ptr<LoraAdapters> lora;
+  std::string lora_base;
+  if (config.lora.enabled) lora = apply_lora_for_training(*model, config, resume_dir, lora_base);
+  const TrainedWeights trained{*model, lora.get(), lora_base};
   if (config.training.activation_checkpointing) apply_activation_checkpointing(*model);
   const DataFamily family = model->family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
   if (tokenizer->vocab_size() > model->vocab_size())
@@ -333,7 +407,8 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
 
   std::unique_ptr<AdamW> optimizer;
   try {
-    optimizer = std::make_unique<AdamW>(*model, config.optimizer);
+    // Only trainable parameters get state: with LoRA, the adapters (the frozen base has no gradients).
+    optimizer = std::make_unique<AdamW>(lora ? static_cast<Module&>(*lora) : *model, config.optimizer);
   } catch (const c10::OutOfMemoryError&) {
     throw OutOfMemoryAtFloor("the AdamW state (two fp32 moments per trainable parameter) does not fit next to the model",
                              "a larger memory.limit or a larger device");
@@ -388,7 +463,7 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
   double last_eval = std::nan("");
   while (step_index < total_steps) {
     if (const int signal = stop_requested()) {
-      write_checkpoint(output_dir, step_index, *model, *optimizer, policy, *loader, tokens_seen, config);
+      write_checkpoint(output_dir, step_index, trained, *optimizer, policy, *loader, tokens_seen, config);
       out << "Stopped by " << (signal == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << step_index
           << "; the checkpoint is in " << (output_dir / ("checkpoint-" + std::to_string(step_index))).string()
           << ".\nContinue with the same command and --resume.\n";
@@ -403,11 +478,10 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     } catch (const OutOfMemoryAtFloor& e) {
       dump_snapshot_once(output_dir, step_index + 1);
       const auto saved = output_dir / "last-completed-step";
-      save_model(*model, saved.string(), config.checkpoint.max_shard_size.bytes);
-      copy_tokenizer_files(config, saved);
+      save_trained(trained, saved, config);
       throw OutOfMemoryAtFloor(
           std::string(e.what()) + "\nmemory report:" + "\n  weights       " +
-              human_bytes(static_cast<double>(count_parameters(*model)) * (dtype == at::kBFloat16 ? 2 : 4)) +
+              human_bytes(static_cast<double>(parameter_bytes(*model) + (lora ? parameter_bytes(*lora) : 0))) +
               "\n  AdamW state   " + human_bytes(static_cast<double>(optimizer->state_bytes())) +
               "\n  gradients     up to the size of the trainable weights during backward" +
               "\n  in use now    " + human_bytes(static_cast<double>(memory_now(device).allocated)) +
@@ -460,13 +534,17 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
       log_samples(*model, *tokenizer, config, device, step_index);
     }
     if (config.checkpoint.every_steps > 0 && step_index % config.checkpoint.every_steps == 0 && step_index < total_steps)
-      write_checkpoint(output_dir, step_index, *model, *optimizer, policy, *loader, tokens_seen, config);
+      write_checkpoint(output_dir, step_index, trained, *optimizer, policy, *loader, tokens_seen, config);
     if (config.memory.empty_cache_every > 0 && step_index % config.memory.empty_cache_every == 0) release_cached_memory();
   }
 
-  if (config.checkpoint.save_final) {
-    save_model(*model, (output_dir / "final").string(), config.checkpoint.max_shard_size.bytes);
-    copy_tokenizer_files(config, output_dir / "final");
+  if (config.checkpoint.save_final) save_trained(trained, output_dir / "final", config);
+  if (train_options.merge) {
+    MergeOptions merge;
+    merge.adapter_dir = (output_dir / "final").string();
+    merge.output_dir = (output_dir / "final-merged").string();
+    merge.max_shard_bytes = config.checkpoint.max_shard_size.bytes;
+    merge_adapter(merge);
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   const auto stats = loader->stats();
@@ -479,7 +557,10 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
       << policy.adaptations().size() << "\n";
   for (const auto& a : policy.adaptations())
     out << "    step " << a.step << ": " << a.old_micro_batch << " -> " << a.new_micro_batch << " (" << a.reason << ")\n";
-  if (config.checkpoint.save_final) out << "  model saved to " << (output_dir / "final").string() << "\n";
+  if (config.checkpoint.save_final)
+    out << "  " << (lora ? "LoRA adapter (PEFT format)" : "model") << " saved to " << (output_dir / "final").string()
+        << "\n";
+  if (train_options.merge) out << "  merged model saved to " << (output_dir / "final-merged").string() << "\n";
   return kExitOk;
 }
 

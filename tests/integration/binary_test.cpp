@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "support/metrics.h"
 #include "support/process.h"
 
 namespace trainer::test {
@@ -41,13 +42,8 @@ TEST(IntegrationTrain, TinyConfigsTrainAndTheLossFalls) {
                             "checkpoint.output_dir=" + out_dir.string()});
     ASSERT_EQ(run.exit_code, 0) << run.err;
     EXPECT_TRUE(contains(run.out, "Done: 60 steps"));
-    std::ifstream metrics(out_dir / "metrics.jsonl");
-    std::vector<double> losses, eval_losses;
-    for (std::string line; std::getline(metrics, line);) {
-      const auto record = nlohmann::json::parse(line);
-      if (record.contains("loss")) losses.push_back(record["loss"].get<double>());
-      if (record.contains("eval_loss")) eval_losses.push_back(record["eval_loss"].get<double>());
-    }
+    const auto losses = metric_values(out_dir / "metrics.jsonl", "loss");
+    const auto eval_losses = metric_values(out_dir / "metrics.jsonl", "eval_loss");
     ASSERT_EQ(losses.size(), 60u);
     const double first = (losses[0] + losses[1] + losses[2]) / 3, last = (losses[57] + losses[58] + losses[59]) / 3;
     EXPECT_LT(last, 0.5 * first) << "loss " << first << " -> " << last;

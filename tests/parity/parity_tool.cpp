@@ -6,6 +6,12 @@
 //   trainer_parity train-step MODEL_DIR BATCH.safetensors OUT_DIR LR
 //       one SGD step on the mean loss, then the model saved to OUT_DIR and OUT_DIR/logits.safetensors holding the
 //       logits of the same batch after the step
+//   trainer_parity lora-forward MODEL_DIR ADAPTER_DIR BATCH.safetensors OUT.safetensors
+//       the base with a PEFT adapter applied: logits, loss and grad.<PEFT key> of every adapter weight
+//   trainer_parity lora-train MODEL_DIR BATCH.safetensors OUT_DIR LORA_JSON
+//       LoRA applied as training applies it ({"r", "alpha", "rslora", "target_modules", "steps", "lr", "seed"}),
+//       `steps` SGD steps on the adapters, the adapter saved to OUT_DIR in PEFT's format, and
+//       OUT_DIR/logits.safetensors holding the adapted logits of the same batch after the steps
 //
 //   trainer_parity activations MODEL_DIR B T L
 //       bytes that forward keeps for backward (CPU budget allocator: allocated after forward minus the weights) for a
@@ -21,12 +27,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <nlohmann/json.hpp>
 
 #include "memory/cpu_budget.h"
+#include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
-#include "models/weights.h"
 #include "trainer/errors.h"
+#include "trainer/peft.h"
 #include "trainer/safetensors.h"
 
 namespace {
@@ -79,6 +87,55 @@ int train_step(const std::string& model_dir, const std::string& batch_path, cons
   return 0;
 }
 
+int lora_forward(const std::string& model_dir, const std::string& adapter_dir, const std::string& batch_path,
+                 const std::string& out_path) {
+  auto model = trainer::load_model(model_dir, trainer::ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  auto adapters = trainer::apply_peft_adapter(*model, trainer::read_peft_adapter(adapter_dir), adapter_dir);
+  model->train(false);
+  adapters->train(false);
+  const auto result = trainer::forward_loss(*model, read_batch(batch_path), /*keep_logits=*/true);
+  const at::Tensor loss = result.loss_sum / static_cast<double>(result.target_tokens);
+  loss.backward();
+  std::vector<std::pair<std::string, at::Tensor>> out = {{"logits", result.logits.detach()},
+                                                         {"loss", loss.detach().reshape({1})}};
+  adapters->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    out.emplace_back(std::string("grad.") + trainer::kPeftKeyPrefix + name, p.grad());
+  });
+  trainer::write_safetensors(out_path, out, {});
+  return 0;
+}
+
+int lora_train(const std::string& model_dir, const std::string& batch_path, const std::string& out_dir,
+               const std::string& settings_json) {
+  const auto settings = nlohmann::json::parse(settings_json);
+  trainer::LoraConfig config;
+  config.enabled = true;
+  config.r = settings.at("r").get<int64_t>();
+  config.alpha = settings.at("alpha").get<double>();
+  config.dropout = 0.0;
+  config.rslora = settings.value("rslora", false);
+  config.target_modules = settings.value("target_modules", std::vector<std::string>{});
+  auto model = trainer::load_model(model_dir, trainer::ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  auto adapters = trainer::apply_lora(*model, config, settings.value("seed", uint64_t{0}));
+  model->train(false);  // no dropout: the result must be reproducible in Python
+  const auto batch = read_batch(batch_path);
+  const double lr = settings.at("lr").get<double>();
+  for (int64_t step = 0; step < settings.at("steps").get<int64_t>(); ++step) {
+    auto result = trainer::forward_loss(*model, batch);
+    (result.loss_sum / static_cast<double>(result.target_tokens)).backward();
+    at::NoGradGuard no_grad;
+    adapters->for_each_parameter([&](const std::string&, at::Tensor& p) {
+      p.sub_(p.grad(), lr);
+      p.mutable_grad() = at::Tensor();
+    });
+  }
+  trainer::write_peft_adapter(out_dir, trainer::to_peft_adapter(*adapters, *model, model_dir));
+  at::NoGradGuard no_grad;
+  const auto after = trainer::forward_loss(*model, batch, /*keep_logits=*/true);
+  trainer::write_safetensors(out_dir + "/logits.safetensors", {{"logits", after.logits.contiguous()}}, {});
+  return 0;
+}
+
 }  // namespace
 
 int activations(const std::string& model_dir, int64_t b, int64_t t, int64_t l) {
@@ -101,12 +158,15 @@ int main(int argc, char** argv) {
       return activations(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]));
     if (args.size() >= 4 && args[0] == "forward") return forward(args[1], args[2], args[3], args.size() > 4 && args[4] == "bf16");
     if (args.size() == 5 && args[0] == "train-step") return train_step(args[1], args[2], args[3], std::stod(args[4]));
+    if (args.size() == 5 && args[0] == "lora-forward") return lora_forward(args[1], args[2], args[3], args[4]);
+    if (args.size() == 5 && args[0] == "lora-train") return lora_train(args[1], args[2], args[3], args[4]);
   } catch (const trainer::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
     if (!e.hint().empty()) std::cerr << "hint: " << e.hint() << "\n";
     return e.exit_code();
   }
-  std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR | "
-               "activations MODEL_DIR B T L\n";
+  std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR |\n"
+               "       activations MODEL_DIR B T L | lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT |\n"
+               "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON\n";
   return 2;
 }

@@ -10,34 +10,14 @@
 #include "models/model.h"
 #include "models/weights.h"
 #include "support/paths.h"
+#include "support/tiny_models.h"
 #include "trainer/errors.h"
 
 namespace trainer {
 namespace {
 
-std::unique_ptr<LanguageModel> tiny(const char* name, uint64_t seed = 3) {
-  auto model = load_model(test::source_path(std::string("configs/models/") + name), ModelInit::kRandom,
-                          at::TensorOptions().dtype(at::kFloat), seed);
-  model->train(false);
-  return model;
-}
-
-Batch padded_batch(bool seq2seq) {
-  at::manual_seed(11);
-  Batch b;
-  b.input_ids = at::randint(3, 200, {3, 10}, at::kLong);
-  b.attention_mask = at::ones({3, 10}, at::kLong);
-  b.attention_mask[1].narrow(0, 6, 4).zero_();
-  b.attention_mask[2].narrow(0, 3, 7).zero_();
-  b.input_ids.masked_fill_(b.attention_mask == 0, 0);
-  if (seq2seq) {
-    b.labels = at::randint(3, 200, {3, 7}, at::kLong);
-    b.labels[2].narrow(0, 4, 3).fill_(-100);
-  } else {
-    b.labels = b.input_ids.masked_fill(b.attention_mask == 0, -100);
-  }
-  return b;
-}
+using test::padded_batch;
+using test::tiny_model;
 
 Batch rows(const Batch& b, int64_t begin, int64_t count) {
   return {b.input_ids.narrow(0, begin, count), b.attention_mask.narrow(0, begin, count), b.labels.narrow(0, begin, count),
@@ -47,7 +27,7 @@ Batch rows(const Batch& b, int64_t begin, int64_t count) {
 }  // namespace
 
 TEST(Models, ParameterNamesAreTheHuggingFaceKeys) {
-  auto t5 = tiny("tiny-t5");
+  auto t5 = tiny_model("tiny-t5");
   std::vector<std::string> names;
   for (auto& [name, p] : t5->named_parameters()) names.push_back(name);
   for (const char* expected :
@@ -61,7 +41,7 @@ TEST(Models, ParameterNamesAreTheHuggingFaceKeys) {
             names.end());
   EXPECT_EQ(std::find(names.begin(), names.end(), "lm_head.weight"), names.end());
 
-  auto qwen = tiny("tiny-qwen2");
+  auto qwen = tiny_model("tiny-qwen2");
   std::map<std::string, std::vector<int64_t>> shapes;
   for (auto& [name, p] : qwen->named_parameters()) shapes[name] = p.sizes().vec();
   EXPECT_EQ(shapes.at("model.layers.0.self_attn.k_proj.weight"), (std::vector<int64_t>{32, 64}));  // 2 KV heads x 16
@@ -74,7 +54,7 @@ TEST(Models, LossSumsAddUpOverAnySplit) {
   // The memory-adaptive step relies on this: summed token losses of parts equal the loss sum of the whole.
   for (const char* name : {"tiny-t5", "tiny-qwen2"}) {
     SCOPED_TRACE(name);
-    auto model = tiny(name);
+    auto model = tiny_model(name);
     const Batch batch = padded_batch(model->family() == ModelFamily::kSeq2Seq);
     at::NoGradGuard no_grad;
     const auto whole = forward_loss(*model, batch);
@@ -87,7 +67,7 @@ TEST(Models, LossSumsAddUpOverAnySplit) {
 }
 
 TEST(Models, PaddingDoesNotChangeTheRealPositions) {
-  auto model = tiny("tiny-qwen2");
+  auto model = tiny_model("tiny-qwen2");
   const Batch batch = padded_batch(false);
   at::NoGradGuard no_grad;
   const auto padded = forward_loss(*model, batch, true).logits;
@@ -101,7 +81,7 @@ TEST(Models, PaddingDoesNotChangeTheRealPositions) {
 TEST(Models, CachedGenerationEqualsRecomputingTheWholeSequence) {
   for (const char* name : {"tiny-t5", "tiny-qwen2"}) {
     SCOPED_TRACE(name);
-    auto model = tiny(name);
+    auto model = tiny_model(name);
     const std::vector<int64_t> prompt = {5, 17, 42, 8, 9};
     GenerateOptions options;
     options.max_new_tokens = 8;
@@ -132,7 +112,7 @@ TEST(Models, CachedGenerationEqualsRecomputingTheWholeSequence) {
 }
 
 TEST(Models, RandomInitialisationIsSeeded) {
-  auto a = tiny("tiny-t5", 5), b = tiny("tiny-t5", 5), c = tiny("tiny-t5", 6);
+  auto a = tiny_model("tiny-t5", 5), b = tiny_model("tiny-t5", 5), c = tiny_model("tiny-t5", 6);
   const auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
   EXPECT_TRUE(at::equal(pa[0].second, pb[0].second));
   EXPECT_FALSE(at::equal(pa[0].second, pc[0].second));

@@ -4,8 +4,10 @@
 
 #include "memory/cpu_budget.h"
 #include "memory/policy.h"
+#include "models/lora.h"
 #include "models/weights.h"
 #include "support/paths.h"
+#include "train/checkpointing.h"
 #include "train/optimizer.h"
 #include "train/step.h"
 
@@ -34,22 +36,31 @@ EffectiveBatch make_batch(int64_t count, uint64_t seed, int64_t min_length = 40,
   return batch;
 }
 
-struct Trainee {  // a model with its optimizer, policy and step
+struct Trainee {  // a model (with LoRA adapters on its frozen base, or not) with its optimizer, policy and step
   std::unique_ptr<LanguageModel> model;
+  std::unique_ptr<LoraAdapters> lora;
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<MemoryPolicy> policy;
   std::unique_ptr<TrainStep> step;
 
-  explicit Trainee(int64_t micro, MemoryConfig memory = {}, StateDtype state_dtype = StateDtype::kFp32) {
+  explicit Trainee(int64_t micro, MemoryConfig memory = {}, bool with_lora = false,
+                   StateDtype state_dtype = StateDtype::kFp32) {
     model = load_model(test::source_path("configs/models/tiny-qwen2"), ModelInit::kRandom,
                        at::TensorOptions().dtype(at::kFloat), 7);
     model->train(true);
     model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+    if (with_lora) {
+      LoraConfig config;
+      config.r = 4;
+      config.dropout = 0.0;
+      config.target_modules = {"q_proj", "v_proj", "down_proj"};
+      lora = apply_lora(*model, config, 0);
+    }
     OptimizerConfig adam;
     adam.lr = 1e-3;
     adam.weight_decay = 0.01;
     adam.state_dtype = state_dtype;
-    optimizer = std::make_unique<AdamW>(*model, adam);
+    optimizer = std::make_unique<AdamW>(trained(), adam);
     TrainingConfig training;
     training.batch_size = 8;
     training.micro_batch_size = MicroBatchSize::fixed(micro);
@@ -67,9 +78,11 @@ struct Trainee {  // a model with its optimizer, policy and step
       step->forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
                              static_cast<double>(batch.target_tokens));
     std::map<std::string, at::Tensor> grads;
-    model->for_each_parameter([&](const std::string& name, at::Tensor& p) { grads[name] = p.grad().clone(); });
+    trained().for_each_parameter([&](const std::string& name, at::Tensor& p) { grads[name] = p.grad().clone(); });
     return grads;
   }
+
+  Module& trained() { return lora ? static_cast<Module&>(*lora) : *model; }
 };
 
 void expect_close(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b, double tol) {
@@ -79,7 +92,7 @@ void expect_close(const std::map<std::string, at::Tensor>& a, const std::map<std
         << name << ": max difference " << (t - b.at(name)).abs().max().item<double>();
 }
 
-std::map<std::string, at::Tensor> weights_of(LanguageModel& model) {
+std::map<std::string, at::Tensor> weights_of(Module& model) {
   std::map<std::string, at::Tensor> out;
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) { out[name] = p.detach().clone(); });
   return out;
@@ -95,16 +108,17 @@ TEST(TrainStep, AnySplitGivesTheSameGradient) {
   expect_close(whole, Trainee(1).grads_of(batch), 1e-5);
 }
 
-TEST(TrainStep, OutOfMemoryMidRunReachesTheSameWeights) {
+// Four steps under a budget that forces the micro-batch down reach the weights of four unconstrained steps.
+void out_of_memory_mid_run_reaches_the_same_weights(bool lora) {
   BudgetScope budget;
   std::vector<EffectiveBatch> batches;
   for (uint64_t i = 0; i < 4; ++i) batches.push_back(make_batch(8, 10 + i));
 
-  Trainee free_run(8);
+  Trainee free_run(8, {}, lora);
   for (int64_t s = 0; s < 4; ++s) free_run.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
 
   // Measure what micro-batches of 2 and 8 need above the model and optimizer, then allow something between.
-  Trainee constrained(8);
+  Trainee constrained(8, {}, lora);
   const int64_t base = cpu_memory_stats().allocated;
   auto extra = [&](int64_t n) {
     reset_cpu_peak();
@@ -125,7 +139,12 @@ TEST(TrainStep, OutOfMemoryMidRunReachesTheSameWeights) {
   EXPECT_LE(last.micro_batch, 4);
   EXPECT_GE(last.micro_batch, 2);
   expect_close(weights_of(*free_run.model), weights_of(*constrained.model), 1e-5);
+  if (lora) expect_close(weights_of(*free_run.lora), weights_of(*constrained.lora), 1e-5);
 }
+
+TEST(TrainStep, OutOfMemoryMidRunReachesTheSameWeights) { out_of_memory_mid_run_reaches_the_same_weights(false); }
+
+TEST(LoraTrainStep, OutOfMemoryMidRunReachesTheSameAdapterWeights) { out_of_memory_mid_run_reaches_the_same_weights(true); }
 
 TEST(TrainStep, RegrowsAfterStableStepsButNotToASizeThatFailed) {
   BudgetScope budget;
@@ -196,7 +215,7 @@ TEST(TrainStep, TheOptimizerUpdateAllocatesNothing) {
   // So an out-of-memory error can never leave some parameters updated and others not.
   BudgetScope budget;
   for (const auto state_dtype : {StateDtype::kFp32, StateDtype::kBf16}) {
-    Trainee run(8, {}, state_dtype);
+    Trainee run(8, {}, false, state_dtype);
     const auto batch = make_batch(8, 4);
     run.grads_of(batch);
     set_cpu_budget_limit(cpu_memory_stats().allocated + 1);  // not one more byte
@@ -207,7 +226,7 @@ TEST(TrainStep, TheOptimizerUpdateAllocatesNothing) {
 }
 
 TEST(AdamW, Bf16MomentsHalveTheStateAndTrackFp32Moments) {
-  Trainee fp32(8), bf16(8, {}, StateDtype::kBf16);
+  Trainee fp32(8), bf16(8, {}, false, StateDtype::kBf16);
   EXPECT_EQ(bf16.optimizer->state_bytes() * 2, fp32.optimizer->state_bytes());
   const auto start = weights_of(*fp32.model);
   for (int64_t s = 0; s < 10; ++s) {
@@ -233,6 +252,18 @@ TEST(TrainStep, ChunkedLossAndCheckpointingGiveTheSameGradient) {
   Trainee plain(4), chunked(4);
   chunked.step->set_chunked_loss(true);
   expect_close(plain.grads_of(batch), chunked.grads_of(batch), 1e-5);
+}
+
+TEST(LoraTrainStep, ChunkedLossAndCheckpointingGiveTheSameAdapterGradients) {
+  const auto batch = make_batch(4, 5);
+  Trainee plain(4, {}, true), wrapped(4, {}, true);
+  plain.step->run(batch, 1, 1e-2);  // one update, so B is no longer zero and A's gradient is not either
+  wrapped.step->run(batch, 1, 1e-2);
+  wrapped.step->set_chunked_loss(true);
+  apply_activation_checkpointing(*wrapped.model);
+  const auto a = plain.grads_of(batch), b = wrapped.grads_of(batch);
+  expect_close(a, b, 1e-5);
+  for (const auto& [name, grad] : a) EXPECT_GT(grad.abs().max().item<double>(), 0.0) << name;
 }
 
 TEST(Scheduler, WarmupThenDecay) {

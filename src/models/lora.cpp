@@ -1,0 +1,287 @@
+// LoRA applied from outside (see lora.h). The formulas follow PEFT's tuners/lora/layer.py (Linear.forward,
+// get_delta_weight, reset_lora_parameters) so that an adapter computes the same here and in PEFT.
+#include "models/lora.h"
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+
+#include "models/weights.h"
+#include "trainer/errors.h"
+#include "trainer/hf_weights.h"
+#include "trainer/model_dir.h"
+#include "trainer/safetensors.h"
+
+namespace trainer {
+namespace {
+
+constexpr const char* kHintTargets =
+    "lora.target_modules names linear layers by their last name(s), e.g. q_proj, v_proj (Llama family) or q, v "
+    "(T5); `trainer inspect MODEL_DIR` shows the model's layers by group";
+
+std::map<std::string, Linear*> linear_layers(LanguageModel& model) {
+  std::map<std::string, Linear*> out;
+  model.for_each_module([&](const std::string& name, Module& m) {
+    if (auto* linear = dynamic_cast<Linear*>(&m)) out[name] = linear;
+  });
+  return out;
+}
+
+// No gradients for the base, so no optimizer state either; optionally held in bf16.
+void freeze(LanguageModel& model, bool to_bf16) {
+  at::NoGradGuard no_grad;
+  model.for_each_parameter([&](const std::string&, at::Tensor& p) {
+    if (to_bf16 && p.scalar_type() != at::kBFloat16) p = p.detach().to(at::kBFloat16);
+    p.requires_grad_(false);
+  });
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+}  // namespace
+
+LoraLinear::LoraLinear(Linear& base, int64_t r, double scaling, double dropout)
+    : base_(&base), r_(r), scaling_(scaling), dropout_(dropout) {
+  const auto options = base.weight.options().dtype(at::kFloat);
+  lora_A = at::zeros({r, base.weight.size(1)}, options);
+  lora_B = at::zeros({base.weight.size(0), r}, options);
+  lora_A.requires_grad_(true);
+  lora_B.requires_grad_(true);
+  register_parameter("lora_A.weight", &lora_A);
+  register_parameter("lora_B.weight", &lora_B);
+}
+
+at::Tensor LoraLinear::adapt(const at::Tensor& x, const at::Tensor& y, bool training) const {
+  at::Tensor input = x.scalar_type() == lora_A.scalar_type() ? x : x.to(lora_A.scalar_type());
+  if (dropout_ > 0) input = at::dropout(input, dropout_, training);
+  const at::Tensor delta = at::linear(at::linear(input, lora_A), lora_B) * scaling_;  // (..., out)
+  return (y + delta).to(y.scalar_type());
+}
+
+at::Tensor LoraLinear::merged_weight() const {
+  at::NoGradGuard no_grad;
+  const at::Tensor& w = base_->weight;
+  const at::Tensor delta = at::matmul(lora_B.to(at::kFloat), lora_A.to(at::kFloat)) * scaling_;  // (out, in)
+  return (w.to(at::kFloat) + delta).to(w.scalar_type());
+}
+
+void LoraAdapters::add(const std::string& module_path, std::shared_ptr<LoraLinear> layer) {
+  Linear& base = layer->base();
+  if (base.has_output_hook())
+    throw UsageError(module_path + " is adapted twice", "apply LoRA to a model once");
+  // The hook owns the adapter, so the model keeps computing with it whatever happens to this object.
+  base.set_output_hook([layer](const at::Tensor& x, const at::Tensor& y, bool training) {
+    return layer->adapt(x, y, training);
+  });
+  layers_.emplace_back(module_path, register_module(module_path, std::move(layer)));
+}
+
+int64_t LoraAdapters::trainable_parameters() const {
+  int64_t n = 0;
+  for (const auto& [path, layer] : layers_) n += layer->lora_A.numel() + layer->lora_B.numel();
+  return n;
+}
+
+std::vector<std::string> default_lora_targets(const LanguageModel& model) {
+  if (model.family() == ModelFamily::kSeq2Seq) return {"q", "v"};
+  return {"q_proj", "v_proj"};
+}
+
+double lora_scaling(double alpha, int64_t r, bool rslora) {
+  return rslora ? alpha / std::sqrt(static_cast<double>(r)) : alpha / static_cast<double>(r);
+}
+
+std::vector<std::string> lora_target_layers(LanguageModel& model, const std::vector<std::string>& targets) {
+  std::vector<std::string> selected, not_linear;
+  std::vector<bool> matched(targets.size(), false);
+  model.for_each_module([&](const std::string& name, Module& m) {  // in the model's order, as PEFT lists them
+    bool selects = false;
+    for (std::size_t i = 0; i < targets.size(); ++i)
+      if (name == targets[i] || name.ends_with("." + targets[i])) selects = matched[i] = true;
+    if (!selects) return;
+    if (dynamic_cast<Linear*>(&m) == nullptr) not_linear.push_back(name);
+    else selected.push_back(name);
+  });
+  std::vector<std::string> unmatched;
+  for (std::size_t i = 0; i < targets.size(); ++i)
+    if (!matched[i]) unmatched.push_back(targets[i]);
+  if (!unmatched.empty())
+    throw UsageError("lora.target_modules: " + join(unmatched) + " match no module of this " + model.model_type() +
+                         " model (the LM head and the embeddings are parameters, not layers trainer can adapt)",
+                     kHintTargets);
+  if (!not_linear.empty())
+    throw UsageError("lora.target_modules selects modules that are not linear layers: " + join(not_linear),
+                     kHintTargets);
+  return selected;
+}
+
+std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig& config, uint64_t seed) {
+  LoraConfig applied = config;
+  applied.enabled = true;
+  if (applied.target_modules.empty()) applied.target_modules = default_lora_targets(model);
+  const auto paths = lora_target_layers(model, applied.target_modules);
+  freeze(model, config.base_in_bf16);
+  auto linears = linear_layers(model);
+  auto adapters = std::make_unique<LoraAdapters>(applied);
+  const double scaling = lora_scaling(config.alpha, config.r, config.rslora);
+  at::Generator generator = at::detail::createCPUGenerator(seed);
+  at::NoGradGuard no_grad;
+  for (const auto& path : paths) {
+    auto layer = std::make_shared<LoraLinear>(*linears.at(path), config.r, scaling, config.dropout);
+    if (!layer->lora_A.is_meta()) {
+      // kaiming_uniform_(a=sqrt(5)) on (r, in): gain sqrt(2 / (1 + 5)), bound sqrt(3) * gain / sqrt(in) = 1/sqrt(in).
+      // Drawn on the CPU from our own generator, so the start does not depend on the device or other draws.
+      const double bound = 1.0 / std::sqrt(static_cast<double>(layer->lora_A.size(1)));
+      at::Tensor a = at::empty(layer->lora_A.sizes(), at::TensorOptions().dtype(at::kFloat));
+      a.uniform_(-bound, bound, generator);
+      layer->lora_A.copy_(a);
+    }
+    adapters->add(path, std::move(layer));
+  }
+  return adapters;
+}
+
+std::unique_ptr<LoraAdapters> apply_peft_adapter(LanguageModel& model, const PeftAdapter& adapter,
+                                                 const std::string& source) {
+  const auto& c = adapter.config;
+  const std::string expected_task = model.family() == ModelFamily::kSeq2Seq ? "SEQ_2_SEQ_LM" : "CAUSAL_LM";
+  if (!c.task_type.empty() && c.task_type != expected_task)
+    throw DataError(source + ": the adapter's task_type is " + c.task_type + ", but the " + model.model_type() +
+                        " base model is a " + expected_task + " model",
+                    "load it onto the base model it was trained on (base_model_name_or_path: " +
+                        c.base_model_name_or_path + ")");
+  auto linears = linear_layers(model);
+  std::vector<std::string> problems;
+  for (const auto& [path, weights] : adapter.modules) {
+    const auto it = linears.find(path);
+    if (it == linears.end()) {
+      problems.push_back(path + ": no such linear layer in the base model");
+      continue;
+    }
+    const auto& w = it->second->weight;
+    if (weights.lora_A.size(1) != w.size(1) || weights.lora_B.size(0) != w.size(0))
+      problems.push_back(path + ": lora_A " + std::to_string(weights.lora_A.size(0)) + " x " +
+                         std::to_string(weights.lora_A.size(1)) + " and lora_B " +
+                         std::to_string(weights.lora_B.size(0)) + " x " + std::to_string(weights.lora_B.size(1)) +
+                         " do not fit a " + std::to_string(w.size(0)) + " x " + std::to_string(w.size(1)) +
+                         " weight");
+  }
+  if (!problems.empty()) {
+    std::string list;
+    for (const auto& p : problems) list += "\n  " + p;
+    throw DataError(source + ": the adapter does not fit the base model:" + list,
+                    "load it onto the base model it was trained on (base_model_name_or_path: " +
+                        c.base_model_name_or_path + ")");
+  }
+  freeze(model, false);
+  LoraConfig config;
+  config.enabled = true;
+  config.r = c.r;
+  config.alpha = c.lora_alpha;
+  config.dropout = c.lora_dropout;
+  config.target_modules = c.target_modules;
+  config.rslora = c.use_rslora;
+  auto adapters = std::make_unique<LoraAdapters>(config);
+  at::NoGradGuard no_grad;
+  for (const auto& [path, weights] : adapter.modules) {
+    const int64_t r = weights.lora_A.size(0);
+    auto layer = std::make_shared<LoraLinear>(*linears.at(path), r, lora_scaling(c.lora_alpha, r, c.use_rslora),
+                                              c.lora_dropout);
+    layer->lora_A.copy_(weights.lora_A);
+    layer->lora_B.copy_(weights.lora_B);
+    adapters->add(path, std::move(layer));
+  }
+  return adapters;
+}
+
+void load_lora_weights(LoraAdapters& adapters, const PeftAdapter& adapter, const std::string& source) {
+  ShapeMap expected, got;
+  for (const auto& [path, layer] : adapters.layers()) {
+    expected[path + ".lora_A.weight"] = layer->lora_A.sizes().vec();
+    expected[path + ".lora_B.weight"] = layer->lora_B.sizes().vec();
+  }
+  for (const auto& [path, weights] : adapter.modules) {
+    got[path + ".lora_A.weight"] = weights.lora_A.sizes().vec();
+    got[path + ".lora_B.weight"] = weights.lora_B.sizes().vec();
+  }
+  try {
+    check_state_dict(expected, got, source);
+  } catch (const DataError& e) {
+    throw DataError(e.what(), "the adapter was saved with other lora settings (r, target_modules) or another model");
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& [path, layer] : adapters.layers()) {
+    const auto& weights = adapter.modules.at(path);
+    layer->lora_A.copy_(weights.lora_A);
+    layer->lora_B.copy_(weights.lora_B);
+  }
+}
+
+PeftAdapter to_peft_adapter(const LoraAdapters& adapters, const LanguageModel& model,
+                            const std::string& base_model_name_or_path) {
+  PeftAdapter out;
+  const auto& c = adapters.config();
+  out.config.task_type = model.family() == ModelFamily::kSeq2Seq ? "SEQ_2_SEQ_LM" : "CAUSAL_LM";
+  out.config.base_model_name_or_path = base_model_name_or_path;
+  out.config.r = c.r;
+  out.config.lora_alpha = c.alpha;
+  out.config.lora_dropout = c.dropout;
+  out.config.target_modules = c.target_modules;
+  out.config.use_rslora = c.rslora;
+  for (const auto& [path, layer] : adapters.layers())
+    out.modules[path] = {layer->lora_A.detach(), layer->lora_B.detach()};
+  return out;
+}
+
+void merge_lora(LoraAdapters& adapters) {
+  at::NoGradGuard no_grad;
+  for (const auto& [path, layer] : adapters.layers()) {
+    Linear& base = layer->base();
+    if (!base.has_output_hook()) continue;  // merged already
+    base.weight.copy_(layer->merged_weight());
+    base.set_output_hook({});
+  }
+}
+
+MergeResult merge_adapter(const MergeOptions& options) {
+  namespace fs = std::filesystem;
+  const PeftAdapter adapter = read_peft_adapter(options.adapter_dir);
+  MergeResult result;
+  result.base_dir = options.base_dir.empty() ? adapter.config.base_model_name_or_path : options.base_dir;
+  if (result.base_dir.empty())
+    throw UsageError(options.adapter_dir + "/" + kAdapterConfigName + " names no base_model_name_or_path",
+                     "give the base model directory: --base DIR");
+  if (!fs::is_directory(result.base_dir))
+    throw DataError("the base model " + result.base_dir + " is not a directory here",
+                    "give the local Hugging Face directory of the base model with --base DIR (trainer does not "
+                    "download from the Hub)");
+  const auto info = inspect_model_dir(result.base_dir, /*need_weights=*/true);
+  result.dtype = options.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  if (options.dtype == "auto") {
+    const auto file = SafetensorsFile::open(info.weight_files.front());
+    for (const auto& tensor : file.tensors())
+      if (at::isFloatingType(tensor.dtype)) {
+        result.dtype = tensor.dtype;
+        break;
+      }
+  }
+  auto model = load_model(result.base_dir, ModelInit::kPretrained, at::TensorOptions().dtype(result.dtype));
+  model->train(false);
+  auto adapters = apply_peft_adapter(*model, adapter, options.adapter_dir);
+  merge_lora(*adapters);
+  save_model(*model, options.output_dir, options.max_shard_bytes);
+  copy_tokenizer_files(result.base_dir, options.output_dir);
+  copy_tokenizer_files(options.adapter_dir, options.output_dir);  // trainer saves the run's tokenizer there
+  result.layers = adapters->layers().size();
+  return result;
+}
+
+}  // namespace trainer

@@ -1,0 +1,115 @@
+// LoRA (Hu et al., 2021) applied to a built model from outside, computing exactly what PEFT's lora.Linear
+// computes: y = x W^T + b + scaling * B(A(dropout(x))), with scaling = alpha / r (alpha / sqrt(r) with rsLoRA).
+// The base weights are frozen (no gradients, hence no optimizer state); the adapters are fp32 parameters of their
+// own module tree, named as PEFT saves them without the "base_model.model." prefix
+// ("model.layers.0.self_attn.q_proj.lora_A.weight"), so the optimizer and checkpoints take them alone.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "models/layers.h"
+#include "models/model.h"
+#include "trainer/config.h"
+#include "trainer/hf_weights.h"
+#include "trainer/peft.h"
+
+namespace trainer {
+
+// One adapted linear layer: A (r, in) and B (out, r), fp32, on the base weight's device.
+class LoraLinear : public Module {
+ public:
+  LoraLinear(Linear& base, int64_t r, double scaling, double dropout);
+
+  // The base layer's output `y` with the adapter's term added, in PEFT's order (dropout on A's input, scaling
+  // after B) and dtypes (the input cast to the adapter's fp32, the sum cast back to y's dtype).
+  at::Tensor adapt(const at::Tensor& x, const at::Tensor& y, bool training) const;
+  // W + scaling * B A, computed in fp32 and returned in W's dtype.
+  at::Tensor merged_weight() const;
+
+  Linear& base() const { return *base_; }
+  int64_t r() const { return r_; }
+  double scaling() const { return scaling_; }
+
+  at::Tensor lora_A, lora_B;
+
+ private:
+  Linear* base_;  // owned by the model, which outlives its adapters' use
+  int64_t r_;
+  double scaling_, dropout_;
+};
+
+// The adapters of one model: children named by the module path they adapt.
+class LoraAdapters : public Module {
+ public:
+  explicit LoraAdapters(LoraConfig config) : config_(std::move(config)) {}
+  const LoraConfig& config() const { return config_; }  // as applied: target_modules resolved
+  const std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>>& layers() const { return layers_; }
+  // Installs `layer` on its base linear layer's output.
+  void add(const std::string& module_path, std::shared_ptr<LoraLinear> layer);
+  int64_t trainable_parameters() const;
+
+ private:
+  LoraConfig config_;
+  std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>> layers_;
+};
+
+// PEFT's defaults by family, as lora.target_modules documents: q,v (T5) or q_proj,v_proj (Llama family).
+std::vector<std::string> default_lora_targets(const LanguageModel& model);
+
+// alpha / r, or alpha / sqrt(r) with rsLoRA.
+double lora_scaling(double alpha, int64_t r, bool rslora);
+
+// The paths of the linear layers `targets` selects by PEFT's rule: a module whose full name equals a target or
+// ends with "." + target. Throws UsageError when a target selects nothing, or selects a module that is not a
+// linear layer (trainer adapts linear layers only).
+std::vector<std::string> lora_target_layers(LanguageModel& model, const std::vector<std::string>& targets);
+
+// Freezes every parameter of `model` (requires_grad off: no gradients, no optimizer state) and, with
+// config.base_in_bf16, converts them to bf16. Then adds adapters on config.target_modules (the family's defaults
+// when empty), initialised as PEFT does: A kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)) from a
+// generator seeded with `seed`, B zeros, so the adapted model starts equal to the base.
+std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig& config, uint64_t seed);
+
+// Freezes `model` and adds adapters on exactly the modules of a saved adapter, with its ranks (per module, as
+// rank_pattern may give), scaling, dropout and weights. Throws DataError when a module is not in the model, or
+// its shapes do not fit the layer.
+std::unique_ptr<LoraAdapters> apply_peft_adapter(LanguageModel& model, const PeftAdapter& adapter,
+                                                 const std::string& source);
+
+// Copies a saved adapter's weights into `adapters` (resume): it must name the same modules with the same shapes,
+// else one DataError, naming `source`, lists the differences.
+void load_lora_weights(LoraAdapters& adapters, const PeftAdapter& adapter, const std::string& source);
+
+// The adapters in PEFT's terms: the config (task type from the model's family) and the weights (the live fp32
+// tensors, detached).
+PeftAdapter to_peft_adapter(const LoraAdapters& adapters, const LanguageModel& model,
+                            const std::string& base_model_name_or_path);
+
+// Folds every adapter into its base weight (W + scaling * B A, in W's dtype) and removes the hooks: the model then
+// computes the adapted function by itself, and save_model writes a plain Hugging Face model.
+void merge_lora(LoraAdapters& adapters);
+
+struct MergeOptions {
+  std::string adapter_dir;
+  std::string base_dir;        // empty: the adapter's base_model_name_or_path
+  std::string output_dir;
+  std::string dtype = "auto";  // auto (the base checkpoint's dtype), fp32 or bf16
+  uint64_t max_shard_bytes = kDefaultMaxShardBytes;
+};
+struct MergeResult {
+  std::string base_dir;
+  std::size_t layers = 0;
+  at::ScalarType dtype = at::kFloat;
+};
+// `trainer merge` and `train --merge`: loads the base model (on the CPU), applies the adapter, merges it and writes
+// a full Hugging Face model to output_dir, with the tokenizer files of the base and of the adapter directory.
+// Throws DataError for a missing base (it must be a local directory) or an adapter that does not fit it.
+MergeResult merge_adapter(const MergeOptions& options);
+
+}  // namespace trainer

@@ -1,0 +1,167 @@
+"""LoRA against PEFT itself, on the shipped tiny models (configs/models/tiny-t5, tiny-qwen2) with random weights.
+
+(a) PEFT loads the adapter trainer saves and reproduces trainer's adapted logits;
+(b) trainer loads an adapter PEFT made (non-zero B, rsLoRA, a rank_pattern) and reproduces PEFT's logits, loss and
+    adapter gradients;
+(c) trainer's merged model loads in transformers and reproduces the adapted logits;
+(d) a real training run with lora.enabled writes an adapter PEFT loads, and --merge a model transformers loads.
+fp32 throughout: within 1e-4 absolute + 1e-4 relative, as the model parity tests.
+"""
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from test_models import hf_model, make_batch, parity_tool, real_positions, run_parity_tool  # noqa: F401 (fixture)
+
+TINY = ["tiny-t5", "tiny-qwen2"]
+# Attention and MLP projections of each family; the rank_pattern entry gives one module a rank of its own.
+TARGETS = {"tiny-t5": ["q", "k", "v", "o", "wi_0", "wo"],
+           "tiny-qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+RANK_PATTERN = {"tiny-t5": {"decoder.block.1.layer.1.EncDecAttention.v": 2},
+                "tiny-qwen2": {"model.layers.1.self_attn.v_proj": 2}}
+# The adapters must move the logits by far more than the tolerance, or agreement proves nothing.
+MIN_EFFECT = 1e-2
+
+
+def tolerance_close(ours, theirs, msg=None):
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4, msg=msg)
+
+
+def make_tiny_dir(root, name, path):
+    """The tiny model's config.json with transformers' random initialisation, saved with save_pretrained."""
+    config = transformers.AutoConfig.from_pretrained(root / "configs" / "models" / name)
+    torch.manual_seed(1234)
+    cls = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    cls.from_config(config).save_pretrained(path)
+    return path
+
+
+def peft_made_adapter(name, model_dir, adapter_dir):
+    """A PEFT adapter with every weight random (B too), rsLoRA and a per-module rank; returns the PEFT model."""
+    base = hf_model(model_dir)
+    config = peft.LoraConfig(task_type="SEQ_2_SEQ_LM" if base.config.is_encoder_decoder else "CAUSAL_LM", r=4,
+                             lora_alpha=8, lora_dropout=0.1, target_modules=TARGETS[name], use_rslora=True,
+                             rank_pattern=RANK_PATTERN[name])
+    model = peft.get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "lora_" in param_name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    model.save_pretrained(adapter_dir)
+    model.eval()
+    return model
+
+
+def batch_for(model_dir, tmp_path):
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    batch = make_batch(config.is_encoder_decoder)
+    save_file(batch, tmp_path / "batch.safetensors")
+    return config, batch
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+@pytest.mark.parametrize("name", TINY)
+def test_peft_loads_our_adapter_and_reproduces_our_logits(name, rslora, root, tmp_path, parity_tool):
+    model_dir = make_tiny_dir(root, name, tmp_path / "model")
+    config, batch = batch_for(model_dir, tmp_path)
+    settings = {"r": 4, "alpha": 8, "rslora": rslora, "target_modules": TARGETS[name], "steps": 3, "lr": 2.0,
+                "seed": 3}
+    run_parity_tool(parity_tool, "lora-train", model_dir, tmp_path / "batch.safetensors", tmp_path / "adapter",
+                    json.dumps(settings))
+    ours = load_file(tmp_path / "adapter" / "logits.safetensors")["logits"]
+
+    base = hf_model(model_dir)
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    model.eval()
+    loaded = model.peft_config["default"]
+    assert (loaded.r, loaded.lora_alpha, loaded.use_rslora) == (4, 8, rslora)
+    assert loaded.task_type == ("SEQ_2_SEQ_LM" if config.is_encoder_decoder else "CAUSAL_LM")
+    assert set(loaded.target_modules) == set(TARGETS[name])
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    adapted = {n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert {k[len("base_model.model."):-len(".lora_A.weight")] for k in saved if k.endswith("lora_A.weight")} == \
+        {n[len("base_model.model."):] for n in adapted}
+    with torch.no_grad():
+        theirs = model(**batch).logits
+    real = real_positions(config, batch)
+    assert (theirs[real] - base_logits[real]).abs().max() > MIN_EFFECT, "the adapter changes nothing"
+    tolerance_close(ours[real], theirs[real])
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_we_load_a_peft_adapter_and_reproduce_its_logits_loss_and_gradients(name, root, tmp_path, parity_tool):
+    model_dir = make_tiny_dir(root, name, tmp_path / "model")
+    config, batch = batch_for(model_dir, tmp_path)
+    with torch.no_grad():
+        base_logits = hf_model(model_dir)(**batch).logits
+    model = peft_made_adapter(name, model_dir, tmp_path / "adapter")
+    theirs = model(**batch)
+    theirs.loss.backward()
+    run_parity_tool(parity_tool, "lora-forward", model_dir, tmp_path / "adapter", tmp_path / "batch.safetensors",
+                    tmp_path / "ours.safetensors")
+    ours = load_file(tmp_path / "ours.safetensors")
+
+    real = real_positions(config, batch)
+    assert (theirs.logits[real] - base_logits[real]).abs().max() > MIN_EFFECT, "the adapter changes nothing"
+    tolerance_close(ours["logits"][real], theirs.logits.detach()[real])
+    tolerance_close(ours["loss"][0], theirs.loss.detach())
+    # PEFT's parameter names carry the adapter name ("lora_A.default.weight"); its saved keys, and ours, do not.
+    expected = {n.replace(".default.", "."): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    grads = {n[len("grad."):]: g for n, g in ours.items() if n.startswith("grad.")}
+    assert set(grads) == set(expected)
+    ranks = {n: g.shape[0] for n, g in grads.items() if n.endswith("lora_A.weight")}
+    assert sorted(set(ranks.values())) == [2, 4], "the rank_pattern module has its own rank"
+    for param_name, grad in grads.items():
+        tolerance_close(grad, expected[param_name], msg=lambda m, n=param_name: f"gradient of {n}: {m}")
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_our_merged_model_loads_in_transformers_and_reproduces_the_adapted_logits(name, root, tmp_path, run_trainer):
+    model_dir = make_tiny_dir(root, name, tmp_path / "model")
+    config, batch = batch_for(model_dir, tmp_path)
+    model = peft_made_adapter(name, model_dir, tmp_path / "adapter")
+    with torch.no_grad():
+        adapted = model(**batch).logits
+    result = run_trainer("merge", "--adapter", tmp_path / "adapter", "--base", model_dir, "--output",
+                         tmp_path / "merged")
+    assert "Merged" in result.stdout
+    merged = hf_model(tmp_path / "merged")
+    with torch.no_grad():
+        ours = merged(**batch).logits
+    real = real_positions(config, batch)
+    tolerance_close(ours[real], adapted[real])
+    # The same weights PEFT's own merge gives.
+    theirs = model.merge_and_unload().state_dict()
+    for key, value in load_file(tmp_path / "merged" / "model.safetensors").items():
+        tolerance_close(value, theirs[key], msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_a_lora_training_run_writes_an_adapter_peft_loads_and_a_merged_model(name, root, tmp_path, run_trainer):
+    out = tmp_path / "run"
+    run_trainer("--config", f"configs/{name}.json", "--set", "lora.enabled=true", "--set", "training.max_steps=6",
+                "--set", "evaluation.every_steps=0", "--set", f"checkpoint.output_dir={out}", "--set",
+                "lora.alpha=64", "--set", "optimizer.lr=0.05", "--merge")
+    adapter_config = json.loads((out / "final" / "adapter_config.json").read_text())
+    base_dir = adapter_config["base_model_name_or_path"]
+    assert base_dir == str(out / "base")
+    config, batch = batch_for(base_dir, tmp_path)
+    base = hf_model(base_dir)
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+    model = peft.PeftModel.from_pretrained(base, out / "final")
+    model.eval()
+    merged = hf_model(out / "final-merged")
+    with torch.no_grad():
+        theirs = model(**batch).logits
+        ours = merged(**batch).logits
+    real = real_positions(config, batch)
+    assert (theirs[real] - base_logits[real]).abs().max() > MIN_EFFECT, "training changed nothing"
+    tolerance_close(ours[real], theirs[real])
