@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include "log/console.h"
 #include "models/inspect.h"
 #include "models/model.h"
 #include "models/weights.h"
@@ -201,9 +202,14 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       out << config_to_json(config) << "\n";
       return kExitOk;
     }
+    configure_logging(config.logging);
     return run_train(config, train_options, out);
   }
-  if (data_cmd->parsed()) return run_data(load_config(data_config_path, data_overrides), out);
+  if (data_cmd->parsed()) {
+    const Config config = load_config(data_config_path, data_overrides);
+    configure_logging(config.logging);
+    return run_data(config, out);
+  }
   if (inspect->parsed()) {
     inspect_model(inspect_dir, inspect_options, out);
     return kExitOk;
