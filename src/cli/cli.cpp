@@ -43,10 +43,15 @@ void print_config_reference(std::ostream& out) {
         << "\n      " << key.description << "\n";
   }
   out << "\nSizes accept bytes or units: 24GiB, 512MiB, 5GB. micro_batch_size accepts \"auto\".\n"
-         "Secrets (webhook URLs, API keys) are read from the environment only, never from the config.\n";
+         "Secrets (webhook URLs, API keys) are read from the environment only, never from the config:\n"
+         "TRAINER_WEBHOOK_URL turns on the notification webhook.\n";
 }
 
 namespace {
+
+constexpr const char* kTrainEnvironmentHelp =
+    "Environment: TRAINER_WEBHOOK_URL=https://... POSTs JSON on start, every checkpoint, finish and failure\n"
+    "(a Discord webhook works as is); the URL is never printed.\n";
 
 constexpr const char* kExitCodeHelp =
     "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"
@@ -119,7 +124,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   bool print_config = false;
   train->add_flag("--print-config", print_config,
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");
-  train->footer(kExitCodeHelp);
+  train->footer(std::string(kTrainEnvironmentHelp) + kExitCodeHelp);
 
   std::string data_config_path;
   std::vector<std::string> data_overrides;

@@ -31,10 +31,6 @@ double seconds_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
 }
 
-double wall_clock() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 std::string first_line(const std::string& text, std::size_t limit = 300) {
   auto line = text.substr(0, text.find('\n'));
   if (line.size() > limit) line = line.substr(0, limit - 3) + "...";
