@@ -89,6 +89,12 @@ std::string event_head(double wall_time, int64_t step) {
   return event;
 }
 
+std::string summary_event(double wall_time, int64_t step, const std::string& summary) {
+  auto event = event_head(wall_time, step);
+  put_bytes(event, kEventSummary, summary);
+  return event;
+}
+
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -137,9 +143,7 @@ std::string scalars_event(double wall_time, int64_t step, const std::vector<std:
     put_float(v, kValueSimpleValue, value);
     put_bytes(summary, kSummaryValue, v);
   }
-  auto event = event_head(wall_time, step);
-  put_bytes(event, kEventSummary, summary);
-  return event;
+  return summary_event(wall_time, step, summary);
 }
 
 std::string text_event(double wall_time, int64_t step, std::string_view tag, std::string_view text) {
@@ -153,9 +157,7 @@ std::string text_event(double wall_time, int64_t step, std::string_view tag, std
   put_bytes(value, kValueMetadata, metadata);
   put_bytes(value, kValueTensor, tensor);
   put_bytes(summary, kSummaryValue, value);
-  auto event = event_head(wall_time, step);
-  put_bytes(event, kEventSummary, summary);
-  return event;
+  return summary_event(wall_time, step, summary);
 }
 
 EventFileWriter::EventFileWriter(const std::filesystem::path& dir) {

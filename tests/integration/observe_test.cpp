@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "support/http_server.h"
+#include "support/output.h"
 #include "support/process.h"
 #include "support/temp_dir.h"
 
@@ -36,29 +37,6 @@ std::vector<nlohmann::json> bodies(const HttpServer& server) {
   return result;
 }
 
-// What a terminal shows of `bytes`: "\r\033[K" returns to the start of the line and clears it.
-std::vector<std::string> rendered_lines(const std::string& bytes) {
-  std::vector<std::string> lines(1);
-  for (std::size_t i = 0; i < bytes.size(); ++i) {
-    if (bytes.compare(i, 4, "\r\033[K") == 0) {
-      lines.back().clear();
-      i += 3;
-    } else if (bytes[i] == '\n') {
-      lines.emplace_back();
-    } else {
-      lines.back().push_back(bytes[i]);
-    }
-  }
-  return lines;
-}
-
-std::vector<nlohmann::json> read_jsonl(const fs::path& path) {
-  std::ifstream file(path);
-  std::vector<nlohmann::json> records;
-  for (std::string line; std::getline(file, line);) records.push_back(nlohmann::json::parse(line));
-  return records;
-}
-
 }  // namespace
 
 TEST(IntegrationObserve, WebhookHearsStartCheckpointFinishAndFailures) {
@@ -82,6 +60,7 @@ TEST(IntegrationObserve, WebhookHearsStartCheckpointFinishAndFailures) {
   EXPECT_EQ(events[2]["step"], 6);
   EXPECT_EQ(events[2]["model_dir"], (dir.path() / "run" / "final").string());
   for (const auto& e : events) EXPECT_TRUE(e["content"].get<std::string>().starts_with("trainer ")) << e;
+  EXPECT_TRUE(contains(run_trainer({"train", "--help"}).out, "TRAINER_WEBHOOK_URL")) << "--help names the variable";
 
   // Exit 3: nothing to resume from.
   auto data_error = run_trainer(short_run(dir.path() / "empty", {"--resume"}), env);

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <spdlog/spdlog.h>
 
+#include "support/output.h"
 #include "support/temp_dir.h"
 
 namespace trainer {
@@ -20,22 +21,6 @@ std::string contents(std::FILE* file) {
   std::string text;
   for (int c; (c = std::fgetc(file)) != EOF;) text.push_back(static_cast<char>(c));
   return text;
-}
-
-// What a terminal shows: "\r\033[K" returns to the start of the line and clears it.
-std::vector<std::string> rendered_lines(const std::string& bytes) {
-  std::vector<std::string> lines(1);
-  for (std::size_t i = 0; i < bytes.size(); ++i) {
-    if (bytes.compare(i, 4, kErase) == 0) {
-      lines.back().clear();
-      i += 3;
-    } else if (bytes[i] == '\n') {
-      lines.emplace_back();
-    } else {
-      lines.back().push_back(bytes[i]);
-    }
-  }
-  return lines;
 }
 
 // Restores spdlog's default logger after a test replaces it.
@@ -75,7 +60,7 @@ TEST(LogConsole, ConcurrentLogLinesNeverSplitTheStatusLine) {
   writer.join();
   sink->clear_status();
   // On the screen every finished line is a whole log line, and nothing is left of the status line.
-  const auto lines = rendered_lines(contents(file));
+  const auto lines = test::rendered_lines(contents(file));
   ASSERT_EQ(lines.size(), 201u);
   for (std::size_t i = 0; i < 200; ++i) EXPECT_EQ(lines[i], "log line " + std::to_string(i));
   EXPECT_EQ(lines.back(), "");

@@ -9,10 +9,9 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-#include <spdlog/sinks/ostream_sink.h>
-#include <spdlog/spdlog.h>
 
 #include "support/http_server.h"
+#include "support/output.h"
 #include "support/temp_dir.h"
 #include "trainer/errors.h"
 
@@ -22,21 +21,6 @@ namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-class CapturedLog {
- public:
-  CapturedLog() : saved_(spdlog::default_logger()) {
-    auto logger = std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(text_));
-    logger->set_pattern("%v");
-    spdlog::set_default_logger(logger);
-  }
-  ~CapturedLog() { spdlog::set_default_logger(saved_); }
-  std::string text() const { return text_.str(); }
-
- private:
-  std::ostringstream text_;
-  std::shared_ptr<spdlog::logger> saved_;
-};
 
 // Sets TRAINER_WEBHOOK_URL for one test.
 struct WebhookEnvironment {
@@ -68,13 +52,6 @@ StepMetrics step_metrics(int64_t step) {
   m.memory_peak = 2 << 20;
   m.seconds = 0.25;
   return m;
-}
-
-std::vector<nlohmann::json> read_jsonl(const fs::path& path) {
-  std::ifstream file(path);
-  std::vector<nlohmann::json> records;
-  for (std::string line; std::getline(file, line);) records.push_back(nlohmann::json::parse(line));
-  return records;
 }
 
 }  // namespace
@@ -119,7 +96,7 @@ TEST(LogReporter, SummaryNamesEverythingTheUserLooksFor) {
 
 TEST(LogReporter, MetricsTensorboardAndPlainProgressLines) {
   test::TempDir dir;
-  CapturedLog log;
+  test::CapturedLog log("%v");
   std::ostringstream out;
   {
     const auto config = config_in(dir.path());
@@ -130,7 +107,7 @@ TEST(LogReporter, MetricsTensorboardAndPlainProgressLines) {
     reporter.on_sample(4, 0, "prompt", "generation");
   }
   EXPECT_TRUE(contains(out.str(), "Training t5 (1000 parameters, 900 trainable) for 4 steps of 8 examples"));
-  const auto records = read_jsonl(dir.path() / "metrics.jsonl");
+  const auto records = test::read_jsonl(dir.path() / "metrics.jsonl");
   ASSERT_EQ(records.size(), 5u);
   EXPECT_EQ(records[0]["step"], 1);
   EXPECT_DOUBLE_EQ(records[0]["tokens_per_s"].get<double>(), 400.0);  // 100 tokens in 0.25 s
@@ -164,7 +141,7 @@ TEST(LogReporter, MetricsTensorboardAndPlainProgressLines) {
 
 TEST(LogReporter, OffMeansNoFilesAndNoProgressLines) {
   test::TempDir dir;
-  CapturedLog log;
+  test::CapturedLog log("%v");
   std::ostringstream out;
   {
     auto config = config_in(dir.path());
@@ -184,7 +161,7 @@ TEST(LogReporter, WebhookPayloadsForEveryEvent) {
   test::TempDir dir;
   test::HttpServer server;
   WebhookEnvironment environment(server.url("/api/webhooks/1/s3cr3t"));
-  CapturedLog log;
+  test::CapturedLog log("%v");
   std::ostringstream out;
   {
     const auto config = config_in(dir.path());

@@ -2,14 +2,11 @@
 // block the caller, failures are logged a bounded number of times, and the URL is never logged.
 #include "log/webhook.h"
 
-#include <sstream>
-
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-#include <spdlog/sinks/ostream_sink.h>
-#include <spdlog/spdlog.h>
 
 #include "support/http_server.h"
+#include "support/output.h"
 #include "trainer/errors.h"
 
 namespace trainer {
@@ -19,25 +16,6 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-// Captures what spdlog's default logger writes while it lives.
-class CapturedLog {
- public:
-  CapturedLog() : saved_(spdlog::default_logger()) {
-    auto logger = std::make_shared<spdlog::logger>("capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(text_));
-    logger->set_pattern("%l %v");
-    spdlog::set_default_logger(logger);
-  }
-  ~CapturedLog() { spdlog::set_default_logger(saved_); }
-  std::string text() {
-    spdlog::default_logger()->flush();
-    return text_.str();
-  }
-
- private:
-  std::ostringstream text_;
-  std::shared_ptr<spdlog::logger> saved_;
-};
 
 int count(const std::string& text, const std::string& part) {
   int n = 0;
@@ -78,7 +56,7 @@ TEST(LogWebhook, TheDestructorSendsWhatIsStillQueued) {
 }
 
 TEST(LogWebhook, ServerErrorsAreCountedAndLoggedAFewTimesWithoutTheUrl) {
-  CapturedLog log;
+  test::CapturedLog log;
   test::HttpServer server(500);
   const auto url = server.url("/api/webhooks/999/do-not-print-me");
   {
@@ -97,7 +75,7 @@ TEST(LogWebhook, ServerErrorsAreCountedAndLoggedAFewTimesWithoutTheUrl) {
 }
 
 TEST(LogWebhook, UnreachableEndpointNeitherBlocksNorThrows) {
-  CapturedLog log;
+  test::CapturedLog log;
   const auto start = Clock::now();
   {
     Webhook webhook("http://127.0.0.1:" + std::to_string(test::closed_port()) + "/hook");
