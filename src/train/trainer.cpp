@@ -340,10 +340,12 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   fs::create_directories(output_dir);
   CheckpointRetention retention(output_dir, config.checkpoint.keep_last, config.checkpoint.keep_best);
   retention.start(resume_dir ? std::optional<int64_t>(step_index) : std::nullopt);
-  // Checkpoint-N, then what stays (keep_last, keep_best), then the webhook.
-  auto checkpoint = [&](std::optional<double> eval_loss) {
+  double last_eval = std::nan("");
+  int64_t last_eval_step = -1;
+  // Checkpoint-N, then what stays (keep_last, keep_best: by the validation loss at this step), then the webhook.
+  auto checkpoint = [&]() {
     write_checkpoint(output_dir, step_index, *model, *optimizer, policy, *loader, tokens_seen, config);
-    retention.on_checkpoint(step_index, eval_loss);
+    retention.on_checkpoint(step_index, last_eval_step == step_index ? std::optional<double>(last_eval) : std::nullopt);
     const auto path = (output_dir / ("checkpoint-" + std::to_string(step_index))).string();
     reporter.on_checkpoint(step_index, path);
     return path;
@@ -353,11 +355,9 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   const int64_t start_step = step_index, start_tokens = tokens_seen;
   reporter.on_start({model->model_type(), count_parameters(*model), optimizer->trainable_parameters(), total_steps,
                      policy.micro_batch(), start_step, start_tokens, resume_dir ? resume_dir->string() : ""});
-  double last_eval = std::nan("");
-  int64_t last_eval_step = -1;
   while (step_index < total_steps) {
     if (const int signal = stop_requested()) {
-      reporter.on_stopped(signal, step_index, checkpoint(std::nullopt));
+      reporter.on_stopped(signal, step_index, checkpoint());
       return signal == SIGINT ? kExitInterrupted : kExitOk;
     }
     const auto step_start = Clock::now();
@@ -407,7 +407,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
       log_samples(*model, *tokenizer, config, device, step_index, reporter);
     }
     if (config.checkpoint.every_steps > 0 && step_index % config.checkpoint.every_steps == 0 && step_index < total_steps)
-      checkpoint(last_eval_step == step_index ? std::optional<double>(last_eval) : std::nullopt);
+      checkpoint();
     if (config.memory.empty_cache_every > 0 && step_index % config.memory.empty_cache_every == 0) release_cached_memory();
   }
 

@@ -95,7 +95,9 @@ TEST(IntegrationObserve, UnreachableWebhookNeitherFailsNorDelaysTheRun) {
   EXPECT_EQ(hooked.exit_code, 0) << hooked.err;
   EXPECT_TRUE(contains(hooked.out, "Done: 6 steps"));
   EXPECT_TRUE(contains(hooked.err, "webhook: a notification was not delivered")) << hooked.err;
-  EXPECT_LT(hooked_seconds, plain_seconds + 3.0) << "without webhook " << plain_seconds << " s";
+  // Refused connections fail at once and posts are sent from their own thread: the run takes as long as without
+  // (the margin is for the other processes sharing the machine).
+  EXPECT_LT(hooked_seconds, 1.5 * plain_seconds + 3.0) << "without webhook " << plain_seconds << " s";
 }
 
 TEST(IntegrationObserve, ProgressLineLogLinesAndTheLogFile) {
