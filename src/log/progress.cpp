@@ -34,11 +34,11 @@ std::string format_status_line(const ProgressSnapshot& p, int bar_width) {
     line = "[" + std::string(static_cast<std::size_t>(filled), '#') +
            std::string(static_cast<std::size_t>(bar_width - filled), '-') + "] ";
   }
-  line += fmt::format("{}/{} {:.0f}% | loss {:.4f} | lr {:.2e} | {} tok/s | mem {} (peak {}) | micro {}x{} | ETA {}",
-                      p.step, p.total_steps, 100 * done, p.loss, p.lr, format_rate(p.tokens_per_second),
-                      human_bytes(static_cast<double>(p.memory_allocated)),
-                      human_bytes(static_cast<double>(p.memory_peak)), p.micro_batch, p.micro_steps,
-                      format_duration(p.eta_seconds));
+  // ETA early: a narrow terminal cuts the line's end.
+  line += fmt::format("{}/{} {:.0f}% ETA {} | loss {:.4f} | lr {:.2e} | {} tok/s | mem {} (peak {}) | micro {}x{}",
+                      p.step, p.total_steps, 100 * done, format_duration(p.eta_seconds), p.loss, p.lr,
+                      format_rate(p.tokens_per_second), human_bytes(static_cast<double>(p.memory_allocated)),
+                      human_bytes(static_cast<double>(p.memory_peak)), p.micro_batch, p.micro_steps);
   return line;
 }
 

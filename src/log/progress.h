@@ -27,8 +27,8 @@ struct ProgressSnapshot {
 std::string format_duration(double seconds);
 // "950", "12.3k", "1.25M".
 std::string format_rate(double per_second);
-// The live line, e.g. "[######------] 120/1000 12% | loss 2.3456 | lr 3.00e-04 | 12.3k tok/s |
-// mem 1.20 GiB (peak 1.50 GiB) | micro 4x4 | ETA 1h02m". bar_width 0 leaves the bar out.
+// The live line, e.g. "[##----------] 120/1000 12% ETA 1h02m | loss 2.3456 | lr 3.00e-04 | 12.3k tok/s |
+// mem 1.20 GiB (peak 1.50 GiB) | micro 4x4". bar_width 0 leaves the bar out.
 std::string format_status_line(const ProgressSnapshot& snapshot, int bar_width = 20);
 // The plain log line, the same facts plus the gradient norm.
 std::string format_log_line(const ProgressSnapshot& snapshot);

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstring>
 
+#include <spdlog/spdlog.h>
+
 #include "trainer/errors.h"
 
 namespace trainer {
@@ -191,8 +193,11 @@ void EventFileWriter::text(int64_t step, std::string_view tag, std::string_view 
 
 void EventFileWriter::write(const std::string& event) {
   const auto record = tfrecord(event);
-  std::fwrite(record.data(), 1, record.size(), file_);
-  std::fflush(file_);  // a live TensorBoard reads what is on disk
+  const bool written = std::fwrite(record.data(), 1, record.size(), file_) == record.size();
+  if ((std::fflush(file_) != 0 || !written) && !warned_) {  // a full disk must not stop training
+    spdlog::warn("TensorBoard: cannot write {} ({}); later events may be missing", path_.string(), std::strerror(errno));
+    warned_ = true;
+  }
 }
 
 }  // namespace trainer

@@ -48,6 +48,7 @@ class EventFileWriter {
 
   std::filesystem::path path_;
   std::FILE* file_ = nullptr;
+  bool warned_ = false;
 };
 
 }  // namespace trainer

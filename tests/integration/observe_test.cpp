@@ -118,7 +118,7 @@ TEST(IntegrationObserve, ProgressLineLogLinesAndTheLogFile) {
     }
   }
   EXPECT_FALSE(status_seen);
-  EXPECT_TRUE(contains(bar.err, "6/6 100% | loss ")) << "the last status line";
+  EXPECT_TRUE(contains(bar.err, "6/6 100% ETA 0s | loss ")) << "the last status line";
   EXPECT_TRUE(contains(bar.err, "tok/s | mem "));
   EXPECT_FALSE(contains(bar.err, "] step 5/6")) << "no plain lines with the live line";
 
