@@ -280,7 +280,8 @@ void Reporter::notify(nlohmann::json body, const std::string& content) {
   gethostname(host, sizeof host - 1);
   body["run"] = config_.checkpoint.output_dir;
   body["host"] = host;
-  body["username"] = "trainer";  // Discord shows it as the sender
+  body["username"] = "trainer";                                         // Discord shows it as the sender
+  body["allowed_mentions"] = nlohmann::json{{"parse", nlohmann::json::array()}};  // an "@everyone" in a message pings no one
   body["content"] = first_line("trainer " + config_.checkpoint.output_dir + " on " + host + ": " + content,
                                kDiscordContentLimit);
   webhook_->post(body);

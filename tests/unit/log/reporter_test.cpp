@@ -192,6 +192,7 @@ TEST(LogReporter, WebhookPayloadsForEveryEvent) {
   for (const auto& body : bodies) {
     EXPECT_TRUE(body["content"].get<std::string>().starts_with("trainer " + dir.path().string())) << body;
     EXPECT_EQ(body["run"], dir.path().string());
+    EXPECT_EQ(body["allowed_mentions"]["parse"], nlohmann::json::array()) << "no pings from messages";
     EXPECT_LE(body["content"].get<std::string>().size(), 2000u);
   }
   EXPECT_EQ(bodies[0]["event"], "start");
