@@ -3,9 +3,9 @@
 #include <iostream>
 
 #include <c10/util/Exception.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "log/console.h"
 #include "memory/cpu_budget.h"
 #include "trainer/cli.h"
 #include "trainer/errors.h"
@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
   // Before any tensor exists, so that the CPU memory budget (memory.limit) sees every allocation.
   trainer::install_cpu_budget();
   // Logs and progress go to stderr; stdout carries what a command produces (tables, ids, the resolved config).
-  spdlog::set_default_logger(spdlog::stderr_color_mt("trainer"));
+  spdlog::set_default_logger(trainer::make_console_logger());
   try {
     return trainer::run_cli(argc, argv, std::cout, std::cerr);
   } catch (const trainer::Error& e) {

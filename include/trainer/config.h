@@ -370,7 +370,9 @@ struct CheckpointConfig {
     v("output_dir", output_dir, "where checkpoints, the final model, metrics and TensorBoard files go");
     v("every_steps", every_steps, "checkpoint every N optimizer steps; 0: only at the end");
     v("keep_last", keep_last, "complete checkpoints to keep (older ones are deleted)");
-    v("keep_best", keep_best, "also keep the checkpoint with the best validation loss");
+    v("keep_best", keep_best,
+      "also keep the checkpoint with the lowest validation loss (named in output_dir/best_checkpoint.json); "
+      "checkpoint.every_steps must be a multiple of evaluation.every_steps");
     v("save_final", save_final, "save the final model (or LoRA adapter) in Hugging Face format");
     v("max_shard_size", max_shard_size, "split saved weights into safetensors shards of at most this size");
   }
@@ -388,11 +390,13 @@ struct LoggingConfig {
   template <class V>
   void visit(V& v) {
     v("level", level, "trace, debug, info, warn or error");
-    v("every_steps", every_steps, "log a metrics line every N optimizer steps");
-    v("progress", progress, "auto (a live line on a terminal, plain lines otherwise), bar, plain, off");
-    v("metrics_jsonl", metrics_jsonl, "write output_dir/metrics.jsonl");
-    v("tensorboard", tensorboard, "write TensorBoard event files to output_dir/tensorboard");
-    v("log_file", log_file, "also write the log to this file");
+    v("every_steps", every_steps, "plain progress: a log line every N optimizer steps (and at the last)");
+    v("progress", progress,
+      "auto (a live status line on a terminal, plain log lines otherwise), bar (always the live line), plain, "
+      "off (no progress lines)");
+    v("metrics_jsonl", metrics_jsonl, "write output_dir/metrics.jsonl: one JSON object per step and per evaluation");
+    v("tensorboard", tensorboard, "write TensorBoard event files (scalars, sample texts) to output_dir/tensorboard");
+    v("log_file", log_file, "also write the log to this file (appended; its directory is created)");
   }
   bool operator==(const LoggingConfig&) const = default;
 };

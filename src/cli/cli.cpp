@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include "log/console.h"
 #include "memory/planner.h"
 #include "models/inspect.h"
 #include "models/lora.h"
@@ -44,10 +45,15 @@ void print_config_reference(std::ostream& out) {
         << "\n      " << key.description << "\n";
   }
   out << "\nSizes accept bytes or units: 24GiB, 512MiB, 5GB. micro_batch_size accepts \"auto\".\n"
-         "Secrets (webhook URLs, API keys) are read from the environment only, never from the config.\n";
+         "Secrets (webhook URLs, API keys) are read from the environment only, never from the config:\n"
+         "TRAINER_WEBHOOK_URL turns on the notification webhook.\n";
 }
 
 namespace {
+
+constexpr const char* kTrainEnvironmentHelp =
+    "Environment: TRAINER_WEBHOOK_URL=https://... POSTs JSON on start, every checkpoint, finish and failure\n"
+    "(a Discord webhook works as is); the URL is never printed.\n";
 
 constexpr const char* kExitCodeHelp =
     "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"
@@ -123,7 +129,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   bool print_config = false;
   train->add_flag("--print-config", print_config,
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");
-  train->footer(kExitCodeHelp);
+  train->footer(std::string(kTrainEnvironmentHelp) + kExitCodeHelp);
 
   std::string data_config_path;
   std::vector<std::string> data_overrides;
@@ -236,9 +242,14 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       out << config_to_json(config) << "\n";
       return kExitOk;
     }
+    configure_logging(config.logging);
     return run_train(config, train_options, out);
   }
-  if (data_cmd->parsed()) return run_data(load_config(data_config_path, data_overrides), out);
+  if (data_cmd->parsed()) {
+    const Config config = load_config(data_config_path, data_overrides);
+    configure_logging(config.logging);
+    return run_data(config, out);
+  }
   if (plan_cmd->parsed()) return run_plan(load_config(plan_config_path, plan_overrides), out);
   if (inspect->parsed()) {
     inspect_model(inspect_dir, inspect_options, out);

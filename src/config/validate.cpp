@@ -152,6 +152,16 @@ std::vector<ConfigProblem> validate(const Config& c) {
   check.at_least(ck.every_steps, 0, "checkpoint.every_steps");
   check.at_least(ck.keep_last, 1, "checkpoint.keep_last");
   check.require(ck.max_shard_size.bytes >= (1u << 20), "checkpoint.max_shard_size", "must be at least 1MiB");
+  if (ck.keep_best) {
+    // The best is chosen among checkpoints by the validation loss at their own step.
+    check.require(!c.data.validation_files.empty() || c.data.validation_fraction > 0, "checkpoint.keep_best",
+                  "needs validation data: data.validation_files or data.validation_fraction");
+    check.require(ck.every_steps > 0 && e.every_steps > 0 && ck.every_steps % e.every_steps == 0,
+                  "checkpoint.keep_best",
+                  "needs checkpoint.every_steps (" + std::to_string(ck.every_steps) +
+                      ") to be a multiple of evaluation.every_steps (" + std::to_string(e.every_steps) +
+                      "), both above 0, so that every checkpoint has a validation loss");
+  }
 
   check.at_least(c.logging.every_steps, 1, "logging.every_steps");
   return problems;

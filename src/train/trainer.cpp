@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "log/reporter.h"
 #include "memory/cpu_budget.h"
 #include "memory/cuda_extras.h"
 #include "memory/policy.h"
@@ -22,6 +23,7 @@
 #include "models/weights.h"
 #include "train/checkpointing.h"
 #include "train/optimizer.h"
+#include "train/retention.h"
 #include "train/rng.h"
 #include "train/signals.h"
 #include "train/step.h"
@@ -166,21 +168,6 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
 
 namespace {
 
-// The checkpoint-N directories in `dir` (complete or not), oldest first; other names are left alone.
-std::vector<std::pair<int64_t, fs::path>> checkpoint_dirs(const fs::path& dir) {
-  std::vector<std::pair<int64_t, fs::path>> found;
-  if (!fs::is_directory(dir)) return found;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const auto name = entry.path().filename().string();
-    if (!entry.is_directory() || !name.starts_with("checkpoint-")) continue;
-    const auto digits = name.substr(11);
-    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
-    found.emplace_back(std::stoll(digits), entry.path());
-  }
-  std::sort(found.begin(), found.end());
-  return found;
-}
-
 // The tokenizer files beside the saved weights, so a saved directory is complete for from_pretrained and for
 // `trainer generate --prompt`.
 void copy_tokenizer_files(const Config& config, const fs::path& to) {
@@ -232,21 +219,22 @@ std::unique_ptr<LoraAdapters> apply_lora_for_training(LanguageModel& model, cons
 
 // Generations from evaluation.sample_prompts, logged as text: what the model has learned, at a glance.
 void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config& config, const c10::Device& device,
-                 int64_t step) {
-  for (const auto& prompt : config.evaluation.sample_prompts) {
+                 int64_t step, Reporter& reporter) {
+  for (std::size_t i = 0; i < config.evaluation.sample_prompts.size(); ++i) {
+    const auto& prompt = config.evaluation.sample_prompts[i];
     const auto ids = prompt_ids(model, tokenizer, prompt, config.tokenizer.add_eos);
     if (ids.empty()) continue;
     GenerateOptions options;
     options.max_new_tokens = config.evaluation.max_new_tokens;
     const auto generated = generate(model, at::tensor(ids, at::kLong).unsqueeze(0).to(device), options);
     const std::vector<int32_t> out(generated.begin(), generated.end());
-    spdlog::info("sample step {}: {:?} -> {:?}", step, prompt, tokenizer.decode(out));
+    reporter.on_sample(step, i, prompt, tokenizer.decode(out));
   }
 }
 
 // A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
 // config, written to a temporary directory and renamed into place, so a crash leaves the previous one intact.
-// Older checkpoints beyond checkpoint.keep_last are removed.
+// CheckpointRetention removes old ones afterwards.
 void write_checkpoint(const fs::path& output_dir, int64_t step, const TrainedWeights& trained, const AdamW& optimizer,
                       const MemoryPolicy& policy, const DataLoader& loader, int64_t tokens_seen, const Config& config) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
@@ -268,10 +256,6 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, const TrainedWei
   fs::remove_all(final_dir);
   fs::rename(temp_dir, final_dir);
   std::ofstream(final_dir / "COMPLETE") << step << "\n";  // written last: a checkpoint without it is not trusted
-  // Keep the newest keep_last.
-  const auto existing = checkpoint_dirs(output_dir);
-  for (std::size_t i = 0; i + static_cast<std::size_t>(config.checkpoint.keep_last) < existing.size(); ++i)
-    fs::remove_all(existing[i].second);
   spdlog::info("checkpoint step {}: {}", step, final_dir.string());
 }
 
@@ -337,9 +321,8 @@ void check_same_architecture(const fs::path& checkpoint, const Config& config) {
                     "an exact resume needs the same effective batch");
 }
 
-}  // namespace
-
-int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options, std::ostream& out) {
+int run_training(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options,
+                 Reporter& reporter) {
   const c10::Device device = resolved.device;
   install_stop_handlers();  // from here a signal stops at the next step boundary (with a checkpoint)
   if (config.memory.snapshot_on_oom) {
@@ -347,9 +330,6 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     else spdlog::warn("memory.snapshot_on_oom: allocator snapshots need a CUDA device and a CUDA build of trainer; "
                       "none will be written on {}", device.str());
   }
-  if (config.checkpoint.keep_best)
-    spdlog::warn("checkpoint.keep_best: keeping the best checkpoint by validation loss is not in this version yet; "
-                 "the newest {} checkpoints (checkpoint.keep_last) are kept", config.checkpoint.keep_last);
   if (train_options.merge && !config.lora.enabled)
     throw UsageError("--merge merges LoRA adapters, but lora.enabled=false", "add --set lora.enabled=true, or drop --merge");
   if (train_options.merge && !config.checkpoint.save_final)
@@ -359,7 +339,6 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     if (device.is_cpu()) set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
     else cap_device_memory(device, static_cast<int64_t>(config.memory.limit.bytes));
   }
-  const auto start = Clock::now();
 
   const auto tokenizer = load_tokenizer(config.tokenizer.path.empty() ? config.model.path : config.tokenizer.path,
                                         config.tokenizer.kind);
@@ -452,23 +431,29 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
                                                                   : config.evaluation.micro_batch_size.value;
   const fs::path output_dir(config.checkpoint.output_dir);
   fs::create_directories(output_dir);
-  std::ofstream metrics;
-  if (config.logging.metrics_jsonl) metrics.open(output_dir / "metrics.jsonl", std::ios::app);
-
-  out << "Training " << model->model_type() << " (" << count_parameters(*model) << " parameters, "
-      << optimizer->trainable_parameters() << " trainable) for " << total_steps << " steps of "
-      << config.training.batch_size << " examples; micro-batch " << policy.micro_batch() << "\n";
-  auto window_start = Clock::now();
-  int64_t window_tokens = 0;
+  CheckpointRetention retention(output_dir, config.checkpoint.keep_last, config.checkpoint.keep_best);
+  retention.start(resume_dir ? std::optional<int64_t>(step_index) : std::nullopt);
   double last_eval = std::nan("");
+  int64_t last_eval_step = -1;
+  // Checkpoint-N, then what stays (keep_last, keep_best: by the validation loss at this step), then the webhook.
+  auto checkpoint = [&]() {
+    write_checkpoint(output_dir, step_index, trained, *optimizer, policy, *loader, tokens_seen, config);
+    retention.on_checkpoint(step_index, last_eval_step == step_index ? std::optional<double>(last_eval) : std::nullopt);
+    const auto path = (output_dir / ("checkpoint-" + std::to_string(step_index))).string();
+    reporter.on_checkpoint(step_index, path);
+    return path;
+  };
+
+  reset_peak(device);  // the summary's peak is training's, not the micro-batch probe's
+  const int64_t start_step = step_index, start_tokens = tokens_seen;
+  reporter.on_start({model->model_type(), count_parameters(*model), optimizer->trainable_parameters(), total_steps,
+                     policy.micro_batch(), start_step, start_tokens, resume_dir ? resume_dir->string() : ""});
   while (step_index < total_steps) {
     if (const int signal = stop_requested()) {
-      write_checkpoint(output_dir, step_index, trained, *optimizer, policy, *loader, tokens_seen, config);
-      out << "Stopped by " << (signal == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << step_index
-          << "; the checkpoint is in " << (output_dir / ("checkpoint-" + std::to_string(step_index))).string()
-          << ".\nContinue with the same command and --resume.\n";
+      reporter.on_stopped(signal, step_index, checkpoint());
       return signal == SIGINT ? kExitInterrupted : kExitOk;
     }
+    const auto step_start = Clock::now();
     auto batch = loader->next();
     if (!batch) break;
     const double lr = scheduled_lr(config.scheduler, config.optimizer.lr, step_index, total_steps);
@@ -499,42 +484,24 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     ++step_index;
     if (result.retries > 0) dump_snapshot_once(output_dir, step_index);
     tokens_seen += result.target_tokens;
-    window_tokens += result.target_tokens;
     const auto memory = memory_now(device);
-    if (metrics.is_open()) {
-      metrics << nlohmann::json{{"step", step_index}, {"loss", result.loss}, {"lr", lr},
-                                {"grad_norm", result.grad_norm}, {"tokens", tokens_seen},
-                                {"micro_batch", result.micro_batch}, {"micro_steps", result.micro_steps},
-                                {"oom_retries", result.retries}, {"memory_allocated", memory.allocated},
-                                {"memory_peak", memory.peak}}
-                     .dump()
-              << "\n";
-    }
-    if (step_index % config.logging.every_steps == 0 || step_index == total_steps) {
-      const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
-      spdlog::info("step {}/{} loss {:.4f} lr {:.2e} grad_norm {:.3f} tokens/s {:.0f} memory {} (peak {}) micro-batch {} x {}",
-                   step_index, total_steps, result.loss, lr, result.grad_norm,
-                   seconds > 0 ? static_cast<double>(window_tokens) / seconds : 0.0,
-                   human_bytes(static_cast<double>(memory.allocated)), human_bytes(static_cast<double>(memory.peak)),
-                   result.micro_batch, result.micro_steps);
-      window_start = Clock::now();
-      window_tokens = 0;
-    }
+    reporter.on_step({step_index, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen,
+                      result.micro_batch, result.micro_steps, result.retries,
+                      static_cast<int64_t>(policy.adaptations().size()), memory.allocated, memory.peak,
+                      std::chrono::duration<double>(Clock::now() - step_start).count()});
     const bool eval_now = config.evaluation.every_steps > 0 && step_index % config.evaluation.every_steps == 0;
     if (eval_now || step_index == total_steps) {
       validation = make_validation_loader(config, *tokenizer, family, config.training.batch_size);
       if (validation) {
         const auto eval = evaluate(*model, *validation, eval_micro, config, device, pad_id);
         last_eval = eval.loss;
-        spdlog::info("eval step {}: loss {:.4f} perplexity {:.2f} ({} tokens)", step_index, eval.loss,
-                     std::exp(eval.loss), eval.tokens);
-        if (metrics.is_open())
-          metrics << nlohmann::json{{"step", step_index}, {"eval_loss", eval.loss}}.dump() << "\n";
+        last_eval_step = step_index;
+        reporter.on_eval(step_index, eval.loss, eval.tokens);
       }
-      log_samples(*model, *tokenizer, config, device, step_index);
+      log_samples(*model, *tokenizer, config, device, step_index, reporter);
     }
     if (config.checkpoint.every_steps > 0 && step_index % config.checkpoint.every_steps == 0 && step_index < total_steps)
-      write_checkpoint(output_dir, step_index, trained, *optimizer, policy, *loader, tokens_seen, config);
+      checkpoint();
     if (config.memory.empty_cache_every > 0 && step_index % config.memory.empty_cache_every == 0) release_cached_memory();
   }
 
@@ -546,22 +513,34 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
     merge.max_shard_bytes = config.checkpoint.max_shard_size.bytes;
     merge_adapter(merge);
   }
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  const auto stats = loader->stats();
-  out << "\nDone: " << step_index << " steps, " << tokens_seen << " target tokens in " << seconds << " s ("
-      << (seconds > 0 ? static_cast<double>(tokens_seen) / seconds : 0.0) << " tokens/s)\n";
-  if (!std::isnan(last_eval)) out << "  validation loss " << last_eval << "\n";
-  out << "  records " << stats.records_read << ", bad records skipped " << stats.bad_records_skipped << ", truncated "
-      << stats.truncated << ", too long and skipped " << stats.overlength_skipped << "\n";
-  out << "  peak memory " << human_bytes(static_cast<double>(memory_now(device).peak)) << "; micro-batch adaptations: "
-      << policy.adaptations().size() << "\n";
-  for (const auto& a : policy.adaptations())
-    out << "    step " << a.step << ": " << a.old_micro_batch << " -> " << a.new_micro_batch << " (" << a.reason << ")\n";
-  if (config.checkpoint.save_final)
-    out << "  " << (lora ? "LoRA adapter (PEFT format)" : "model") << " saved to " << (output_dir / "final").string()
-        << "\n";
-  if (train_options.merge) out << "  merged model saved to " << (output_dir / "final-merged").string() << "\n";
+  RunSummary summary;
+  summary.steps = step_index;
+  summary.tokens_seen = tokens_seen;
+  summary.data = loader->stats();
+  summary.memory_peak = memory_now(device).peak;
+  summary.adaptations = policy.adaptations();
+  summary.escalations = policy.escalations();
+  if (config.checkpoint.save_final) summary.model_dir = (output_dir / "final").string();
+  summary.model_is_adapter = lora != nullptr;
+  if (train_options.merge) summary.merged_dir = (output_dir / "final-merged").string();
+  if (const auto& best = retention.best()) {
+    summary.best_checkpoint = best->path.string();
+    summary.best_eval_loss = best->eval_loss;
+  }
+  reporter.on_finish(std::move(summary));
   return kExitOk;
+}
+
+}  // namespace
+
+int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options, std::ostream& out) {
+  Reporter reporter(config, out);
+  try {
+    return run_training(config, resolved, train_options, reporter);
+  } catch (const std::exception& error) {
+    reporter.on_failure(error);  // the webhook hears of it; main reports it and picks the exit code
+    throw;
+  }
 }
 
 }  // namespace trainer

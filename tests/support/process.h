@@ -3,6 +3,7 @@
 
 #include <sys/wait.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -36,7 +37,9 @@ inline std::string read_text(const std::filesystem::path& path) {
 // Runs `trainer args...` with the source tree as working directory (the shipped configs use relative paths).
 inline ProcessResult run_trainer(const std::vector<std::string>& args, const std::string& env = "") {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("trainer-test-" + std::to_string(::getpid()));
+  static std::atomic<int> calls{0};  // several runs may be under way at once (from threads)
+  const fs::path dir = fs::temp_directory_path() / ("trainer-run-" + std::to_string(::getpid()) + "-" +
+                                                    std::to_string(calls++));
   fs::create_directories(dir);
   std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " && " + env + " " + shell_quote(trainer_binary());
   for (const auto& a : args) command += " " + shell_quote(a);

@@ -201,6 +201,21 @@ TEST(ConfigErrors, ValidationChecksRangesAndConsistency) {
   EXPECT_TRUE(problems_of(kMinimal).empty());
 }
 
+TEST(ConfigErrors, KeepBestNeedsAValidationLossAtEveryCheckpoint) {
+  auto with = [](const std::string& data, const std::string& sections) {
+    return problems_of(R"({"model": {"path": "m"}, "data": {"train_files": ["d"])" + data + "}, " + sections + "}");
+  };
+  const auto misaligned = with(R"(, "validation_files": ["v"])",
+                               R"("evaluation": {"every_steps": 20}, "checkpoint": {"every_steps": 30, "keep_best": true})");
+  EXPECT_TRUE(contains(problem_at(misaligned, "checkpoint.keep_best"),
+                       "checkpoint.every_steps (30) to be a multiple of evaluation.every_steps (20)"));
+  const auto no_data = with("", R"("evaluation": {"every_steps": 10}, "checkpoint": {"every_steps": 30, "keep_best": true})");
+  EXPECT_TRUE(contains(problem_at(no_data, "checkpoint.keep_best"), "needs validation data"));
+  EXPECT_TRUE(with(R"(, "validation_fraction": 0.1)",
+                   R"("evaluation": {"every_steps": 10}, "checkpoint": {"every_steps": 30, "keep_best": true})")
+                  .empty());
+}
+
 TEST(ConfigOverrides, SetKeysWithTypeChecking) {
   const Config c = parse_config(kMinimal, "test.json",
                                 {"training.batch_size=64", "training.micro_batch_size=auto", "model.path=123",

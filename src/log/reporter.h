@@ -1,0 +1,135 @@
+// Everything a training run reports, behind one small interface: the console (a live status line on a terminal,
+// plain log lines otherwise), output_dir/metrics.jsonl, TensorBoard event files in output_dir/tensorboard, the
+// webhook (TRAINER_WEBHOOK_URL), and the final summary. train() calls on_* at the moments that matter; what goes
+// where is decided here, from the logging section of the config.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <fstream>
+#include <iosfwd>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "log/progress.h"
+#include "memory/policy.h"
+#include "trainer/config.h"
+#include "trainer/data.h"
+
+namespace trainer {
+
+class ConsoleSink;
+class EventFileWriter;
+class Webhook;
+
+struct RunStart {
+  std::string model_type;
+  int64_t parameters = 0;
+  int64_t trainable_parameters = 0;
+  int64_t total_steps = 0;
+  int64_t micro_batch = 0;
+  int64_t start_step = 0;         // above 0 when resuming
+  int64_t tokens_seen = 0;        // at start_step
+  std::string resumed_from;       // the checkpoint directory, when resuming
+};
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  int64_t target_tokens = 0;  // of this step
+  int64_t tokens_seen = 0;    // since step 0
+  int64_t micro_batch = 0;
+  int64_t micro_steps = 0;
+  int64_t oom_retries = 0;    // attempts of this step lost to out-of-memory errors
+  int64_t adaptations = 0;    // micro-batch adaptations of the memory policy so far
+  int64_t memory_allocated = 0;
+  int64_t memory_peak = 0;
+  double seconds = 0;         // the step itself: batch, forward, backward, update
+};
+
+struct RunSummary {
+  int64_t steps = 0;
+  int64_t start_step = 0;
+  int64_t tokens_seen = 0;
+  int64_t tokens_this_run = 0;
+  double seconds = 0;
+  std::optional<double> eval_loss;  // the last evaluation's
+  DataStats data;                   // of this run (since the resume)
+  int64_t memory_peak = 0;
+  std::vector<Adaptation> adaptations;
+  std::vector<std::string> escalations;
+  std::string model_dir;        // the final model; empty when checkpoint.save_final=false
+  bool model_is_adapter = false;  // model_dir holds a LoRA adapter (PEFT format)
+  std::string merged_dir;       // train --merge: the full model with the adapter merged
+  std::string last_checkpoint;  // empty when none
+  std::string best_checkpoint;  // checkpoint.keep_best: the one with the lowest validation loss
+  double best_eval_loss = 0;
+  std::string metrics_file;     // empty when off
+  std::string tensorboard_dir;  // empty when off
+};
+
+// The summary a finished run prints: steps, tokens, wall time, throughput, data problems, memory, every
+// adaptation, where the model and the checkpoints are.
+std::string format_summary(const RunSummary& summary);
+
+// The names of the metrics.jsonl keys and the TensorBoard tags they are written under (also the parity test's).
+struct ScalarName {
+  const char* key;
+  const char* tag;
+};
+std::vector<ScalarName> scalar_names();
+
+class Reporter {
+ public:
+  // Opens metrics.jsonl and the TensorBoard file in config.checkpoint.output_dir as the logging section says, and
+  // starts the webhook when TRAINER_WEBHOOK_URL is set. `out` gets the start line, the stop message and the summary.
+  Reporter(const Config& config, std::ostream& out);
+  ~Reporter();
+  Reporter(const Reporter&) = delete;
+  Reporter& operator=(const Reporter&) = delete;
+
+  void on_start(const RunStart& start);
+  void on_step(const StepMetrics& metrics);
+  void on_eval(int64_t step, double loss, int64_t tokens);
+  void on_sample(int64_t step, std::size_t index, const std::string& prompt, const std::string& generation);
+  void on_checkpoint(int64_t step, const std::string& path);
+  // A SIGINT or SIGTERM stopped the run after `step` with a checkpoint in `path`.
+  void on_stopped(int signal, int64_t step, const std::string& path);
+  void on_finish(RunSummary summary);
+  // The run ends with `error` (main turns it into the exit code and message).
+  void on_failure(const std::exception& error);
+
+  double seconds_since_start() const;
+  const std::string& last_checkpoint() const { return last_checkpoint_; }
+
+ private:
+  enum class Console { kLive, kPlain, kOff };
+  void write_metrics(const nlohmann::json& record);
+  void notify(nlohmann::json body, const std::string& content);
+  void clear_status();
+
+  const Config& config_;
+  std::ostream& out_;
+  std::chrono::steady_clock::time_point start_;
+  Console console_ = Console::kPlain;
+  std::shared_ptr<ConsoleSink> sink_;
+  std::ofstream metrics_;
+  std::unique_ptr<EventFileWriter> tensorboard_;
+  std::optional<ProgressClock> clock_;
+  RunStart run_;
+  int64_t step_ = 0;
+  double loss_ = 0;
+  std::optional<double> eval_loss_;
+  std::chrono::steady_clock::time_point last_draw_;
+  std::string last_checkpoint_;
+  std::unique_ptr<Webhook> webhook_;  // last: destroyed first, so its last messages go out while the rest exists
+};
+
+}  // namespace trainer

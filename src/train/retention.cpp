@@ -1,0 +1,72 @@
+// Checkpoint retention: keep_last and keep_best (see retention.h).
+#include "train/retention.h"
+
+#include <algorithm>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "trainer/model_dir.h"
+
+namespace trainer {
+namespace fs = std::filesystem;
+
+std::vector<std::pair<int64_t, fs::path>> checkpoint_dirs(const fs::path& dir) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  if (!fs::is_directory(dir)) return found;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (!entry.is_directory() || !name.starts_with("checkpoint-")) continue;
+    const auto digits = name.substr(11);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+    found.emplace_back(std::stoll(digits), entry.path());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+CheckpointRetention::CheckpointRetention(fs::path output_dir, int64_t keep_last, bool keep_best)
+    : output_dir_(std::move(output_dir)), keep_last_(keep_last), keep_best_(keep_best) {}
+
+void CheckpointRetention::start(std::optional<int64_t> resume_step) {
+  best_.reset();
+  if (!keep_best_) return;
+  if (!resume_step) {
+    fs::remove(record_path());
+    return;
+  }
+  if (!fs::exists(record_path())) return;
+  const auto record = read_json_file(record_path().string());
+  const auto step = record.at("step").get<int64_t>();
+  const auto path = output_dir_ / ("checkpoint-" + std::to_string(step));
+  if (step > *resume_step || !fs::exists(path / "COMPLETE")) return;  // from a later, abandoned stretch of the run
+  best_ = BestCheckpoint{step, record.at("eval_loss").get<double>(), path};
+  spdlog::info("checkpoint.keep_best: the best so far is {} (validation loss {:.4f})", path.string(), best_->eval_loss);
+}
+
+void CheckpointRetention::on_checkpoint(int64_t step, std::optional<double> eval_loss) {
+  if (keep_best_ && eval_loss && (!best_ || *eval_loss < best_->eval_loss)) {
+    best_ = BestCheckpoint{step, *eval_loss, output_dir_ / ("checkpoint-" + std::to_string(step))};
+    write_record();  // before any pruning: the record never names a deleted checkpoint
+    spdlog::info("best checkpoint so far: {} (validation loss {:.4f})", best_->path.string(), best_->eval_loss);
+  }
+  const auto existing = checkpoint_dirs(output_dir_);
+  const std::size_t keep = static_cast<std::size_t>(std::max<int64_t>(keep_last_, 0));
+  for (std::size_t i = 0; i + keep < existing.size(); ++i)
+    if (!best_ || existing[i].first != best_->step) fs::remove_all(existing[i].second);
+}
+
+void CheckpointRetention::write_record() const {
+  const auto temp = output_dir_ / ".best_checkpoint.json.tmp";
+  {
+    std::ofstream file(temp);
+    file << nlohmann::json{{"step", best_->step}, {"eval_loss", best_->eval_loss}, {"path", best_->path.string()}}
+                .dump(2)
+         << "\n";
+  }
+  fs::rename(temp, record_path());
+}
+
+}  // namespace trainer
