@@ -5,13 +5,13 @@ the fast tokenizer + `DataCollatorForSeq2Seq(padding="longest")`, and transforme
 
     hf_stack.py loader FORM JSONL MODEL_DIR BATCH      # JSONL -> padded batches; prints one JSON line
     hf_stack.py train SPEC.json                        # fine-tune (random init from MODEL_DIR/config.json)
-    hf_stack.py idle                                   # import torch + transformers + datasets, run one op, exit
 
 Benchmark instrumentation is kept out of the user's code path: `train` prints `BENCH ...` lines from a
 TrainerCallback (the parent timestamps them), and the target tokens of every step are counted from the
 tokenized dataset (the sampler is sequential, so step N trains on rows (N-1)*B .. N*B-1).
 """
 import json
+import os
 import resource
 import sys
 import time
@@ -89,6 +89,10 @@ def train(spec_path):
         def on_train_begin(self, args, state, control, **kwargs):
             print(f"BENCH begin micro_batch {trainer._train_batch_size} accumulation "
                   f"{args.gradient_accumulation_steps}", flush=True)
+            if spec.get("stop_at_train_begin"):  # calibration: the address space before any step, less the weights
+                weights = sum(p.numel() * p.element_size() for p in model.parameters())
+                print(f"BENCH address_space {vm_size() - weights} weights {weights}", flush=True)
+                os._exit(0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -119,16 +123,10 @@ def train(spec_path):
     print("BENCH done", flush=True)
 
 
-def idle():
-    """What the Python stack costs before any model exists: the baseline for an address-space cap."""
-    import datasets  # noqa: F401
-    import torch
-    import transformers  # noqa: F401
-    x = torch.randn(512, 512)
-    (x @ x).sum().item()  # starts the intra-op thread pool
+def vm_size():
+    """This process's virtual size (what RLIMIT_AS limits), in bytes."""
     with open("/proc/self/status") as f:
-        status = dict(line.split(":", 1) for line in f)
-    print(json.dumps({key: int(status[key].split()[0]) * 1024 for key in ("VmPeak", "VmSize", "VmHWM", "VmRSS")}))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 
 
 if __name__ == "__main__":
@@ -137,7 +135,5 @@ if __name__ == "__main__":
         loader(*sys.argv[2:6])
     elif command == "train":
         train(sys.argv[2])
-    elif command == "idle":
-        idle()
     else:
         sys.exit(__doc__)

@@ -266,12 +266,15 @@ def throughput_table(results):
 
 # ---------------------------------------------------------------- the address-space cap for the Python side
 
-def idle_address_space(model, threads):
-    """Virtual memory of a Python process that has imported torch, transformers and datasets and started
-    torch's thread pool: RLIMIT_AS counts it whatever the training needs, so the cap sits on top of it."""
-    run = run_measured([PY, HF_STACK, "idle"], env=env_for(threads))
-    check(run, "the idle Python baseline")
-    return json.loads(run.lines[-1][1])
+def python_address_space(spec, threads):
+    """The virtual size of the HF process when training is about to start, less its weights: imports, the
+    tokenizer and data, thread stacks and malloc arenas. RLIMIT_AS counts all of it, and trainer's
+    memory.limit none of it (but the weights), so the cap for the Python side sits on top of it."""
+    calibration = dict(spec, output_dir=spec["output_dir"] + "-calibration", stop_at_train_begin=True)
+    run, _ = run_hf(calibration, threads)
+    check(run, "the HF calibration run")
+    line = run.first(lambda text: text.startswith("BENCH address_space"))[1]
+    return int(line.split()[2])
 
 
 def address_space_limit(limit_bytes):
@@ -308,20 +311,37 @@ def largest_micro_batch(args):
     above_run, _ = run_ours(above, args.threads)
     log(f"cap: trainer with micro-batch {ours + 1} exits {above_run.returncode} (4 = out of memory)")
 
-    # HF: auto_find_batch_size from the same starting size, under RLIMIT_AS = idle baseline + cap.
-    idle = idle_address_space(path, args.threads)
-    limit = idle["VmSize"] + cap
+    # HF: auto_find_batch_size from the same starting size, under RLIMIT_AS = its baseline + cap.
     spec = hf_spec(path, form, data, os.path.join(work, "hf"), args.cap_batch, 2, lengths, auto_find_batch_size=True)
+    baseline = python_address_space(spec, args.threads)
+    limit = baseline + cap
     hf_run, hf_steps = run_hf(spec, args.threads, preexec_fn=address_space_limit(limit))
     tried = [int(m.group(1)) for _, line in hf_run.lines if (m := re.match(r"BENCH begin micro_batch (\d+)", line))]
     hf_ok = hf_run.returncode == 0 and any(line == "BENCH done" for _, line in hf_run.lines)
     log(f"cap: HF auto_find_batch_size tried {tried}; finished: {hf_ok} (exit {hf_run.returncode})")
     if not hf_ok:
         log("\n".join(line for _, line in hf_run.lines[-10:]))
+    # auto_find_batch_size retries in a process that has already failed (fragmented heap, x0.9 steps): the
+    # largest fixed per-device batch a fresh process can train, by bisection, says what HF could really do.
+    fresh = hf_fresh_largest(dict(spec, auto_find_batch_size=False), limit, tried[-1] if hf_ok else 0,
+                             args.cap_batch + 1, args.threads)
+    log(f"cap: HF largest fixed batch in a fresh process: {fresh}")
     return {"model": name, "params": parameter_count(path), "cap": cap, "length": length, "start": args.cap_batch,
             "ours": ours, "ours_all_cut": bool(all_cut), "ours_adaptations": int(adaptations),
             "above_rc": above_run.returncode, "hf": tried[-1] if hf_ok and tried else 0, "hf_tried": tried,
-            "hf_ok": hf_ok, "idle_vm": idle["VmSize"], "idle_rss": idle["VmRSS"], "rlimit_as": limit}
+            "hf_fresh": fresh, "ours_rss": run.peak_rss, "hf_rss": hf_run.peak_rss,
+            "hf_ok": hf_ok, "baseline_vm": baseline, "rlimit_as": limit}
+
+
+def hf_fresh_largest(spec, limit, good, bad, threads):
+    """Bisects the per-device batch between `good` (fits, or 0) and `bad` (does not), one fresh process each."""
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        run, _ = run_hf(dict(spec, batch_size=mid), threads, preexec_fn=address_space_limit(limit))
+        ok = run.returncode == 0 and any(line == "BENCH done" for _, line in run.lines)
+        log(f"cap: HF fixed batch {mid} in a fresh process: {'fits' if ok else 'out of memory'}")
+        good, bad = (mid, bad) if ok else (good, mid)
+    return good
 
 
 def cap_table(c):
@@ -331,8 +351,10 @@ def cap_table(c):
                                + (": out of memory)" if c['above_rc'] == 4 else ": did NOT fail)")),
              f"{c['hf']} (tried {', '.join(map(str, c['hf_tried']))})" if c["hf_ok"] else
              f"none (tried {', '.join(map(str, c['hf_tried']))}; did not finish)",
-             ratio(c["ours"], c["hf"])]]
-    return table(["model, data", "cap", "ours: micro_batch_size=auto", "HF: auto_find_batch_size", "ratio"], rows)
+             ratio(c["ours"], c["hf"]), f"{c['hf_fresh']}", ratio(c["ours"], c["hf_fresh"]),
+             f"{c['ours_rss'] / MIB:,.0f} / {c['hf_rss'] / MIB:,.0f}"]]
+    return table(["model, data", "cap", "ours: micro_batch_size=auto", "HF: auto_find_batch_size", "ratio",
+                  "HF: largest fixed batch, fresh process", "ratio", "peak RSS MiB ours / HF auto"], rows)
 
 
 # ---------------------------------------------------------------- 3. out-of-memory recovery mid-run
@@ -375,13 +397,15 @@ def oom_recovery(args):
         "loss": (free_steps[-1][2], capped_steps[-1][2])}
     log(f"oom: trainer {ours_result}")
 
-    idle = idle_address_space(path, args.threads)
-    limit = idle["VmSize"] + cap
+    def hf_spec_for(tag, **extra):
+        return hf_spec(path, form, data, os.path.join(work, f"hf-{tag}"), extra.pop("batch", batch), steps, lengths,
+                       save_steps=every, save_final=True, **extra)
 
     def hf(tag, preexec_fn=None, **extra):
-        spec = hf_spec(path, form, data, os.path.join(work, f"hf-{tag}"), extra.pop("batch", batch), steps, lengths,
-                       save_steps=every, save_final=True, **extra)
-        return run_hf(spec, args.threads, preexec_fn=preexec_fn)
+        return run_hf(hf_spec_for(tag, **extra), args.threads, preexec_fn=preexec_fn)
+
+    baseline = python_address_space(hf_spec_for("free"), args.threads)
+    limit = baseline + cap
 
     free_hf, free_hf_steps = hf("free")
     check(free_hf, "HF (no cap)")
@@ -417,7 +441,7 @@ def oom_recovery(args):
                          "steps_before_restart": hf_restart_steps(auto_run), "rc": auto_run.returncode}
     log(f"oom: HF {hf_result}")
     return {"cap": cap, "at": at, "steps": steps, "batch": batch, "every": every, "ours": ours_result, "hf": hf_result,
-            "idle_vm": idle["VmSize"]}
+            "baseline_vm": baseline}
 
 
 def hf_step_numbers(run):
@@ -532,10 +556,10 @@ def report(results, args):
         c = results["cap"]
         out += ["### Largest micro-batch under a memory cap", "", cap_table(c), "",
                 f"ours: memory.limit={c['cap'] / GIB:g}GiB (a hard cap on tensor bytes), micro_batch_size=auto, "
-                f"batch_size {c['start']}, memory.auto_safety_margin=0. HF: RLIMIT_AS = {c['idle_vm'] / GIB:.2f} GiB "
-                f"(the virtual size of an idle Python with torch, transformers and datasets imported and torch's "
-                f"threads started; its RSS is {c['idle_rss'] / MIB:.0f} MiB) + the cap = {c['rlimit_as'] / GIB:.2f} GiB, "
-                "set by a preexec_fn. RLIMIT_AS, not a cgroup: a cgroup's memory limit ends in the kernel's OOM "
+                f"batch_size {c['start']}, memory.auto_safety_margin=0. HF: RLIMIT_AS = {c['baseline_vm'] / GIB:.2f} GiB "
+                f"+ the cap = {c['rlimit_as'] / GIB:.2f} GiB, set by a preexec_fn; the baseline is the virtual size "
+                "of the same HF process at on_train_begin (imports, tokenizer, data, threads, malloc arenas) "
+                "less its weights (which memory.limit counts), from a calibration run. RLIMIT_AS, not a cgroup: a cgroup's memory limit ends in the kernel's OOM "
                 "killer (SIGKILL), which auto_find_batch_size cannot catch; under RLIMIT_AS malloc fails and "
                 "torch raises `DefaultCPUAllocator: can't allocate memory`, which accelerate's "
                 "find_executable_batch_size catches (x0.9 each time). Caveat: RLIMIT_AS counts virtual memory "
@@ -546,8 +570,8 @@ def report(results, args):
         out += ["### Out-of-memory recovery mid-run", "", oom_table(o), "",
                 f"tiny T5 without dropout, batch {o['batch']}, {o['steps']} steps, step {o['at']} is a batch of "
                 f"long examples (4 recipes each); checkpoints every {o['every']} steps on both sides. Cap "
-                f"{o['cap'] / MIB:.0f} MiB of tensors (ours: memory.limit; HF: RLIMIT_AS idle "
-                f"{o['idle_vm'] / GIB:.2f} GiB + the cap), half way between trainer's peak before that step and "
+                f"{o['cap'] / MIB:.0f} MiB of tensors (ours: memory.limit; HF: RLIMIT_AS = its "
+                f"baseline {o['baseline_vm'] / GIB:.2f} GiB + the cap), half way between trainer's peak before that step and "
                 "at it. Lost = target tokens of the uncapped run that the capped run did not train.", ""]
     if "loader" in results:
         import loader
