@@ -438,7 +438,7 @@ def oom_recovery(args):
     auto_run, _ = hf("auto", address_space_limit(limit), auto_find_batch_size=True)
     begins = [int(m.group(1)) for _, line in auto_run.lines if (m := re.match(r"BENCH begin micro_batch (\d+)", line))]
     hf_result["auto"] = {"seconds": auto_run.seconds, "micro_batches": begins,
-                         "steps_before_restart": hf_restart_steps(auto_run), "rc": auto_run.returncode}
+                         "samples_repeated": hf_restart_samples(auto_run), "rc": auto_run.returncode}
     log(f"oom: HF {hf_result}")
     return {"cap": cap, "at": at, "steps": steps, "batch": batch, "every": every, "ours": ours_result, "hf": hf_result,
             "baseline_vm": baseline}
@@ -448,17 +448,16 @@ def hf_step_numbers(run):
     return [int(m.group(1)) for _, line in run.lines if (m := HF_STEP.match(line))]
 
 
-def hf_restart_steps(run):
-    """Steps HF had trained before each auto_find_batch_size restart (they are trained again)."""
-    counts, current = [], 0
+def hf_restart_samples(run):
+    """Samples HF had trained before each auto_find_batch_size restart (they are trained again)."""
+    samples, micro, steps = 0, 0, 0
     for _, line in run.lines:
-        if line.startswith("BENCH begin"):
-            if current:
-                counts.append(current)
-            current = 0
-        elif HF_STEP.match(line):
-            current = int(HF_STEP.match(line).group(1))
-    return counts
+        if m := re.match(r"BENCH begin micro_batch (\d+)", line):
+            samples += micro * steps
+            micro, steps = int(m.group(1)), 0
+        elif m := HF_STEP.match(line):
+            steps = int(m.group(1))
+    return samples
 
 
 def latest_checkpoint(directory):
@@ -477,7 +476,8 @@ def oom_table(o):
     ours, hf = o["ours"], o["hf"]
     adapt = "; ".join(f"step {s}: {a} -> {b}" for s, a, b, _ in ours["adaptations"]) or "none"
     rows = [["ours", adapt, f"{ours['capped_s']:.1f} s vs {ours['free_s']:.1f} s uncapped "
-             f"(+{ours['capped_s'] - ours['free_s']:.1f} s)", f"{ours['samples_lost']} tokens",
+             f"(+{ours['capped_s'] - ours['free_s']:.1f} s)",
+             f"{ours['samples_lost']} tokens" + (", every step's tokens as uncapped" if ours["same_tokens"] else ""),
              f"{ours['weights_diff']:.1e}", f"{ours['steps']} of {o['steps']}"]]
     attempts = "; ".join(f"{a['micro']} x {a['accumulation']}: "
                          + ("finished" if a["finished"] else f"died after step {a['last_step'] or 0} (exit {a['rc']})")
@@ -487,9 +487,8 @@ def oom_table(o):
                  f"{hf['samples_redone']} samples trained again", f"{hf.get('weights_diff', float('nan')):.1e}",
                  "finished" if hf["finished"] else "did not finish"])
     auto = hf["auto"]
-    repeated = sum(auto["steps_before_restart"]) * o["batch"]
     rows.append(["HF, auto_find_batch_size=True", "micro-batch " + " -> ".join(map(str, auto["micro_batches"])),
-                 f"{auto['seconds']:.1f} s", f"{repeated} samples trained twice (restart from step 0; "
+                 f"{auto['seconds']:.1f} s", f"{auto['samples_repeated']} samples trained again (restart from step 0; "
                  f"effective batch {auto['micro_batches'][-1] if auto['micro_batches'] else '?'})", "", f"exit {auto['rc']}"])
     return table(["side", "adaptation", "wall time", "lost / redone", "max |w - w uncapped|", "steps"], rows)
 
