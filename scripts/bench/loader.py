@@ -16,61 +16,13 @@ import argparse
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY = sys.executable
-CONFIGS = {"seq2seq": "configs/tiny-t5.json", "causal": "configs/tiny-qwen2.json"}
-MODELS = {"seq2seq": "configs/models/tiny-t5", "causal": "configs/models/tiny-qwen2"}
-
-HF_SCRIPT = r'''
-import json, resource, sys, time
-form, path, model, batch_size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-start = time.perf_counter()
-import datasets, torch
-from transformers import AutoTokenizer, DataCollatorForSeq2Seq
-datasets.disable_progress_bar()
-tok = AutoTokenizer.from_pretrained(model)
-ds = datasets.load_dataset("json", data_files=path, split="train")
-if form == "seq2seq":
-    def tokenize(batch):
-        enc = tok(batch["input"])
-        enc["labels"] = tok(text_target=batch["target"])["input_ids"]
-        return enc
-else:
-    def tokenize(batch):
-        prompts = tok(batch["prompt"])["input_ids"]
-        completions = tok(batch["completion"], add_special_tokens=False)["input_ids"]
-        ids, labels = [], []
-        for p, c in zip(prompts, completions):
-            ids.append(p + c + [tok.eos_token_id])
-            labels.append([-100] * len(p) + c + [tok.eos_token_id])
-        return {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids], "labels": labels}
-ds = ds.map(tokenize, batched=True, remove_columns=ds.column_names)
-collator = DataCollatorForSeq2Seq(tok, padding="longest")
-loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, collate_fn=collator,
-                                     generator=torch.Generator().manual_seed(1))
-examples = tokens = 0
-for batch in loader:
-    examples += batch["input_ids"].shape[0]
-    tokens += int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum() if form == "seq2seq" else batch["attention_mask"].sum())
-seconds = time.perf_counter() - start
-print(json.dumps({"examples": examples, "tokens": tokens, "seconds": seconds,
-                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-'''
-
-
-def ensure_data(form, records):
-    path = os.path.join(ROOT, "build", "bench", f"recipes-{form}-{records}.jsonl")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        subprocess.run([PY, os.path.join(ROOT, "scripts", "make_demo_data.py"), "--form", form, "--records",
-                        str(records), "--seed", "1", "--out", path], check=True)
-    return path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import CONFIGS, HF_STACK, PY, ROOT, TINY_MODELS, ensure_data, log, table as markdown_table  # noqa: E402
 
 
 def run_trainer(form, path, workers):
@@ -92,9 +44,43 @@ def run_trainer(form, path, workers):
 def run_hf(form, path):
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, HF_DATASETS_CACHE=cache, HF_HOME=cache, TOKENIZERS_PARALLELISM="true")
-        out = subprocess.run([PY, "-c", HF_SCRIPT, form, path, os.path.join(ROOT, MODELS[form]), "16"], cwd=ROOT,
-                             env=env, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([PY, HF_STACK, "loader", form, path, os.path.join(ROOT, TINY_MODELS[form]), "16"],
+                             cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def benchmark(records_list, forms, workers=2, skip_hf=False):
+    """Both loaders on each form and size; a list of dicts (form, records, side, seconds, examples, tokens,
+    peak_rss_mib)."""
+    rows = []
+    for form in forms:
+        for records in records_list:
+            path = ensure_data(form, records)
+            sides = [("trainer", lambda: run_trainer(form, path, workers))]
+            if not skip_hf:
+                sides.append(("HF datasets", lambda: run_hf(form, path)))
+            for side, run in sides:
+                r = dict(run(), form=form, records=records, side=side)
+                rows.append(r)
+                log(f"loader {form} {records} {side}: {r}")
+    return rows
+
+
+def table(rows):
+    baseline = {(r["form"], r["records"]): r["seconds"] for r in rows if r["side"] != "trainer"}
+    smallest = {}
+    for r in rows:
+        smallest.setdefault((r["form"], r["side"]), r)
+    out = []
+    for r in rows:
+        speedup = baseline.get((r["form"], r["records"]))
+        first = smallest[(r["form"], r["side"])]
+        growth = "" if first is r else f"{r['peak_rss_mib'] / first['peak_rss_mib']:.2f}x ({r['records'] // first['records']}x records)"
+        out.append([r["form"], f"{r['records']:,}", r["side"], f"{r['seconds']:.1f}", f"{r['examples'] / r['seconds']:,.0f}",
+                    f"{r['tokens'] / r['seconds']:,.0f}", f"{r['peak_rss_mib']:.0f}", growth,
+                    f"{speedup / r['seconds']:.1f}x" if speedup and r["side"] == "trainer" else ""])
+    return markdown_table(["data", "records", "loader", "wall s", "examples/s", "tokens/s", "peak RSS MiB",
+                           "RSS vs smallest file", "speed-up"], out)
 
 
 def main():
@@ -104,25 +90,9 @@ def main():
     parser.add_argument("--workers", type=int, default=2, help="trainer's data.num_workers")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
-    rows = []
-    for form in args.forms:
-        for records in args.records:
-            path = ensure_data(form, records)
-            sides = [("trainer", run_trainer(form, path, args.workers))]
-            if not args.skip_hf:
-                sides.append(("HF datasets", run_hf(form, path)))
-            for name, r in sides:
-                rows.append((form, records, name, r))
-                print(f"{form} {records} {name}: {r}", file=sys.stderr, flush=True)
+    rows = benchmark(args.records, args.forms, args.workers, args.skip_hf)
     print(f"\n{os.cpu_count()} CPU cores; trainer with data.num_workers={args.workers}; batch 16, shuffled, padded\n")
-    print("| data | records | loader | wall s | examples/s | tokens/s | peak RSS MiB | speed-up |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    baseline = {(f, n): r["seconds"] for f, n, name, r in rows if name == "HF datasets"}
-    for form, records, name, r in rows:
-        speedup = baseline.get((form, records))
-        speedup = f"{speedup / r['seconds']:.1f}x" if speedup and name == "trainer" else ""
-        print(f"| {form} | {records:,} | {name} | {r['seconds']:.1f} | {r['examples'] / r['seconds']:,.0f} | "
-              f"{r['tokens'] / r['seconds']:,.0f} | {r['peak_rss_mib']:.0f} | {speedup} |")
+    print(table(rows))
 
 
 if __name__ == "__main__":

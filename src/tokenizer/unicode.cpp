@@ -1,6 +1,7 @@
 // Unicode helpers for the byte-level BPE tokenizer; normalisation and categories come from utf8proc.
 #include "tokenizer/unicode.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 
@@ -108,7 +109,9 @@ void append_utf8(std::string& out, char32_t c) {
 }
 
 std::string normalize(std::string_view text, NormalForm form) {
-  if (text.empty()) return {};
+  // Every ASCII character is its own NFC, NFD, NFKC and NFKD, and none composes with another.
+  if (std::all_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; }))
+    return std::string(text);
   int options = UTF8PROC_STABLE;
   switch (form) {
     case NormalForm::kNfc: options |= UTF8PROC_COMPOSE; break;

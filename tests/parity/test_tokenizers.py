@@ -62,8 +62,18 @@ def random_texts(n=150, seed=1234):
     return ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 40))) for _ in range(n)]
 
 
+def ascii_texts(n=150, seed=99):
+    """Seeded printable-ASCII texts: the sentencepiece tokenizer encodes these word by word through a cache
+    (repeated words, runs of spaces, leading and trailing spaces, every punctuation character)."""
+    rng = random.Random(seed)
+    words = ["the", "eggs", "Whisk", "smooth.", "1.", "2", "cups", "don't", "(x)", "a,b", "<s>", "</s>", "<sep>"]
+    words += [chr(c) for c in range(0x21, 0x7f)]
+    return ["".join(rng.choice(words) + rng.choice([" ", " ", "  ", ""]) for _ in range(rng.randint(1, 30)))
+            for _ in range(n)]
+
+
 def all_texts(root):
-    texts = FIXED_TEXTS + SPECIAL_TEXTS + random_texts()
+    texts = FIXED_TEXTS + SPECIAL_TEXTS + random_texts() + ascii_texts()
     texts += [unicodedata.normalize("NFD", t) for t in FIXED_TEXTS[16:24]]
     with open(root / "data" / "demo" / "recipes-causal.jsonl", encoding="utf-8") as f:
         for _, line in zip(range(20), f):

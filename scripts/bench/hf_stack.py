@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""The Python stack the benchmarks compare trainer against, written the way users write it: `datasets` +
+the fast tokenizer + `DataCollatorForSeq2Seq(padding="longest")`, and transformers' `Trainer` /
+`Seq2SeqTrainer`. Run by the benchmark scripts in a process of its own:
+
+    hf_stack.py loader FORM JSONL MODEL_DIR BATCH      # JSONL -> padded batches; prints one JSON line
+    hf_stack.py train SPEC.json                        # fine-tune (random init from MODEL_DIR/config.json)
+
+Benchmark instrumentation is kept out of the user's code path: `train` prints `BENCH ...` lines from a
+TrainerCallback (the parent timestamps them), and the target tokens of every step are counted from the
+tokenized dataset (the sampler is sequential, so step N trains on rows (N-1)*B .. N*B-1).
+"""
+import json
+import os
+import resource
+import sys
+import time
+
+
+def tokenize_function(tok, form, max_input_length=None, max_target_length=None, max_length=None):
+    """Tokenization as trainer's loader does it. seq2seq: input and target each end in </s>, each cut to its
+    maximum keeping the </s>. causal: prompt + completion + EOS, prompt masked with -100, cut to max_length."""
+    if form == "seq2seq":
+        def tokenize(batch):
+            enc = tok(batch["input"], truncation=max_input_length is not None, max_length=max_input_length)
+            enc["labels"] = tok(text_target=batch["target"], truncation=max_target_length is not None,
+                                max_length=max_target_length)["input_ids"]
+            return enc
+        return tokenize
+
+    def tokenize(batch):
+        prompts = tok(batch["prompt"])["input_ids"]
+        completions = tok(batch["completion"], add_special_tokens=False)["input_ids"]
+        ids, labels = [], []
+        for p, c in zip(prompts, completions):
+            ids.append((p + c + [tok.eos_token_id])[:max_length])
+            labels.append(([-100] * len(p) + c + [tok.eos_token_id])[:max_length])
+        return {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids], "labels": labels}
+    return tokenize
+
+
+def loader(form, path, model, batch_size):
+    start = time.perf_counter()
+    import datasets
+    import torch
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq
+    datasets.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(model)
+    ds = datasets.load_dataset("json", data_files=path, split="train")
+    ds = ds.map(tokenize_function(tok, form), batched=True, remove_columns=ds.column_names)
+    collator = DataCollatorForSeq2Seq(tok, padding="longest")
+    loader = torch.utils.data.DataLoader(ds, batch_size=int(batch_size), shuffle=True, collate_fn=collator,
+                                         generator=torch.Generator().manual_seed(1))
+    examples = tokens = 0
+    for batch in loader:
+        examples += batch["input_ids"].shape[0]
+        tokens += int(batch["attention_mask"].sum()) + int(
+            (batch["labels"] != -100).sum() if form == "seq2seq" else batch["attention_mask"].sum())
+    seconds = time.perf_counter() - start
+    print(json.dumps({"examples": examples, "tokens": tokens, "seconds": seconds,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def train(spec_path):
+    """spec: model_dir, form, data, max_input_length/max_target_length (seq2seq) or max_length (causal),
+    batch_size, gradient_accumulation_steps, max_steps, lr, seed, output_dir; optional auto_find_batch_size,
+    save_steps, resume, save_final."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    print("BENCH start", flush=True)
+    import datasets
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer,
+                              DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer,
+                              TrainerCallback, TrainingArguments, set_seed)
+    datasets.disable_progress_bar()
+    seq2seq = spec["form"] == "seq2seq"
+    set_seed(spec["seed"])
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    config = AutoConfig.from_pretrained(spec["model_dir"])
+    model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_config(config)
+    ds = datasets.load_dataset("json", data_files=spec["data"], split="train")
+    ds = ds.map(tokenize_function(tok, spec["form"], spec.get("max_input_length"), spec.get("max_target_length"),
+                                  spec.get("max_length")), batched=True, remove_columns=ds.column_names)
+
+    # Benchmark bookkeeping: target tokens of row i, to count each step's tokens without touching the loop.
+    row_tokens = [sum(1 for x in labels if x != -100) for labels in ds["labels"]]
+
+    class Report(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            print(f"BENCH begin micro_batch {trainer._train_batch_size} accumulation "
+                  f"{args.gradient_accumulation_steps}", flush=True)
+            if spec.get("stop_at_train_begin"):  # calibration: the address space before any step, less the weights
+                weights = sum(p.numel() * p.element_size() for p in model.parameters())
+                print(f"BENCH address_space {vm_size() - weights} weights {weights}", flush=True)
+                os._exit(0)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                per_step = trainer._train_batch_size * args.gradient_accumulation_steps
+                first = (state.global_step - 1) * per_step % len(row_tokens)
+                rows = [(first + i) % len(row_tokens) for i in range(per_step)]
+                print(f"BENCH step {state.global_step} loss {logs['loss']:.6f} tokens "
+                      f"{sum(row_tokens[r] for r in rows)} micro_batch {trainer._train_batch_size}", flush=True)
+
+        def on_save(self, args, state, control, **kwargs):
+            print(f"BENCH saved {state.global_step}", flush=True)
+
+    arguments = dict(output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch_size"],
+                     gradient_accumulation_steps=spec.get("gradient_accumulation_steps", 1),
+                     max_steps=spec["max_steps"], learning_rate=spec["lr"], lr_scheduler_type="linear",
+                     warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=spec["seed"], logging_steps=1,
+                     save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
+                     save_total_limit=2, report_to="none", disable_tqdm=True, train_sampling_strategy="sequential",
+                     auto_find_batch_size=spec.get("auto_find_batch_size", False), dataloader_num_workers=0)
+    trainer_class, args_class = (Seq2SeqTrainer, Seq2SeqTrainingArguments) if seq2seq else (Trainer, TrainingArguments)
+    trainer = trainer_class(model=model, args=args_class(**arguments), train_dataset=ds,
+                            data_collator=DataCollatorForSeq2Seq(tok, model=model if seq2seq else None,
+                                                                 padding="longest"),
+                            processing_class=tok, callbacks=[Report()])
+    trainer.train(resume_from_checkpoint=True if spec.get("resume") else None)
+    if spec.get("save_final"):
+        trainer.save_model(spec["output_dir"] + "/final")
+    print("BENCH done", flush=True)
+
+
+def vm_size():
+    """This process's virtual size (what RLIMIT_AS limits), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+if __name__ == "__main__":
+    command = sys.argv[1]
+    if command == "loader":
+        loader(*sys.argv[2:6])
+    elif command == "train":
+        train(sys.argv[2])
+    else:
+        sys.exit(__doc__)
