@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <iomanip>
+#include <set>
 #include <ostream>
 #include <sstream>
 
@@ -22,6 +23,7 @@
 
 #include "memory/cpu_budget.h"
 #include "models/hf_config.h"
+#include "models/lora.h"
 #include "models/model.h"
 #include "trainer/device.h"
 #include "trainer/model_dir.h"
@@ -110,13 +112,6 @@ Activations llama_activations(const nlohmann::json& c, double t) {
   return a;
 }
 
-// PEFT's rule for lora.target_modules: a module whose name is the target or ends with ".target".
-bool is_lora_target(const std::string& module, const std::vector<std::string>& targets) {
-  for (const auto& target : targets)
-    if (module == target || module.ends_with("." + target)) return true;
-  return false;
-}
-
 std::string precision_name(PrecisionMode mode) {
   for (const auto& [value, name] : enum_names(mode))
     if (value == mode) return std::string(name);
@@ -145,8 +140,11 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
                        double capacity, const std::string& capacity_source) {
   auto model = build_model(hf_config, at::TensorOptions().device(at::kMeta).dtype(at::kFloat));
   const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
-  std::vector<std::string> targets = config.lora.target_modules;
-  if (targets.empty()) targets = seq2seq ? std::vector<std::string>{"q", "v"} : std::vector<std::string>{"q_proj", "v_proj"};
+  std::set<std::string> adapted;  // the linear layers LoRA adapts, selected as apply_lora selects them
+  if (config.lora.enabled) {
+    const auto targets = config.lora.target_modules.empty() ? default_lora_targets(*model) : config.lora.target_modules;
+    for (auto& path : lora_target_layers(*model, targets)) adapted.insert(path + ".weight");
+  }
 
   MemoryPlan plan;
   int64_t adapter = 0;
@@ -155,7 +153,7 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   double adapter_elements_input = 0, adapter_elements_target = 0;
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     plan.parameters += p.numel();
-    if (p.dim() != 2 || !name.ends_with(".weight") || !is_lora_target(name.substr(0, name.size() - 7), targets)) return;
+    if (!adapted.contains(name)) return;
     adapter += config.lora.r * (p.size(0) + p.size(1));
     const double per_token =
         static_cast<double>(config.lora.r) + (config.lora.dropout > 0 ? 2.0 * static_cast<double>(p.size(1)) : 0.0);

@@ -8,6 +8,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/util/StringUtil.h>
+
+#include "trainer/errors.h"
 
 namespace trainer {
 namespace {
@@ -126,12 +129,28 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::state_tensors() const {
   return out;
 }
 
-void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps) {
+void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps,
+                       const std::string& source) {
   at::NoGradGuard no_grad;
-  std::map<std::string, at::Tensor> by_name(tensors.begin(), tensors.end());
+  const std::map<std::string, at::Tensor> by_name(tensors.begin(), tensors.end());
+  const auto find = [&](const std::string& key, const at::Tensor& slot) -> const at::Tensor& {
+    const auto it = by_name.find(key);
+    if (it == by_name.end())
+      throw DataError(source + ": no tensor " + key + "; the optimizer state does not match the trainable parameters",
+                      "resume from a checkpoint written with the same model and lora settings, or start without --resume");
+    if (it->second.sizes() != slot.sizes())
+      throw DataError(source + ": " + key + " has shape " + c10::str(it->second.sizes()) + ", the parameter has " +
+                          c10::str(slot.sizes()),
+                      "resume from a checkpoint of the same model");
+    return it->second;
+  };
+  for (const auto& slot : slots_) {  // check everything before changing anything
+    find("exp_avg." + slot.name, slot.exp_avg);
+    find("exp_avg_sq." + slot.name, slot.exp_avg_sq);
+  }
   for (auto& slot : slots_) {
-    if (auto it = by_name.find("exp_avg." + slot.name); it != by_name.end()) slot.exp_avg.copy_(it->second);
-    if (auto it = by_name.find("exp_avg_sq." + slot.name); it != by_name.end()) slot.exp_avg_sq.copy_(it->second);
+    slot.exp_avg.copy_(find("exp_avg." + slot.name, slot.exp_avg));
+    slot.exp_avg_sq.copy_(find("exp_avg_sq." + slot.name, slot.exp_avg_sq));
   }
   step_ = steps;
 }

@@ -30,9 +30,12 @@ class AdamW {
   int64_t trainable_parameters() const;
   int64_t state_bytes() const;
 
-  // For checkpoints: moments by parameter name, and the step count.
+  // For checkpoints: moments by parameter name, and the step count. load_state requires both moments of every
+  // trainable parameter, with its shape; otherwise it throws DataError naming `source` and the first missing
+  // or mismatched tensor (and changes nothing).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
-  void load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps);
+  void load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps,
+                  const std::string& source);
 
  private:
   struct Slot {

@@ -410,7 +410,8 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& t : file.tensors())
       if (t.name != "rng.cpu") tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
-    optimizer->load_state(tensors, state.at("optimizer_steps").get<int64_t>());
+    optimizer->load_state(tensors, state.at("optimizer_steps").get<int64_t>(),
+                          (*resume_dir / "optimizer.safetensors").string());
     loader->restore(cursor_from_json(state.at("data_cursor")));
     policy.restore(state.at("memory_policy"));
     step_index = state.at("step").get<int64_t>();

@@ -1,4 +1,6 @@
 // The memory-adaptive step against real out-of-memory errors from the CPU budget allocator (no faked exceptions).
+#include <map>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -10,6 +12,7 @@
 #include "train/checkpointing.h"
 #include "train/optimizer.h"
 #include "train/step.h"
+#include "trainer/errors.h"
 
 namespace trainer {
 namespace {
@@ -244,7 +247,37 @@ TEST(AdamW, Bf16MomentsHalveTheStateAndTrackFp32Moments) {
   EXPECT_GT(update, 0);
   EXPECT_LT(std::sqrt(difference), 0.02 * std::sqrt(update));
   // The moments are stored in bf16 and survive a checkpoint round trip exactly.
-  for (const auto& [name, t] : bf16.optimizer->state_tensors()) EXPECT_EQ(t.scalar_type(), at::kBFloat16) << name;
+  // The moments are stored in bf16 and survive a checkpoint round trip (read back as fp32, as resume does) exactly.
+  Trainee restored(8, {}, false, StateDtype::kBf16);
+  std::vector<std::pair<std::string, at::Tensor>> saved;
+  std::map<std::string, at::Tensor> saved_by_name;
+  for (const auto& [name, t] : bf16.optimizer->state_tensors()) {
+    EXPECT_EQ(t.scalar_type(), at::kBFloat16) << name;
+    saved.emplace_back(name, t.to(at::kFloat));
+    saved_by_name[name] = t;
+  }
+  restored.optimizer->load_state(saved, 10, "optimizer.safetensors");
+  for (const auto& [name, t] : restored.optimizer->state_tensors()) EXPECT_TRUE(at::equal(t, saved_by_name.at(name))) << name;
+}
+
+TEST(AdamW, LoadStateRefusesMissingOrMisshapenMomentsAndChangesNothing) {
+  Trainee trainee(8);
+  trainee.step->run(make_batch(8, 3), 1, 1e-3);
+  const auto before = trainee.optimizer->state_tensors();
+  auto missing = before;
+  missing.erase(missing.begin() + 1);
+  try {
+    trainee.optimizer->load_state(missing, 5, "ckpt/optimizer.safetensors");
+    FAIL() << "a missing moment was accepted";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt/optimizer.safetensors: no tensor " + before[1].first), std::string::npos)
+        << e.what();
+  }
+  auto misshapen = before;
+  misshapen.back().second = at::zeros({3});
+  EXPECT_THROW(trainee.optimizer->load_state(misshapen, 5, "x"), DataError);
+  const auto after = trainee.optimizer->state_tensors();
+  for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(before[i].second, after[i].second));
 }
 
 TEST(TrainStep, ChunkedLossAndCheckpointingGiveTheSameGradient) {
