@@ -14,7 +14,9 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAINER = os.path.join(ROOT, "build", "trainer")
+# TRAINER_BINARY: a copy of the binary to measure, so that rebuilding build/trainer during a long run does not
+# change what is measured half way.
+TRAINER = os.environ.get("TRAINER_BINARY") or os.path.join(ROOT, "build", "trainer")
 PY = sys.executable
 BENCH_DIR = os.path.join(ROOT, "build", "bench")
 HF_STACK = os.path.join(ROOT, "scripts", "bench", "hf_stack.py")

@@ -22,13 +22,13 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CONFIGS, HF_STACK, PY, ROOT, TINY_MODELS, ensure_data, log, table as markdown_table  # noqa: E402
+from common import CONFIGS, HF_STACK, PY, ROOT, TINY_MODELS, TRAINER, ensure_data, log, table as markdown_table  # noqa: E402
 
 
 def run_trainer(form, path, workers):
     if os.path.exists(path + ".idx"):
         os.remove(path + ".idx")  # cold start: the index pass is part of the time
-    cmd = [os.path.join(ROOT, "build", "trainer"), "data", "--config", CONFIGS[form],
+    cmd = [TRAINER, "data", "--config", CONFIGS[form],
            "--set", f'data.train_files=["{path}"]', "--set", "data.validation_files=[]",
            "--set", f"data.num_workers={workers}", "--set", "data.max_input_length=4096",
            "--set", "data.max_target_length=4096", "--set", "data.max_length=4096"]

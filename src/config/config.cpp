@@ -125,9 +125,23 @@ std::string read_value(const json& j, MicroBatchSize& out) {
   return "expected \"auto\" or an integer, got " + describe(j) + unquote_hint(j, "the number");
 }
 
+// Values that users bring from other tools but that trainer refuses on purpose, with the reason.
+template <class E>
+std::string refused_value(E, const std::string&) {
+  return {};
+}
+std::string refused_value(PrecisionMode, const std::string& text) {
+  if (text != "fp16" && text != "fp16-mixed" && text != "16-mixed" && text != "float16" && text != "half") return {};
+  return "'" + text + "' is refused: T5 / FLAN-T5 activations overflow fp16 (inf, then NaN loss), and fp16 needs "
+         "loss scaling; bf16 has fp32's range on the same GPUs (Ampere and newer) and the CPU. Use 'bf16-mixed' "
+         "(fp32 master weights) or 'bf16'";
+}
+
 template <class E>
   requires std::is_enum_v<E>
 std::string read_value(const json& j, E& out) {
+  if (j.is_string())
+    if (auto reason = refused_value(E{}, j.get<std::string>()); !reason.empty()) return reason;
   std::vector<std::string> names;
   for (const auto& entry : enum_names(E{})) names.emplace_back(entry.name);
   if (j.is_string()) {

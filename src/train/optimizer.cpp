@@ -90,10 +90,20 @@ void AdamW::step(double lr) {
 
 double AdamW::clip_grad_norm(double max_norm) {
   at::NoGradGuard no_grad;
+  // The norm in fp32 over slices of each gradient: temporaries stay at one slice whatever the tensor (a 152k x 3584
+  // embedding's gradient squared would be 2 GiB), so clipping cannot run out of memory where the step fit.
+  constexpr int64_t kSlice = int64_t{1} << 18;
   double sum_squares = 0.0;
   for (auto& slot : slots_) {
     const at::Tensor& g = slot.param->grad();
-    if (g.defined()) sum_squares += g.to(at::kFloat).pow(2).sum().item<double>();
+    if (!g.defined()) continue;
+    const at::Tensor flat = g.reshape({-1});
+    for (int64_t begin = 0; begin < flat.numel(); begin += kSlice) {
+      const double norm = at::linalg_vector_norm(flat.narrow(0, begin, std::min(kSlice, flat.numel() - begin)), 2, {},
+                                                 false, at::kFloat)
+                              .item<double>();
+      sum_squares += norm * norm;
+    }
   }
   const double norm = std::sqrt(sum_squares);
   if (max_norm > 0 && norm > max_norm) {

@@ -1,17 +1,46 @@
-// Signal handling for a graceful stop (see signals.h). The handler only stores the signal number; the loop polls.
+// Signal handling for a graceful stop (see signals.h). The handler stores the signal number and says once what
+// will happen; the loop polls.
 #include "train/signals.h"
 
 #include <csignal>
+#include <ctime>
 #include <unistd.h>
 
 namespace trainer {
 namespace {
 
 volatile std::sig_atomic_t requested = 0;
+// When the first signal came, in milliseconds of CLOCK_MONOTONIC (clock_gettime is async-signal-safe).
+volatile std::sig_atomic_t first_ms = 0;
+
+long monotonic_ms() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return now.tv_sec * 1000L + now.tv_nsec / 1000000L;
+}
+
+void say(const char* text) {
+  std::size_t length = 0;
+  while (text[length] != '\0') ++length;
+  [[maybe_unused]] const auto written = write(STDERR_FILENO, text, length);
+}
 
 extern "C" void on_stop_signal(int signal) {
-  if (requested != 0) _exit(128 + signal);  // the second signal: stop now (async-signal-safe)
+  // Process supervisors often deliver one stop twice: GNU timeout signals the child and then its whole process
+  // group, a shell's kill of a process group reaches both a wrapper and trainer. A repeat within this window is
+  // the same request, not a user asking a second time.
+  constexpr long kSameRequestMs = 500;
+  const long now = monotonic_ms() & 0x3fffffffL;  // fits a sig_atomic_t
+  if (requested != 0) {
+    const long since = (now - first_ms) & 0x3fffffffL;
+    if (since < kSameRequestMs) return;
+    say("\ntrainer: second stop signal: exiting now; the newest complete checkpoint is kept\n");
+    _exit(128 + signal);
+  }
   requested = signal;
+  first_ms = static_cast<std::sig_atomic_t>(now);
+  say(signal == SIGINT ? "\ntrainer: SIGINT: finishing this step, then writing a checkpoint (Ctrl-C again to stop now)\n"
+                       : "\ntrainer: SIGTERM: finishing this step, then writing a checkpoint (signal again to stop now)\n");
 }
 
 }  // namespace

@@ -63,6 +63,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
   const std::span<const Example> examples(batch.examples);
   const double normaliser = static_cast<double>(std::max<int64_t>(1, batch.target_tokens));
   StepResult result;
+  bool optimizer_retried = false;
   for (int64_t attempt = 0;; ++attempt) {
     std::string phase = "forward/backward";
     try {
@@ -88,6 +89,20 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
       optimizer_.zero_grad();
       release_cached_memory();
       spdlog::debug("out of memory in {}: {}", phase, e.what_without_backtrace());
+      if (phase == "the optimizer step") {
+        // Weights, gradients and optimizer state alone: a smaller micro-batch changes none of them. Once more at
+        // the same size (cached or fragmented memory is released now), then stop with what to change.
+        if (!optimizer_retried) {
+          optimizer_retried = true;
+          spdlog::warn("memory: step {}: out of memory in the optimizer step; retrying once at micro-batch {}", step,
+                       policy_.micro_batch());
+          continue;
+        }
+        throw OutOfMemoryAtFloor("out of memory in the optimizer step at step " + std::to_string(step) +
+                                     ": the weights, their gradients and the optimizer state do not fit together, "
+                                     "and a smaller micro-batch cannot change that",
+                                 "");
+      }
       if (attempt + 1 > options_.max_retries)
         throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
                                      std::to_string(attempt + 1) + " attempts (memory.max_retries)",

@@ -84,6 +84,62 @@ void reset_peak(const c10::Device& device) {
   else at::accelerator::resetPeakStats(device.index());
 }
 
+// What held the memory when a step did not fit even at the floor: the fixed part (weights, gradients, optimizer
+// state), the rest of the run's peak (activations and workspace), and the allocator's own counters.
+std::string memory_report(const Config& config, const c10::Device& device, Module& model, Module* lora,
+                          const AdamW& optimizer, const MemoryPolicy& policy) {
+  const int64_t weights = parameter_bytes(model) + (lora ? parameter_bytes(*lora) : 0);
+  const int64_t gradients = parameter_bytes(lora ? *lora : model);  // one per trainable parameter, its dtype
+  const int64_t state = optimizer.state_bytes();
+  const auto now = memory_now(device);
+  const int64_t fixed = weights + gradients + state;
+  auto line = [](const char* name, double bytes) { return fmt::format("\n  {:<30}{}", name, human_bytes(bytes)); };
+  std::string out = "memory report:";
+  out += line("weights", static_cast<double>(weights));
+  out += line("gradients (during backward)", static_cast<double>(gradients));
+  out += line("optimizer state (AdamW)", static_cast<double>(state));
+  out += line("peak of the run", static_cast<double>(now.peak));
+  out += line("activations + workspace at it", static_cast<double>(std::max<int64_t>(0, now.peak - fixed)));
+  out += line("in use now", static_cast<double>(now.allocated));
+  if (device.is_cpu()) {
+    const auto cpu = cpu_memory_stats();
+    out += fmt::format("\n  {:<30}{}, {} allocations refused", "CPU budget (memory.limit)",
+                       format_byte_size(config.memory.limit), cpu.num_ooms);
+  } else {
+    const auto stats = at::accelerator::getDeviceStats(device.index());
+    const auto [free, total] = at::accelerator::getMemoryInfo(device.index());
+    out += line("reserved by the allocator", static_cast<double>(stats.reserved_bytes[0].current));
+    out += fmt::format("\n  {:<30}{} free of {}; {} out-of-memory errors, {} allocation retries", device.str(),
+                       human_bytes(static_cast<double>(free)), human_bytes(static_cast<double>(total)),
+                       stats.num_ooms, stats.num_alloc_retries);
+  }
+  std::string used;
+  for (const auto& e : policy.escalations()) used += (used.empty() ? "" : ", ") + e;
+  out += fmt::format("\n  {:<30}{} (floor {}); escalations used: {} of {}{}", "micro-batch", policy.micro_batch(),
+                     config.memory.min_micro_batch_size, policy.escalations().size(), config.memory.escalation.size(),
+                     used.empty() ? "" : " (" + used + ")");
+  return out;
+}
+
+// The changes that shrink what did not fit, most effective first; only those this config has not made yet.
+std::string floor_suggestions(const Config& config, const c10::Device& device, bool seq2seq) {
+  std::vector<std::string> s;
+  s.push_back(seq2seq
+                  ? "shorter sequences: data.max_input_length / data.max_target_length (activations grow with length)"
+                  : "shorter sequences: data.max_length (activations grow with length)");
+  if (!config.training.activation_checkpointing) s.push_back("training.activation_checkpointing=true from the start");
+  if (!config.lora.enabled) s.push_back("lora.enabled=true (no gradients or optimizer state for the base weights)");
+  if (config.optimizer.state_dtype == StateDtype::kFp32)
+    s.push_back("optimizer.state_dtype=bf16 (halves the AdamW state)");
+  if (config.precision.mode == PrecisionMode::kFp32)
+    s.push_back("precision.mode=bf16-mixed (bf16 activations) or bf16 (bf16 weights and gradients too)");
+  s.push_back(device.is_cpu() ? "a larger memory.limit" : "a larger memory.limit or a device with more memory");
+  s.push_back("`trainer plan` with the same config shows the budget");
+  std::string out;
+  for (const auto& item : s) out += (out.empty() ? "" : "; ") + item;
+  return out;
+}
+
 }  // namespace
 
 // The largest micro-batch whose forward and backward at maximum lengths fit and leave memory.auto_safety_margin
@@ -235,9 +291,19 @@ void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config&
 // A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
 // config, written to a temporary directory and renamed into place, so a crash leaves the previous one intact.
 // CheckpointRetention removes old ones afterwards.
-void write_checkpoint(const fs::path& output_dir, int64_t step, const TrainedWeights& trained, const AdamW& optimizer,
-                      const MemoryPolicy& policy, const DataLoader& loader, int64_t tokens_seen, const Config& config) {
+// `cursor` and `policy_state` are those of the moment after `step`: after an out-of-memory stop they are the ones
+// from before the failed batch, so a resume trains that batch again.
+// `on_disk`: this run's state at `step` is already checkpoint-N (a stop right after a periodic checkpoint, or right
+// after resuming from it): it is kept as it is, never deleted and rewritten, so no moment exists without it.
+// Another checkpoint-N (an earlier run's in the same output_dir) is replaced only once the new one is whole.
+void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, const TrainedWeights& trained,
+                      const AdamW& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
+                      int64_t tokens_seen, const Config& config) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
+  if (on_disk && fs::exists(final_dir / "COMPLETE")) {
+    spdlog::info("checkpoint step {}: {} (already written)", step, final_dir.string());
+    return;
+  }
   const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
   fs::remove_all(temp_dir);
   save_trained(trained, temp_dir, config);
@@ -248,14 +314,17 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, const TrainedWei
                                 {"step", step},
                                 {"optimizer_steps", optimizer.steps()},
                                 {"tokens_seen", tokens_seen},
-                                {"data_cursor", cursor_to_json(loader.cursor())},
-                                {"memory_policy", policy.state()},
+                                {"data_cursor", cursor_to_json(cursor)},
+                                {"memory_policy", policy_state},
                                 {"config", nlohmann::json::parse(config_to_json(config))}};
   if (trained.lora) state["base_model_config"] = trained.model.hf_config();  // an adapter has no config.json
   std::ofstream(temp_dir / "train_state.json") << state.dump(2) << "\n";
-  fs::remove_all(final_dir);
+  const fs::path replaced = output_dir / (".checkpoint-" + std::to_string(step) + ".replaced");
+  fs::remove_all(replaced);
+  if (fs::exists(final_dir)) fs::rename(final_dir, replaced);
   fs::rename(temp_dir, final_dir);
   std::ofstream(final_dir / "COMPLETE") << step << "\n";  // written last: a checkpoint without it is not trusted
+  fs::remove_all(replaced);
   spdlog::info("checkpoint step {}: {}", step, final_dir.string());
 }
 
@@ -437,8 +506,15 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   double last_eval = std::nan("");
   int64_t last_eval_step = -1;
   // Checkpoint-N, then what stays (keep_last, keep_best: by the validation loss at this step), then the webhook.
-  auto checkpoint = [&]() {
-    write_checkpoint(output_dir, step_index, trained, *optimizer, policy, *loader, tokens_seen, config);
+  // The step whose state checkpoint-N in output_dir holds: the one resumed from, then each one written.
+  std::optional<int64_t> on_disk_step;
+  std::error_code same_error;
+  if (resume_dir && fs::equivalent(*resume_dir, output_dir / ("checkpoint-" + std::to_string(step_index)), same_error))
+    on_disk_step = step_index;
+  auto checkpoint = [&](const LoaderCursor& cursor, const nlohmann::json& policy_state) {
+    write_checkpoint(output_dir, step_index, on_disk_step == step_index, trained, *optimizer, policy_state, cursor,
+                     tokens_seen, config);
+    on_disk_step = step_index;
     retention.on_checkpoint(step_index, last_eval_step == step_index ? std::optional<double>(last_eval) : std::nullopt);
     const auto path = (output_dir / ("checkpoint-" + std::to_string(step_index))).string();
     reporter.on_checkpoint(step_index, path);
@@ -451,10 +527,12 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
                      policy.micro_batch(), start_step, start_tokens, resume_dir ? resume_dir->string() : ""});
   while (step_index < total_steps) {
     if (const int signal = stop_requested()) {
-      reporter.on_stopped(signal, step_index, checkpoint());
+      reporter.on_stopped(signal, step_index, checkpoint(loader->cursor(), policy.state()));
       return signal == SIGINT ? kExitInterrupted : kExitOk;
     }
     const auto step_start = Clock::now();
+    const LoaderCursor cursor_before = loader->cursor();  // for a checkpoint of this state if the step cannot fit
+    const nlohmann::json policy_before = policy.state();
     auto batch = loader->next();
     if (!batch) break;
     const double lr = scheduled_lr(config.scheduler, config.optimizer.lr, step_index, total_steps);
@@ -463,24 +541,12 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
       result = step.run(*batch, step_index + 1, lr);
     } catch (const OutOfMemoryAtFloor& e) {
       dump_snapshot_once(output_dir, step_index + 1);
-      const auto saved = output_dir / "last-completed-step";
-      save_trained(trained, saved, config);
-      throw OutOfMemoryAtFloor(
-          std::string(e.what()) + "\nmemory report:" + "\n  weights       " +
-              human_bytes(static_cast<double>(parameter_bytes(*model) + (lora ? parameter_bytes(*lora) : 0))) +
-              "\n  AdamW state   " + human_bytes(static_cast<double>(optimizer->state_bytes())) +
-              "\n  gradients     up to the size of the trainable weights during backward" +
-              "\n  in use now    " + human_bytes(static_cast<double>(memory_now(device).allocated)) +
-              " (peak " + human_bytes(static_cast<double>(memory_now(device).peak)) + ")" +
-              (device.is_cpu() ? "\n  CPU budget    " + format_byte_size(config.memory.limit) + ", refused allocations " +
-                                     std::to_string(cpu_memory_stats().num_ooms)
-                               : std::string()) +
-              "\n  micro-batch   " + std::to_string(policy.micro_batch()) + " (floor " +
-              std::to_string(config.memory.min_micro_batch_size) + "); escalations used: " +
-              std::to_string(policy.escalations().size()) + " of " + std::to_string(config.memory.escalation.size()) +
-              "\nthe model of the last completed step (" + std::to_string(step_index) + ") is saved in " + saved.string(),
-          "shorter sequences (data.max_length / max_input_length / max_target_length), precision.mode=bf16, "
-          "or more memory (memory.limit, a larger device)");
+      const std::string report = memory_report(config, device, *model, lora.get(), *optimizer, policy);
+      const auto saved = checkpoint(cursor_before, policy_before);
+      throw OutOfMemoryAtFloor(std::string(e.what()) + "\n" + report + "\nthe last completed step (" +
+                                   std::to_string(step_index) + ") is saved in " + saved +
+                                   "; after changing the config, continue with --resume-from " + saved,
+                               floor_suggestions(config, device, family == DataFamily::kSeq2Seq));
     }
     ++step_index;
     if (result.retries > 0) dump_snapshot_once(output_dir, step_index);
@@ -502,10 +568,12 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
       log_samples(*model, *tokenizer, config, device, step_index, reporter);
     }
     if (config.checkpoint.every_steps > 0 && step_index % config.checkpoint.every_steps == 0 && step_index < total_steps)
-      checkpoint();
+      checkpoint(loader->cursor(), policy.state());
     if (config.memory.empty_cache_every > 0 && step_index % config.memory.empty_cache_every == 0) release_cached_memory();
   }
 
+  // The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.
+  checkpoint(loader->cursor(), policy.state());
   if (config.checkpoint.save_final) save_trained(trained, output_dir / "final", config);
   if (train_options.merge) {
     MergeOptions merge;

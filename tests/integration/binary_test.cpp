@@ -1,6 +1,7 @@
 // The real trainer binary: exit codes and messages a user (or a CI script) relies on.
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -60,19 +61,62 @@ TEST(IntegrationTrain, TinyConfigsTrainAndTheLossFalls) {
   }
 }
 
-// A budget too small for one example at the floor: exit code 4, a report, and the last completed step saved.
-TEST(IntegrationTrain, OutOfMemoryAtTheFloorExitsFourWithTheModelSaved) {
-  const auto out_dir = std::filesystem::temp_directory_path() / "trainer-train-floor";
-  std::filesystem::remove_all(out_dir);
-  auto run = run_trainer({"--config", "configs/tiny-qwen2.json", "--set", "checkpoint.output_dir=" + out_dir.string(),
-                          "--set", "memory.limit=2MiB", "--set", "training.micro_batch_size=16"});
+// Two batches of short records, then one of a long record that no micro-batch fits under the budget: exit code 4,
+// a memory report with what to change, and a full checkpoint of step 2 that continues with more memory and trains
+// the long batch (its data cursor is from before that batch).
+TEST(IntegrationTrain, OutOfMemoryAtTheFloorExitsFourWithACheckpointThatResumes) {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / "trainer-train-floor";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::vector<nlohmann::json> demo;
+  {
+    std::ifstream file(std::string(TRAINER_SOURCE_DIR) + "/data/demo/recipes-causal.jsonl");
+    for (std::string line; demo.size() < 40 && std::getline(file, line);) demo.push_back(nlohmann::json::parse(line));
+  }
+  ASSERT_EQ(demo.size(), 40u);
+  std::string completion;
+  for (std::size_t i = 5; i < 40; ++i) completion += demo[i]["completion"].get<std::string>();
+  {
+    std::ofstream data(dir / "data.jsonl");
+    for (std::size_t i = 0; i < 4; ++i) data << demo[i].dump() << "\n";
+    for (int i = 0; i < 2; ++i) data << nlohmann::json{{"prompt", demo[4]["prompt"]}, {"completion", completion}}.dump() << "\n";
+  }
+  const std::vector<std::string> args = {
+      "--config", "configs/tiny-qwen2.json", "--set", "data.train_files=[\"" + (dir / "data.jsonl").string() + "\"]",
+      "--set", "data.validation_files=[]", "--set", "data.shuffle=false", "--set", "data.max_length=4096",
+      "--set", "training.batch_size=2", "--set", "training.micro_batch_size=2", "--set", "training.max_steps=3",
+      "--set", "evaluation.every_steps=0", "--set", "evaluation.sample_prompts=[]",
+      "--set", "checkpoint.output_dir=" + (dir / "run").string()};
+  auto with = [&](std::vector<std::string> extra) {
+    auto all = args;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return run_trainer(all);
+  };
+  auto run = with({"--set", "memory.limit=12MiB"});
   EXPECT_EQ(run.exit_code, 4) << run.err;
-  EXPECT_TRUE(contains(run.err, "out of memory")) << run.err;
-  EXPECT_TRUE(contains(run.err, "memory report")) << run.err;
-  EXPECT_TRUE(contains(run.err, "escalations used: 2 of 2")) << run.err;
-  EXPECT_TRUE(contains(run.err, "hint:")) << run.err;
-  EXPECT_TRUE(std::filesystem::exists(out_dir / "last-completed-step" / "model.safetensors"));
-  std::filesystem::remove_all(out_dir);
+  for (const char* text : {"out of memory", "memory report", "weights", "gradients", "optimizer state (AdamW)",
+                           "activations", "allocations refused", "escalations used: 2 of 2", "hint:", "trainer plan",
+                           "the last completed step (2)", "--resume-from"})
+    EXPECT_TRUE(contains(run.err, text)) << text << "\n" << run.err;
+  const auto saved = dir / "run" / "checkpoint-2";
+  ASSERT_TRUE(fs::exists(saved / "COMPLETE")) << run.err;
+  EXPECT_TRUE(fs::exists(saved / "optimizer.safetensors"));
+
+  // With more memory it continues from step 2 and trains the long batch as step 3.
+  auto resumed = with({"--set", "memory.limit=256MiB", "--resume-from", saved.string()});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_TRUE(contains(resumed.err, "at step 2")) << resumed.err;
+  std::map<int64_t, int64_t> tokens;
+  std::ifstream metrics(dir / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.contains("loss")) tokens[record["step"].get<int64_t>()] = record["tokens"].get<int64_t>();
+  }
+  ASSERT_TRUE(tokens.count(2) && tokens.count(3));
+  EXPECT_GT(tokens[3] - tokens[2], 1000) << "step 3 after the resume must be the long batch";
+  EXPECT_TRUE(fs::exists(dir / "run" / "final" / "model.safetensors"));
+  fs::remove_all(dir);
 }
 
 TEST(IntegrationCli, HelpAndVersion) {
@@ -194,9 +238,11 @@ TEST(IntegrationTrain, CheckpointsAreCompleteAndPruned) {
                           "--set", "training.max_steps=12", "--set", "checkpoint.every_steps=3", "--set",
                           "checkpoint.keep_last=2"});
   ASSERT_EQ(run.exit_code, 0) << run.err;
-  // Steps 3, 6 and 9 were written; the newest two are kept; step 12 is the final model.
+  // Steps 3, 6, 9 and the end (12) were written; the newest two are kept; `final` holds the model too.
   EXPECT_FALSE(std::filesystem::exists(out_dir / "checkpoint-3"));
-  for (const char* name : {"checkpoint-6", "checkpoint-9"}) {
+  EXPECT_FALSE(std::filesystem::exists(out_dir / "checkpoint-6"));
+  EXPECT_TRUE(std::filesystem::exists(out_dir / "final" / "model.safetensors"));
+  for (const char* name : {"checkpoint-9", "checkpoint-12"}) {
     EXPECT_TRUE(std::filesystem::exists(out_dir / name / "COMPLETE")) << name;
     EXPECT_TRUE(std::filesystem::exists(out_dir / name / "model.safetensors")) << name;
     EXPECT_TRUE(std::filesystem::exists(out_dir / name / "optimizer.safetensors")) << name;
@@ -207,6 +253,14 @@ TEST(IntegrationTrain, CheckpointsAreCompleteAndPruned) {
     EXPECT_TRUE(state.contains("memory_policy"));
   }
   EXPECT_EQ(state_step(out_dir / "checkpoint-9"), 9);
+  EXPECT_EQ(state_step(out_dir / "checkpoint-12"), 12);
+  // A longer run continues from the end checkpoint: steps 13 to 15 only.
+  auto longer = run_trainer({"--config", "configs/tiny-qwen2.json", "--set", "checkpoint.output_dir=" + out_dir.string(),
+                             "--set", "training.max_steps=15", "--set", "checkpoint.every_steps=3", "--set",
+                             "checkpoint.keep_last=2", "--resume"});
+  ASSERT_EQ(longer.exit_code, 0) << longer.err;
+  EXPECT_TRUE(longer.err.find("at step 12") != std::string::npos) << longer.err;
+  EXPECT_EQ(state_step(out_dir / "checkpoint-15"), 15);
   std::filesystem::remove_all(out_dir);
 }
 
@@ -239,6 +293,24 @@ TEST(IntegrationTrain, ResumeContinuesExactly) {
   const auto b = read_text(resumed / "final" / "model.safetensors");
   EXPECT_FALSE(a.empty());
   EXPECT_TRUE(a == b) << "the resumed run's weights differ from the uninterrupted run's";
+  // The same data in the same order: steps 11 to 20 trained the same number of target tokens with the same loss.
+  auto steps = [](const fs::path& metrics) {
+    std::map<int64_t, std::pair<int64_t, double>> by_step;  // step -> (tokens so far, loss)
+    std::ifstream file(metrics);
+    for (std::string line; std::getline(file, line);) {
+      const auto record = nlohmann::json::parse(line);
+      if (record.contains("loss") && record.contains("step"))
+        by_step[record["step"].get<int64_t>()] = {record["tokens"].get<int64_t>(), record["loss"].get<double>()};
+    }
+    return by_step;
+  };
+  const auto straight_steps = steps(straight / "metrics.jsonl"), resumed_steps = steps(resumed / "metrics.jsonl");
+  ASSERT_EQ(resumed_steps.size(), 10u);
+  for (int64_t s = 11; s <= 20; ++s) {
+    ASSERT_TRUE(resumed_steps.count(s) && straight_steps.count(s)) << "step " << s;
+    EXPECT_EQ(resumed_steps.at(s).first, straight_steps.at(s).first) << "tokens by step " << s;
+    EXPECT_EQ(resumed_steps.at(s).second, straight_steps.at(s).second) << "loss of step " << s;
+  }
 
   // Nothing to resume from, and a checkpoint of another model, are data errors that say what is wrong.
   auto nothing = with(fs::temp_directory_path() / "trainer-resume-none", {"--resume"});
@@ -283,6 +355,58 @@ TEST(IntegrationTrain, SignalsStopWithACheckpoint) {
 }  // namespace trainer::test
 
 namespace trainer::test {
+
+// A stop delivered twice at once (GNU timeout signals the child, then its process group) is one request: the run
+// still checkpoints and exits 0. A second signal later stops at once, and the newest complete checkpoint survives.
+TEST(IntegrationTrain, SecondSignalStopsAtOnceAndDuplicatesAreOneStop) {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / "trainer-signals-twice";
+  fs::remove_all(dir);
+  const std::string trainer = shell_quote(trainer_binary());
+  const std::string common = " --config configs/tiny-qwen2.json --set training.max_steps=100000 --set "
+                             "evaluation.every_steps=0 --set checkpoint.every_steps=5 --set checkpoint.output_dir=" +
+                             shell_quote(dir.string());
+  auto shell = [&](const std::string& script) {
+    const auto err = dir.string() + ".err";
+    const int status = std::system(("cd " + shell_quote(TRAINER_SOURCE_DIR) + " && { " + script + " ; } 2>" +
+                                    shell_quote(err) + " >/dev/null").c_str());
+    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_text(err));
+  };
+  // Wait for a complete checkpoint, then two SIGTERMs back to back: one stop, exit 0.
+  auto [twice, twice_err] = shell(
+      trainer + common + " & pid=$!; while [ ! -e " + shell_quote((dir / "checkpoint-5" / "COMPLETE").string()) +
+      " ]; do sleep 0.1; done; kill -TERM $pid; kill -TERM $pid; wait $pid");
+  EXPECT_EQ(twice, 0) << twice_err;
+  EXPECT_TRUE(contains(twice_err, "SIGTERM: finishing this step")) << twice_err;
+  EXPECT_FALSE(contains(twice_err, "second stop signal")) << twice_err;
+
+  // A new run in the same directory: SIGINT while it probes its micro-batch (seconds), and another 0.6 s later,
+  // before the first could be honoured: it ends at once, and what the directory holds is untouched.
+  const auto log = dir.string() + ".second";
+  auto [second, second_err] = shell(
+      trainer + common + " 2>" + shell_quote(log) + " & pid=$!; until grep -q 'micro_batch_size=auto' " +
+      shell_quote(log) + "; do sleep 0.05; done; kill -INT $pid; sleep 0.6; kill -INT $pid; wait $pid");
+  const auto second_log = read_text(log);
+  fs::remove(log);
+  EXPECT_EQ(second, 130) << second_log;
+  EXPECT_TRUE(contains(second_log, "SIGINT: finishing this step")) << second_log;
+  EXPECT_TRUE(contains(second_log, "second stop signal")) << second_log;
+  int64_t newest = -1;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (name.starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
+      newest = std::max<int64_t>(newest, std::stoll(name.substr(11)));
+  }
+  ASSERT_GE(newest, 5);
+  auto resumed = run_trainer({"--config", "configs/tiny-qwen2.json", "--set",
+                              "training.max_steps=" + std::to_string(newest + 1), "--set", "evaluation.every_steps=0",
+                              "--set", "checkpoint.every_steps=5", "--set", "checkpoint.output_dir=" + dir.string(),
+                              "--resume"});
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_TRUE(contains(resumed.err, "at step " + std::to_string(newest))) << resumed.err;
+  fs::remove_all(dir);
+  fs::remove(dir.string() + ".err");
+}
 
 // kill -9 at many moments, checkpoints written every step: the newest complete checkpoint always loads and the
 // run resumes from it.

@@ -111,36 +111,48 @@ TEST(TrainStep, AnySplitGivesTheSameGradient) {
   expect_close(whole, Trainee(1).grads_of(batch), 1e-5);
 }
 
-// Four steps under a budget that forces the micro-batch down reach the weights of four unconstrained steps.
-void out_of_memory_mid_run_reaches_the_same_weights(bool lora) {
+// Six steps; after two, a budget arrives that forces the micro-batch from 8 to 2 (8 -> 4 -> 2 in one step). The run
+// reaches the weights of six unconstrained steps.
+void out_of_memory_mid_run_reaches_the_same_weights(bool lora, bool checkpointing = false) {
   BudgetScope budget;
   std::vector<EffectiveBatch> batches;
-  for (uint64_t i = 0; i < 4; ++i) batches.push_back(make_batch(8, 10 + i));
+  for (uint64_t i = 0; i < 6; ++i) batches.push_back(make_batch(8, 10 + i, 60, 20));
 
   Trainee free_run(8, {}, lora);
-  for (int64_t s = 0; s < 4; ++s) free_run.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
+  for (int64_t s = 0; s < 6; ++s) free_run.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
 
-  // Measure what micro-batches of 2 and 8 need above the model and optimizer, then allow something between.
   Trainee constrained(8, {}, lora);
+  if (checkpointing) apply_activation_checkpointing(*constrained.model);
+  for (int64_t s = 0; s < 2; ++s) constrained.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
+  ASSERT_TRUE(constrained.policy->adaptations().empty());
+  // What micro-batches of 2 and 4 need above the model and optimizer state: a budget that every later batch fits
+  // at 2, and that the third batch does not fit at 4.
   const int64_t base = cpu_memory_stats().allocated;
-  auto extra = [&](int64_t n) {
+  auto extra = [&](const EffectiveBatch& batch, int64_t n) {
     reset_cpu_peak();
-    constrained.step->forward_backward(std::span<const Example>(batches[0].examples).subspan(0, static_cast<std::size_t>(n)),
+    constrained.step->forward_backward(std::span<const Example>(batch.examples).subspan(0, static_cast<std::size_t>(n)),
                                        1.0);
     constrained.optimizer->zero_grad();
     return cpu_memory_stats().peak - base;
   };
-  const int64_t two = extra(2), eight = extra(8);
-  ASSERT_LT(two, eight);
-  set_cpu_budget_limit(base + (two + eight) / 2);
+  int64_t two = 0;
+  for (std::size_t b = 2; b < 6; ++b) two = std::max(two, extra(batches[b], 2));
+  const int64_t four = extra(batches[2], 4);
+  ASSERT_LT(two, four);
+  set_cpu_budget_limit(base + (two + four) / 2);
   StepResult last;
-  for (int64_t s = 0; s < 4; ++s) last = constrained.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
+  for (int64_t s = 2; s < 6; ++s) last = constrained.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
   set_cpu_budget_limit(0);
 
-  ASSERT_FALSE(constrained.policy->adaptations().empty()) << "the budget must have forced the micro-batch down";
-  EXPECT_EQ(constrained.policy->adaptations().front().old_micro_batch, 8);
-  EXPECT_LE(last.micro_batch, 4);
-  EXPECT_GE(last.micro_batch, 2);
+  const auto& a = constrained.policy->adaptations();
+  ASSERT_EQ(a.size(), 2u) << "the budget must force 8 -> 4 -> 2 at step 3 and nothing after";
+  EXPECT_EQ(a[0].step, 3);
+  EXPECT_EQ(a[0].old_micro_batch, 8);
+  EXPECT_EQ(a[0].new_micro_batch, 4);
+  EXPECT_EQ(a[1].step, 3);
+  EXPECT_EQ(a[1].new_micro_batch, 2);
+  EXPECT_EQ(last.micro_batch, 2);
+  EXPECT_EQ(last.micro_steps, 4);
   expect_close(weights_of(*free_run.model), weights_of(*constrained.model), 1e-5);
   if (lora) expect_close(weights_of(*free_run.lora), weights_of(*constrained.lora), 1e-5);
 }
@@ -148,6 +160,11 @@ void out_of_memory_mid_run_reaches_the_same_weights(bool lora) {
 TEST(TrainStep, OutOfMemoryMidRunReachesTheSameWeights) { out_of_memory_mid_run_reaches_the_same_weights(false); }
 
 TEST(LoraTrainStep, OutOfMemoryMidRunReachesTheSameAdapterWeights) { out_of_memory_mid_run_reaches_the_same_weights(true); }
+
+// LoRA, activation checkpointing (recomputed blocks) and the memory policy together.
+TEST(LoraTrainStep, OutOfMemoryWithActivationCheckpointingReachesTheSameAdapterWeights) {
+  out_of_memory_mid_run_reaches_the_same_weights(true, true);
+}
 
 TEST(TrainStep, RegrowsAfterStableStepsButNotToASizeThatFailed) {
   BudgetScope budget;
@@ -221,6 +238,10 @@ TEST(TrainStep, TheOptimizerUpdateAllocatesNothing) {
     Trainee run(8, {}, false, state_dtype);
     const auto batch = make_batch(8, 4);
     run.grads_of(batch);
+    // Clipping computes the norm slice by slice: a few KiB of scalars and reduction buffers, never a gradient-sized
+    // temporary (the embedding's gradient alone is larger than this headroom).
+    set_cpu_budget_limit(cpu_memory_stats().allocated + 16 * 1024);
+    EXPECT_NO_THROW(run.optimizer->clip_grad_norm(1e-3));
     set_cpu_budget_limit(cpu_memory_stats().allocated + 1);  // not one more byte
     EXPECT_NO_THROW(run.optimizer->step(1e-3));
     set_cpu_budget_limit(0);
@@ -282,9 +303,13 @@ TEST(AdamW, LoadStateRefusesMissingOrMisshapenMomentsAndChangesNothing) {
 
 TEST(TrainStep, ChunkedLossAndCheckpointingGiveTheSameGradient) {
   const auto batch = make_batch(4, 5);
-  Trainee plain(4), chunked(4);
+  Trainee plain(4), chunked(4), both(4);
   chunked.step->set_chunked_loss(true);
-  expect_close(plain.grads_of(batch), chunked.grads_of(batch), 1e-5);
+  both.step->set_chunked_loss(true);
+  apply_activation_checkpointing(*both.model);
+  const auto expected = plain.grads_of(batch);
+  expect_close(expected, chunked.grads_of(batch), 1e-5);
+  expect_close(expected, both.grads_of(batch), 1e-5);
 }
 
 TEST(LoraTrainStep, ChunkedLossAndCheckpointingGiveTheSameAdapterGradients) {
