@@ -380,14 +380,28 @@ TEST(IntegrationTrain, SecondSignalStopsAtOnceAndDuplicatesAreOneStop) {
   EXPECT_TRUE(contains(twice_err, "SIGTERM: finishing this step")) << twice_err;
   EXPECT_FALSE(contains(twice_err, "second stop signal")) << twice_err;
 
-  // A new run in the same directory: SIGINT while it probes its micro-batch (seconds), and another 0.6 s later,
-  // before the first could be honoured: it ends at once, and what the directory holds is untouched.
+  // A new run in the same directory, on long records (a step takes seconds): SIGINT once step 1 is logged, another
+  // 0.6 s later, inside step 2: it ends at once, and what the directory holds is untouched.
+  {
+    std::ifstream demo(std::string(TRAINER_SOURCE_DIR) + "/data/demo/recipes-causal.jsonl");
+    std::string line, prompt, completion;
+    for (int i = 0; i < 40 && std::getline(demo, line); ++i) {
+      const auto record = nlohmann::json::parse(line);
+      if (i == 0) prompt = record["prompt"];
+      else completion += record["completion"].get<std::string>();
+    }
+    std::ofstream data(dir.string() + ".jsonl");
+    for (int i = 0; i < 16; ++i) data << nlohmann::json{{"prompt", prompt}, {"completion", completion}}.dump() << "\n";
+  }
   const auto log = dir.string() + ".second";
+  const std::string slow = " --set data.train_files='[\"" + dir.string() + ".jsonl\"]' --set data.max_length=4096 "
+                           "--set training.micro_batch_size=16 --set logging.every_steps=1 --set logging.progress=plain";
   auto [second, second_err] = shell(
-      trainer + common + " 2>" + shell_quote(log) + " & pid=$!; until grep -q 'micro_batch_size=auto' " +
+      trainer + common + slow + " 2>" + shell_quote(log) + " & pid=$!; until grep -q '] step 1/' " +
       shell_quote(log) + "; do sleep 0.05; done; kill -INT $pid; sleep 0.6; kill -INT $pid; wait $pid");
   const auto second_log = read_text(log);
   fs::remove(log);
+  fs::remove(dir.string() + ".jsonl");
   EXPECT_EQ(second, 130) << second_log;
   EXPECT_TRUE(contains(second_log, "SIGINT: finishing this step")) << second_log;
   EXPECT_TRUE(contains(second_log, "second stop signal")) << second_log;

@@ -49,7 +49,7 @@ TEST(IntegrationObserve, WebhookHearsStartCheckpointFinishAndFailures) {
   EXPECT_TRUE(contains(run.err, "webhook: on")) << run.err;
   EXPECT_FALSE(contains(run.out + run.err, "s3cr3t")) << "the URL is never printed";
   auto events = bodies(server);
-  ASSERT_EQ(events.size(), 3u) << server.requests().size();
+  ASSERT_EQ(events.size(), 4u) << server.requests().size();
   EXPECT_EQ(events[0]["event"], "start");
   EXPECT_EQ(events[0]["model"], "qwen2");
   EXPECT_EQ(events[0]["total_steps"], 6);
@@ -57,9 +57,11 @@ TEST(IntegrationObserve, WebhookHearsStartCheckpointFinishAndFailures) {
   EXPECT_EQ(events[1]["step"], 3);
   EXPECT_EQ(events[1]["path"], (dir.path() / "run" / "checkpoint-3").string());
   EXPECT_TRUE(events[1].contains("eval_loss"));
-  EXPECT_EQ(events[2]["event"], "finish");
+  EXPECT_EQ(events[2]["event"], "checkpoint");  // the end of the run
   EXPECT_EQ(events[2]["step"], 6);
-  EXPECT_EQ(events[2]["model_dir"], (dir.path() / "run" / "final").string());
+  EXPECT_EQ(events[3]["event"], "finish");
+  EXPECT_EQ(events[3]["step"], 6);
+  EXPECT_EQ(events[3]["model_dir"], (dir.path() / "run" / "final").string());
   for (const auto& e : events) EXPECT_TRUE(e["content"].get<std::string>().starts_with("trainer ")) << e;
   EXPECT_TRUE(contains(run_trainer({"train", "--help"}).out, "TRAINER_WEBHOOK_URL")) << "--help names the variable";
 
@@ -72,14 +74,16 @@ TEST(IntegrationObserve, WebhookHearsStartCheckpointFinishAndFailures) {
                          env);
   EXPECT_EQ(oom.exit_code, 4) << oom.err;
   events = bodies(server);
-  ASSERT_EQ(events.size(), 3u + 2u + 1u) << "start of the OOM run, and two failures";
-  EXPECT_EQ(events[3]["event"], "failure");
-  EXPECT_EQ(events[3]["exit_code"], 3);
-  EXPECT_TRUE(contains(events[3]["message"].get<std::string>(), "no complete checkpoint")) << events[3];
-  EXPECT_EQ(events[4]["event"], "start");
-  EXPECT_EQ(events[5]["event"], "failure");
-  EXPECT_EQ(events[5]["exit_code"], 4);
-  EXPECT_TRUE(contains(events[5]["content"].get<std::string>(), "FAILED at step 0/6 (exit code 4)")) << events[5];
+  ASSERT_EQ(events.size(), 4u + 1u + 3u) << "two failures; the OOM run's start and its checkpoint of step 0";
+  EXPECT_EQ(events[4]["event"], "failure");
+  EXPECT_EQ(events[4]["exit_code"], 3);
+  EXPECT_TRUE(contains(events[4]["message"].get<std::string>(), "no complete checkpoint")) << events[4];
+  EXPECT_EQ(events[5]["event"], "start");
+  EXPECT_EQ(events[6]["event"], "checkpoint");
+  EXPECT_EQ(events[6]["step"], 0);
+  EXPECT_EQ(events[7]["event"], "failure");
+  EXPECT_EQ(events[7]["exit_code"], 4);
+  EXPECT_TRUE(contains(events[7]["content"].get<std::string>(), "FAILED at step 0/6 (exit code 4)")) << events[7];
 }
 
 TEST(IntegrationObserve, UnreachableWebhookNeitherFailsNorDelaysTheRun) {
@@ -167,7 +171,8 @@ TEST(IntegrationObserve, SummaryAndKeepBestAcrossResume) {
   auto check_best = [&](int64_t last_checkpoint) {
     std::map<int64_t, double> eval_at;
     for (const auto& r : read_jsonl(out_dir / "metrics.jsonl"))
-      if (r.contains("eval_loss") && r["step"].get<int64_t>() <= last_checkpoint && r["step"].get<int64_t>() % 2 == 0)
+      if (r.contains("eval_loss") && r["step"].get<int64_t>() <= last_checkpoint &&
+          (r["step"].get<int64_t>() % 2 == 0 || r["step"].get<int64_t>() == last_checkpoint))  // every 2 and the end
         eval_at[r["step"].get<int64_t>()] = r["eval_loss"].get<double>();
     ASSERT_FALSE(eval_at.empty());
     auto best = eval_at.begin();
@@ -187,20 +192,20 @@ TEST(IntegrationObserve, SummaryAndKeepBestAcrossResume) {
   };
   auto first = with({"--set", "training.max_steps=11"});
   ASSERT_EQ(first.exit_code, 0) << first.err;
-  check_best(10);
+  check_best(11);
   // The summary: steps, tokens, time, data, memory, adaptations, where everything is.
   for (const char* part : {"Done: 11 steps", "target tokens; this run", "tokens/s)", "validation loss",
                            "records ", "bad records skipped 0", "truncated ", "peak memory ",
                            "micro-batch adaptations: ", "model saved to ",
-                           "last checkpoint ", "checkpoint-10", "best checkpoint ", "metrics ",
+                           "last checkpoint ", "checkpoint-11", "best checkpoint ", "metrics ",
                            "tensorboard --logdir "})
     EXPECT_TRUE(contains(first.out, part)) << part << " missing from:\n" << first.out;
 
   auto resumed = with({"--set", "training.max_steps=15", "--resume"});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_TRUE(contains(resumed.err, "checkpoint.keep_best: the best so far is")) << resumed.err;
-  EXPECT_TRUE(contains(resumed.out, "(resumed at step 10)")) << resumed.out;
-  check_best(14);
+  EXPECT_TRUE(contains(resumed.out, "(resumed at step 11)")) << resumed.out;
+  check_best(15);
 }
 
 }  // namespace trainer::test

@@ -152,6 +152,16 @@ TEST(ConfigErrors, WrongTypesNameTheKeyAndWhatWasGiven) {
   EXPECT_TRUE(contains(problem_at(problems, "logging"), "expected an object"));
 }
 
+TEST(ConfigErrors, Fp16IsRefusedWithTheReason) {
+  for (const char* mode : {"fp16", "fp16-mixed", "16-mixed"}) {
+    const auto problems = problems_of(std::string(R"({"model": {"path": "m"}, "data": {"train_files": ["d"]},
+                                                      "precision": {"mode": ")") + mode + R"("}})");
+    const auto problem = problem_at(problems, "precision.mode");
+    EXPECT_TRUE(contains(problem, "overflow")) << problem;
+    EXPECT_TRUE(contains(problem, "bf16-mixed")) << problem;
+  }
+}
+
 TEST(ConfigErrors, EveryProblemIsReportedAtOnce) {
   const auto problems = problems_of(R"({"data": {"bogus": 1}, "training": {"batch_size": 0},
                                          "optimizer": {"lr": -1}})");
