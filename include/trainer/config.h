@@ -368,7 +368,7 @@ struct CheckpointConfig {
   template <class V>
   void visit(V& v) {
     v("output_dir", output_dir, "where checkpoints, the final model, metrics and TensorBoard files go");
-    v("every_steps", every_steps, "checkpoint every N optimizer steps; 0: only at the end");
+    v("every_steps", every_steps, "checkpoint every N optimizer steps and at the end; 0: only at the end");
     v("keep_last", keep_last, "complete checkpoints to keep (older ones are deleted)");
     v("keep_best", keep_best,
       "also keep the checkpoint with the lowest validation loss (named in output_dir/best_checkpoint.json); "
