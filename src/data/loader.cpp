@@ -122,9 +122,12 @@ class JsonlLoader final : public DataLoader {
     return path + ":" + std::to_string(line);
   }
 
+  // The first few are shown as they happen as well; the rest are counted (the summaries print the counts).
   void keep_problem(const data::MappedRecord& mapped) {
-    if (stats_.first_problems.size() < kProblemsKept)
-      stats_.first_problems.push_back(where(mapped) + ": " + mapped.outcome.problem);
+    if (stats_.first_problems.size() >= kProblemsKept) return;
+    stats_.first_problems.push_back(where(mapped) + ": " + mapped.outcome.problem);
+    spdlog::warn("data: skipped {}{}", stats_.first_problems.back(),
+                 stats_.first_problems.size() == kProblemsKept ? " (further problems are only counted)" : "");
   }
 
   // Batches in the epoch's order; the cursor is the slot after the last example handed out.

@@ -76,6 +76,7 @@ std::string format_summary(const RunSummary& s) {
   if (s.eval_loss) text += fmt::format("  validation loss {:.4f} (perplexity {:.2f})\n", *s.eval_loss, std::exp(*s.eval_loss));
   text += fmt::format("  records {} read, bad records skipped {}, truncated {}, too long and skipped {}\n",
                       s.data.records_read, s.data.bad_records_skipped, s.data.truncated, s.data.overlength_skipped);
+  for (const auto& problem : s.data.first_problems) text += "    " + problem + "\n";
   text += fmt::format("  peak memory {}; micro-batch adaptations: {}\n", human_bytes(static_cast<double>(s.memory_peak)),
                       s.adaptations.size());
   for (const auto& a : s.adaptations)

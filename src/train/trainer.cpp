@@ -525,6 +525,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   const int64_t start_step = step_index, start_tokens = tokens_seen;
   reporter.on_start({model->model_type(), count_parameters(*model), optimizer->trainable_parameters(), total_steps,
                      policy.micro_batch(), start_step, start_tokens, resume_dir ? resume_dir->string() : ""});
+  int64_t current_epoch = loader->cursor().epoch;
   while (step_index < total_steps) {
     if (const int signal = stop_requested()) {
       reporter.on_stopped(signal, step_index, checkpoint(loader->cursor(), policy.state()));
@@ -534,6 +535,13 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     const LoaderCursor cursor_before = loader->cursor();  // for a checkpoint of this state if the step cannot fit
     const nlohmann::json policy_before = policy.state();
     auto batch = loader->next();
+    if (batch && batch->epoch != current_epoch) {
+      const auto d = loader->stats();
+      spdlog::info("epoch {} done (data so far: records {} read, bad records skipped {}, truncated {}, too long and "
+                   "skipped {})", current_epoch + 1, d.records_read, d.bad_records_skipped, d.truncated,
+                   d.overlength_skipped);
+      current_epoch = batch->epoch;
+    }
     if (!batch) break;
     const double lr = scheduled_lr(config.scheduler, config.optimizer.lr, step_index, total_steps);
     StepResult result;

@@ -119,6 +119,37 @@ TEST(IntegrationTrain, OutOfMemoryAtTheFloorExitsFourWithACheckpointThatResumes)
   fs::remove_all(dir);
 }
 
+// data.on_bad_record=skip in a training run: the problem is shown as it happens with file:line, the end of each
+// epoch prints the counts so far, and the summary lists the problem.
+TEST(IntegrationTrain, SkippedRecordsAreShownAndCountedPerEpoch) {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / "trainer-train-skip";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    std::ifstream demo(std::string(TRAINER_SOURCE_DIR) + "/data/demo/recipes-causal.jsonl");
+    std::ofstream data(dir / "data.jsonl");
+    std::string line;
+    for (int i = 0; i < 5 && std::getline(demo, line); ++i) {
+      data << line << "\n";
+      if (i == 2) data << "{\"prompt\": \"no completion\"\n";  // line 4: not JSON
+    }
+  }
+  auto run = run_trainer({"--config", "configs/tiny-qwen2.json", "--set",
+                          "data.train_files=[\"" + (dir / "data.jsonl").string() + "\"]", "--set",
+                          "data.validation_files=[]", "--set", "data.on_bad_record=skip", "--set",
+                          "training.batch_size=2", "--set", "training.micro_batch_size=2", "--set",
+                          "training.max_steps=5", "--set", "evaluation.every_steps=0", "--set",
+                          "evaluation.sample_prompts=[]", "--set", "checkpoint.output_dir=" + (dir / "run").string()});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const std::string where = (dir / "data.jsonl").string() + ":4: ";
+  EXPECT_TRUE(contains(run.err, "data: skipped " + where)) << run.err;
+  EXPECT_TRUE(contains(run.err, "epoch 1 done (data so far: records ")) << run.err;
+  EXPECT_TRUE(contains(run.out, "bad records skipped ")) << run.out;
+  EXPECT_TRUE(contains(run.out, "    " + where)) << run.out;
+  fs::remove_all(dir);
+}
+
 TEST(IntegrationCli, HelpAndVersion) {
   EXPECT_EQ(run_trainer({"--help"}).exit_code, 0);
   EXPECT_EQ(run_trainer({"train", "--help"}).exit_code, 0);
