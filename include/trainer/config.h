@@ -190,6 +190,7 @@ struct TrainingConfig {
   std::int64_t batch_size = 32;
   MicroBatchSize micro_batch_size = MicroBatchSize::automatic();
   std::int64_t gradient_accumulation_steps = 0;
+  std::int64_t micro_batch_tokens = 0;
   std::int64_t max_steps = 0;
   std::int64_t epochs = 1;
   std::int64_t seed = 42;
@@ -204,6 +205,9 @@ struct TrainingConfig {
     v("micro_batch_size", micro_batch_size, "examples per forward/backward: an integer, or \"auto\" to probe memory");
     v("gradient_accumulation_steps", gradient_accumulation_steps,
       "0: follows from batch_size and the micro-batch; else batch_size must equal micro x steps");
+    v("micro_batch_tokens", micro_batch_tokens,
+      "token-budget mode: each micro-batch takes the next examples while examples x longest (input + target) "
+      "<= this; the memory policy halves it on out-of-memory; 0: micro-batches count examples");
     v("max_steps", max_steps, "optimizer steps to run; 0: run `epochs` epochs");
     v("epochs", epochs, "passes over train_files when max_steps is 0");
     v("seed", seed, "seed for initialisation, shuffling and dropout");

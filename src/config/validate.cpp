@@ -72,7 +72,15 @@ std::vector<ConfigProblem> validate(const Config& c) {
                       std::to_string(t.batch_size) + "); the micro-batch is a part of the effective batch");
   }
   check.at_least(t.gradient_accumulation_steps, 0, "training.gradient_accumulation_steps");
-  if (t.gradient_accumulation_steps > 0) {
+  check.at_least(t.micro_batch_tokens, 0, "training.micro_batch_tokens");
+  if (t.micro_batch_tokens > 0) {
+    check.require(t.micro_batch_size.is_auto, "training.micro_batch_size",
+                  "is fixed, but training.micro_batch_tokens (token-budget mode) sizes the micro-batches; "
+                  "leave micro_batch_size at \"auto\", or set micro_batch_tokens to 0");
+    check.require(t.gradient_accumulation_steps == 0, "training.gradient_accumulation_steps",
+                  "must be 0 with training.micro_batch_tokens: the number of micro-batches follows from the tokens");
+  }
+  if (t.gradient_accumulation_steps > 0 && t.micro_batch_tokens == 0) {
     if (t.micro_batch_size.is_auto) {
       check.require(false, "training.gradient_accumulation_steps",
                     "needs a fixed training.micro_batch_size; with \"auto\" the steps follow from batch_size");

@@ -136,7 +136,8 @@ void Reporter::on_start(const RunStart& start) {
   if (tensorboard_) tensorboard_->session_start(start.start_step + 1);
   out_ << "Training " << start.model_type << " (" << start.parameters << " parameters, " << start.trainable_parameters
        << " trainable) for " << start.total_steps << " steps of " << config_.training.batch_size
-       << " examples; micro-batch " << start.micro_batch << "\n";
+       << " examples; " << (config_.training.micro_batch_tokens > 0 ? "micro-batches of at most " : "micro-batch ")
+       << start.micro_batch << (config_.training.micro_batch_tokens > 0 ? " padded tokens\n" : "\n");
   out_.flush();
   notify({{"event", "start"},
           {"model", start.model_type},

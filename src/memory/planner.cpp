@@ -186,6 +186,8 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
                                static_cast<double>(config.data.max_target_length), dropout_share)
               : llama_activations(hf_config, static_cast<double>(config.data.max_length));
   Activations a = base_activations;
+  plan.longest_example_tokens = seq2seq ? config.data.max_input_length + config.data.max_target_length
+                                        : config.data.max_length;
   if (config.lora.enabled) {
     const double input_tokens = static_cast<double>(seq2seq ? config.data.max_input_length : config.data.max_length);
     const double extra = adapter_elements_input * input_tokens +
@@ -262,6 +264,10 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
     if (with_everything > as_configured)
       out << "  with training.activation_checkpointing=true and training.chunked_loss=true: " << with_everything
           << "\n";
+    if (config.training.micro_batch_tokens > 0)  // the table's examples are all at the maximum lengths
+      out << "  token-budget mode: that is training.micro_batch_tokens " << as_configured * plan.longest_example_tokens
+          << " (" << plan.longest_example_tokens << " tokens an example at the maximum lengths; configured "
+          << config.training.micro_batch_tokens << ")\n";
   } else if (with_everything > 0) {
     out << "recommendation: turn on training.activation_checkpointing=true and training.chunked_loss=true; then "
            "micro_batch_size "

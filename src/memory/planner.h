@@ -29,6 +29,7 @@ struct MemoryPlan {
   double workspace = 0;          // allocator and library workspaces outside the tensors above
   double capacity = 0;           // memory.limit, else the device's total; 0: unknown
   std::string capacity_source;
+  int64_t longest_example_tokens = 0;  // input (+ target for seq2seq) at the maximum lengths
   double safety_margin = 0;      // fraction of capacity left free (memory.auto_safety_margin)
   int64_t batch_size = 0;
 

@@ -12,22 +12,32 @@ namespace trainer {
 
 MemoryPolicy::MemoryPolicy(const MemoryConfig& memory, const TrainingConfig& training)
     : memory_(memory),
-      micro_batch_(training.micro_batch_size.is_auto ? training.batch_size : training.micro_batch_size.value),
+      by_tokens_(training.micro_batch_tokens > 0),
+      micro_batch_(by_tokens_ ? training.micro_batch_tokens
+                   : training.micro_batch_size.is_auto ? training.batch_size
+                                                       : training.micro_batch_size.value),
       largest_ok_(std::numeric_limits<int64_t>::max()) {}
 
 void MemoryPolicy::set_micro_batch(int64_t n, int64_t step, const std::string& reason) {
   if (n == micro_batch_) return;
   adaptations_.push_back({step, micro_batch_, n, reason});
-  spdlog::warn("memory: step {}: micro-batch {} -> {} ({})", step, micro_batch_, n, reason);
+  spdlog::warn("memory: step {}: micro-batch {} -> {}{} ({})", step, micro_batch_, n, by_tokens_ ? " tokens" : "",
+               reason);
   micro_batch_ = n;
 }
 
-bool MemoryPolicy::shrink(int64_t step, const std::string& where) {
+std::vector<std::pair<int64_t, int64_t>> MemoryPolicy::split(std::span<const Example> examples, bool seq2seq) const {
+  return by_tokens_ ? split_tokens(examples, micro_batch_, seq2seq)
+                    : split_counts(static_cast<int64_t>(examples.size()), micro_batch_);
+}
+
+bool MemoryPolicy::shrink(int64_t step, const std::string& where, bool single_examples) {
   stable_steps_ = 0;
   largest_ok_ = std::min(largest_ok_, micro_batch_ - 1);
-  if (memory_.on_oom == OomPolicy::kFail || micro_batch_ <= memory_.min_micro_batch_size) return false;
+  const int64_t floor = by_tokens_ ? 1 : memory_.min_micro_batch_size;
+  if (memory_.on_oom == OomPolicy::kFail || micro_batch_ <= floor || (by_tokens_ && single_examples)) return false;
   const auto smaller = std::max<int64_t>(
-      memory_.min_micro_batch_size,
+      floor,
       std::min<int64_t>(micro_batch_ - 1, static_cast<int64_t>(std::floor(static_cast<double>(micro_batch_) * memory_.shrink_factor))));
   set_micro_batch(smaller, step, "out of memory in " + where);
   return true;
@@ -50,7 +60,7 @@ void MemoryPolicy::step_succeeded(int64_t step, int64_t batch_size) {
   if (memory_.regrow_after_steps <= 0 || stable_steps_ < memory_.regrow_after_steps) return;
   stable_steps_ = 0;
   // Grow by the inverse of the shrink factor, but never back to a size that has run out of memory.
-  const auto larger = std::min({batch_size, largest_ok_,
+  const auto larger = std::min({by_tokens_ ? std::numeric_limits<int64_t>::max() : batch_size, largest_ok_,
                                 static_cast<int64_t>(std::ceil(static_cast<double>(micro_batch_) / memory_.shrink_factor))});
   if (larger > micro_batch_)
     set_micro_batch(larger, step, "regrow after " + std::to_string(memory_.regrow_after_steps) + " stable steps");
@@ -61,20 +71,51 @@ nlohmann::json MemoryPolicy::state() const {
   for (const auto& a : adaptations_)
     adaptations.push_back({{"step", a.step}, {"old", a.old_micro_batch}, {"new", a.new_micro_batch}, {"reason", a.reason}});
   return {{"micro_batch", micro_batch_},
+          {"unit", by_tokens_ ? "tokens" : "examples"},
           {"largest_ok", largest_ok_ == std::numeric_limits<int64_t>::max() ? -1 : largest_ok_},
           {"escalated", escalated_},
           {"adaptations", adaptations}};
 }
 
 void MemoryPolicy::restore(const nlohmann::json& state) {
-  micro_batch_ = state.at("micro_batch").get<int64_t>();
-  const auto largest = state.at("largest_ok").get<int64_t>();
-  largest_ok_ = largest < 0 ? std::numeric_limits<int64_t>::max() : largest;
+  const bool saved_by_tokens = state.value("unit", std::string("examples")) == "tokens";
+  if (saved_by_tokens == by_tokens_) {
+    micro_batch_ = state.at("micro_batch").get<int64_t>();
+    const auto largest = state.at("largest_ok").get<int64_t>();
+    largest_ok_ = largest < 0 ? std::numeric_limits<int64_t>::max() : largest;
+  } else {
+    spdlog::warn("memory: the checkpoint's micro-batch counts {}, this run counts {}: starting from the config's",
+                 saved_by_tokens ? "tokens" : "examples", by_tokens_ ? "tokens" : "examples");
+  }
   escalated_ = state.at("escalated").get<std::vector<std::string>>();
   adaptations_.clear();
   for (const auto& a : state.at("adaptations"))
     adaptations_.push_back({a.at("step").get<int64_t>(), a.at("old").get<int64_t>(), a.at("new").get<int64_t>(),
                             a.at("reason").get<std::string>()});
+}
+
+std::vector<std::pair<int64_t, int64_t>> split_tokens(std::span<const Example> examples, int64_t tokens, bool seq2seq) {
+  // Collation pads inputs to the longest input and (seq2seq) labels to the longest labels of the micro-batch.
+  auto input = [&](int64_t i) { return static_cast<int64_t>(examples[static_cast<std::size_t>(i)].input_ids.size()); };
+  auto labels = [&](int64_t i) {
+    return seq2seq ? static_cast<int64_t>(examples[static_cast<std::size_t>(i)].labels.size()) : int64_t{0};
+  };
+  std::vector<std::pair<int64_t, int64_t>> parts;
+  const auto n = static_cast<int64_t>(examples.size());
+  for (int64_t begin = 0; begin < n;) {
+    int64_t count = 1, longest_input = input(begin), longest_labels = labels(begin);
+    while (begin + count < n) {
+      const int64_t next_input = std::max(longest_input, input(begin + count));
+      const int64_t next_labels = std::max(longest_labels, labels(begin + count));
+      if ((count + 1) * (next_input + next_labels) > tokens) break;
+      longest_input = next_input;
+      longest_labels = next_labels;
+      ++count;
+    }
+    parts.emplace_back(begin, count);
+    begin += count;
+  }
+  return parts;
 }
 
 std::vector<std::pair<int64_t, int64_t>> split_counts(int64_t count, int64_t micro) {

@@ -3,12 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
 #include "trainer/config.h"
+#include "trainer/data.h"
 
 namespace trainer {
 
@@ -23,11 +25,16 @@ class MemoryPolicy {
  public:
   MemoryPolicy(const MemoryConfig& memory, const TrainingConfig& training);
 
+  // The micro-batch size: examples, or in token-budget mode (training.micro_batch_tokens) padded tokens.
   int64_t micro_batch() const { return micro_batch_; }
+  bool by_tokens() const { return by_tokens_; }
   void set_micro_batch(int64_t n, int64_t step, const std::string& reason);
+  // The effective batch's micro-batches as consecutive (begin, count) parts: by count, or by padded tokens.
+  std::vector<std::pair<int64_t, int64_t>> split(std::span<const Example> examples, bool seq2seq) const;
 
   // After an out-of-memory error at `step` in `where`: a smaller micro-batch (true), or false at the floor.
-  bool shrink(int64_t step, const std::string& where);
+  // `single_examples`: the failed split already had one example per micro-batch (the floor in token mode).
+  bool shrink(int64_t step, const std::string& where, bool single_examples = false);
   // At the floor: the next escalation step from memory.escalation not yet on, or empty when none is left.
   std::string next_escalation(int64_t step);
   // After a step that completed; may grow the micro-batch back (memory.regrow_after_steps).
@@ -42,6 +49,7 @@ class MemoryPolicy {
 
  private:
   MemoryConfig memory_;
+  bool by_tokens_;
   int64_t micro_batch_;
   int64_t largest_ok_;      // the largest micro-batch that has run out of memory: regrowth stays below it
   int64_t stable_steps_ = 0;
@@ -51,5 +59,8 @@ class MemoryPolicy {
 
 // Splits `count` examples into consecutive parts of at most `micro` (the last may be smaller).
 std::vector<std::pair<int64_t, int64_t>> split_counts(int64_t count, int64_t micro);
+// Splits examples into consecutive parts whose padded size (examples x (longest input + longest labels for
+// seq2seq; longest input for causal)) stays within `tokens`; a part holds at least one example.
+std::vector<std::pair<int64_t, int64_t>> split_tokens(std::span<const Example> examples, int64_t tokens, bool seq2seq);
 
 }  // namespace trainer

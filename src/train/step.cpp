@@ -13,6 +13,13 @@
 namespace trainer {
 namespace {
 
+// Examples in the largest micro-batch of a split (what the progress line and metrics call the micro-batch).
+int64_t largest_part(const std::vector<std::pair<int64_t, int64_t>>& parts) {
+  int64_t largest = 0;
+  for (const auto& part : parts) largest = std::max(largest, part.second);
+  return largest;
+}
+
 }  // namespace
 
 void release_cached_memory() {
@@ -64,12 +71,13 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
   const double normaliser = static_cast<double>(std::max<int64_t>(1, batch.target_tokens));
   StepResult result;
   bool optimizer_retried = false;
+  std::vector<std::pair<int64_t, int64_t>> parts;
   for (int64_t attempt = 0;; ++attempt) {
     std::string phase = "forward/backward";
     try {
       optimizer_.zero_grad();
       double loss_sum = 0;
-      const auto parts = split_counts(static_cast<int64_t>(examples.size()), policy_.micro_batch());
+      parts = policy_.split(examples, model_.family() == ModelFamily::kSeq2Seq);
       for (const auto& [begin, count] : parts)
         loss_sum += forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
                                      normaliser);
@@ -77,7 +85,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
       result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
       optimizer_.step(lr);
       result.loss = loss_sum / normaliser;
-      result.micro_batch = policy_.micro_batch();
+      result.micro_batch = largest_part(parts);
       result.micro_steps = static_cast<int64_t>(parts.size());
       result.retries = attempt;
       result.target_tokens = batch.target_tokens;
@@ -107,7 +115,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
         throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
                                      std::to_string(attempt + 1) + " attempts (memory.max_retries)",
                                  "raise memory.max_retries or memory.limit");
-      if (policy_.shrink(step, phase)) continue;
+      if (policy_.shrink(step, phase, largest_part(parts) <= 1)) continue;
       const std::string escalation = policy_.next_escalation(step);
       if (escalation == "chunked_loss") {
         options_.chunked_loss = true;

@@ -115,8 +115,8 @@ std::string memory_report(const Config& config, const c10::Device& device, Modul
   }
   std::string used;
   for (const auto& e : policy.escalations()) used += (used.empty() ? "" : ", ") + e;
-  out += fmt::format("\n  {:<30}{} (floor {}); escalations used: {} of {}{}", "micro-batch", policy.micro_batch(),
-                     config.memory.min_micro_batch_size, policy.escalations().size(), config.memory.escalation.size(),
+  out += fmt::format("\n  {:<30}{}{} (floor {}); escalations used: {} of {}{}", "micro-batch", policy.micro_batch(),
+                     policy.by_tokens() ? " tokens" : "", policy.by_tokens() ? 1 : config.memory.min_micro_batch_size, policy.escalations().size(), config.memory.escalation.size(),
                      used.empty() ? "" : " (" + used + ")");
   return out;
 }
@@ -487,7 +487,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     tokens_seen = state.at("tokens_seen").get<int64_t>();
     if (file.find("rng.cpu")) set_rng_state(at::Device(at::kCPU), file.load("rng.cpu"));
     spdlog::info("resuming from {} at step {} (micro-batch {})", resume_dir->string(), step_index, policy.micro_batch());
-  } else if (config.training.micro_batch_size.is_auto) {
+  } else if (config.training.micro_batch_size.is_auto && !policy.by_tokens()) {
     const int64_t probed = probe_micro_batch(step, *optimizer, config, family, device);
     if (probed == 0)
       throw OutOfMemoryAtFloor("not even one example of the maximum lengths fits for micro_batch_size=auto",
@@ -497,8 +497,13 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   }
 
   std::unique_ptr<DataLoader> validation;
-  int64_t eval_micro = config.evaluation.micro_batch_size.is_auto ? policy.micro_batch()
-                                                                  : config.evaluation.micro_batch_size.value;
+  // Evaluation's own micro-batch (examples); "auto" starts from training's (in token mode: what its budget holds
+  // at the maximum lengths).
+  const int64_t longest = family == DataFamily::kSeq2Seq ? config.data.max_input_length + config.data.max_target_length
+                                                         : config.data.max_length;
+  int64_t eval_micro = !config.evaluation.micro_batch_size.is_auto ? config.evaluation.micro_batch_size.value
+                       : policy.by_tokens() ? std::max<int64_t>(1, policy.micro_batch() / std::max<int64_t>(1, longest))
+                                            : policy.micro_batch();
   const fs::path output_dir(config.checkpoint.output_dir);
   fs::create_directories(output_dir);
   CheckpointRetention retention(output_dir, config.checkpoint.keep_last, config.checkpoint.keep_best);

@@ -162,6 +162,18 @@ TEST(ConfigErrors, Fp16IsRefusedWithTheReason) {
   }
 }
 
+TEST(ConfigErrors, TokenBudgetModeExcludesAFixedMicroBatchAndAccumulationSteps) {
+  const auto problems = problems_of(R"({"model": {"path": "m"}, "data": {"train_files": ["d"]},
+      "training": {"batch_size": 8, "micro_batch_size": 4, "gradient_accumulation_steps": 2,
+                   "micro_batch_tokens": 4096}})");
+  EXPECT_TRUE(contains(problem_at(problems, "training.micro_batch_size"), "token-budget mode"));
+  EXPECT_TRUE(contains(problem_at(problems, "training.gradient_accumulation_steps"), "must be 0"));
+  EXPECT_TRUE(contains(problem_at(problems_of(R"({"model": {"path": "m"}, "data": {"train_files": ["d"]},
+                                                  "training": {"micro_batch_tokens": -1}})"),
+                                  "training.micro_batch_tokens"),
+                       "must be at least 0"));
+}
+
 TEST(ConfigErrors, EveryProblemIsReportedAtOnce) {
   const auto problems = problems_of(R"({"data": {"bogus": 1}, "training": {"batch_size": 0},
                                          "optimizer": {"lr": -1}})");

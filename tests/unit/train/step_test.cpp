@@ -47,7 +47,7 @@ struct Trainee {  // a model (with LoRA adapters on its frozen base, or not) wit
   std::unique_ptr<TrainStep> step;
 
   explicit Trainee(int64_t micro, MemoryConfig memory = {}, bool with_lora = false,
-                   StateDtype state_dtype = StateDtype::kFp32) {
+                   StateDtype state_dtype = StateDtype::kFp32, int64_t micro_batch_tokens = 0) {
     model = load_model(test::source_path("configs/models/tiny-qwen2"), ModelInit::kRandom,
                        at::TensorOptions().dtype(at::kFloat), 7);
     model->train(true);
@@ -67,6 +67,7 @@ struct Trainee {  // a model (with LoRA adapters on its frozen base, or not) wit
     TrainingConfig training;
     training.batch_size = 8;
     training.micro_batch_size = MicroBatchSize::fixed(micro);
+    training.micro_batch_tokens = micro_batch_tokens;
     policy = std::make_unique<MemoryPolicy>(memory, training);
     StepOptions options;
     options.pad_id = 0;
@@ -164,6 +165,74 @@ TEST(LoraTrainStep, OutOfMemoryMidRunReachesTheSameAdapterWeights) { out_of_memo
 // LoRA, activation checkpointing (recomputed blocks) and the memory policy together.
 TEST(LoraTrainStep, OutOfMemoryWithActivationCheckpointingReachesTheSameAdapterWeights) {
   out_of_memory_mid_run_reaches_the_same_weights(true, true);
+}
+
+// Token-budget mode: micro-batches of at most N padded tokens. After two steps a budget arrives that fits two of
+// these examples but not four: 640 -> 320 -> 160 tokens in one step, and the weights equal an unconstrained run's.
+TEST(TrainStep, TokenBudgetShrinksTheTokensAndReachesTheSameWeights) {
+  BudgetScope budget;
+  std::vector<EffectiveBatch> batches;
+  for (uint64_t i = 0; i < 5; ++i) batches.push_back(make_batch(8, 30 + i, 60, 20));  // 60 to 79 tokens
+  Trainee free_run(8);
+  for (int64_t s = 0; s < 5; ++s) free_run.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
+
+  Trainee by_tokens(8, {}, false, StateDtype::kFp32, 640);
+  for (int64_t s = 0; s < 2; ++s)
+    EXPECT_EQ(by_tokens.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3).micro_steps, 1);
+  const int64_t base = cpu_memory_stats().allocated;
+  auto extra = [&](const EffectiveBatch& batch, int64_t n) {
+    reset_cpu_peak();
+    by_tokens.step->forward_backward(std::span<const Example>(batch.examples).subspan(0, static_cast<std::size_t>(n)), 1.0);
+    by_tokens.optimizer->zero_grad();
+    return cpu_memory_stats().peak - base;
+  };
+  int64_t two = 0;
+  for (std::size_t b = 2; b < 5; ++b) two = std::max(two, extra(batches[b], 2));
+  const int64_t four = extra(batches[2], 4);
+  ASSERT_LT(two, four);
+  set_cpu_budget_limit(base + (two + four) / 2);
+  StepResult last;
+  for (int64_t s = 2; s < 5; ++s) last = by_tokens.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
+  set_cpu_budget_limit(0);
+
+  const auto& a = by_tokens.policy->adaptations();
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a[0].old_micro_batch, 640);
+  EXPECT_EQ(a[0].new_micro_batch, 320);
+  EXPECT_EQ(a[1].new_micro_batch, 160);
+  EXPECT_EQ(last.micro_batch, 2);  // examples in the largest micro-batch
+  EXPECT_EQ(last.micro_steps, 4);
+  expect_close(weights_of(*free_run.model), weights_of(*by_tokens.model), 1e-5);
+  // The token budget survives a checkpoint; an examples-mode run does not take it for a count of examples.
+  MemoryPolicy restored(MemoryConfig{}, [] { TrainingConfig t; t.micro_batch_tokens = 640; return t; }());
+  restored.restore(by_tokens.policy->state());
+  EXPECT_EQ(restored.micro_batch(), 160);
+  MemoryPolicy by_examples(MemoryConfig{}, TrainingConfig{});
+  by_examples.restore(by_tokens.policy->state());
+  EXPECT_EQ(by_examples.micro_batch(), TrainingConfig{}.batch_size);
+}
+
+TEST(MemoryPolicy, TokenSplitKeepsEachMicroBatchWithinItsPaddedTokens) {
+  auto examples = [](std::vector<std::pair<int, int>> lengths) {
+    std::vector<Example> out;
+    for (const auto& [input, labels] : lengths) {
+      Example e;
+      e.input_ids.assign(static_cast<std::size_t>(input), 5);
+      e.labels.assign(static_cast<std::size_t>(labels), 5);
+      out.push_back(e);
+    }
+    return out;
+  };
+  using Parts = std::vector<std::pair<int64_t, int64_t>>;
+  const auto causal = examples({{10, 10}, {20, 20}, {5, 5}, {40, 40}, {40, 40}});
+  EXPECT_EQ(split_tokens(causal, 40, false), (Parts{{0, 2}, {2, 1}, {3, 1}, {4, 1}}));
+  EXPECT_EQ(split_tokens(causal, 80, false), (Parts{{0, 3}, {3, 2}}));
+  EXPECT_EQ(split_tokens(causal, 1, false), (Parts{{0, 1}, {1, 1}, {2, 1}, {3, 1}, {4, 1}}));  // at least one
+  // seq2seq examples are padded in both sequences, each to its own longest: 10+30 and 30+10 pad to 2 x (30+30).
+  const auto seq2seq = examples({{10, 30}, {30, 10}, {10, 10}});
+  EXPECT_EQ(split_tokens(seq2seq, 80, true), (Parts{{0, 1}, {1, 2}}));
+  EXPECT_EQ(split_tokens(seq2seq, 120, true), (Parts{{0, 2}, {2, 1}}));
+  EXPECT_EQ(split_tokens(seq2seq, 180, true), (Parts{{0, 3}}));
 }
 
 TEST(TrainStep, RegrowsAfterStableStepsButNotToASizeThatFailed) {
