@@ -144,9 +144,19 @@ std::vector<std::string> expand_globs(const std::vector<std::string>& patterns, 
   for (const auto& pattern : patterns) {
     glob_t matches{};
     const int rc = ::glob(pattern.c_str(), GLOB_TILDE | GLOB_BRACE, nullptr, &matches);
+    std::size_t kept = 0;
     if (rc == 0)
-      for (std::size_t i = 0; i < matches.gl_pathc; ++i) files.emplace_back(matches.gl_pathv[i]);
+      for (std::size_t i = 0; i < matches.gl_pathc; ++i) {
+        const std::string path = matches.gl_pathv[i];
+        // Our offset-index cache beside a data file (data/*.jsonl.idx) is not data, whatever the pattern matches.
+        if (path.ends_with(".idx") && std::filesystem::is_regular_file(path.substr(0, path.size() - 4))) continue;
+        files.push_back(path);
+        ++kept;
+      }
     ::globfree(&matches);
+    if (rc == 0 && kept == 0)
+      throw DataError(std::string(key) + ": '" + pattern + "' matches only trainer's index caches (.idx)",
+                      "name the data files themselves");
     if (rc != 0)
       throw DataError(std::string(key) + ": no file matches '" + pattern + "'",
                       "check the path (relative paths are taken from the current directory)");

@@ -236,6 +236,19 @@ TEST(LoaderFiles, GlobMatchingNothingIsADataError) {
   EXPECT_THROW(make_train_loader(config, t5_tokenizer(), DataFamily::kSeq2Seq), DataError);
 }
 
+TEST(LoaderFiles, AGlobOverTheDataDirectoryLeavesTheIndexCachesOut) {
+  TempDir dir;
+  write_file(dir.file("a.jsonl"), seq2seq_lines(10));
+  Config config = seq2seq_config({dir.file("a.jsonl")}, 4);
+  make_train_loader(config, t5_tokenizer(), DataFamily::kSeq2Seq)->next();  // writes a.jsonl.idx beside it
+  ASSERT_TRUE(std::filesystem::exists(dir.file("a.jsonl") + ".idx"));
+  config.data.train_files = {(dir.path() / "*").string()};
+  auto loader = make_train_loader(config, t5_tokenizer(), DataFamily::kSeq2Seq);
+  EXPECT_EQ(loader->examples_per_epoch(), 10u);
+  config.data.train_files = {(dir.path() / "*.idx").string()};
+  EXPECT_THROW(make_train_loader(config, t5_tokenizer(), DataFamily::kSeq2Seq), DataError);
+}
+
 TEST(LoaderTargetTokens, CountedBeforeAnySplit) {
   TempDir dir;
   write_file(dir.file("a.jsonl"), seq2seq_lines(10));
