@@ -108,7 +108,9 @@ def test_resumed_run_continues_the_curves_without_duplicates(run_trainer, tmp_pa
               "evaluation.every_steps=0", "--set", "checkpoint.every_steps=3", "--set",
               f"checkpoint.output_dir={out_dir}"]
     run_trainer(*common)
-    # As after a crash at step 6: the newest checkpoint is step 3, so steps 4..6 are trained (and logged) again.
+    # As after a crash at step 6 before its checkpoint was complete: the newest complete checkpoint is step 3, so
+    # steps 4..6 are trained (and logged) again.
+    (out_dir / "checkpoint-6" / "COMPLETE").unlink()
     run_trainer(*common, "--resume")
     assert len(event_files(out_dir)) == 2
     losses = [r for r in metrics(out_dir) if "loss" in r]
