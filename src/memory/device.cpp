@@ -58,6 +58,7 @@ ResolvedDevice resolve_device(const DeviceConfig& config) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(config.wait_timeout_s);
     while (true) {
       if (auto found = best_device(*type, only, config.min_free_memory.bytes)) {
+        at::accelerator::setDeviceIndex(found->index);  // best_device left the last one it looked at current
         c10::Device device(c10::kCUDA, found->index);
         return {device,
                 device.str() + " (" + human_bytes(static_cast<double>(found->free)) + " free of " +

@@ -40,6 +40,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The layout of checkpoint-N/ (train_state.json, optimizer.safetensors); a resume refuses any other.
+constexpr int kCheckpointVersion = 1;
+
 struct MemoryNow {
   int64_t allocated = 0, peak = 0;
 };
@@ -296,7 +299,8 @@ void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config&
 // `on_disk`: this run's state at `step` is already checkpoint-N (a stop right after a periodic checkpoint, or right
 // after resuming from it): it is kept as it is, never deleted and rewritten, so no moment exists without it.
 // Another checkpoint-N (an earlier run's in the same output_dir) is replaced only once the new one is whole.
-void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, const TrainedWeights& trained,
+void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, const c10::Device& device,
+                      const TrainedWeights& trained,
                       const AdamW& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
                       int64_t tokens_seen, const Config& config) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
@@ -309,8 +313,9 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
   save_trained(trained, temp_dir, config);
   auto tensors = optimizer.state_tensors();
   tensors.emplace_back("rng.cpu", get_rng_state(at::Device(at::kCPU)));  // for an exact resume
+  if (!device.is_cpu()) tensors.emplace_back("rng." + device.str(), get_rng_state(device));  // dropout on the GPU
   write_safetensors((temp_dir / "optimizer.safetensors").string(), tensors, {});
-  nlohmann::json state = {{"version", 1},
+  nlohmann::json state = {{"version", kCheckpointVersion},
                                 {"step", step},
                                 {"optimizer_steps", optimizer.steps()},
                                 {"tokens_seen", tokens_seen},
@@ -354,6 +359,12 @@ std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
 // model config) must equal model.path's, and a LoRA checkpoint needs the same adapter shape and scaling.
 void check_same_architecture(const fs::path& checkpoint, const Config& config) {
   const auto state = read_json_file((checkpoint / "train_state.json").string());
+  const auto version = state.value("version", 0);
+  if (version != kCheckpointVersion)
+    throw DataError("checkpoint " + checkpoint.string() + " has format version " + std::to_string(version) +
+                        "; this trainer reads version " + std::to_string(kCheckpointVersion),
+                    version > kCheckpointVersion ? "resume it with the trainer release that wrote it, or a newer one"
+                                                 : "start a new run; its final model loads with model.path");
   const auto& saved_lora = state.at("config").at("lora");
   if (saved_lora.at("enabled").get<bool>() != config.lora.enabled)
     throw DataError("checkpoint " + checkpoint.string() + " holds " +
@@ -478,7 +489,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     const auto file = SafetensorsFile::open((*resume_dir / "optimizer.safetensors").string());
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& t : file.tensors())
-      if (t.name != "rng.cpu") tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
+      if (!t.name.starts_with("rng.")) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
     optimizer->load_state(tensors, state.at("optimizer_steps").get<int64_t>(),
                           (*resume_dir / "optimizer.safetensors").string());
     loader->restore(cursor_from_json(state.at("data_cursor")));
@@ -486,6 +497,12 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     step_index = state.at("step").get<int64_t>();
     tokens_seen = state.at("tokens_seen").get<int64_t>();
     if (file.find("rng.cpu")) set_rng_state(at::Device(at::kCPU), file.load("rng.cpu"));
+    if (!device.is_cpu()) {
+      const std::string name = "rng." + device.str();
+      if (file.find(name)) set_rng_state(device, file.load(name));
+      else spdlog::warn("{} holds no {} generator state: dropout after the resume differs from an uninterrupted run",
+                        resume_dir->string(), device.str());
+    }
     spdlog::info("resuming from {} at step {} (micro-batch {})", resume_dir->string(), step_index, policy.micro_batch());
   } else if (config.training.micro_batch_size.is_auto && !policy.by_tokens()) {
     const int64_t probed = probe_micro_batch(step, *optimizer, config, family, device);
@@ -517,8 +534,8 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   if (resume_dir && fs::equivalent(*resume_dir, output_dir / ("checkpoint-" + std::to_string(step_index)), same_error))
     on_disk_step = step_index;
   auto checkpoint = [&](const LoaderCursor& cursor, const nlohmann::json& policy_state) {
-    write_checkpoint(output_dir, step_index, on_disk_step == step_index, trained, *optimizer, policy_state, cursor,
-                     tokens_seen, config);
+    write_checkpoint(output_dir, step_index, on_disk_step == step_index, device, trained, *optimizer, policy_state,
+                     cursor, tokens_seen, config);
     on_disk_step = step_index;
     retention.on_checkpoint(step_index, last_eval_step == step_index ? std::optional<double>(last_eval) : std::nullopt);
     const auto path = (output_dir / ("checkpoint-" + std::to_string(step_index))).string();

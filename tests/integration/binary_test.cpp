@@ -292,6 +292,18 @@ TEST(IntegrationTrain, CheckpointsAreCompleteAndPruned) {
   ASSERT_EQ(longer.exit_code, 0) << longer.err;
   EXPECT_TRUE(longer.err.find("at step 12") != std::string::npos) << longer.err;
   EXPECT_EQ(state_step(out_dir / "checkpoint-15"), 15);
+  EXPECT_FALSE(contains(longer.err, "micro_batch_size=auto:")) << "a resume reuses the probed micro-batch, no probe";
+  // A checkpoint of another format version is refused with both versions named.
+  {
+    const auto path = out_dir / "checkpoint-15" / "train_state.json";
+    auto state = nlohmann::json::parse(read_text(path));
+    state["version"] = 2;
+    std::ofstream(path) << state.dump();
+  }
+  auto newer = run_trainer({"--config", "configs/tiny-qwen2.json", "--set", "checkpoint.output_dir=" + out_dir.string(),
+                            "--set", "training.max_steps=18", "--resume-from", (out_dir / "checkpoint-15").string()});
+  EXPECT_EQ(newer.exit_code, 3) << newer.err;
+  EXPECT_TRUE(contains(newer.err, "format version 2; this trainer reads version 1")) << newer.err;
   std::filesystem::remove_all(out_dir);
 }
 
