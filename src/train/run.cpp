@@ -17,13 +17,17 @@ namespace trainer {
 namespace {
 
 // PYTORCH_ALLOC_CONF must be in the environment before the first device allocation; the user's wins.
-void export_allocator_conf(const MemoryConfig& memory) {
-  if (memory.allocator_conf.empty()) return;
-  if (std::getenv("PYTORCH_ALLOC_CONF") || std::getenv("PYTORCH_CUDA_ALLOC_CONF")) {
-    spdlog::info("PYTORCH_ALLOC_CONF is set in the environment; memory.allocator_conf is not applied");
-    return;
-  }
+// Returns what applies, for the plan.
+std::string export_allocator_conf(const MemoryConfig& memory) {
+  for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"})
+    if (const char* value = std::getenv(name)) {
+      if (!memory.allocator_conf.empty())
+        spdlog::info("{} is set in the environment; memory.allocator_conf is not applied", name);
+      return std::string(name) + "=" + value + " (from the environment)";
+    }
+  if (memory.allocator_conf.empty()) return "";
   setenv("PYTORCH_ALLOC_CONF", memory.allocator_conf.c_str(), 1);
+  return "PYTORCH_ALLOC_CONF=" + memory.allocator_conf + " (memory.allocator_conf)";
 }
 
 }  // namespace
@@ -32,7 +36,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
   out << "trainer " << kVersion << " (LibTorch " << kTorchBuildVersion << ")\n\n";
   out << "Resolved configuration:\n" << format_config_table(config) << "\n";
 
-  export_allocator_conf(config.memory);
+  const std::string allocator_conf = export_allocator_conf(config.memory);
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
@@ -54,16 +58,19 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
   out << "  data         " << train_files.size() << " training file(s), " << validation_files.size()
       << " validation file(s)\n";
   out << "  device       " << device.description << "; accelerators built in: " << accelerator_summary() << "\n";
-  out << "  batch        " << t.batch_size << " examples per optimizer step; micro-batch "
-      << (t.micro_batch_size.is_auto ? std::string("auto (probed against memory)")
-                                     : std::to_string(t.micro_batch_size.value))
+  out << "  batch        " << t.batch_size << " examples per optimizer step; "
+      << (t.micro_batch_tokens > 0 ? "micro-batches of at most " + std::to_string(t.micro_batch_tokens) +
+                                         " padded tokens"
+          : t.micro_batch_size.is_auto ? std::string("micro-batch auto (probed against memory)")
+                                       : "micro-batch " + std::to_string(t.micro_batch_size.value))
       << "\n";
   out << "  length       "
       << (t.max_steps > 0 ? std::to_string(t.max_steps) + " optimizer steps" : std::to_string(t.epochs) + " epoch(s)")
       << "\n";
   out << "  memory       "
       << (config.memory.limit.bytes ? "limit " + format_byte_size(config.memory.limit) : std::string("no limit"))
-      << ", on out-of-memory: " << enum_name(config.memory.on_oom) << "\n";
+      << ", on out-of-memory: " << enum_name(config.memory.on_oom)
+      << (allocator_conf.empty() ? "" : "; " + allocator_conf) << "\n";
   if (config.lora.enabled) {
     const auto& l = config.lora;
     std::string targets;

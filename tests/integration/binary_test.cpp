@@ -201,6 +201,19 @@ TEST(IntegrationCli, MissingDataOrModelExitsThree) {
   EXPECT_TRUE(contains(weights.err, "model.init=random")) << weights.err;
 }
 
+// memory.allocator_conf becomes PYTORCH_ALLOC_CONF unless the environment already sets it (the user's wins).
+TEST(IntegrationCli, AllocatorConfIsExportedUnlessTheEnvironmentSetsIt) {
+  const std::vector<std::string> args = {"--config", "configs/tiny-t5.json", "--set",
+                                         "memory.allocator_conf=expandable_segments:True", "--dry-run"};
+  auto ours = run_trainer(args, "env -u PYTORCH_ALLOC_CONF -u PYTORCH_CUDA_ALLOC_CONF");
+  EXPECT_EQ(ours.exit_code, 0) << ours.err;
+  EXPECT_TRUE(contains(ours.out, "PYTORCH_ALLOC_CONF=expandable_segments:True (memory.allocator_conf)")) << ours.out;
+  auto theirs = run_trainer(args, "PYTORCH_ALLOC_CONF=max_split_size_mb:128");
+  EXPECT_EQ(theirs.exit_code, 0) << theirs.err;
+  EXPECT_TRUE(contains(theirs.out, "PYTORCH_ALLOC_CONF=max_split_size_mb:128 (from the environment)")) << theirs.out;
+  EXPECT_TRUE(contains(theirs.err, "memory.allocator_conf is not applied")) << theirs.err;
+}
+
 TEST(IntegrationCli, UnavailableDeviceIsAClearUsageError) {
   auto r = run_trainer({"--config", "configs/tiny-t5.json", "--set", "device.type=cuda", "--dry-run"});
   // On a machine with a usable GPU this config is fine; on the CPU build it must say why not and how to fix.
