@@ -94,12 +94,13 @@ class StreamedStream final : public RecordStream {
       record.slot = slot_++;
       return true;
     }
-    while (!exhausted_ && buffer_.size() < kShuffleBufferRecords) {
+    while (!exhausted_ && buffer_.size() < kShuffleBufferRecords && buffered_bytes_ < kShuffleBufferBytes) {
       RawRecord incoming;
       if (!read_selected(incoming)) {
         exhausted_ = true;
         break;
       }
+      buffered_bytes_ += incoming.text.size();
       buffer_.push_back(std::move(incoming));
     }
     if (buffer_.empty()) return false;
@@ -107,6 +108,7 @@ class StreamedStream final : public RecordStream {
     std::swap(buffer_[j], buffer_.back());
     record = std::move(buffer_.back());
     buffer_.pop_back();
+    buffered_bytes_ -= record.text.size();
     record.slot = slot_++;
     return true;
   }
@@ -138,6 +140,7 @@ class StreamedStream final : public RecordStream {
   std::size_t file_ = 0;
   std::unique_ptr<LineReader> reader_;
   std::vector<RawRecord> buffer_;
+  std::size_t buffered_bytes_ = 0;
   bool exhausted_ = false;
 };
 

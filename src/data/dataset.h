@@ -56,8 +56,10 @@ class RecordStream {
   virtual bool next(RawRecord& record) = 0;
 };
 
-// Records kept in the streaming shuffle buffer of gzip datasets (bounded memory; records are short lines).
+// The streaming shuffle buffer of gzip datasets: at most this many records and this many bytes of them (long
+// documents fill it by bytes first), so its memory is bounded whatever the records.
 inline constexpr std::size_t kShuffleBufferRecords = 16384;
+inline constexpr std::size_t kShuffleBufferBytes = std::size_t{64} << 20;
 
 // The records of `epoch` from `start_slot` on. Indexed datasets: slot k is record order(k), a seeded
 // permutation (per seed and epoch) when shuffling, else file order. Streamed datasets: file order through a

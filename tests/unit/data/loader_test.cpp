@@ -102,10 +102,14 @@ TEST(LoaderDeterminism, SameBatchesForAnyNumberOfWorkers) {
   }
 }
 
+// Indexed files (a seeded permutation) and gzip files (a seeded shuffle buffer) alike.
 TEST(LoaderShuffle, SeededEveryRecordOncePerEpochAndEpochsDiffer) {
   TempDir dir;
   write_file(dir.file("a.jsonl"), seq2seq_lines(200));
-  Config config = seq2seq_config({dir.file("a.jsonl")}, 10);
+  test::write_gzip(dir.file("a.jsonl.gz"), seq2seq_lines(200));
+  for (const char* file : {"a.jsonl", "a.jsonl.gz"}) {
+  SCOPED_TRACE(file);
+  Config config = seq2seq_config({dir.file(file)}, 10);
   config.training.epochs = 2;
   const auto a = trace(*make_train_loader(config, t5_tokenizer(), DataFamily::kSeq2Seq));
   const auto b = trace(*make_train_loader(config, t5_tokenizer(), DataFamily::kSeq2Seq));
@@ -126,6 +130,9 @@ TEST(LoaderShuffle, SeededEveryRecordOncePerEpochAndEpochsDiffer) {
   config.data.shuffle = false;
   const auto in_order = trace(*make_train_loader(config, t5_tokenizer(), DataFamily::kSeq2Seq), 1);
   EXPECT_EQ(in_order.sources[0], (std::vector<uint64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  std::vector<std::vector<int32_t>> first_ten(epoch0.begin(), epoch0.begin() + 10);
+  EXPECT_NE(first_ten, in_order.ids[0]) << "a shuffled epoch does not start in file order";
+  }
 }
 
 // Takes n batches, saves the cursor (through JSON, as a checkpoint does), and checks a new loader restored
