@@ -87,6 +87,14 @@ struct Trainee {  // a model (with LoRA adapters on its frozen base, or not) wit
   }
 
   Module& trained() { return lora ? static_cast<Module&>(*lora) : *model; }
+
+  // The CPU budget's peak above `base` for forward and backward of the first n examples of `batch`.
+  int64_t peak_above(int64_t base, const EffectiveBatch& batch, int64_t n) {
+    reset_cpu_peak();
+    step->forward_backward(std::span<const Example>(batch.examples).subspan(0, static_cast<std::size_t>(n)), 1.0);
+    optimizer->zero_grad();
+    return cpu_memory_stats().peak - base;
+  }
 };
 
 void expect_close(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b, double tol) {
@@ -100,6 +108,21 @@ std::map<std::string, at::Tensor> weights_of(Module& model) {
   std::map<std::string, at::Tensor> out;
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) { out[name] = p.detach().clone(); });
   return out;
+}
+
+// Runs batches[first..] as steps first+1.. under a budget that every one of them fits with micro-batches of two
+// examples, and that batches[first] does not fit with four (measured above what the model and optimizer hold).
+StepResult run_rest_fitting_two_not_four(Trainee& t, const std::vector<EffectiveBatch>& batches, std::size_t first) {
+  const int64_t base = cpu_memory_stats().allocated;
+  int64_t two = 0;
+  for (std::size_t b = first; b < batches.size(); ++b) two = std::max(two, t.peak_above(base, batches[b], 2));
+  const int64_t four = t.peak_above(base, batches[first], 4);
+  EXPECT_LT(two, four);
+  set_cpu_budget_limit(base + (two + four) / 2);
+  StepResult last;
+  for (std::size_t b = first; b < batches.size(); ++b) last = t.step->run(batches[b], static_cast<int64_t>(b) + 1, 1e-3);
+  set_cpu_budget_limit(0);
+  return last;
 }
 
 }  // namespace
@@ -126,24 +149,7 @@ void out_of_memory_mid_run_reaches_the_same_weights(bool lora, bool checkpointin
   if (checkpointing) apply_activation_checkpointing(*constrained.model);
   for (int64_t s = 0; s < 2; ++s) constrained.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
   ASSERT_TRUE(constrained.policy->adaptations().empty());
-  // What micro-batches of 2 and 4 need above the model and optimizer state: a budget that every later batch fits
-  // at 2, and that the third batch does not fit at 4.
-  const int64_t base = cpu_memory_stats().allocated;
-  auto extra = [&](const EffectiveBatch& batch, int64_t n) {
-    reset_cpu_peak();
-    constrained.step->forward_backward(std::span<const Example>(batch.examples).subspan(0, static_cast<std::size_t>(n)),
-                                       1.0);
-    constrained.optimizer->zero_grad();
-    return cpu_memory_stats().peak - base;
-  };
-  int64_t two = 0;
-  for (std::size_t b = 2; b < 6; ++b) two = std::max(two, extra(batches[b], 2));
-  const int64_t four = extra(batches[2], 4);
-  ASSERT_LT(two, four);
-  set_cpu_budget_limit(base + (two + four) / 2);
-  StepResult last;
-  for (int64_t s = 2; s < 6; ++s) last = constrained.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
-  set_cpu_budget_limit(0);
+  const StepResult last = run_rest_fitting_two_not_four(constrained, batches, 2);
 
   const auto& a = constrained.policy->adaptations();
   ASSERT_EQ(a.size(), 2u) << "the budget must force 8 -> 4 -> 2 at step 3 and nothing after";
@@ -179,21 +185,7 @@ TEST(TrainStep, TokenBudgetShrinksTheTokensAndReachesTheSameWeights) {
   Trainee by_tokens(8, {}, false, StateDtype::kFp32, 640);
   for (int64_t s = 0; s < 2; ++s)
     EXPECT_EQ(by_tokens.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3).micro_steps, 1);
-  const int64_t base = cpu_memory_stats().allocated;
-  auto extra = [&](const EffectiveBatch& batch, int64_t n) {
-    reset_cpu_peak();
-    by_tokens.step->forward_backward(std::span<const Example>(batch.examples).subspan(0, static_cast<std::size_t>(n)), 1.0);
-    by_tokens.optimizer->zero_grad();
-    return cpu_memory_stats().peak - base;
-  };
-  int64_t two = 0;
-  for (std::size_t b = 2; b < 5; ++b) two = std::max(two, extra(batches[b], 2));
-  const int64_t four = extra(batches[2], 4);
-  ASSERT_LT(two, four);
-  set_cpu_budget_limit(base + (two + four) / 2);
-  StepResult last;
-  for (int64_t s = 2; s < 5; ++s) last = by_tokens.step->run(batches[static_cast<std::size_t>(s)], s + 1, 1e-3);
-  set_cpu_budget_limit(0);
+  const StepResult last = run_rest_fitting_two_not_four(by_tokens, batches, 2);
 
   const auto& a = by_tokens.policy->adaptations();
   ASSERT_EQ(a.size(), 2u);
@@ -249,12 +241,7 @@ TEST(TrainStep, RegrowsAfterStableStepsButNotToASizeThatFailed) {
 
   Trainee constrained(8, memory);
   const int64_t base = cpu_memory_stats().allocated;
-  auto extra = [&](const EffectiveBatch& batch, int64_t n) {
-    reset_cpu_peak();
-    constrained.step->forward_backward(std::span<const Example>(batch.examples).subspan(0, static_cast<std::size_t>(n)), 1.0);
-    constrained.optimizer->zero_grad();
-    return cpu_memory_stats().peak - base;
-  };
+  auto extra = [&](const EffectiveBatch& batch, int64_t n) { return constrained.peak_above(base, batch, n); };
   const int64_t long_four = extra(batches[0], 4), long_eight = extra(batches[0], 8);
   const int64_t short_eight = extra(batches[1], 8);
   ASSERT_LT(short_eight, long_four) << "the short batches must fit whole where half a long batch does";
