@@ -52,10 +52,18 @@ void CheckpointRetention::on_checkpoint(int64_t step, std::optional<double> eval
     write_record();  // before any pruning: the record never names a deleted checkpoint
     spdlog::info("best checkpoint so far: {} (validation loss {:.4f})", best_->path.string(), best_->eval_loss);
   }
-  const auto existing = checkpoint_dirs(output_dir_);
+  // keep_last counts this stretch's complete checkpoints (up to `step`). An incomplete one before `step` is
+  // debris of a crash and goes; ones after `step` (a resume from an older checkpoint) are left alone: pruning by
+  // count must never delete the checkpoint just written in favour of them.
+  std::vector<std::pair<int64_t, fs::path>> complete;
+  for (const auto& [at, path] : checkpoint_dirs(output_dir_)) {
+    if (at > step) continue;
+    if (fs::exists(path / "COMPLETE")) complete.emplace_back(at, path);
+    else if (at < step) fs::remove_all(path);
+  }
   const std::size_t keep = static_cast<std::size_t>(std::max<int64_t>(keep_last_, 0));
-  for (std::size_t i = 0; i + keep < existing.size(); ++i)
-    if (!best_ || existing[i].first != best_->step) fs::remove_all(existing[i].second);
+  for (std::size_t i = 0; i + keep < complete.size(); ++i)
+    if (!best_ || complete[i].first != best_->step) fs::remove_all(complete[i].second);
 }
 
 void CheckpointRetention::write_record() const {

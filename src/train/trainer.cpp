@@ -523,6 +523,11 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
                                             : policy.micro_batch();
   const fs::path output_dir(config.checkpoint.output_dir);
   fs::create_directories(output_dir);
+  if (!resume_dir)
+    if (const auto earlier = newest_checkpoint(output_dir))
+      spdlog::warn("{} already holds checkpoints of an earlier run (newest {}); this run starts from step 0 and "
+                   "writes its own beside them. To continue that run instead, stop and add --resume",
+                   output_dir.string(), earlier->filename().string());
   CheckpointRetention retention(output_dir, config.checkpoint.keep_last, config.checkpoint.keep_best);
   retention.start(resume_dir ? std::optional<int64_t>(step_index) : std::nullopt);
   double last_eval = std::nan("");

@@ -114,6 +114,21 @@ TEST(TrainRetention, ResumeKeepsTheRecordedBestUpToTheResumeStep) {
   EXPECT_FALSE(incomplete.best().has_value());
 }
 
+// keep_last=1 after --resume-from an older checkpoint: the one just written stays, a later stretch's checkpoint
+// is neither counted nor deleted, and an incomplete one from a crash goes.
+TEST(TrainRetention, KeepLastCountsOnlyThisStretchsCompleteCheckpoints) {
+  test::TempDir dir;
+  make_checkpoint(dir.path(), 10);
+  make_checkpoint(dir.path(), 30);  // from a run that went further
+  make_checkpoint(dir.path(), 15);
+  fs::remove(dir.path() / "checkpoint-15" / "COMPLETE");  // a crash between rename and marker
+  CheckpointRetention resumed(dir.path(), 1, false);
+  resumed.start(10);
+  make_checkpoint(dir.path(), 20);
+  resumed.on_checkpoint(20, std::nullopt);
+  EXPECT_EQ(steps_in(dir.path()), (std::vector<int64_t>{20, 30}));
+}
+
 TEST(TrainRetention, AFreshRunForgetsAnEarlierRunsBest) {
   test::TempDir dir;
   CheckpointRetention first(dir.path(), 1, true);
