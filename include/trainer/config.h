@@ -204,7 +204,8 @@ struct TrainingConfig {
     v("batch_size", batch_size, "examples per optimizer step (the effective batch); fixed for the whole run");
     v("micro_batch_size", micro_batch_size, "examples per forward/backward: an integer, or \"auto\" to probe memory");
     v("gradient_accumulation_steps", gradient_accumulation_steps,
-      "0: follows from batch_size and the micro-batch; else batch_size must equal micro x steps");
+      "0: follows from batch_size and the micro-batch; else batch_size must equal micro x steps (without "
+      "batch_size in the config, batch_size = micro_batch_size x steps)");
     v("micro_batch_tokens", micro_batch_tokens,
       "token-budget mode: each micro-batch takes the next examples while examples x longest (input + target) "
       "<= this; the memory policy halves it on out-of-memory; 0: micro-batches count examples");

@@ -411,6 +411,11 @@ Config parse_config(const std::string& json_text, const std::string& source,
   Reader reader{root, "", problems, {}};
   config.visit(reader);
   reader.report_unknown_keys();
+  // Hand-tuned setups give micro_batch_size x gradient_accumulation_steps; without batch_size, that is the batch.
+  const auto& training = root.contains("training") && root["training"].is_object() ? root["training"] : json::object();
+  if (!training.contains("batch_size") && !config.training.micro_batch_size.is_auto &&
+      config.training.gradient_accumulation_steps > 0)
+    config.training.batch_size = config.training.micro_batch_size.value * config.training.gradient_accumulation_steps;
   for (auto& p : validate(config)) problems.push_back(std::move(p));
 
   // Name the --set that introduced a value, so the user knows which of file and command line to fix.

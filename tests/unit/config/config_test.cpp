@@ -174,6 +174,17 @@ TEST(ConfigErrors, TokenBudgetModeExcludesAFixedMicroBatchAndAccumulationSteps) 
                        "must be at least 0"));
 }
 
+TEST(Config, MicroBatchTimesAccumulationStepsIsTheBatchWhenNoBatchSizeIsGiven) {
+  const auto config = parse_config(R"({"model": {"path": "m"}, "data": {"train_files": ["d"]},
+      "training": {"micro_batch_size": 4, "gradient_accumulation_steps": 16}})", "test.json", {});
+  EXPECT_EQ(config.training.batch_size, 64);
+  // Given all three, they must agree.
+  EXPECT_TRUE(contains(problem_at(problems_of(R"({"model": {"path": "m"}, "data": {"train_files": ["d"]},
+      "training": {"batch_size": 32, "micro_batch_size": 4, "gradient_accumulation_steps": 16}})"),
+                                  "training.batch_size"),
+                       "set batch_size to 64"));
+}
+
 TEST(ConfigErrors, EveryProblemIsReportedAtOnce) {
   const auto problems = problems_of(R"({"data": {"bogus": 1}, "training": {"batch_size": 0},
                                          "optimizer": {"lr": -1}})");
