@@ -186,6 +186,12 @@ struct DataConfig {
   bool operator==(const DataConfig&) const = default;
 };
 
+// The tokens one example stands for at the maximum lengths: encoder input + decoder target for seq2seq models,
+// the one sequence for causal ones (what micro-batch token budgets and the planner count).
+inline std::int64_t max_example_tokens(const DataConfig& data, bool seq2seq) {
+  return seq2seq ? data.max_input_length + data.max_target_length : data.max_length;
+}
+
 struct TrainingConfig {
   std::int64_t batch_size = 32;
   MicroBatchSize micro_batch_size = MicroBatchSize::automatic();

@@ -136,8 +136,9 @@ void Reporter::on_start(const RunStart& start) {
   if (tensorboard_) tensorboard_->session_start(start.start_step + 1);
   out_ << "Training " << start.model_type << " (" << start.parameters << " parameters, " << start.trainable_parameters
        << " trainable) for " << start.total_steps << " steps of " << config_.training.batch_size
-       << " examples; " << (config_.training.micro_batch_tokens > 0 ? "micro-batches of at most " : "micro-batch ")
-       << start.micro_batch << (config_.training.micro_batch_tokens > 0 ? " padded tokens\n" : "\n");
+       << " examples; ";
+  if (config_.training.micro_batch_tokens > 0) out_ << "micro-batches of at most " << start.micro_batch << " padded tokens\n";
+  else out_ << "micro-batch " << start.micro_batch << "\n";
   out_.flush();
   notify({{"event", "start"},
           {"model", start.model_type},

@@ -186,8 +186,7 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
                                static_cast<double>(config.data.max_target_length), dropout_share)
               : llama_activations(hf_config, static_cast<double>(config.data.max_length));
   Activations a = base_activations;
-  plan.longest_example_tokens = seq2seq ? config.data.max_input_length + config.data.max_target_length
-                                        : config.data.max_length;
+  plan.longest_example_tokens = max_example_tokens(config.data, seq2seq);
   if (config.lora.enabled) {
     const double input_tokens = static_cast<double>(seq2seq ? config.data.max_input_length : config.data.max_length);
     const double extra = adapter_elements_input * input_tokens +

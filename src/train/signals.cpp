@@ -39,8 +39,9 @@ extern "C" void on_stop_signal(int signal) {
   }
   requested = signal;
   first_ms = static_cast<std::sig_atomic_t>(now);
-  say(signal == SIGINT ? "\ntrainer: SIGINT: finishing this step, then writing a checkpoint (Ctrl-C again to stop now)\n"
-                       : "\ntrainer: SIGTERM: finishing this step, then writing a checkpoint (signal again to stop now)\n");
+  say(signal == SIGINT
+          ? "\ntrainer: SIGINT: finishing this step, then writing a checkpoint (Ctrl-C again to stop now)\n"
+          : "\ntrainer: SIGTERM: finishing this step, then writing a checkpoint (signal again to stop now)\n");
 }
 
 }  // namespace

@@ -73,7 +73,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
   bool optimizer_retried = false;
   std::vector<std::pair<int64_t, int64_t>> parts;
   for (int64_t attempt = 0;; ++attempt) {
-    std::string phase = "forward/backward";
+    bool in_optimizer_step = false;
     try {
       optimizer_.zero_grad();
       double loss_sum = 0;
@@ -81,7 +81,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
       for (const auto& [begin, count] : parts)
         loss_sum += forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
                                      normaliser);
-      phase = "the optimizer step";
+      in_optimizer_step = true;
       result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
       optimizer_.step(lr);
       result.loss = loss_sum / normaliser;
@@ -96,8 +96,9 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
       // the update allocates nothing, and everything before it only reads the parameters.
       optimizer_.zero_grad();
       release_cached_memory();
+      const std::string phase = in_optimizer_step ? "the optimizer step" : "forward/backward";
       spdlog::debug("out of memory in {}: {}", phase, e.what_without_backtrace());
-      if (phase == "the optimizer step") {
+      if (in_optimizer_step) {
         // Weights, gradients and optimizer state alone: a smaller micro-batch changes none of them. Once more at
         // the same size (cached or fragmented memory is released now), then stop with what to change.
         if (!optimizer_retried) {

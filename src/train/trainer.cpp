@@ -119,8 +119,8 @@ std::string memory_report(const Config& config, const c10::Device& device, Modul
   std::string used;
   for (const auto& e : policy.escalations()) used += (used.empty() ? "" : ", ") + e;
   out += fmt::format("\n  {:<30}{}{} (floor {}); escalations used: {} of {}{}", "micro-batch", policy.micro_batch(),
-                     policy.by_tokens() ? " tokens" : "", policy.by_tokens() ? 1 : config.memory.min_micro_batch_size, policy.escalations().size(), config.memory.escalation.size(),
-                     used.empty() ? "" : " (" + used + ")");
+                     policy.by_tokens() ? " tokens" : "", policy.by_tokens() ? 1 : config.memory.min_micro_batch_size,
+                     policy.escalations().size(), config.memory.escalation.size(), used.empty() ? "" : " (" + used + ")");
   return out;
 }
 
@@ -516,8 +516,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   std::unique_ptr<DataLoader> validation;
   // Evaluation's own micro-batch (examples); "auto" starts from training's (in token mode: what its budget holds
   // at the maximum lengths).
-  const int64_t longest = family == DataFamily::kSeq2Seq ? config.data.max_input_length + config.data.max_target_length
-                                                         : config.data.max_length;
+  const int64_t longest = max_example_tokens(config.data, family == DataFamily::kSeq2Seq);
   int64_t eval_micro = !config.evaluation.micro_batch_size.is_auto ? config.evaluation.micro_batch_size.value
                        : policy.by_tokens() ? std::max<int64_t>(1, policy.micro_batch() / std::max<int64_t>(1, longest))
                                             : policy.micro_batch();
