@@ -13,6 +13,11 @@ struct TrainOptions {
   bool resume = false;   // continue from the newest complete checkpoint in checkpoint.output_dir
   std::string resume_from;  // or from this checkpoint directory
   bool merge = false;       // LoRA: also write output_dir/final-merged, the base with the adapters merged
+  // Resume although settings that break the run's exactness or its model differ from the checkpoint's.
+  bool allow_config_change = false;
+  // Resume although the train data or the tokenizer changed: a new epoch over the new data starts at the
+  // checkpoint's step.
+  bool allow_data_change = false;
 };
 
 // Runs the train command on a validated config; returns the process exit code. Throws trainer::Error.
