@@ -228,6 +228,10 @@ TEST(IntegrationRunSafety, ResumeListsChangedSettingsAndRefusesTheBreakingOnes) 
   EXPECT_EQ(forced.exit_code, 0) << forced.err;
   EXPECT_TRUE(contains(forced.err, "--allow-config-change: continuing")) << forced.err;
   EXPECT_TRUE(fs::exists(run_dir / "checkpoint-5" / "COMPLETE"));
+  // Both flags are documented in --help.
+  const auto help = run_trainer({"train", "--help"}).out;
+  EXPECT_TRUE(contains(help, "--allow-config-change")) << help;
+  EXPECT_TRUE(contains(help, "--allow-data-change")) << help;
 }
 
 // A .gz file cut short says so, with the file and its last complete line, in `trainer data` and in training,
@@ -277,6 +281,13 @@ TEST(IntegrationRunSafety, MemoryLimitBelowTheWeightsSaysWhatTheyNeed) {
                            "hint: a memory.limit of at least 3.26 MiB plus room for activations",
                            "lora.enabled=true", "optimizer.state_dtype=bf16"})
     EXPECT_TRUE(contains(r.err, text)) << text << "\n" << r.err;
+  // Room for the weights but not for the AdamW state next to them: the same figures.
+  auto state = run_trainer({"--config", "configs/tiny-t5.json", "--set", "memory.limit=1MiB", "--set",
+                            "checkpoint.output_dir=" + dir.file("run")});
+  EXPECT_EQ(state.exit_code, 4) << state.err;
+  for (const char* text : {"out of memory allocating the AdamW state", "together                      3.26 MiB",
+                           "memory.limit                  1.00 MiB", "hint: a memory.limit of at least 3.26 MiB"})
+    EXPECT_TRUE(contains(state.err, text)) << text << "\n" << state.err;
 }
 
 }  // namespace trainer::test
