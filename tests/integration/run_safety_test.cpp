@@ -97,7 +97,9 @@ TEST(IntegrationRunSafety, OneRunPerOutputDirectory) {
   std::ifstream metrics(run_dir / "metrics.jsonl");
   for (std::string line; std::getline(metrics, line);) {
     const auto record = nlohmann::json::parse(line);
-    if (record.contains("loss")) EXPECT_EQ(record["step"].get<int64_t>(), expected++) << line;
+    if (record.contains("loss")) {
+      EXPECT_EQ(record["step"].get<int64_t>(), expected++) << line;
+    }
   }
   EXPECT_GT(expected, 2);
 
