@@ -16,6 +16,11 @@ struct TrainOptions {
   bool merge = false;       // LoRA: also write output_dir/final-merged, the base with the adapters merged
   std::string config_file;             // where the config came from, and its --set overrides: the start-up
   std::vector<std::string> overrides;  // table says which of them gave each changed value
+  // Resume although settings that break the run's exactness or its model differ from the checkpoint's.
+  bool allow_config_change = false;
+  // Resume although the train data or the tokenizer changed: a new epoch over the new data starts at the
+  // checkpoint's step.
+  bool allow_data_change = false;
 };
 
 // Runs the train command on a validated config; returns the process exit code. Throws trainer::Error.

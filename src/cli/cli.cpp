@@ -123,6 +123,15 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   train->add_flag("--resume", train_options.resume,
                   "Continue from the newest complete checkpoint in checkpoint.output_dir");
   train->add_option("--resume-from", train_options.resume_from, "Continue from this checkpoint directory");
+  train->add_flag("--allow-config-change", train_options.allow_config_change,
+                  "Resume although settings that make it another run differ from the checkpoint's (model, "
+                  "tokenizer, precision, optimizer name or state dtype, seed, batch size, max lengths, field "
+                  "mapping); every difference is listed either way, and lr, schedule, length, evaluation, logging, "
+                  "checkpoint and memory settings may always change");
+  train->add_flag("--allow-data-change", train_options.allow_data_change,
+                  "Resume although the train files or the tokenizer changed since the checkpoint: training goes on "
+                  "from its step with a new epoch over the data as it is now (without it: exit 3 naming what "
+                  "changed)");
   train->add_flag("--merge", train_options.merge,
                   "LoRA: after the final adapter (output_dir/final), also write output_dir/final-merged, a full "
                   "Hugging Face model with the adapters merged into the base weights");

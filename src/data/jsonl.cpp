@@ -180,6 +180,7 @@ FileIndex index_file(const std::string& path) {
   index.gzip = is_gzip_path(path);
   const FileStamp stamp = stamp_of(path);
   index.file_size = stamp.size;
+  index.mtime_ns = stamp.mtime_ns;
   const std::string cache = index_cache_path(path);
   if (read_cached_index(cache, stamp, index.gzip, index)) return index;
   index.records = 0;
@@ -265,6 +266,21 @@ bool LineReader::refill() {
       int code = 0;
       const char* message = ::gzerror(static_cast<gzFile>(gz_), &code);
       throw DataError(path_ + ": corrupt gzip data (" + message + ")", "re-create the .gz file");
+    }
+    if (n == 0) {
+      // zlib hands out what it could decompress and flags a stream that stopped before its end marker (a copy or
+      // download cut short) as Z_BUF_ERROR, "unexpected end of file". The partial line in the buffer is where it
+      // broke: report the file, not that line as invalid JSON.
+      int code = Z_OK;
+      ::gzerror(static_cast<gzFile>(gz_), &code);
+      if (code == Z_BUF_ERROR)
+        throw DataError(path_ + ": the gzip stream ends before its end marker (file truncated?); " +
+                            (line_number_ > 0 ? "the last complete line is line " + std::to_string(line_number_)
+                                              : std::string("not one complete line was read")) +
+                            (end_ > begin_ ? ", followed by " + std::to_string(end_ - begin_) +
+                                                 " bytes of a line cut off"
+                                           : std::string()),
+                        "copy or download the file again (`gzip -t " + path_ + "` checks a .gz file)");
     }
   } else {
     n = ::read(fd_, buffer_.data() + end_, room);

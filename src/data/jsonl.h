@@ -26,6 +26,7 @@ struct FileIndex {
   bool gzip = false;
   std::uint64_t records = 0;
   std::uint64_t file_size = 0;
+  std::int64_t mtime_ns = 0;  // modification time when indexed
   std::vector<std::uint64_t> offsets;  // plain files: one per record
 };
 

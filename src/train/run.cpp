@@ -1,6 +1,7 @@
 // The train command: everything is resolved and checked before any step runs, so a mistake in paths, device or
 // data shows in the first second, not after the model has loaded.
 #include <cstdlib>
+#include <optional>
 #include <ostream>
 
 #include <spdlog/spdlog.h>
@@ -11,6 +12,7 @@
 #include "trainer/model_dir.h"
 #include "trainer/run.h"
 #include "trainer/version.h"
+#include "train/run_lock.h"
 #include "train/trainer.h"
 
 namespace trainer {
@@ -41,6 +43,10 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
+  // One run per output directory, held from before the wait for a device (queued jobs started together) to the
+  // end; a dry run writes nothing and takes no lock.
+  std::optional<RunLock> lock;
+  if (!options.dry_run) lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
   const auto device = resolve_device(config.device);
 
   const auto& t = config.training;

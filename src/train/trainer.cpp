@@ -22,7 +22,9 @@
 #include "models/lora.h"
 #include "models/weights.h"
 #include "train/checkpointing.h"
+#include "train/fixed_memory.h"
 #include "train/optimizer.h"
+#include "train/resume_check.h"
 #include "train/retention.h"
 #include "train/rng.h"
 #include "train/signals.h"
@@ -302,7 +304,7 @@ void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config&
 void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, const c10::Device& device,
                       const TrainedWeights& trained,
                       const AdamW& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
-                      int64_t tokens_seen, const Config& config) {
+                      int64_t tokens_seen, const Config& config, const nlohmann::json& data_fingerprint) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   if (on_disk && fs::exists(final_dir / "COMPLETE")) {
     spdlog::info("checkpoint step {}: {} (already written)", step, final_dir.string());
@@ -321,7 +323,8 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
                                 {"tokens_seen", tokens_seen},
                                 {"data_cursor", cursor_to_json(cursor)},
                                 {"memory_policy", policy_state},
-                                {"config", nlohmann::json::parse(config_to_json(config))}};
+                                {"config", nlohmann::json::parse(config_to_json(config))},
+                                {"data_fingerprint", data_fingerprint}};
   if (trained.lora) state["base_model_config"] = trained.model.hf_config();  // an adapter has no config.json
   std::ofstream(temp_dir / "train_state.json") << state.dump(2) << "\n";
   const fs::path replaced = output_dir / (".checkpoint-" + std::to_string(step) + ".replaced");
@@ -394,11 +397,6 @@ void check_same_architecture(const fs::path& checkpoint, const Config& config) {
   if (!differences.empty())
     throw DataError("checkpoint " + checkpoint.string() + " belongs to another model than model.path:" + differences,
                     "resume with the model.path the checkpoint was trained from");
-  const auto saved_batch = state.at("config").at("training").at("batch_size").get<int64_t>();
-  if (saved_batch != config.training.batch_size)
-    throw DataError("checkpoint " + checkpoint.string() + " was trained with training.batch_size " +
-                        std::to_string(saved_batch) + ", the config says " + std::to_string(config.training.batch_size),
-                    "an exact resume needs the same effective batch");
 }
 
 int run_training(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options,
@@ -437,18 +435,40 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
       throw DataError("--resume: no complete checkpoint in " + config.checkpoint.output_dir,
                       "start without --resume, or point checkpoint.output_dir at the run to continue");
   }
-  if (resume_dir) check_same_architecture(*resume_dir, config);
+  // Before anything is loaded: the checkpoint's model, then the settings (one line with every difference; the
+  // ones that would make it another run are refused unless --allow-config-change), then the data.
+  nlohmann::json resume_state;
+  bool data_changed = false;
+  if (resume_dir) {
+    check_same_architecture(*resume_dir, config);
+    resume_state = read_json_file((*resume_dir / "train_state.json").string());
+    check_resume_config(resume_state.at("config"), config, resume_dir->string(), train_options.allow_config_change);
+  }
+  const nlohmann::json fingerprint = data_fingerprint(config, *tokenizer);
+  if (resume_dir)
+    data_changed = check_resume_data(resume_state, fingerprint, resume_dir->string(), train_options.allow_data_change);
+  // What must fit before the first example (weights, LoRA, optimizer state): an error says how much that is.
+  auto fixed_part = [&](const char* what, auto&& build) {
+    try {
+      return build();
+    } catch (const c10::OutOfMemoryError& e) {
+      throw fixed_memory_error(config, device, what, e);
+    }
+  };
   // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
-  auto model = resume_dir && !config.lora.enabled
-                   ? load_model(resume_dir->string(), ModelInit::kPretrained,
-                                at::TensorOptions().dtype(dtype).device(device))
-                   : load_model(config.model.path, config.model.init, at::TensorOptions().dtype(dtype).device(device),
-                                static_cast<uint64_t>(config.training.seed));
+  auto model = fixed_part("the model's weights", [&] {
+    return resume_dir && !config.lora.enabled
+               ? load_model(resume_dir->string(), ModelInit::kPretrained,
+                            at::TensorOptions().dtype(dtype).device(device))
+               : load_model(config.model.path, config.model.init, at::TensorOptions().dtype(dtype).device(device),
+                            static_cast<uint64_t>(config.training.seed));
+  });
   model->train(true);
   model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
   std::unique_ptr<LoraAdapters> lora;
   std::string lora_base;
-  if (config.lora.enabled) lora = apply_lora_for_training(*model, config, resume_dir, lora_base);
+  if (config.lora.enabled)
+    lora = fixed_part("the LoRA adapters", [&] { return apply_lora_for_training(*model, config, resume_dir, lora_base); });
   const TrainedWeights trained{*model, lora.get(), lora_base};
   if (config.training.activation_checkpointing) apply_activation_checkpointing(*model);
   const DataFamily family = model->family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
@@ -464,14 +484,10 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
       static_cast<uint64_t>(config.training.batch_size));
   const int64_t total_steps = config.training.max_steps > 0 ? config.training.max_steps : per_epoch * config.training.epochs;
 
-  std::unique_ptr<AdamW> optimizer;
-  try {
-    // Only trainable parameters get state: with LoRA, the adapters (the frozen base has no gradients).
-    optimizer = std::make_unique<AdamW>(lora ? static_cast<Module&>(*lora) : *model, config.optimizer);
-  } catch (const c10::OutOfMemoryError&) {
-    throw OutOfMemoryAtFloor("the AdamW state (two fp32 moments per trainable parameter) does not fit next to the model",
-                             "a larger memory.limit or a larger device");
-  }
+  // Only trainable parameters get state: with LoRA, the adapters (the frozen base has no gradients).
+  std::unique_ptr<AdamW> optimizer = fixed_part("the AdamW state (two moments per trainable parameter)", [&] {
+    return std::make_unique<AdamW>(lora ? static_cast<Module&>(*lora) : *model, config.optimizer);
+  });
   MemoryPolicy policy(config.memory, config.training);
   StepOptions options;
   options.device = device;
@@ -485,14 +501,15 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   int64_t tokens_seen = 0;
   int64_t step_index = 0;
   if (resume_dir) {
-    const auto state = read_json_file((*resume_dir / "train_state.json").string());
+    const auto& state = resume_state;
     const auto file = SafetensorsFile::open((*resume_dir / "optimizer.safetensors").string());
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& t : file.tensors())
       if (!t.name.starts_with("rng.")) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
     optimizer->load_state(tensors, state.at("optimizer_steps").get<int64_t>(),
                           (*resume_dir / "optimizer.safetensors").string());
-    loader->restore(cursor_from_json(state.at("data_cursor")));
+    const LoaderCursor saved_cursor = cursor_from_json(state.at("data_cursor"));
+    loader->restore(data_changed ? new_epoch_cursor(saved_cursor) : saved_cursor);
     policy.restore(state.at("memory_policy"));
     step_index = state.at("step").get<int64_t>();
     tokens_seen = state.at("tokens_seen").get<int64_t>();
@@ -503,7 +520,10 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
       else spdlog::warn("{} holds no {} generator state: dropout after the resume differs from an uninterrupted run",
                         resume_dir->string(), device.str());
     }
-    spdlog::info("resuming from {} at step {} (micro-batch {})", resume_dir->string(), step_index, policy.micro_batch());
+    spdlog::info("resuming from {} at step {} (micro-batch {}){}", resume_dir->string(), step_index,
+                 policy.micro_batch(),
+                 data_changed ? fmt::format("; the data changed: epoch {} starts over it", loader->cursor().epoch + 1)
+                              : std::string());
   } else if (config.training.micro_batch_size.is_auto && !policy.by_tokens()) {
     const int64_t probed = probe_micro_batch(step, *optimizer, config, family, device);
     if (probed == 0)
@@ -539,7 +559,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     on_disk_step = step_index;
   auto checkpoint = [&](const LoaderCursor& cursor, const nlohmann::json& policy_state) {
     write_checkpoint(output_dir, step_index, on_disk_step == step_index, device, trained, *optimizer, policy_state,
-                     cursor, tokens_seen, config);
+                     cursor, tokens_seen, config, fingerprint);
     on_disk_step = step_index;
     retention.on_checkpoint(step_index, last_eval_step == step_index ? std::optional<double>(last_eval) : std::nullopt);
     const auto path = (output_dir / ("checkpoint-" + std::to_string(step_index))).string();

@@ -372,11 +372,15 @@ TEST(IntegrationTrain, ResumeContinuesExactly) {
   auto nothing = with(fs::temp_directory_path() / "trainer-resume-none", {"--resume"});
   EXPECT_EQ(nothing.exit_code, 3);
   EXPECT_TRUE(nothing.err.find("no complete checkpoint") != std::string::npos) << nothing.err;
-  auto other = run_trainer({"--config", "configs/tiny-qwen2.json", "--resume-from", (straight / "checkpoint-10").string()});
+  // Its own output_dir: a run locks it, and tests run in parallel (the config's default is shared).
+  auto other = run_trainer({"--config", "configs/tiny-qwen2.json", "--set",
+                            "checkpoint.output_dir=" + (fs::temp_directory_path() / "trainer-resume-other").string(),
+                            "--resume-from", (straight / "checkpoint-10").string()});
   EXPECT_EQ(other.exit_code, 3);
   EXPECT_TRUE(other.err.find("belongs to another model") != std::string::npos) << other.err;
   fs::remove_all(straight);
   fs::remove_all(resumed);
+  fs::remove_all(fs::temp_directory_path() / "trainer-resume-other");
 }
 
 }  // namespace trainer::test

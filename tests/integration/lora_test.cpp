@@ -113,15 +113,19 @@ TEST(IntegrationLora, ResumeContinuesExactly) {
                                             "--resume"}));
   EXPECT_EQ(other_rank.exit_code, 3);
   EXPECT_NE(other_rank.err.find("lora.r: checkpoint 16, config 8"), std::string::npos) << other_rank.err;
-  auto full = run_trainer({"--config", "configs/tiny-qwen2.json", "--resume-from", (straight / "checkpoint-10").string()});
+  // Their own output_dir: a run locks it, and tests run in parallel (the config's default is shared).
+  const auto elsewhere = "checkpoint.output_dir=" + (fs::temp_directory_path() / "trainer-lora-full").string();
+  auto full = run_trainer({"--config", "configs/tiny-qwen2.json", "--set", elsewhere, "--resume-from",
+                           (straight / "checkpoint-10").string()});
   EXPECT_EQ(full.exit_code, 3);
   EXPECT_NE(full.err.find("holds a LoRA adapter"), std::string::npos) << full.err;
   // --merge without LoRA is a usage error.
-  auto merge_full = run_trainer({"--config", "configs/tiny-qwen2.json", "--merge"});
+  auto merge_full = run_trainer({"--config", "configs/tiny-qwen2.json", "--set", elsewhere, "--merge"});
   EXPECT_EQ(merge_full.exit_code, 2);
   EXPECT_NE(merge_full.err.find("lora.enabled"), std::string::npos) << merge_full.err;
   fs::remove_all(straight);
   fs::remove_all(resumed);
+  fs::remove_all(fs::temp_directory_path() / "trainer-lora-full");
 }
 
 // What merge needs and does not find is named, with the way out.

@@ -8,6 +8,7 @@
 
 #include "data/jsonl.h"
 #include "data/permutation.h"
+#include "trainer/errors.h"
 #include "unit/data/data_test_support.h"
 
 namespace trainer::data {
@@ -85,6 +86,47 @@ TEST(JsonlGzip, ReadsTheSameRecordsWithLineNumbers) {
   }
   EXPECT_EQ(lines, (std::vector<uint64_t>{1, 3, 4, 5}));
   EXPECT_EQ(sizes, (std::vector<std::size_t>{7, 7, 3u << 20, 7}));  // a line longer than the read buffer
+}
+
+// A .gz file cut short (a copy or download that stopped): the reader hands out every complete line, then says the
+// stream ended before its end marker, naming the file and the last complete line, instead of reporting the cut-off
+// line as invalid JSON. The index (what `trainer data` and training build first) says the same.
+TEST(JsonlGzip, TruncatedStreamIsNamedAsSuch) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 2000; ++i) text += "{\"text\": \"record " + std::to_string(i) + " with some words in it\"}\n";
+  const std::string whole = dir.file("whole.jsonl.gz"), cut = dir.file("cut.jsonl.gz");
+  test::write_gzip(whole, text);
+  const std::string bytes = test::read_file(whole);
+  write_file(cut, bytes.substr(0, bytes.size() / 2));
+  LineReader reader(cut);
+  std::string record;
+  uint64_t line = 0, offset = 0, last = 0;
+  try {
+    while (reader.next(record, line, offset)) {
+      EXPECT_EQ(record.back(), '}') << "line " << line << " handed out incomplete";
+      last = line;
+    }
+    FAIL() << "a truncated gzip stream was read to its end without an error";
+  } catch (const DataError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(cut + ": the gzip stream ends before its end marker (file truncated?)"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("the last complete line is line " + std::to_string(last) + ","), std::string::npos) << what;
+    EXPECT_NE(std::string(e.hint()).find("gzip -t"), std::string::npos);
+  }
+  EXPECT_GT(last, 10u);
+  EXPECT_LT(last, 2000u);
+  EXPECT_THROW(index_file(cut), DataError);
+  // The whole file reads to its end; an empty stream cut inside the header has no complete line to name.
+  EXPECT_EQ(index_file(whole).records, 2000u);
+  write_file(dir.file("header.jsonl.gz"), bytes.substr(0, 12));
+  try {
+    index_file(dir.file("header.jsonl.gz"));
+    FAIL() << "a gzip file cut inside its first block was accepted";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("not one complete line was read"), std::string::npos) << e.what();
+  }
 }
 
 TEST(DataPermutation, IsASeededBijectionWithAnInverse) {
