@@ -120,20 +120,34 @@ std::string precision_name(PrecisionMode mode) {
 
 }  // namespace
 
-double MemoryPlan::peak(int64_t micro, bool checkpointing, bool chunked_loss) const {
+double MemoryPlan::loss_chunked(int64_t micro, int64_t chunk) const {
+  const int64_t size = std::min(chunk > 0 ? chunk : loss_chunk_size, micro * targets_per_example);
+  return static_cast<double>(size) * loss_chunk_bytes_per_token + static_cast<double>(micro) * loss_rows_per_example +
+         loss_fixed;
+}
+
+double MemoryPlan::peak(int64_t micro, bool checkpointing, bool chunked_loss, int64_t chunk) const {
   const double m = static_cast<double>(micro);
   const double activations = checkpointing ? activations_per_example_checkpointed : activations_per_example;
-  const double loss = chunked_loss ? loss_chunked : m * loss_per_example;
+  const double loss = chunked_loss ? loss_chunked(micro, chunk) : m * loss_per_example;
   return weights + gradients + optimizer_state + workspace + m * activations + loss;
 }
 
-int64_t MemoryPlan::largest_micro_batch(bool checkpointing, bool chunked_loss) const {
+int64_t MemoryPlan::largest_micro_batch(bool checkpointing, bool chunked_loss, int64_t chunk) const {
   if (capacity <= 0) return batch_size;
   const double allowed = capacity * (1.0 - safety_margin);
   int64_t best = 0;
   for (int64_t m = 1; m <= batch_size; ++m)
-    if (peak(m, checkpointing, chunked_loss) <= allowed) best = m;
+    if (peak(m, checkpointing, chunked_loss, chunk) <= allowed) best = m;
   return best;
+}
+
+int64_t MemoryPlan::fitting_loss_chunk_size(int64_t micro) const {
+  const double allowed = capacity > 0 ? capacity * (1.0 - safety_margin) : peak(micro, true, true);
+  for (int64_t chunk = loss_chunk_size;; chunk = std::max(kMinLossChunkSize, chunk / 2)) {
+    if (peak(micro, true, true, chunk) <= allowed) return chunk;
+    if (chunk <= kMinLossChunkSize) return 0;
+  }
 }
 
 MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
@@ -203,8 +217,18 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   const double logits_bytes = 4 + (mode == PrecisionMode::kFp32 ? 0 : compute_bytes);
   const double vocab = static_cast<double>(model->vocab_size());
   plan.loss_per_example = a.log_probs * 4 + 2 * a.targets * vocab * logits_bytes;
-  const double chunk = std::min<double>(static_cast<double>(config.training.loss_chunk_size), a.targets);
-  plan.loss_chunked = 3 * chunk * vocab * logits_bytes;
+  // The fused loss (train/fused_loss.cpp) holds one chunk of fp32 logits, made into their gradient in place, and
+  // beside it the compute-dtype product before the conversion or the compute-dtype gradient the matmuls take after
+  // it (none in fp32); the hidden states' gradient for every position; with a trainable head in bf16-mixed, the
+  // chunk's head-weight gradient in bf16 before it is added to the fp32 one.
+  const at::Tensor head = model->lm_head_weight();
+  const double hidden_size = static_cast<double>(head.size(1));
+  plan.loss_chunk_bytes_per_token = vocab * logits_bytes;
+  plan.loss_rows_per_example = a.targets * hidden_size * compute_bytes;
+  const bool head_trained = !config.lora.enabled;
+  plan.loss_fixed = head_trained && mode == PrecisionMode::kBf16Mixed ? vocab * hidden_size * compute_bytes : 0;
+  plan.loss_chunk_size = config.training.loss_chunk_size;
+  plan.targets_per_example = static_cast<int64_t>(a.targets);
   plan.activations_per_example = a.saved * compute_bytes;
   plan.activations_per_example_checkpointed = (a.checkpointed + a.largest_block) * compute_bytes;
   plan.capacity = capacity;
@@ -231,8 +255,9 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
   row("activations per example", plan.activations_per_example, "at the maximum lengths");
   row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
   row("logits and loss per example", plan.loss_per_example, "full-vocabulary fp32 logits and their gradients");
-  row("  with chunked loss (per micro-batch)", plan.loss_chunked,
-      std::to_string(config.training.loss_chunk_size) + " tokens at a time");
+  row("  with chunked loss (per micro-batch)", plan.loss_chunked(1),
+      "fused, " + std::to_string(std::min(config.training.loss_chunk_size, plan.targets_per_example)) +
+          " tokens at a time (one example)");
   out << "\n";
   out << "  capacity: " << (plan.capacity > 0 ? human_bytes(plan.capacity) : std::string("unknown")) << " ("
       << plan.capacity_source << "), safety margin " << static_cast<int>(plan.safety_margin * 100) << "%\n\n";
@@ -260,6 +285,9 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
         << (plan.batch_size + as_configured - 1) / as_configured << " accumulation steps for batch_size "
         << plan.batch_size << ") with the configured activation_checkpointing="
         << (checkpointing ? "true" : "false") << ", chunked_loss=" << (chunked ? "true" : "false") << "\n";
+    if (chunked)
+      out << "  loss chunks of " << std::min(config.training.loss_chunk_size, plan.targets_per_example)
+          << " tokens: " << human_bytes(plan.loss_chunked(as_configured)) << " at that micro-batch\n";
     if (with_everything > as_configured)
       out << "  with training.activation_checkpointing=true and training.chunked_loss=true: " << with_everything
           << "\n";
@@ -271,6 +299,14 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
     out << "recommendation: turn on training.activation_checkpointing=true and training.chunked_loss=true; then "
            "micro_batch_size "
         << with_everything << " fits\n";
+  } else if (const int64_t chunk = plan.fitting_loss_chunk_size(1); chunk > 0) {
+    const int64_t micro = plan.largest_micro_batch(true, true, chunk);
+    out << "recommendation: training.loss_chunk_size=" << chunk << " (configured " << config.training.loss_chunk_size
+        << ")" << (checkpointing && chunked ? "" : " with training.activation_checkpointing=true and "
+                                                  "training.chunked_loss=true")
+        << "; then micro_batch_size " << micro << " fits (" << (plan.batch_size + micro - 1) / micro
+        << " accumulation steps for batch_size " << plan.batch_size
+        << "). The smaller_loss_chunks escalation gets there by itself at the first out-of-memory error\n";
   } else {
     const double fixed = plan.weights + plan.gradients + plan.optimizer_state + plan.workspace;
     const double allowed = plan.capacity * (1.0 - plan.safety_margin);
