@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 namespace trainer {
 

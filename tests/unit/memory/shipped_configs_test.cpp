@@ -91,4 +91,24 @@ TEST(ShippedConfigs, EveryGpuConfigFitsItsCardByThePlan) {
   EXPECT_GE(checked, 2);
 }
 
+TEST(ShippedConfigs, PlanShowsTheLossChunkSizeThatFits) {
+  // Qwen2.5-7B LoRA on 23 GiB with chunks of 2048 tokens: 2048 and 1024 do not fit at micro-batch 1, 512 does
+  // (each halving takes 152,064 x 6 bytes a token off the chunk); the plan says so, as the escalation would do.
+  Config config = load_config(test::source_path("configs/qwen2.5-7b-lora.json"));
+  config.training.loss_chunk_size = 2048;
+  const double capacity = 23.0 * (1ull << 30);
+  const MemoryPlan plan = plan_memory(config, kQwen25_7B, c10::Device(c10::kCPU), capacity, "test");
+  EXPECT_EQ(plan.largest_micro_batch(true, true), 0);
+  EXPECT_EQ(plan.fitting_loss_chunk_size(1), 512);
+  EXPECT_EQ(plan.largest_micro_batch(true, true, 512), 1);
+  std::ostringstream out;
+  print_plan(plan, config, out);
+  EXPECT_NE(out.str().find("recommendation: training.loss_chunk_size=512 (configured 2048); then micro_batch_size 1"),
+            std::string::npos)
+      << out.str();
+  // Below what even chunks of 128 need, the plan says nothing fits.
+  const MemoryPlan small = plan_memory(config, kQwen25_7B, c10::Device(c10::kCPU), 22.0 * (1ull << 30), "test");
+  EXPECT_EQ(small.fitting_loss_chunk_size(1), 0);
+}
+
 }  // namespace trainer
