@@ -165,9 +165,12 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   // LoRA keeps, per token of each adapted module: the adapter's input after dropout and its mask (in_features
   // each, when lora.dropout > 0) and A's output (r). Summed over the modules of the encoder/decoder stacks.
   double adapter_elements_input = 0, adapter_elements_target = 0;
+  int64_t largest_trainable = 0;  // elements of the largest trainable tensor (the optimizer's scratch follows it)
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     plan.parameters += p.numel();
+    if (!config.lora.enabled) largest_trainable = std::max(largest_trainable, p.numel());
     if (!adapted.contains(name)) return;
+    largest_trainable = std::max({largest_trainable, config.lora.r * p.size(0), config.lora.r * p.size(1)});
     adapter += config.lora.r * (p.size(0) + p.size(1));
     const double per_token =
         static_cast<double>(config.lora.r) + (config.lora.dropout > 0 ? 2.0 * static_cast<double>(p.size(1)) : 0.0);
@@ -192,6 +195,11 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   // bf16-mixed: autocast keeps a bf16 copy of every weight it casts until backward has used it.
   if (mode == PrecisionMode::kBf16Mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
   if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
+  // AdamW's update scratch (train/optimizer.cpp): two fp32 buffers (four with bf16 moments) of the largest
+  // trainable tensor's size, at most 4M elements each. Tens of MiB; most of a tiny model's step with a large
+  // vocabulary.
+  const double scratch_buffers = config.optimizer.state_dtype == StateDtype::kBf16 ? 4 : 2;
+  plan.workspace += scratch_buffers * 4.0 * static_cast<double>(std::min<int64_t>(largest_trainable, 1 << 22));
 
   // Dropout masks: float tensors of the activation dtype on the CPU, one byte per element on CUDA.
   const double dropout_share = device.is_cpu() ? 1.0 : 1.0 / compute_bytes;
@@ -251,7 +259,7 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
   row("optimizer state (AdamW)", plan.optimizer_state,
       config.optimizer.state_dtype == StateDtype::kBf16 ? "two bf16 moments per trainable parameter"
                                                          : "two fp32 moments per trainable parameter");
-  row("workspace", plan.workspace, plan.workspace > 0 ? "autocast weight copies / device libraries" : "");
+  row("workspace", plan.workspace, "optimizer scratch, autocast weight copies, device libraries");
   row("activations per example", plan.activations_per_example, "at the maximum lengths");
   row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
   row("logits and loss per example", plan.loss_per_example, "full-vocabulary fp32 logits and their gradients");
