@@ -115,8 +115,10 @@ const char* enum_name(E value) {
   return "?";
 }
 
-// The steps of memory escalation, in the order the user lists them in memory.escalation.
-inline constexpr const char* kEscalationSteps[] = {"activation_checkpointing", "chunked_loss"};
+// The steps of memory escalation, in the order the user lists them in memory.escalation. smaller_loss_chunks
+// halves training.loss_chunk_size each time it is reached, down to kMinLossChunkSize.
+inline constexpr const char* kEscalationSteps[] = {"activation_checkpointing", "chunked_loss", "smaller_loss_chunks"};
+inline constexpr std::int64_t kMinLossChunkSize = 128;
 
 // ---- sections -------------------------------------------------------------------------------------------------
 
@@ -220,8 +222,11 @@ struct TrainingConfig {
     v("seed", seed, "seed for initialisation, shuffling and dropout");
     v("max_grad_norm", max_grad_norm, "clip gradients to this global norm; 0 turns clipping off");
     v("activation_checkpointing", activation_checkpointing, "recompute each block's activations in backward");
-    v("chunked_loss", chunked_loss, "compute the LM head and loss in chunks of loss_chunk_size tokens");
-    v("loss_chunk_size", loss_chunk_size, "tokens per chunk of the chunked loss");
+    v("chunked_loss", chunked_loss,
+      "fused LM head and loss over chunks of loss_chunk_size trained tokens: no full tokens x vocabulary logits");
+    v("loss_chunk_size", loss_chunk_size,
+      "trained tokens per chunk of the chunked loss (memory: chunk x vocabulary fp32 logits); the "
+      "smaller_loss_chunks escalation halves it down to 128");
   }
   bool operator==(const TrainingConfig&) const = default;
 };
@@ -324,7 +329,7 @@ struct MemoryConfig {
   double shrink_factor = 0.5;
   std::int64_t min_micro_batch_size = 1;
   std::int64_t max_retries = 8;
-  std::vector<std::string> escalation = {"activation_checkpointing", "chunked_loss"};
+  std::vector<std::string> escalation = {"activation_checkpointing", "chunked_loss", "smaller_loss_chunks"};
   std::int64_t regrow_after_steps = 0;
   double auto_safety_margin = 0.1;
   std::int64_t empty_cache_every = 0;
@@ -338,7 +343,9 @@ struct MemoryConfig {
     v("shrink_factor", shrink_factor, "the micro-batch is multiplied by this after an out-of-memory error");
     v("min_micro_batch_size", min_micro_batch_size, "the floor; below it the policy escalates, then stops");
     v("max_retries", max_retries, "out-of-memory retries of one optimizer step before giving up");
-    v("escalation", escalation, "what to turn on at the floor, in order: activation_checkpointing, chunked_loss");
+    v("escalation", escalation,
+      "what to turn on at the floor, in order: activation_checkpointing, chunked_loss, smaller_loss_chunks (halve "
+      "training.loss_chunk_size, repeatedly, down to 128; turns chunked_loss on)");
     v("regrow_after_steps", regrow_after_steps, "try a larger micro-batch after N steps without OOM; 0: never");
     v("auto_safety_margin", auto_safety_margin, "fraction of memory micro_batch_size=auto leaves free");
     v("empty_cache_every", empty_cache_every, "release cached device memory every N steps; 0: only after an OOM");

@@ -120,20 +120,34 @@ std::string precision_name(PrecisionMode mode) {
 
 }  // namespace
 
-double MemoryPlan::peak(int64_t micro, bool checkpointing, bool chunked_loss) const {
+double MemoryPlan::loss_chunked(int64_t micro, int64_t chunk) const {
+  const int64_t size = std::min(chunk > 0 ? chunk : loss_chunk_size, micro * targets_per_example);
+  return static_cast<double>(size) * loss_chunk_bytes_per_token + static_cast<double>(micro) * loss_rows_per_example +
+         loss_fixed;
+}
+
+double MemoryPlan::peak(int64_t micro, bool checkpointing, bool chunked_loss, int64_t chunk) const {
   const double m = static_cast<double>(micro);
   const double activations = checkpointing ? activations_per_example_checkpointed : activations_per_example;
-  const double loss = chunked_loss ? loss_chunked : m * loss_per_example;
+  const double loss = chunked_loss ? loss_chunked(micro, chunk) : m * loss_per_example;
   return weights + gradients + optimizer_state + workspace + m * activations + loss;
 }
 
-int64_t MemoryPlan::largest_micro_batch(bool checkpointing, bool chunked_loss) const {
+int64_t MemoryPlan::largest_micro_batch(bool checkpointing, bool chunked_loss, int64_t chunk) const {
   if (capacity <= 0) return batch_size;
   const double allowed = capacity * (1.0 - safety_margin);
   int64_t best = 0;
   for (int64_t m = 1; m <= batch_size; ++m)
-    if (peak(m, checkpointing, chunked_loss) <= allowed) best = m;
+    if (peak(m, checkpointing, chunked_loss, chunk) <= allowed) best = m;
   return best;
+}
+
+int64_t MemoryPlan::fitting_loss_chunk_size(int64_t micro) const {
+  const double allowed = capacity > 0 ? capacity * (1.0 - safety_margin) : peak(micro, true, true);
+  for (int64_t chunk = loss_chunk_size;; chunk = std::max(kMinLossChunkSize, chunk / 2)) {
+    if (peak(micro, true, true, chunk) <= allowed) return chunk;
+    if (chunk <= kMinLossChunkSize) return 0;
+  }
 }
 
 MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
@@ -151,9 +165,12 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   // LoRA keeps, per token of each adapted module: the adapter's input after dropout and its mask (in_features
   // each, when lora.dropout > 0) and A's output (r). Summed over the modules of the encoder/decoder stacks.
   double adapter_elements_input = 0, adapter_elements_target = 0;
+  int64_t largest_trainable = 0;  // elements of the largest trainable tensor (the optimizer's scratch follows it)
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     plan.parameters += p.numel();
+    if (!config.lora.enabled) largest_trainable = std::max(largest_trainable, p.numel());
     if (!adapted.contains(name)) return;
+    largest_trainable = std::max({largest_trainable, config.lora.r * p.size(0), config.lora.r * p.size(1)});
     adapter += config.lora.r * (p.size(0) + p.size(1));
     const double per_token =
         static_cast<double>(config.lora.r) + (config.lora.dropout > 0 ? 2.0 * static_cast<double>(p.size(1)) : 0.0);
@@ -178,6 +195,11 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   // bf16-mixed: autocast keeps a bf16 copy of every weight it casts until backward has used it.
   if (mode == PrecisionMode::kBf16Mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
   if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
+  // AdamW's update scratch (train/optimizer.cpp): two fp32 buffers (four with bf16 moments) of the largest
+  // trainable tensor's size, at most 4M elements each. Tens of MiB; most of a tiny model's step with a large
+  // vocabulary.
+  const double scratch_buffers = config.optimizer.state_dtype == StateDtype::kBf16 ? 4 : 2;
+  plan.workspace += scratch_buffers * 4.0 * static_cast<double>(std::min<int64_t>(largest_trainable, 1 << 22));
 
   // Dropout masks: float tensors of the activation dtype on the CPU, one byte per element on CUDA.
   const double dropout_share = device.is_cpu() ? 1.0 : 1.0 / compute_bytes;
@@ -203,8 +225,18 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   const double logits_bytes = 4 + (mode == PrecisionMode::kFp32 ? 0 : compute_bytes);
   const double vocab = static_cast<double>(model->vocab_size());
   plan.loss_per_example = a.log_probs * 4 + 2 * a.targets * vocab * logits_bytes;
-  const double chunk = std::min<double>(static_cast<double>(config.training.loss_chunk_size), a.targets);
-  plan.loss_chunked = 3 * chunk * vocab * logits_bytes;
+  // The fused loss (train/fused_loss.cpp) holds one chunk of fp32 logits, made into their gradient in place, and
+  // beside it the compute-dtype product before the conversion or the compute-dtype gradient the matmuls take after
+  // it (none in fp32); the hidden states' gradient for every position; with a trainable head in bf16-mixed, the
+  // chunk's head-weight gradient in bf16 before it is added to the fp32 one.
+  const at::Tensor head = model->lm_head_weight();
+  const double hidden_size = static_cast<double>(head.size(1));
+  plan.loss_chunk_bytes_per_token = vocab * logits_bytes;
+  plan.loss_rows_per_example = a.targets * hidden_size * compute_bytes;
+  const bool head_trained = !config.lora.enabled;
+  plan.loss_fixed = head_trained && mode == PrecisionMode::kBf16Mixed ? vocab * hidden_size * compute_bytes : 0;
+  plan.loss_chunk_size = config.training.loss_chunk_size;
+  plan.targets_per_example = static_cast<int64_t>(a.targets);
   plan.activations_per_example = a.saved * compute_bytes;
   plan.activations_per_example_checkpointed = (a.checkpointed + a.largest_block) * compute_bytes;
   plan.capacity = capacity;
@@ -227,12 +259,13 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
   row("optimizer state (AdamW)", plan.optimizer_state,
       config.optimizer.state_dtype == StateDtype::kBf16 ? "two bf16 moments per trainable parameter"
                                                          : "two fp32 moments per trainable parameter");
-  row("workspace", plan.workspace, plan.workspace > 0 ? "autocast weight copies / device libraries" : "");
+  row("workspace", plan.workspace, "optimizer scratch, autocast weight copies, device libraries");
   row("activations per example", plan.activations_per_example, "at the maximum lengths");
   row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
   row("logits and loss per example", plan.loss_per_example, "full-vocabulary fp32 logits and their gradients");
-  row("  with chunked loss (per micro-batch)", plan.loss_chunked,
-      std::to_string(config.training.loss_chunk_size) + " tokens at a time");
+  row("  with chunked loss (per micro-batch)", plan.loss_chunked(1),
+      "fused, " + std::to_string(std::min(config.training.loss_chunk_size, plan.targets_per_example)) +
+          " tokens at a time (one example)");
   out << "\n";
   out << "  capacity: " << (plan.capacity > 0 ? human_bytes(plan.capacity) : std::string("unknown")) << " ("
       << plan.capacity_source << "), safety margin " << static_cast<int>(plan.safety_margin * 100) << "%\n\n";
@@ -260,6 +293,9 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
         << (plan.batch_size + as_configured - 1) / as_configured << " accumulation steps for batch_size "
         << plan.batch_size << ") with the configured activation_checkpointing="
         << (checkpointing ? "true" : "false") << ", chunked_loss=" << (chunked ? "true" : "false") << "\n";
+    if (chunked)
+      out << "  loss chunks of " << std::min(config.training.loss_chunk_size, plan.targets_per_example)
+          << " tokens: " << human_bytes(plan.loss_chunked(as_configured)) << " at that micro-batch\n";
     if (with_everything > as_configured)
       out << "  with training.activation_checkpointing=true and training.chunked_loss=true: " << with_everything
           << "\n";
@@ -271,6 +307,14 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
     out << "recommendation: turn on training.activation_checkpointing=true and training.chunked_loss=true; then "
            "micro_batch_size "
         << with_everything << " fits\n";
+  } else if (const int64_t chunk = plan.fitting_loss_chunk_size(1); chunk > 0) {
+    const int64_t micro = plan.largest_micro_batch(true, true, chunk);
+    out << "recommendation: training.loss_chunk_size=" << chunk << " (configured " << config.training.loss_chunk_size
+        << ")" << (checkpointing && chunked ? "" : " with training.activation_checkpointing=true and "
+                                                  "training.chunked_loss=true")
+        << "; then micro_batch_size " << micro << " fits (" << (plan.batch_size + micro - 1) / micro
+        << " accumulation steps for batch_size " << plan.batch_size
+        << "). The smaller_loss_chunks escalation gets there by itself at the first out-of-memory error\n";
   } else {
     const double fixed = plan.weights + plan.gradients + plan.optimizer_state + plan.workspace;
     const double allowed = plan.capacity * (1.0 - plan.safety_margin);

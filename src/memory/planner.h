@@ -25,7 +25,14 @@ struct MemoryPlan {
   double activations_per_example = 0;
   double activations_per_example_checkpointed = 0;
   double loss_per_example = 0;   // logits, log-probabilities and their gradients without chunked loss
-  double loss_chunked = 0;       // the same for one chunk of training.loss_chunk_size tokens (per micro-batch)
+  // Chunked (fused) loss: per trained token of a chunk, its fp32 logits (turned into their gradient in place) and
+  // the compute-dtype copy the head's matmuls take; per example, the hidden states' gradient it fills; once per
+  // micro-batch, transients that do not depend on the chunk (the head weight's gradient in the compute dtype).
+  double loss_chunk_bytes_per_token = 0;
+  double loss_rows_per_example = 0;
+  double loss_fixed = 0;
+  int64_t loss_chunk_size = 0;       // training.loss_chunk_size
+  int64_t targets_per_example = 0;   // trained positions of one example at the maximum lengths
   double workspace = 0;          // allocator and library workspaces outside the tensors above
   double capacity = 0;           // memory.limit, else the device's total; 0: unknown
   std::string capacity_source;
@@ -33,10 +40,16 @@ struct MemoryPlan {
   double safety_margin = 0;      // fraction of capacity left free (memory.auto_safety_margin)
   int64_t batch_size = 0;
 
-  // Peak bytes of a training step with `micro` examples per micro-batch.
-  double peak(int64_t micro, bool checkpointing, bool chunked_loss) const;
+  // The chunked loss's bytes with `micro` examples per micro-batch and chunks of `chunk` tokens (0: the config's).
+  double loss_chunked(int64_t micro, int64_t chunk = 0) const;
+  // Peak bytes of a training step with `micro` examples per micro-batch (chunked loss: chunks of `chunk` tokens,
+  // 0: the config's).
+  double peak(int64_t micro, bool checkpointing, bool chunked_loss, int64_t chunk = 0) const;
   // The largest micro-batch (at most batch_size) whose peak fits in capacity minus the margin; 0 when none.
-  int64_t largest_micro_batch(bool checkpointing, bool chunked_loss) const;
+  int64_t largest_micro_batch(bool checkpointing, bool chunked_loss, int64_t chunk = 0) const;
+  // The largest loss chunk, halving from the config's down to kMinLossChunkSize as the smaller_loss_chunks
+  // escalation does, with which `micro` examples fit (checkpointing and chunked loss on); 0 when none does.
+  int64_t fitting_loss_chunk_size(int64_t micro) const;
 };
 
 // Estimates the run `config` describes on `device` with `capacity` bytes (0: unknown) from the model's

@@ -16,7 +16,8 @@ MemoryPolicy::MemoryPolicy(const MemoryConfig& memory, const TrainingConfig& tra
       micro_batch_(by_tokens_ ? training.micro_batch_tokens
                    : training.micro_batch_size.is_auto ? training.batch_size
                                                        : training.micro_batch_size.value),
-      largest_ok_(std::numeric_limits<int64_t>::max()) {}
+      largest_ok_(std::numeric_limits<int64_t>::max()),
+      loss_chunk_size_(training.loss_chunk_size) {}
 
 void MemoryPolicy::set_micro_batch(int64_t n, int64_t step, const std::string& reason) {
   if (n == micro_batch_) return;
@@ -46,6 +47,19 @@ bool MemoryPolicy::shrink(int64_t step, const std::string& where, bool single_ex
 std::string MemoryPolicy::next_escalation(int64_t step) {
   if (memory_.on_oom == OomPolicy::kFail) return {};
   for (const auto& candidate : memory_.escalation) {
+    if (candidate == "smaller_loss_chunks" && loss_chunk_size_ > kMinLossChunkSize) {
+      // Halving the chunk changes no result (each token's loss and gradient are the same in any chunk).
+      const int64_t smaller = std::max(kMinLossChunkSize, loss_chunk_size_ / 2);
+      if (std::find(escalated_.begin(), escalated_.end(), candidate) == escalated_.end()) escalated_.push_back(candidate);
+      adaptations_.push_back({step, micro_batch_, micro_batch_,
+                              "escalate: loss_chunk_size " + std::to_string(loss_chunk_size_) + " -> " +
+                                  std::to_string(smaller)});
+      spdlog::warn("memory: step {}: micro-batch at its floor ({}); loss_chunk_size {} -> {}", step, micro_batch_,
+                   loss_chunk_size_, smaller);
+      loss_chunk_size_ = smaller;
+      return candidate;
+    }
+    if (candidate == "smaller_loss_chunks") continue;  // at its minimum
     if (std::find(escalated_.begin(), escalated_.end(), candidate) != escalated_.end()) continue;
     escalated_.push_back(candidate);
     adaptations_.push_back({step, micro_batch_, micro_batch_, "escalate: turn on " + candidate});
@@ -74,6 +88,7 @@ nlohmann::json MemoryPolicy::state() const {
           {"unit", by_tokens_ ? "tokens" : "examples"},
           {"largest_ok", largest_ok_ == std::numeric_limits<int64_t>::max() ? -1 : largest_ok_},
           {"escalated", escalated_},
+          {"loss_chunk_size", loss_chunk_size_},
           {"adaptations", adaptations}};
 }
 
@@ -88,6 +103,7 @@ void MemoryPolicy::restore(const nlohmann::json& state) {
                  saved_by_tokens ? "tokens" : "examples", by_tokens_ ? "tokens" : "examples");
   }
   escalated_ = state.at("escalated").get<std::vector<std::string>>();
+  loss_chunk_size_ = std::min(loss_chunk_size_, state.value("loss_chunk_size", loss_chunk_size_));
   adaptations_.clear();
   for (const auto& a : state.at("adaptations"))
     adaptations_.push_back({a.at("step").get<int64_t>(), a.at("old").get<int64_t>(), a.at("new").get<int64_t>(),

@@ -36,7 +36,11 @@ class MemoryPolicy {
   // `single_examples`: the failed split already had one example per micro-batch (the floor in token mode).
   bool shrink(int64_t step, const std::string& where, bool single_examples = false);
   // At the floor: the next escalation step from memory.escalation not yet on, or empty when none is left.
+  // smaller_loss_chunks is returned again each time it halves loss_chunk_size(), until that reaches
+  // kMinLossChunkSize.
   std::string next_escalation(int64_t step);
+  // Trained tokens per chunk of the chunked loss: training.loss_chunk_size until the escalation lowers it.
+  int64_t loss_chunk_size() const { return loss_chunk_size_; }
   // After a step that completed; may grow the micro-batch back (memory.regrow_after_steps).
   void step_succeeded(int64_t step, int64_t batch_size);
 
@@ -53,6 +57,7 @@ class MemoryPolicy {
   int64_t micro_batch_;
   int64_t largest_ok_;      // the largest micro-batch that has run out of memory: regrowth stays below it
   int64_t stable_steps_ = 0;
+  int64_t loss_chunk_size_;
   std::vector<std::string> escalated_;
   std::vector<Adaptation> adaptations_;
 };

@@ -265,9 +265,11 @@ class LlamaModel : public LanguageModel {
     return {hidden, targets};
   }
 
-  at::Tensor lm_head(const at::Tensor& hidden) override {
-    return at::linear(hidden, lm_head_weight_.defined() ? lm_head_weight_ : model->embed_tokens->weight);
+  at::Tensor lm_head(const at::Tensor& hidden) override { return at::linear(hidden, lm_head_weight()); }
+  at::Tensor lm_head_weight() const override {
+    return lm_head_weight_.defined() ? lm_head_weight_ : model->embed_tokens->weight;
   }
+  double lm_head_scale() const override { return 1.0; }
 
   std::vector<std::pair<std::string, std::string>> aliases() const override {
     if (lm_head_tied()) return {{"lm_head.weight", "model.embed_tokens.weight"}};

@@ -57,6 +57,11 @@ class LanguageModel : public Module {
   virtual std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) = 0;
   // The LM head: (..., D) -> (..., V); T5 with tied embeddings rescales by d_model^-0.5 first.
   virtual at::Tensor lm_head(const at::Tensor& hidden) = 0;
+  // What lm_head computes, in parts: logits = (hidden * lm_head_scale()) @ lm_head_weight()^T. The fused loss
+  // (train/fused_loss.h) uses them to compute the head's gradients itself; the weight is the input embedding when
+  // the head is tied.
+  virtual at::Tensor lm_head_weight() const = 0;
+  virtual double lm_head_scale() const = 0;
 
   // Checkpoint names that are other names of one of our parameters (tied embeddings): (alias, canonical).
   // A checkpoint may hold them or not; saving writes only the canonical names.

@@ -337,8 +337,12 @@ class T5Model : public LanguageModel {
   }
 
   at::Tensor lm_head(const at::Tensor& hidden) override {
-    const at::Tensor h = h_.scale_decoder_outputs ? hidden * std::pow(static_cast<double>(h_.d_model), -0.5) : hidden;
-    return at::linear(h, lm_head_weight_.defined() ? lm_head_weight_ : shared->weight);
+    const at::Tensor h = h_.scale_decoder_outputs ? hidden * lm_head_scale() : hidden;
+    return at::linear(h, lm_head_weight());
+  }
+  at::Tensor lm_head_weight() const override { return lm_head_weight_.defined() ? lm_head_weight_ : shared->weight; }
+  double lm_head_scale() const override {
+    return h_.scale_decoder_outputs ? std::pow(static_cast<double>(h_.d_model), -0.5) : 1.0;
   }
 
   std::vector<std::pair<std::string, std::string>> aliases() const override {

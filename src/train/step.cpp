@@ -8,6 +8,7 @@
 
 #include "memory/cpu_budget.h"
 #include "train/checkpointing.h"
+#include "train/fused_loss.h"
 #include "train/precision.h"
 
 namespace trainer {
@@ -38,32 +39,48 @@ double TrainStep::forward_backward(std::span<const Example> examples, double nor
     (loss_sum / normaliser).backward();
     return loss_sum.item<double>();
   }
-  // Chunked loss: the LM head and cross-entropy run over loss_chunk_size target tokens at a time, each chunk's
-  // backward right after its forward, so the full (tokens x vocabulary) logits never exist. The gradient reaches
-  // the rest of the model through the hidden states in one backward at the end.
+  // Chunked loss: the fused linear cross-entropy (train/fused_loss.h) runs the LM head and the loss over
+  // loss_chunk_size trained positions at a time, turning each chunk's logits into their gradient in place and
+  // accumulating the head weight's gradient at once, so neither the full (tokens x vocabulary) logits nor their
+  // gradient ever exist. The gradient reaches the rest of the model through the hidden states in one backward.
+  const bool autocast = options_.precision == PrecisionMode::kBf16Mixed;
   at::Tensor hidden, targets;
   {
-    AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
+    AutocastScope scope(autocast, options_.device.type());
     std::tie(hidden, targets) = model_.hidden_and_targets(batch);
   }
-  const at::Tensor flat_targets = targets.reshape({-1});
-  const at::Tensor rows = (flat_targets != -100).nonzero().reshape({-1});  // only trained positions
-  const at::Tensor detached = hidden.detach().reshape({-1, hidden.size(-1)}).requires_grad_(true);
-  double total = 0;
-  for (int64_t begin = 0; begin < rows.numel(); begin += options_.loss_chunk_size) {
-    const at::Tensor index = rows.narrow(0, begin, std::min(options_.loss_chunk_size, rows.numel() - begin));
-    at::Tensor loss_sum;
-    {
-      AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
-      const at::Tensor logits = model_.lm_head(detached.index_select(0, index));
-      loss_sum = at::cross_entropy_loss(logits.to(at::kFloat), flat_targets.index_select(0, index), {},
-                                        at::Reduction::Sum, -100);
-    }
-    (loss_sum / normaliser).backward();
-    total += loss_sum.item<double>();
+  at::Tensor weight = model_.lm_head_weight();
+  at::Tensor weight_grad;
+  if (weight.requires_grad()) {
+    if (!weight.grad().defined()) weight.mutable_grad() = at::zeros_like(weight);
+    weight_grad = weight.grad();
   }
-  if (detached.grad().defined()) hidden.backward(detached.grad().reshape(hidden.sizes()));
-  return total;
+  const auto fused = fused_linear_cross_entropy(
+      hidden.detach().reshape({-1, hidden.size(-1)}), targets, weight.detach(), model_.lm_head_scale(),
+      1.0 / normaliser, policy_.loss_chunk_size(),
+      autocast ? std::optional(at::kBFloat16) : std::nullopt, weight_grad);
+  if (hidden.requires_grad()) hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));
+  return fused.loss_sum.item<double>();
+}
+
+bool TrainStep::escalate(int64_t step) {
+  // Steps that are on already (from the config) change nothing: go on to the next instead of spending a retry.
+  for (std::string escalation = policy_.next_escalation(step); !escalation.empty();
+       escalation = policy_.next_escalation(step)) {
+    if (escalation == "activation_checkpointing" && !model_.has_block_runner()) {
+      apply_activation_checkpointing(model_);
+      return true;
+    }
+    if (escalation == "chunked_loss" && !options_.chunked_loss) {
+      options_.chunked_loss = true;
+      return true;
+    }
+    if (escalation == "smaller_loss_chunks") {  // the policy has halved its loss_chunk_size
+      options_.chunked_loss = true;
+      return true;
+    }
+  }
+  return false;
 }
 
 StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) {
@@ -117,15 +134,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
                                      std::to_string(attempt + 1) + " attempts (memory.max_retries)",
                                  "raise memory.max_retries or memory.limit");
       if (policy_.shrink(step, phase, largest_part(parts) <= 1)) continue;
-      const std::string escalation = policy_.next_escalation(step);
-      if (escalation == "chunked_loss") {
-        options_.chunked_loss = true;
-        continue;
-      }
-      if (escalation == "activation_checkpointing") {
-        if (!model_.has_block_runner()) apply_activation_checkpointing(model_);
-        continue;
-      }
+      if (escalate(step)) continue;
       throw OutOfMemoryAtFloor("out of memory in " + phase + " at step " + std::to_string(step) +
                                    " with micro-batch " + std::to_string(policy_.micro_batch()) +
                                    " and every escalation used: " + std::string(e.what_without_backtrace()).substr(0, 300),

@@ -43,8 +43,7 @@ struct StepOptions {
   PrecisionMode precision = PrecisionMode::kFp32;
   double max_grad_norm = 1.0;
   int64_t max_retries = 8;
-  bool chunked_loss = false;
-  int64_t loss_chunk_size = 1024;
+  bool chunked_loss = false;  // the chunk size is the policy's (training.loss_chunk_size, lowered by escalation)
 };
 
 class TrainStep {
@@ -58,9 +57,13 @@ class TrainStep {
   double forward_backward(std::span<const Example> examples, double normaliser);
 
   bool chunked_loss() const { return options_.chunked_loss; }
+  int64_t loss_chunk_size() const { return policy_.loss_chunk_size(); }
   void set_chunked_loss(bool on) { options_.chunked_loss = on; }
 
  private:
+  // At the floor: applies the policy's next escalation that changes something; false when none is left.
+  bool escalate(int64_t step);
+
   LanguageModel& model_;
   AdamW& optimizer_;
   MemoryPolicy& policy_;

@@ -496,7 +496,6 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   options.max_grad_norm = config.training.max_grad_norm;
   options.max_retries = config.memory.max_retries;
   options.chunked_loss = config.training.chunked_loss;
-  options.loss_chunk_size = config.training.loss_chunk_size;
   TrainStep step(*model, *optimizer, policy, options);
   int64_t tokens_seen = 0;
   int64_t step_index = 0;

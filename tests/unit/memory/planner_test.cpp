@@ -1,4 +1,5 @@
 // `trainer plan`'s estimate against the peak the CPU budget allocator measures in a real training step.
+#include <fstream>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 #include "memory/policy.h"
 #include "models/weights.h"
 #include "support/paths.h"
+#include "support/temp_dir.h"
 #include "train/checkpointing.h"
 #include "train/step.h"
 #include "trainer/model_dir.h"
@@ -51,7 +53,6 @@ double measured_peak(const Config& config, int64_t micro) {
   MemoryPolicy policy(fixed.memory, fixed.training);
   StepOptions options;
   options.chunked_loss = config.training.chunked_loss;
-  options.loss_chunk_size = config.training.loss_chunk_size;
   TrainStep step(*model, optimizer, policy, options);
   Example e;
   const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
@@ -116,6 +117,31 @@ TEST(Plan, LoraCountsOnlyTheAdaptersAsTrainable) {
   // q_proj 64 -> 64 and v_proj 64 -> 32 in each of the 2 layers: r * (in + out).
   EXPECT_EQ(plan.trainable_parameters, 2 * 4 * ((64 + 64) + (64 + 32)));
   EXPECT_DOUBLE_EQ(plan.optimizer_state, 8.0 * static_cast<double>(plan.trainable_parameters));
+}
+
+TEST(Plan, LossTermsAtA152kVocabularyMatchTheMeasuredPeak) {
+  // Qwen2's 152,064-token vocabulary on a model whose layers are tiny (hidden 16, tied head), so the loss is most
+  // of the peak: the plain loss (full logits, log-probabilities and their gradients) and the fused chunked loss
+  // (one chunk of fp32 logits) are each checked against a real step under the CPU budget allocator.
+  test::TempDir dir;
+  auto hf = read_json_file(test::source_path("configs/models/tiny-qwen2/config.json"));
+  hf["vocab_size"] = 152064;
+  hf["hidden_size"] = 16;
+  hf["intermediate_size"] = 32;
+  std::ofstream(dir.file("config.json")) << hf.dump();
+  for (const bool chunked : {false, true}) {
+    SCOPED_TRACE(chunked ? "fused chunked loss" : "plain loss");
+    Config config = case_config({"configs/tiny-qwen2.json", 1, false, chunked});
+    config.model.path = dir.path().string();
+    config.training.loss_chunk_size = 96;
+    const MemoryPlan plan = plan_memory(config, hf, at::Device(at::kCPU), 0, "test");
+    const double estimate = plan.peak(1, false, chunked);
+    const double measured = measured_peak(config, 1);
+    EXPECT_NEAR(estimate / measured, 1.0, 0.2) << "estimate " << human_bytes(estimate) << ", measured "
+                                               << human_bytes(measured);
+    const double loss = chunked ? plan.loss_chunked(1) : plan.loss_per_example;
+    EXPECT_GT(loss, 0.4 * measured) << "the loss is a large part of the peak, so the test says something about it";
+  }
 }
 
 }  // namespace trainer

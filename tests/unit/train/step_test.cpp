@@ -13,6 +13,7 @@
 #include "train/optimizer.h"
 #include "train/step.h"
 #include "trainer/errors.h"
+#include "trainer/model_dir.h"
 
 namespace trainer {
 namespace {
@@ -280,11 +281,89 @@ TEST(TrainStep, AtTheFloorItEscalatesThenStopsWithoutTouchingTheWeights) {
   EXPECT_THROW(run.step->run(batch, 1, 1e-3), OutOfMemoryAtFloor);
   set_cpu_budget_limit(0);
   EXPECT_EQ(run.policy->micro_batch(), 1);
-  EXPECT_EQ(run.policy->escalations(), (std::vector<std::string>{"activation_checkpointing", "chunked_loss"}));
+  EXPECT_EQ(run.policy->escalations(),
+            (std::vector<std::string>{"activation_checkpointing", "chunked_loss", "smaller_loss_chunks"}));
   EXPECT_TRUE(run.model->has_block_runner()) << "activation checkpointing was turned on";
   EXPECT_TRUE(run.step->chunked_loss());
+  EXPECT_EQ(run.step->loss_chunk_size(), kMinLossChunkSize) << "halved down to its minimum before stopping";
   expect_close(before, weights_of(*run.model), 0.0);
   EXPECT_EQ(run.optimizer->steps(), 0);
+}
+
+namespace {
+
+// tiny-qwen2 with a 16k-token vocabulary (the loss's logits dominate the memory), checkpointing and chunked loss
+// on from the start, at micro-batch 1 (the floor): the only escalation left is smaller_loss_chunks.
+struct LargeVocabularyTrainee {
+  std::unique_ptr<LanguageModel> model;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<MemoryPolicy> policy;
+  std::unique_ptr<TrainStep> step;
+
+  explicit LargeVocabularyTrainee(int64_t loss_chunk_size) {
+    auto hf = read_json_file(test::source_path("configs/models/tiny-qwen2/config.json"));
+    hf["vocab_size"] = 16384;
+    model = build_model(hf, at::TensorOptions().dtype(at::kFloat));
+    at::manual_seed(7);
+    model->init_weights();
+    model->train(true);
+    model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+    apply_activation_checkpointing(*model);
+    optimizer = std::make_unique<AdamW>(*model, OptimizerConfig{});
+    TrainingConfig training;
+    training.batch_size = 2;
+    training.micro_batch_size = MicroBatchSize::fixed(1);
+    training.loss_chunk_size = loss_chunk_size;
+    MemoryConfig memory;
+    memory.max_retries = 4;
+    policy = std::make_unique<MemoryPolicy>(memory, training);
+    StepOptions options;
+    options.chunked_loss = true;
+    step = std::make_unique<TrainStep>(*model, *optimizer, *policy, options);
+  }
+
+  int64_t peak_above(int64_t base, const EffectiveBatch& batch) {
+    reset_cpu_peak();
+    step->forward_backward(std::span<const Example>(batch.examples).subspan(0, 1), 1.0);
+    optimizer->zero_grad();
+    return cpu_memory_stats().peak - base;
+  }
+};
+
+}  // namespace
+
+TEST(TrainStep, AtTheFloorSmallerLossChunksFitAndChangeNoResult) {
+  BudgetScope budget;
+  // 300 to 380 trained tokens an example: chunks of 256 or 128 tokens.
+  const std::vector<EffectiveBatch> batches{make_batch(2, 60, 400, 100), make_batch(2, 61, 400, 100)};
+  LargeVocabularyTrainee free_run(256), constrained(256), half(128);
+  for (std::size_t s = 0; s < batches.size(); ++s) free_run.step->run(batches[s], static_cast<int64_t>(s) + 1, 1e-3);
+
+  const int64_t base = cpu_memory_stats().allocated;
+  int64_t fits = 0;  // chunks of 128 for every example
+  for (const auto& batch : batches) fits = std::max(fits, half.peak_above(base, batch));
+  const int64_t fails = constrained.peak_above(base, batches[0]);  // chunks of 256
+  ASSERT_LT(fits, fails) << "halving the chunk must lower the peak";
+  set_cpu_budget_limit(base + (fits + fails) / 2);
+  std::vector<StepResult> results;
+  for (std::size_t s = 0; s < batches.size(); ++s)
+    results.push_back(constrained.step->run(batches[s], static_cast<int64_t>(s) + 1, 1e-3));
+  set_cpu_budget_limit(0);
+
+  EXPECT_EQ(constrained.policy->escalations(),
+            (std::vector<std::string>{"activation_checkpointing", "chunked_loss", "smaller_loss_chunks"}));
+  EXPECT_EQ(results[0].retries, 1) << "checkpointing and chunked loss were on already: no retry is spent on them";
+  EXPECT_EQ(results[1].retries, 0) << "the second step ran at the learned chunk size at once";
+  EXPECT_EQ(constrained.step->loss_chunk_size(), 128);
+  EXPECT_EQ(constrained.policy->adaptations().back().reason, "escalate: loss_chunk_size 256 -> 128");
+  expect_close(weights_of(*free_run.model), weights_of(*constrained.model), 1e-5);
+
+  // The learned chunk size survives a checkpoint.
+  TrainingConfig training;
+  training.loss_chunk_size = 256;
+  MemoryPolicy restored({}, training);
+  restored.restore(constrained.policy->state());
+  EXPECT_EQ(restored.loss_chunk_size(), 128);
 }
 
 TEST(TrainStep, TheOptimizerUpdateAllocatesNothing) {

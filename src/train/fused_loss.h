@@ -1,0 +1,29 @@
+// Fused linear cross-entropy: the LM head and the token-level cross-entropy over a few trained positions at a
+// time, each chunk's logits turned into their own gradient in place (softmax minus one-hot, times the gradient
+// scale) and multiplied straight into the gradients of the hidden states and of the head weight. Only one chunk's
+// logits exist at a time, no logit gradient beside them, and the logits are never computed twice (no recompute in
+// a backward pass). The cross-entropy is computed in fp32 whatever the compute dtype, as the plain loss does.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+namespace trainer {
+
+struct FusedLossResult {
+  at::Tensor loss_sum;     // scalar fp32 tensor: the summed token losses (not scaled)
+  at::Tensor grad_hidden;  // (N, D) in hidden's dtype: d(loss_sum * grad_scale) / d hidden; zero rows where ignored
+};
+
+// hidden (N, D) without autograd history, targets (N) with -100 for positions not trained on, head weight (V, D);
+// logits = (hidden * scale) @ weight^T computed in `compute_dtype` (the autocast dtype; by default hidden's).
+// When `weight_grad` is defined (V, D), the head weight's gradient times grad_scale is added into it chunk by
+// chunk. `chunk_size` trained positions per chunk.
+FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& targets,
+                                           const at::Tensor& weight, double scale, double grad_scale,
+                                           int64_t chunk_size, std::optional<at::ScalarType> compute_dtype,
+                                           at::Tensor weight_grad = {});
+
+}  // namespace trainer

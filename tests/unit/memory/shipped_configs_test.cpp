@@ -1,0 +1,114 @@
+// Every shipped GPU config fits the card it names, by `trainer plan`'s own estimate with the safety margin: the
+// real models' config.json shapes (no weights: plan builds the architecture on the meta device), the config as
+// shipped, memory.limit = the card. A GPU config added to configs/ without an entry here fails the test.
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "memory/planner.h"
+#include "support/paths.h"
+#include "support/temp_dir.h"
+#include "trainer/config.h"
+#include "trainer/model_dir.h"
+
+namespace trainer {
+namespace {
+
+// The Hugging Face config.json of the models the shipped configs train (shapes and the keys our builders read).
+const nlohmann::json kQwen25_7B = {{"model_type", "qwen2"},        {"vocab_size", 152064},
+                                   {"hidden_size", 3584},          {"intermediate_size", 18944},
+                                   {"num_hidden_layers", 28},      {"num_attention_heads", 28},
+                                   {"num_key_value_heads", 4},     {"max_position_embeddings", 131072},
+                                   {"rms_norm_eps", 1e-6},         {"rope_theta", 1000000.0},
+                                   {"hidden_act", "silu"},         {"tie_word_embeddings", false},
+                                   {"bos_token_id", 151643},       {"eos_token_id", 151643},
+                                   {"attention_dropout", 0.0},     {"use_sliding_window", false}};
+const nlohmann::json kFlanT5XL = {{"model_type", "t5"},
+                                  {"vocab_size", 32128},
+                                  {"d_model", 2048},
+                                  {"d_ff", 5120},
+                                  {"d_kv", 64},
+                                  {"num_heads", 32},
+                                  {"num_layers", 24},
+                                  {"num_decoder_layers", 24},
+                                  {"feed_forward_proj", "gated-gelu"},
+                                  {"dense_act_fn", "gelu_new"},
+                                  {"is_gated_act", true},
+                                  {"dropout_rate", 0.1},
+                                  {"layer_norm_epsilon", 1e-6},
+                                  {"relative_attention_num_buckets", 32},
+                                  {"relative_attention_max_distance", 128},
+                                  {"tie_word_embeddings", false},
+                                  {"decoder_start_token_id", 0},
+                                  {"pad_token_id", 0},
+                                  {"eos_token_id", 1},
+                                  {"is_encoder_decoder", true}};
+
+struct Card {
+  nlohmann::json model;
+  double bytes;
+};
+
+// The card each GPU config is written for (its comment and the README say which).
+const std::map<std::string, Card>& cards() {
+  static const std::map<std::string, Card> table = {
+      {"qwen2.5-7b-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
+      {"t5xl.json", {kFlanT5XL, 32.0 * (1ull << 30)}},
+  };
+  return table;
+}
+
+}  // namespace
+
+TEST(ShippedConfigs, EveryGpuConfigFitsItsCardByThePlan) {
+  int checked = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(test::source_path("configs"))) {
+    if (entry.path().extension() != ".json") continue;
+    Config config = load_config(entry.path().string());
+    if (!config.device.type.starts_with("cuda")) continue;
+    const std::string name = entry.path().filename().string();
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(cards().contains(name)) << "a GPU config without its card and model shape in this test";
+    const Card& card = cards().at(name);
+    // The model directory as `trainer plan` reads it: config.json only, no weights.
+    test::TempDir dir;
+    std::ofstream(dir.file("config.json")) << card.model.dump(2);
+    config.model.path = dir.path().string();
+    const auto hf = read_json_file(config.model.path + "/config.json");
+    const MemoryPlan plan = plan_memory(config, hf, c10::Device(c10::kCUDA, 0), card.bytes, "test card");
+    std::ostringstream out;
+    print_plan(plan, config, out);
+    SCOPED_TRACE(out.str());
+    const int64_t micro = plan.largest_micro_batch(config.training.activation_checkpointing, config.training.chunked_loss);
+    EXPECT_GE(micro, 1);
+    EXPECT_NE(out.str().find("recommendation: micro_batch_size "), std::string::npos);
+    ++checked;
+  }
+  EXPECT_GE(checked, 2);
+}
+
+TEST(ShippedConfigs, PlanShowsTheLossChunkSizeThatFits) {
+  // Qwen2.5-7B LoRA on 23 GiB with chunks of 2048 tokens: 2048 and 1024 do not fit at micro-batch 1, 512 does
+  // (each halving takes 152,064 x 6 bytes a token off the chunk); the plan says so, as the escalation would do.
+  Config config = load_config(test::source_path("configs/qwen2.5-7b-lora.json"));
+  config.training.loss_chunk_size = 2048;
+  const double capacity = 23.0 * (1ull << 30);
+  const MemoryPlan plan = plan_memory(config, kQwen25_7B, c10::Device(c10::kCPU), capacity, "test");
+  EXPECT_EQ(plan.largest_micro_batch(true, true), 0);
+  EXPECT_EQ(plan.fitting_loss_chunk_size(1), 512);
+  EXPECT_EQ(plan.largest_micro_batch(true, true, 512), 1);
+  std::ostringstream out;
+  print_plan(plan, config, out);
+  EXPECT_NE(out.str().find("recommendation: training.loss_chunk_size=512 (configured 2048); then micro_batch_size 1"),
+            std::string::npos)
+      << out.str();
+  // Below what even chunks of 128 need, the plan says nothing fits.
+  const MemoryPlan small = plan_memory(config, kQwen25_7B, c10::Device(c10::kCPU), 22.0 * (1ull << 30), "test");
+  EXPECT_EQ(small.fitting_loss_chunk_size(1), 0);
+}
+
+}  // namespace trainer
