@@ -6,7 +6,8 @@
 // counts for our implementation, measured with the CPU budget allocator (allocated bytes after forward, minus the
 // weights) over several shapes of each architecture and solved by least squares; the fits reproduce every
 // measurement within 0.6% (scripts/bench/calibrate_planner.py measures and fits them). They are element counts in
-// the activation dtype; the log-probabilities of the loss are always fp32. Dropout masks are float tensors on the CPU and bytes on CUDA, hence the separate dropout terms.
+// the activation dtype; the log-probabilities of the loss are always fp32. Dropout keeps a bool mask (one byte per
+// element, models/dropout.h) beside what it multiplies, hence the separate dropout terms.
 // Re-measure them when a model's forward changes (tests/unit/memory/planner_test.cpp fails when they drift).
 #include "memory/planner.h"
 
@@ -179,8 +180,8 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   if (mode == PrecisionMode::kBf16Mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
   if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
 
-  // Dropout masks: float tensors of the activation dtype on the CPU, one byte per element on CUDA.
-  const double dropout_share = device.is_cpu() ? 1.0 : 1.0 / compute_bytes;
+  // Dropout masks: one byte per element on every device (keyed masks are bool tensors).
+  const double dropout_share = 1.0 / compute_bytes;
   const Activations base_activations =
       seq2seq ? t5_activations(hf_config, static_cast<double>(config.data.max_input_length),
                                static_cast<double>(config.data.max_target_length), dropout_share)

@@ -45,6 +45,7 @@ struct StepOptions {
   int64_t max_retries = 8;
   bool chunked_loss = false;
   int64_t loss_chunk_size = 1024;
+  uint64_t seed = 0;  // training.seed: with the step and each example's index, what its dropout masks are drawn for
 };
 
 class TrainStep {
