@@ -83,7 +83,8 @@ def main():
         for variant in T5_VARIANTS:
             c = {**T5_BASE, **variant, "dropout_rate": dropout}
             rows += [(t5_features(c, t, l), y) for b, t, l, y in measure(tool, c, SHAPES)]
-        fit(f"T5, dropout_rate {dropout} (kT5{'Dropout' if dropout else 'NoDropout'})",
+        # With dropout, compare with kT5NoDropout + masks / 4 (fp32) + explicit attention (planner.cpp).
+        fit(f"T5, dropout_rate {dropout} ({'with_dropout(kT5NoDropout, 0.25)' if dropout else 'kT5NoDropout'})",
             ["d (encoder)", "ff", "heads_kv (encoder)", "attention (per head and key)", "decoder_d",
              "decoder_heads_kv", "cross_attention", "cross_kv", "vocabulary", "encoder_out", "decoder_out",
              "per_token"], rows)

@@ -6,7 +6,8 @@
 // counts for our implementation, measured with the CPU budget allocator (allocated bytes after forward, minus the
 // weights) over several shapes of each architecture and solved by least squares; the fits reproduce every
 // measurement within 0.6% (scripts/bench/calibrate_planner.py measures and fits them). They are element counts in
-// the activation dtype; the log-probabilities of the loss are always fp32. Dropout masks are float tensors on the CPU and bytes on CUDA, hence the separate dropout terms.
+// the activation dtype; the log-probabilities of the loss are always fp32. Dropout keeps a bool mask (one byte per
+// element, models/dropout.h) beside what it multiplies, hence the separate dropout terms.
 // Re-measure them when a model's forward changes (tests/unit/memory/planner_test.cpp fails when they drift).
 #include "memory/planner.h"
 
@@ -41,27 +42,34 @@ struct Activations {
   double targets = 0;        // target positions per example
 };
 
-// T5 / FLAN-T5 (t5.cpp). Coefficients per token and layer with dropout (dropout_rate > 0) and without.
+// T5 / FLAN-T5 (t5.cpp). Coefficients per token and layer without dropout; with dropout (dropout_rate > 0) each
+// site adds its bool mask (`masks`, one byte per element: mask_share of an activation element) and, where the
+// probabilities are computed explicitly for keyed attention dropout, what that path keeps beyond
+// scaled_dot_product_attention (`explicit_attention`: the softmax output and the dropped probabilities). In fp32
+// on the CPU the sum reproduces the measured dropout fit (scripts/bench/calibrate_planner.py) within 0.03.
 struct T5Coefficients {
   double d, ff, heads_kv, attention, decoder_d, decoder_heads_kv, cross_attention, cross_kv, encoder_out, decoder_out,
       per_token;
 };
-constexpr T5Coefficients kT5Dropout{8.32, 4.99, 2.73, 3.30, 11.33, 5.62, 3.16, 2.07, 4.54, 5.92, 194};
 constexpr T5Coefficients kT5NoDropout{6.32, 3.99, 2.73, 1.30, 8.33, 5.65, 0.16, 2.07, 2.54, 3.92, 195};
+constexpr T5Coefficients kT5DropoutMasks{2, 1, 0, 1, 3, 0, 1, 0, 2, 2, 0};
+constexpr T5Coefficients kT5ExplicitAttention{0, 0, 0, 1, 0, 0, 2, 0, 0, 0, 0};
 
-T5Coefficients mix(const T5Coefficients& off, const T5Coefficients& on, double share) {
-  auto m = [share](double a, double b) { return a + share * (b - a); };
-  return {m(off.d, on.d),
-          m(off.ff, on.ff),
-          m(off.heads_kv, on.heads_kv),
-          m(off.attention, on.attention),
-          m(off.decoder_d, on.decoder_d),
-          m(off.decoder_heads_kv, on.decoder_heads_kv),
-          m(off.cross_attention, on.cross_attention),
-          m(off.cross_kv, on.cross_kv),
-          m(off.encoder_out, on.encoder_out),
-          m(off.decoder_out, on.decoder_out),
-          m(off.per_token, on.per_token)};
+T5Coefficients with_dropout(const T5Coefficients& off, double mask_share) {
+  const T5Coefficients& m = kT5DropoutMasks;
+  const T5Coefficients& e = kT5ExplicitAttention;
+  auto add = [mask_share](double base, double masks, double extra) { return base + mask_share * masks + extra; };
+  return {add(off.d, m.d, e.d),
+          add(off.ff, m.ff, e.ff),
+          add(off.heads_kv, m.heads_kv, e.heads_kv),
+          add(off.attention, m.attention, e.attention),
+          add(off.decoder_d, m.decoder_d, e.decoder_d),
+          add(off.decoder_heads_kv, m.decoder_heads_kv, e.decoder_heads_kv),
+          add(off.cross_attention, m.cross_attention, e.cross_attention),
+          add(off.cross_kv, m.cross_kv, e.cross_kv),
+          add(off.encoder_out, m.encoder_out, e.encoder_out),
+          add(off.decoder_out, m.decoder_out, e.decoder_out),
+          add(off.per_token, m.per_token, e.per_token)};
 }
 
 Activations t5_activations(const nlohmann::json& c, double t, double l, double dropout_share) {
@@ -73,7 +81,7 @@ Activations t5_activations(const nlohmann::json& c, double t, double l, double d
   const double decoder_layers = static_cast<double>(hf::get_int(c, "num_decoder_layers", hf::get_int(c, "num_layers")));
   const double vocab = static_cast<double>(hf::get_int(c, "vocab_size"));
   const bool dropout = hf::get_double(c, "dropout_rate", 0.1) > 0;
-  const T5Coefficients k = dropout ? mix(kT5NoDropout, kT5Dropout, dropout_share) : kT5NoDropout;
+  const T5Coefficients k = dropout ? with_dropout(kT5NoDropout, dropout_share) : kT5NoDropout;
 
   const double encoder_block = t * (k.d * d + k.ff * ff + k.heads_kv * inner + k.attention * heads * t);
   const double decoder_block = l * (k.decoder_d * d + k.ff * ff + k.decoder_heads_kv * inner + k.attention * heads * l +
@@ -90,7 +98,8 @@ Activations t5_activations(const nlohmann::json& c, double t, double l, double d
 }
 
 // Llama, Qwen2, Mistral (llama.cpp): per token and layer 6 d_model + 4 intermediate + 2 (q and attention output)
-// heads x head_dim + 2 (k, v) kv_heads x head_dim, plus the float attention mask of t x t per layer.
+// heads x head_dim + 2 (k, v) kv_heads x head_dim, plus the float attention mask of t x t per layer; more with
+// attention dropout (below).
 Activations llama_activations(const nlohmann::json& c, double t) {
   const double d = static_cast<double>(hf::get_int(c, "hidden_size"));
   const double ff = static_cast<double>(hf::get_int(c, "intermediate_size"));
@@ -101,7 +110,12 @@ Activations llama_activations(const nlohmann::json& c, double t) {
   const double layers = static_cast<double>(hf::get_int(c, "num_hidden_layers"));
   const double vocab = static_cast<double>(hf::get_int(c, "vocab_size"));
 
-  const double block = t * (6 * d + 4 * ff + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
+  double block = t * (6 * d + 4 * ff + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
+  // attention_dropout > 0: keyed dropout computes the probabilities explicitly, keeping per head and (query, key)
+  // the probabilities and the dropped probabilities (the byte mask is within the fit), and with grouped-query
+  // attention the keys and values repeated per head (measured: within 5% of the difference, 0.1% to 5% overall).
+  if (hf::get_double(c, "attention_dropout", 0.0) > 0)
+    block += t * (2 * heads * t + (kv_heads != heads ? heads * head_dim : 0));
   const double outside = t * (3 * d + 21 + 2 * head_dim);
   Activations a;
   a.saved = layers * block + outside;
@@ -160,10 +174,15 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
     for (auto& path : lora_target_layers(*model, targets)) adapted.insert(path + ".weight");
   }
 
+  const PrecisionMode mode = config.precision.mode;
+  const double compute_bytes = mode == PrecisionMode::kFp32 ? 4 : 2;  // activations
+  // Dropout masks: one byte per element on every device (keyed masks are bool tensors).
+  const double dropout_share = 1.0 / compute_bytes;
+
   MemoryPlan plan;
   int64_t adapter = 0;
-  // LoRA keeps, per token of each adapted module: the adapter's input after dropout and its mask (in_features
-  // each, when lora.dropout > 0) and A's output (r). Summed over the modules of the encoder/decoder stacks.
+  // LoRA keeps, per token of each adapted module: the adapter's input after dropout (in_features) and its byte
+  // mask, when lora.dropout > 0, and A's output (r). Summed over the modules of the encoder/decoder stacks.
   double adapter_elements_input = 0, adapter_elements_target = 0;
   int64_t largest_trainable = 0;  // elements of the largest trainable tensor (the optimizer's scratch follows it)
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
@@ -173,13 +192,12 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
     largest_trainable = std::max({largest_trainable, config.lora.r * p.size(0), config.lora.r * p.size(1)});
     adapter += config.lora.r * (p.size(0) + p.size(1));
     const double per_token =
-        static_cast<double>(config.lora.r) + (config.lora.dropout > 0 ? 2.0 * static_cast<double>(p.size(1)) : 0.0);
+        static_cast<double>(config.lora.r) +
+        (config.lora.dropout > 0 ? (1.0 + dropout_share) * static_cast<double>(p.size(1)) : 0.0);
     (name.starts_with("decoder.") ? adapter_elements_target : adapter_elements_input) += per_token;
   });
 
-  const PrecisionMode mode = config.precision.mode;
   const double p = static_cast<double>(plan.parameters);
-  const double compute_bytes = mode == PrecisionMode::kFp32 ? 4 : 2;  // activations
   if (config.lora.enabled) {
     plan.trainable_parameters = adapter;
     const double base_bytes = config.lora.base_in_bf16 || mode == PrecisionMode::kBf16 ? 2 : 4;
@@ -201,8 +219,6 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   const double scratch_buffers = config.optimizer.state_dtype == StateDtype::kBf16 ? 4 : 2;
   plan.workspace += scratch_buffers * 4.0 * static_cast<double>(std::min<int64_t>(largest_trainable, 1 << 22));
 
-  // Dropout masks: float tensors of the activation dtype on the CPU, one byte per element on CUDA.
-  const double dropout_share = device.is_cpu() ? 1.0 : 1.0 / compute_bytes;
   const Activations base_activations =
       seq2seq ? t5_activations(hf_config, static_cast<double>(config.data.max_input_length),
                                static_cast<double>(config.data.max_target_length), dropout_share)

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include "models/dropout.h"
 #include "models/hf_config.h"
 #include "models/layers.h"
 #include "models/model.h"
@@ -104,11 +105,12 @@ at::Tensor rotate_half(const at::Tensor& x) {
 class LlamaAttention : public Module {
  public:
   LlamaAttention(const LlamaHyper& h, const c10::TensorOptions& o)
-      : heads_(h.heads), kv_heads_(h.kv_heads), head_dim_(h.head_dim), dropout_(h.attention_dropout) {
+      : heads_(h.heads), kv_heads_(h.kv_heads), head_dim_(h.head_dim) {
     q_proj = register_module("q_proj", std::make_shared<Linear>(h.hidden, h.heads * h.head_dim, h.qkv_bias, o));
     k_proj = register_module("k_proj", std::make_shared<Linear>(h.hidden, h.kv_heads * h.head_dim, h.qkv_bias, o));
     v_proj = register_module("v_proj", std::make_shared<Linear>(h.hidden, h.kv_heads * h.head_dim, h.qkv_bias, o));
     o_proj = register_module("o_proj", std::make_shared<Linear>(h.heads * h.head_dim, h.hidden, h.o_bias, o));
+    attention_dropout = register_module("attention_dropout", std::make_shared<Dropout>(h.attention_dropout));
   }
 
   // x (B, T, D); cos/sin (B or 1, T, head_dim); mask (B, 1, T, Tk) bool. With a cache, keys and values of
@@ -130,17 +132,29 @@ class LlamaAttention : public Module {
       *cache_keys = k;
       *cache_values = v;
     }
-    const double p = is_training() ? dropout_ : 0.0;
-    const at::Tensor out = at::scaled_dot_product_attention(q, k, v, mask, p, /*is_causal=*/false, std::nullopt,
-                                                            /*enable_gqa=*/kv_heads_ != heads_);
+    at::Tensor out;
+    if (attention_dropout->explicit_attention(is_training())) {
+      // transformers' eager attention: keys and values repeated per group, softmax in fp32, dropout on the
+      // probabilities.
+      const int64_t group = heads_ / kv_heads_;
+      const at::Tensor keys = group == 1 ? k : k.repeat_interleave(group, 1);
+      const at::Tensor values = group == 1 ? v : v.repeat_interleave(group, 1);
+      const at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim_))) +
+                                additive_mask(mask, q.scalar_type());
+      const at::Tensor probabilities = at::softmax(scores.to(at::kFloat), -1).to(q.scalar_type());
+      out = at::matmul(attention_dropout->attention(probabilities, true), values);  // (B, H, T, hd)
+    } else {
+      out = at::scaled_dot_product_attention(q, k, v, mask, attention_dropout->sdpa_p(is_training()),
+                                             /*is_causal=*/false, std::nullopt, /*enable_gqa=*/kv_heads_ != heads_);
+    }
     return o_proj->forward(out.transpose(1, 2).reshape({b, t, heads_ * head_dim_}));
   }
 
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
+  std::shared_ptr<Dropout> attention_dropout;
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
-  double dropout_;
 };
 
 class LlamaMlp : public Module {

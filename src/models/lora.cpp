@@ -49,7 +49,7 @@ std::string join(const std::vector<std::string>& items) {
 }  // namespace
 
 LoraLinear::LoraLinear(Linear& base, int64_t r, double scaling, double dropout)
-    : base_(&base), r_(r), scaling_(scaling), dropout_(dropout) {
+    : base_(&base), r_(r), scaling_(scaling) {
   const auto options = base.weight.options().dtype(at::kFloat);
   lora_A = at::zeros({r, base.weight.size(1)}, options);
   lora_B = at::zeros({base.weight.size(0), r}, options);
@@ -57,11 +57,12 @@ LoraLinear::LoraLinear(Linear& base, int64_t r, double scaling, double dropout)
   lora_B.requires_grad_(true);
   register_parameter("lora_A.weight", &lora_A);
   register_parameter("lora_B.weight", &lora_B);
+  lora_dropout = register_module("lora_dropout", std::make_shared<Dropout>(dropout));
 }
 
 at::Tensor LoraLinear::adapt(const at::Tensor& x, const at::Tensor& y, bool training) const {
   at::Tensor input = x.scalar_type() == lora_A.scalar_type() ? x : x.to(lora_A.scalar_type());
-  if (dropout_ > 0) input = at::dropout(input, dropout_, training);
+  input = lora_dropout->forward(input, training);
   const at::Tensor delta = at::linear(at::linear(input, lora_A), lora_B) * scaling_;  // (..., out)
   return (y + delta).to(y.scalar_type());
 }
@@ -77,6 +78,8 @@ void LoraAdapters::add(const std::string& module_path, std::shared_ptr<LoraLinea
   Linear& base = layer->base();
   if (base.has_output_hook())
     throw UsageError(module_path + " is adapted twice", "apply LoRA to a model once");
+  // Its dropout's masks are keyed by the adapted layer's path, like the model's own dropout sites.
+  assign_dropout_sites(*layer, module_path + ".");
   // The hook owns the adapter, so the model keeps computing with it whatever happens to this object.
   base.set_output_hook([layer](const at::Tensor& x, const at::Tensor& y, bool training) {
     return layer->adapt(x, y, training);

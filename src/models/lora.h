@@ -13,6 +13,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "models/dropout.h"
 #include "models/layers.h"
 #include "models/model.h"
 #include "trainer/config.h"
@@ -37,11 +38,12 @@ class LoraLinear : public Module {
   double scaling() const { return scaling_; }
 
   at::Tensor lora_A, lora_B;
+  std::shared_ptr<Dropout> lora_dropout;  // on A's input; keyed by the adapted layer's path
 
  private:
   Linear* base_;  // owned by the model, which outlives its adapters' use
   int64_t r_;
-  double scaling_, dropout_;
+  double scaling_;
 };
 
 // The adapters of one model: children named by the module path they adapt.

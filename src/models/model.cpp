@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include "models/dropout.h"
 #include "models/hf_config.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"
@@ -15,8 +16,13 @@ std::unique_ptr<LanguageModel> make_llama(const nlohmann::json& config, const c1
 
 std::unique_ptr<LanguageModel> build_model(const nlohmann::json& config, const c10::TensorOptions& options) {
   const std::string type = hf::get_string(config, "model_type", "");
-  if (type == "t5") return make_t5(config, options);
-  if (type == "llama" || type == "qwen2" || type == "mistral") return make_llama(config, options);
+  std::unique_ptr<LanguageModel> model;
+  if (type == "t5") model = make_t5(config, options);
+  if (type == "llama" || type == "qwen2" || type == "mistral") model = make_llama(config, options);
+  if (model) {
+    assign_dropout_sites(*model);  // each dropout's masks keyed by its module path
+    return model;
+  }
   std::string names;
   for (const auto& [known, family] : supported_model_types()) names += (names.empty() ? "" : ", ") + known;
   throw DataError("config.json: model_type \"" + type + "\" is not supported", "supported model types: " + names);

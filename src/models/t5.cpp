@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include "models/dropout.h"
 #include "models/hf_config.h"
 #include "models/layers.h"
 #include "models/model.h"
@@ -79,12 +80,13 @@ at::Tensor relative_position_bucket(const at::Tensor& relative_position, bool bi
 class T5Attention : public Module {
  public:
   T5Attention(const T5Hyper& h, bool has_relative_bias, const c10::TensorOptions& options)
-      : heads_(h.num_heads), d_kv_(h.d_kv), dropout_(h.dropout) {
+      : heads_(h.num_heads), d_kv_(h.d_kv) {
     const int64_t inner = h.num_heads * h.d_kv;
     q = register_module("q", std::make_shared<Linear>(h.d_model, inner, false, options));
     k = register_module("k", std::make_shared<Linear>(h.d_model, inner, false, options));
     v = register_module("v", std::make_shared<Linear>(h.d_model, inner, false, options));
     o = register_module("o", std::make_shared<Linear>(inner, h.d_model, false, options));
+    dropout = register_module("dropout", std::make_shared<Dropout>(h.dropout));  // on the attention probabilities
     if (has_relative_bias)
       relative_attention_bias = register_module(
           "relative_attention_bias", std::make_shared<Embedding>(h.num_buckets, h.num_heads, std::nullopt, options));
@@ -98,34 +100,43 @@ class T5Attention : public Module {
   // x (B, Tq, D) attends to keys/values (B, H, Tk, d_kv) with an additive bias (B or 1, H or 1, Tq, Tk).
   at::Tensor attend(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias) {
     const at::Tensor query = heads(*q, x);
-    const double p = is_training() ? dropout_ : 0.0;
-    const at::Tensor out = at::scaled_dot_product_attention(query, keys, values, bias.to(query.scalar_type()), p,
-                                                            /*is_causal=*/false, /*scale=*/1.0);
+    at::Tensor out;
+    if (dropout->explicit_attention(is_training())) {
+      // As transformers' T5Attention: softmax in fp32, cast back, dropout on the probabilities.
+      const at::Tensor scores = at::matmul(query, keys.transpose(-2, -1)) + bias.to(query.scalar_type());
+      const at::Tensor probabilities = at::softmax(scores.to(at::kFloat), -1).to(query.scalar_type());
+      out = at::matmul(dropout->attention(probabilities, true), values);  // (B, H, Tq, d_kv)
+    } else {
+      out = at::scaled_dot_product_attention(query, keys, values, bias.to(query.scalar_type()),
+                                             dropout->sdpa_p(is_training()), /*is_causal=*/false, /*scale=*/1.0);
+    }
     return o->forward(out.transpose(1, 2).reshape({x.size(0), x.size(1), heads_ * d_kv_}));  // (B, Tq, D)
   }
 
   std::shared_ptr<Linear> q, k, v, o;
+  std::shared_ptr<Dropout> dropout;
   std::shared_ptr<Embedding> relative_attention_bias;
 
  private:
   int64_t heads_, d_kv_;
-  double dropout_;
 };
 
-// layer.N of a block: a norm and an attention named SelfAttention or EncDecAttention.
+// layer.N of a block: a norm, an attention named SelfAttention or EncDecAttention, the residual's dropout.
 class T5AttentionLayer : public Module {
  public:
   T5AttentionLayer(const T5Hyper& h, const char* name, bool has_relative_bias, const c10::TensorOptions& o) {
     attention = register_module(name, std::make_shared<T5Attention>(h, has_relative_bias, o));
     layer_norm = register_module("layer_norm", std::make_shared<NormWeight>(h.d_model, o));
+    dropout = register_module("dropout", std::make_shared<Dropout>(h.dropout));
   }
   std::shared_ptr<T5Attention> attention;
   std::shared_ptr<NormWeight> layer_norm;
+  std::shared_ptr<Dropout> dropout;
 };
 
 class T5DenseReluDense : public Module {
  public:
-  T5DenseReluDense(const T5Hyper& h, const c10::TensorOptions& o) : act_(h.act), dropout_(h.dropout) {
+  T5DenseReluDense(const T5Hyper& h, const c10::TensorOptions& o) : act_(h.act) {
     if (h.gated) {
       wi_0 = register_module("wi_0", std::make_shared<Linear>(h.d_model, h.d_ff, false, o));
       wi_1 = register_module("wi_1", std::make_shared<Linear>(h.d_model, h.d_ff, false, o));
@@ -133,17 +144,18 @@ class T5DenseReluDense : public Module {
       wi = register_module("wi", std::make_shared<Linear>(h.d_model, h.d_ff, false, o));
     }
     wo = register_module("wo", std::make_shared<Linear>(h.d_ff, h.d_model, false, o));
+    dropout = register_module("dropout", std::make_shared<Dropout>(h.dropout));
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor hidden = wi ? activation(wi->forward(x), act_) : activation(wi_0->forward(x), act_) * wi_1->forward(x);
-    hidden = at::dropout(hidden, dropout_, is_training());
+    hidden = dropout->forward(hidden, is_training());
     return wo->forward(hidden.to(wo->weight.scalar_type()));
   }
   std::shared_ptr<Linear> wi, wi_0, wi_1, wo;
+  std::shared_ptr<Dropout> dropout;
 
  private:
   std::string act_;
-  double dropout_;
 };
 
 class T5FeedForwardLayer : public Module {
@@ -151,9 +163,11 @@ class T5FeedForwardLayer : public Module {
   T5FeedForwardLayer(const T5Hyper& h, const c10::TensorOptions& o) {
     DenseReluDense = register_module("DenseReluDense", std::make_shared<T5DenseReluDense>(h, o));
     layer_norm = register_module("layer_norm", std::make_shared<NormWeight>(h.d_model, o));
+    dropout = register_module("dropout", std::make_shared<Dropout>(h.dropout));
   }
   std::shared_ptr<T5DenseReluDense> DenseReluDense;
   std::shared_ptr<NormWeight> layer_norm;
+  std::shared_ptr<Dropout> dropout;
 };
 
 // A numbered list of children ("block.0", "layer.1").
@@ -165,7 +179,7 @@ class ModuleList : public Module {
 };
 
 struct T5Block : public Module {
-  T5Block(const T5Hyper& h, bool decoder, bool first, const c10::TensorOptions& o) : eps(h.eps), dropout(h.dropout) {
+  T5Block(const T5Hyper& h, bool decoder, bool first, const c10::TensorOptions& o) {
     auto list = register_module("layer", std::make_shared<ModuleList<Module>>());
     self_attention = std::make_shared<T5AttentionLayer>(h, "SelfAttention", first, o);
     list->push_back(self_attention);
@@ -177,13 +191,8 @@ struct T5Block : public Module {
     list->push_back(feed_forward);
   }
 
-  at::Tensor residual(const at::Tensor& x, const at::Tensor& update) const {
-    return x + at::dropout(update, dropout, is_training());
-  }
-
   std::shared_ptr<T5AttentionLayer> self_attention, cross_attention;
   std::shared_ptr<T5FeedForwardLayer> feed_forward;
-  double eps, dropout;
 };
 
 // Key-value cache of one decoder block during generation.
@@ -206,6 +215,9 @@ class T5Stack : public Module {
     const int64_t n = decoder ? h.num_decoder_layers : h.num_layers;
     for (int64_t i = 0; i < n; ++i) block->push_back(std::make_shared<T5Block>(h, decoder, i == 0, o));
     final_layer_norm = register_module("final_layer_norm", std::make_shared<NormWeight>(h.d_model, o));
+    // transformers' T5Stack calls one dropout module on the embeddings and on the output; two sites here.
+    dropout = register_module("dropout", std::make_shared<Dropout>(h.dropout));
+    final_dropout = register_module("final_dropout", std::make_shared<Dropout>(h.dropout));
   }
 
   // (1, H, Tq, Tk) learned bias of block 0 for queries starting at `offset`.
@@ -223,16 +235,20 @@ class T5Stack : public Module {
                            const at::Tensor& encoder_states, const at::Tensor& cross_bias) const {
     auto& sa = *b.self_attention;
     at::Tensor normed = t5_rms_norm(input, sa.layer_norm->weight, h_.eps);
-    at::Tensor x = b.residual(input, sa.attention->attend(normed, sa.attention->heads(*sa.attention->k, normed),
-                                                          sa.attention->heads(*sa.attention->v, normed), self_bias));
+    const bool training = is_training();
+    at::Tensor x = input + sa.dropout->forward(sa.attention->attend(normed, sa.attention->heads(*sa.attention->k, normed),
+                                                                    sa.attention->heads(*sa.attention->v, normed),
+                                                                    self_bias),
+                                               training);
     if (decoder_) {
       auto& ca = *b.cross_attention;
       normed = t5_rms_norm(x, ca.layer_norm->weight, h_.eps);
-      x = b.residual(x, ca.attention->attend(normed, ca.attention->heads(*ca.attention->k, encoder_states),
-                                             ca.attention->heads(*ca.attention->v, encoder_states), cross_bias));
+      x = x + ca.dropout->forward(ca.attention->attend(normed, ca.attention->heads(*ca.attention->k, encoder_states),
+                                                       ca.attention->heads(*ca.attention->v, encoder_states), cross_bias),
+                                  training);
     }
     auto& ff = *b.feed_forward;
-    return b.residual(x, ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps)));
+    return x + ff.dropout->forward(ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps)), training);
   }
 
   // Whole-sequence forward (training, evaluation, the encoder during generation). embeddings (B, T, D).
@@ -240,7 +256,7 @@ class T5Stack : public Module {
   template <class Run>
   at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& self_bias, const at::Tensor& encoder_states,
                      const at::Tensor& cross_bias, const Run& run) {
-    at::Tensor x = at::dropout(embeddings, h_.dropout, is_training());
+    at::Tensor x = dropout->forward(embeddings, is_training());
     for (auto& b : block->items) {
       std::vector<at::Tensor> inputs = {x, self_bias};
       if (decoder_) {
@@ -251,7 +267,7 @@ class T5Stack : public Module {
         return block_forward(*b, in[0], in[1], in.size() > 2 ? in[2] : at::Tensor(), in.size() > 3 ? in[3] : at::Tensor());
       }, inputs);
     }
-    return at::dropout(t5_rms_norm(x, final_layer_norm->weight, h_.eps), h_.dropout, is_training());
+    return final_dropout->forward(t5_rms_norm(x, final_layer_norm->weight, h_.eps), is_training());
   }
 
   // One decoder position with the cache. embedding (1, 1, D).
@@ -280,6 +296,7 @@ class T5Stack : public Module {
 
   std::shared_ptr<ModuleList<T5Block>> block;
   std::shared_ptr<NormWeight> final_layer_norm;
+  std::shared_ptr<Dropout> dropout, final_dropout;
 
  private:
   const T5Hyper& h_;

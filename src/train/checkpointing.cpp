@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "models/dropout.h"
 #include "train/precision.h"
 #include "train/rng.h"
 
@@ -16,10 +17,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The block function travels through the autograd context as a capsule (IValue needs no registration for it).
+// The block function travels through the autograd context as a capsule (IValue needs no registration for it),
+// with the dropout context of its forward: backward may run on another thread (the autograd engine's device
+// threads), where the step's context is not current.
 struct BlockHolder : torch::CustomClassHolder {
-  explicit BlockHolder(BlockFn f) : fn(std::move(f)) {}
+  BlockHolder(BlockFn f, std::shared_ptr<const DropoutContext> d) : fn(std::move(f)), dropout(std::move(d)) {}
   BlockFn fn;
+  std::shared_ptr<const DropoutContext> dropout;
 };
 
 struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -56,7 +60,8 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     auto holder = c10::static_intrusive_pointer_cast<BlockHolder>(ctx->saved_data["block"].toCapsule());
 
     const std::vector<at::Tensor> inputs = detached(saved);
-    // Recompute with the forward's RNG and autocast state, then put the current RNG state back.
+    // Recompute with the forward's dropout context (the same keyed masks), RNG state (what LibTorch's generator
+    // draws, for the benchmark's generator dropout) and autocast state, then put the current RNG state back.
     const at::Tensor rng_now = get_rng_state(device);
     const at::Tensor cpu_rng_now = device.is_cpu() ? at::Tensor() : get_rng_state(at::Device(at::kCPU));
     set_rng_state(device, ctx->saved_data["rng"].toTensor());
@@ -64,6 +69,7 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     at::Tensor output;
     {
       at::AutoGradMode grad_on(true);
+      const DropoutScope dropout(holder->dropout);
       AutocastScope autocast(ctx->saved_data["autocast"].toBool(), device.type(),
                              static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
       output = holder->fn(inputs);
@@ -86,7 +92,8 @@ void apply_activation_checkpointing(LanguageModel& model) {
     std::vector<at::Tensor> all;
     all.push_back(at::empty({0}, inputs[0].options().dtype(at::kFloat)).requires_grad_(true));
     all.insert(all.end(), inputs.begin(), inputs.end());
-    return CheckpointFunction::apply(c10::make_intrusive<BlockHolder>(fn), at::TensorList(all))[0];
+    return CheckpointFunction::apply(c10::make_intrusive<BlockHolder>(fn, current_dropout_context()),
+                                     at::TensorList(all))[0];
   });
 }
 

@@ -1,6 +1,7 @@
 // Activation checkpointing, applied to a built model from outside (as torchtitan's apply_ac): each transformer
-// block runs without keeping its activations, and is recomputed in backward with the RNG and autocast state of its
-// forward, so dropout masks and precision are the same and the gradients equal those of a plain run.
+// block runs without keeping its activations, and is recomputed in backward with the dropout context, RNG and
+// autocast state of its forward, so dropout masks and precision are the same and the gradients equal those of a
+// plain run.
 #pragma once
 
 #include "models/model.h"

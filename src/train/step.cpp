@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "memory/cpu_budget.h"
+#include "models/dropout.h"
 #include "train/checkpointing.h"
 #include "train/fused_loss.h"
 #include "train/precision.h"
@@ -95,9 +96,12 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
       optimizer_.zero_grad();
       double loss_sum = 0;
       parts = policy_.split(examples, model_.family() == ModelFamily::kSeq2Seq);
-      for (const auto& [begin, count] : parts)
+      for (const auto& [begin, count] : parts) {
+        // Dropout masks follow the examples' places in the effective batch, so the split cannot change them.
+        const DropoutScope dropout(options_.seed, step, begin, count, options_.device);
         loss_sum += forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
                                      normaliser);
+      }
       in_optimizer_step = true;
       result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
       optimizer_.step(lr);

@@ -44,6 +44,7 @@ struct StepOptions {
   double max_grad_norm = 1.0;
   int64_t max_retries = 8;
   bool chunked_loss = false;  // the chunk size is the policy's (training.loss_chunk_size, lowered by escalation)
+  uint64_t seed = 0;  // training.seed: with the step and each example's index, what its dropout masks are drawn for
 };
 
 class TrainStep {

@@ -314,8 +314,10 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
   fs::remove_all(temp_dir);
   save_trained(trained, temp_dir, config);
   auto tensors = optimizer.state_tensors();
-  tensors.emplace_back("rng.cpu", get_rng_state(at::Device(at::kCPU)));  // for an exact resume
-  if (!device.is_cpu()) tensors.emplace_back("rng." + device.str(), get_rng_state(device));  // dropout on the GPU
+  // LibTorch's generator state. Dropout no longer draws from it (its masks are keyed by the step); kept for
+  // anything else that does, and so that older and newer checkpoints read alike.
+  tensors.emplace_back("rng.cpu", get_rng_state(at::Device(at::kCPU)));
+  if (!device.is_cpu()) tensors.emplace_back("rng." + device.str(), get_rng_state(device));
   write_safetensors((temp_dir / "optimizer.safetensors").string(), tensors, {});
   nlohmann::json state = {{"version", kCheckpointVersion},
                                 {"step", step},
@@ -496,6 +498,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   options.max_grad_norm = config.training.max_grad_norm;
   options.max_retries = config.memory.max_retries;
   options.chunked_loss = config.training.chunked_loss;
+  options.seed = static_cast<uint64_t>(config.training.seed);
   TrainStep step(*model, *optimizer, policy, options);
   int64_t tokens_seen = 0;
   int64_t step_index = 0;
@@ -515,9 +518,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     if (file.find("rng.cpu")) set_rng_state(at::Device(at::kCPU), file.load("rng.cpu"));
     if (!device.is_cpu()) {
       const std::string name = "rng." + device.str();
-      if (file.find(name)) set_rng_state(device, file.load(name));
-      else spdlog::warn("{} holds no {} generator state: dropout after the resume differs from an uninterrupted run",
-                        resume_dir->string(), device.str());
+      if (file.find(name)) set_rng_state(device, file.load(name));  // dropout does not need it (keyed masks)
     }
     spdlog::info("resuming from {} at step {} (micro-batch {}){}", resume_dir->string(), step_index,
                  policy.micro_batch(),

@@ -18,7 +18,14 @@
 //       batch of B sequences of T tokens (seq2seq: T input, L target tokens); scripts/bench/calibrate_planner.py
 //       fits the planner's coefficients to these
 //
+//   trainer_parity dropout-cost MODEL_DIR B T L ROUNDS LORA_DROPOUT
+//       training steps (micro-batch B, sequences of T tokens, seq2seq targets of L) alternating keyed dropout and
+//       LibTorch's generator dropout (the behaviour before keyed masks), the order swapped every round; prints the
+//       seconds of every step of each side as JSON (scripts/bench/dropout.py). LORA_DROPOUT > 0: LoRA r=8 on the
+//       attention projections with that dropout, the base frozen.
+//
 // BATCH holds input_ids, attention_mask, labels (int64) and optionally decoder_attention_mask.
+#include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -30,9 +37,12 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/cpu_budget.h"
+#include "models/dropout.h"
 #include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
+#include "train/optimizer.h"
+#include "train/step.h"
 #include "trainer/errors.h"
 #include "trainer/peft.h"
 #include "trainer/safetensors.h"
@@ -151,11 +161,66 @@ int activations(const std::string& model_dir, int64_t b, int64_t t, int64_t l) {
   return 0;
 }
 
+int dropout_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, int64_t rounds, double lora_dropout) {
+  using namespace trainer;
+  auto model = load_model(model_dir, ModelInit::kRandom, at::TensorOptions().dtype(at::kFloat), 1);
+  model->train(true);
+  std::unique_ptr<LoraAdapters> adapters;
+  if (lora_dropout > 0) {
+    LoraConfig config;
+    config.r = 8;
+    config.dropout = lora_dropout;
+    config.target_modules = model->family() == ModelFamily::kSeq2Seq ? std::vector<std::string>{"q", "k", "v", "o"}
+                                                                   : std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"};
+    adapters = apply_lora(*model, config, 0);
+  } else {
+    model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  }
+  Module& trained = adapters ? static_cast<Module&>(*adapters) : *model;
+  OptimizerConfig adam;
+  AdamW optimizer(trained, adam);
+  TrainingConfig training;
+  training.batch_size = b;
+  training.micro_batch_size = MicroBatchSize::fixed(b);
+  MemoryPolicy policy(MemoryConfig{}, training);
+  StepOptions options;
+  options.seed = 42;
+  TrainStep step(*model, optimizer, policy, options);
+  const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
+  EffectiveBatch batch;
+  at::manual_seed(3);
+  for (int64_t i = 0; i < b; ++i) {
+    Example e;
+    const at::Tensor ids = at::randint(3, std::min<int64_t>(model->vocab_size(), 30000), {t}, at::kInt);
+    e.input_ids.assign(ids.data_ptr<int32_t>(), ids.data_ptr<int32_t>() + t);
+    e.labels = seq2seq ? std::vector<int32_t>(e.input_ids.begin(), e.input_ids.begin() + std::min(t, l)) : e.input_ids;
+    batch.target_tokens += target_tokens(e, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal);
+    batch.examples.push_back(std::move(e));
+  }
+  std::vector<double> keyed, generator;
+  for (int64_t r = 0; r < rounds; ++r) {
+    for (int side = 0; side < 2; ++side) {
+      const bool use_keyed = (side == 0) == (r % 2 == 0);
+      set_dropout_source(use_keyed ? DropoutSource::kKeyed : DropoutSource::kGlobalGenerator);
+      const auto start = std::chrono::steady_clock::now();
+      step.run(batch, r + 1, 1e-5);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      (use_keyed ? keyed : generator).push_back(seconds);
+    }
+  }
+  set_dropout_source(DropoutSource::kKeyed);
+  std::cout << nlohmann::json{{"keyed", keyed}, {"generator", generator}}.dump() << "\n";
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   try {
     if (args.size() == 5 && args[0] == "activations")
       return activations(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]));
+    if (args.size() == 7 && args[0] == "dropout-cost")
+      return dropout_cost(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]), std::stoll(args[5]),
+                          std::stod(args[6]));
     if (args.size() >= 4 && args[0] == "forward") return forward(args[1], args[2], args[3], args.size() > 4 && args[4] == "bf16");
     if (args.size() == 5 && args[0] == "train-step") return train_step(args[1], args[2], args[3], std::stod(args[4]));
     if (args.size() == 5 && args[0] == "lora-forward") return lora_forward(args[1], args[2], args[3], args[4]);
@@ -167,6 +232,6 @@ int main(int argc, char** argv) {
   }
   std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR |\n"
                "       activations MODEL_DIR B T L | lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT |\n"
-               "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON\n";
+               "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON | dropout-cost MODEL_DIR B T L ROUNDS LORA_DROPOUT\n";
   return 2;
 }

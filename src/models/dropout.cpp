@@ -1,0 +1,108 @@
+// Keyed dropout (see dropout.h).
+#include "models/dropout.h"
+
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+
+#include "util/counter_rng.h"
+
+namespace trainer {
+namespace {
+
+constexpr int64_t kRowShift = 40;  // a row's counters: (example << 40) + [0, 2^40)
+
+thread_local std::shared_ptr<const DropoutContext> current_context;
+std::atomic<DropoutSource> source{DropoutSource::kKeyed};
+
+}  // namespace
+
+DropoutScope::DropoutScope(uint64_t seed, int64_t step, int64_t first_example, int64_t count,
+                           const c10::Device& device)
+    : previous_(current_context) {
+  auto context = std::make_shared<DropoutContext>();
+  context->seed = seed;
+  context->step = step;
+  context->rows = at::arange(first_example, first_example + count, at::kLong).mul(int64_t{1} << kRowShift).to(device);
+  current_context = std::move(context);
+}
+
+DropoutScope::DropoutScope(std::shared_ptr<const DropoutContext> context) : previous_(current_context) {
+  current_context = std::move(context);
+}
+
+DropoutScope::~DropoutScope() { current_context = std::move(previous_); }
+
+std::shared_ptr<const DropoutContext> current_dropout_context() { return current_context; }
+
+void set_dropout_source(DropoutSource s) { source.store(s); }
+DropoutSource dropout_source() { return source.load(); }
+
+at::Tensor Dropout::keep_mask(const at::Tensor& x, bool attention) const {
+  if (!site_) throw std::logic_error("a dropout site has no id: build models with build_model (assign_dropout_sites)");
+  const int64_t batch = x.size(0);
+  const auto context = current_dropout_context();
+  uint64_t seed = 0;
+  int64_t step = 0;
+  at::Tensor rows;
+  if (context) {
+    if (context->rows.size(0) != batch)
+      throw std::logic_error("dropout: the context names " + std::to_string(context->rows.size(0)) +
+                             " examples, the tensor has " + std::to_string(batch) + " rows");
+    seed = context->seed;
+    step = context->step;
+    rows = context->rows.device() == x.device() ? context->rows : context->rows.to(x.device());
+  } else {
+    rows = at::arange(batch, x.options().dtype(at::kLong)).mul(int64_t{1} << kRowShift);
+  }
+  const uint64_t key = counter_key({seed, static_cast<uint64_t>(step), *site_});
+  std::vector<int64_t> strides;
+  if (attention) {
+    TORCH_CHECK(x.dim() == 4, "attention dropout takes (B, H, Tq, Tk), got ", x.sizes());
+    TORCH_CHECK(x.size(1) < 256 && x.size(2) < 65536 && x.size(3) < 65536,
+                "attention dropout supports up to 255 heads and 65535 positions, got ", x.sizes());
+    strides = {int64_t{1} << 32, int64_t{1} << 16, 1};
+  } else {
+    strides.assign(static_cast<std::size_t>(x.dim() - 1), 1);
+    for (int64_t d = x.dim() - 3; d >= 0; --d)
+      strides[static_cast<std::size_t>(d)] = strides[static_cast<std::size_t>(d + 1)] * x.size(d + 2);
+    TORCH_CHECK(x.dim() < 2 || x.size(1) * strides[0] < (int64_t{1} << kRowShift),
+                "dropout: one example of ", x.sizes(), " has more than 2^40 elements");
+  }
+  return counter_keep_mask(key, rows, x.sizes(), strides, p_);
+}
+
+at::Tensor Dropout::forward(const at::Tensor& x, bool training) const {
+  if (!training || p_ <= 0) return x;
+  if (dropout_source() == DropoutSource::kGlobalGenerator) return at::dropout(x, p_, true);
+  if (p_ >= 1) return x.mul(0.0);
+  // The bool mask is what backward keeps (one byte per element, as CUDA's fused dropout keeps).
+  return at::mul(x, keep_mask(x, false)).mul_(1.0 / (1.0 - p_));
+}
+
+at::Tensor Dropout::attention(const at::Tensor& probabilities, bool training) const {
+  if (!training || p_ <= 0) return probabilities;
+  if (dropout_source() == DropoutSource::kGlobalGenerator) return at::dropout(probabilities, p_, true);
+  if (p_ >= 1) return probabilities.mul(0.0);
+  return at::mul(probabilities, keep_mask(probabilities, true)).mul_(1.0 / (1.0 - p_));
+}
+
+uint64_t dropout_site_id(const std::string& path) {
+  uint64_t key = counter_key({0x74756f706f7264ULL /* "dropout" */, path.size()});
+  for (std::size_t i = 0; i < path.size(); i += 8) {
+    uint64_t chunk = 0;
+    std::memcpy(&chunk, path.data() + i, std::min<std::size_t>(8, path.size() - i));
+    key = counter_key({key, chunk});
+  }
+  return key;
+}
+
+void assign_dropout_sites(Module& root, const std::string& prefix) {
+  root.for_each_module([&](const std::string& name, Module& m) {
+    if (auto* dropout = dynamic_cast<Dropout*>(&m)) dropout->set_site(dropout_site_id(prefix + name));
+  });
+}
+
+}  // namespace trainer

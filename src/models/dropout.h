@@ -1,0 +1,93 @@
+// Dropout that is a function of the example, not of the split (ARCHITECTURE.md). Every mask element comes from
+// counter-based random bits (util/counter_rng.h) keyed by (training.seed, optimizer step, call site), at a
+// counter made of the example's index in the effective batch and the element's position. So no micro-batch split,
+// out-of-memory retry, activation checkpointing recomputation or resume changes a mask, and it matches nothing
+// drawn from LibTorch's global generator.
+//
+// Models stay maths-only: they hold a Dropout module per call site and call it. The training step says, from
+// outside, which examples the rows of the next forward are (DropoutScope); activation checkpointing carries that
+// context into its recomputation.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "models/module.h"
+
+namespace trainer {
+
+// What the masks of one micro-batch's forward are drawn for.
+struct DropoutContext {
+  uint64_t seed = 0;
+  int64_t step = 0;
+  at::Tensor rows;  // int64 (B): counter base of each row of the micro-batch, (index in the effective batch) << 40
+};
+
+// Makes a context current on this thread until the scope ends; the previous one is current again after it.
+class DropoutScope {
+ public:
+  // Rows are examples first_example, first_example + 1, ... of the effective batch; `rows` lives on `device`.
+  DropoutScope(uint64_t seed, int64_t step, int64_t first_example, int64_t count, const c10::Device& device);
+  explicit DropoutScope(std::shared_ptr<const DropoutContext> context);
+  ~DropoutScope();
+  DropoutScope(const DropoutScope&) = delete;
+  DropoutScope& operator=(const DropoutScope&) = delete;
+
+ private:
+  std::shared_ptr<const DropoutContext> previous_;
+};
+
+// The context of this thread, or null. A forward in training mode with none (a test, the micro-batch probe)
+// draws as if row b were example b of step 0 with seed 0.
+std::shared_ptr<const DropoutContext> current_dropout_context();
+
+// Where masks come from. kGlobalGenerator is the behaviour before keyed masks (at::dropout, SDPA's dropout_p, in
+// micro-batch order from LibTorch's generator: a different split gives different masks); it is kept only as the
+// baseline of scripts/bench/dropout.py. Process-wide.
+enum class DropoutSource { kKeyed, kGlobalGenerator };
+void set_dropout_source(DropoutSource source);
+DropoutSource dropout_source();
+
+// One dropout call site: p, and an id that is part of every key it draws with. The id comes from the site's
+// module path (assign_dropout_sites), so it is the same in every run of the same architecture, whatever the
+// order or number of forward passes.
+class Dropout : public Module {
+ public:
+  explicit Dropout(double p) : p_(p) {}
+
+  // x (B, ...), row b one example; in training, each element is zeroed with probability p and the rest scaled by
+  // 1 / (1 - p). Element (b, i_1, ..., i_k) draws at counter rows[b] + its offset in a contiguous (i_1, ..., i_k)
+  // layout, which does not depend on the padded length (dimension 1).
+  at::Tensor forward(const at::Tensor& x, bool training) const;
+  // Attention probabilities (B, H, Tq, Tk): counter rows[b] + h << 32 + q << 16 + k (H < 256, Tq and Tk < 65536),
+  // independent of the padded lengths.
+  at::Tensor attention(const at::Tensor& probabilities, bool training) const;
+
+  // Whether the model must compute attention probabilities itself and call attention(): keyed dropout in
+  // training. Otherwise it may use scaled_dot_product_attention with dropout_p = sdpa_p(training).
+  bool explicit_attention(bool training) const { return training && p_ > 0 && dropout_source() == DropoutSource::kKeyed; }
+  double sdpa_p(bool training) const {
+    return training && dropout_source() == DropoutSource::kGlobalGenerator ? p_ : 0.0;
+  }
+
+  double p() const { return p_; }
+  void set_site(uint64_t site) { site_ = site; }
+  std::optional<uint64_t> site() const { return site_; }
+
+ private:
+  at::Tensor keep_mask(const at::Tensor& x, bool attention) const;
+  double p_;
+  std::optional<uint64_t> site_;
+};
+
+// The id of the dropout site at this module path (a pure function of the string).
+uint64_t dropout_site_id(const std::string& path);
+// Gives every Dropout below `root` the id of its path (prefix + dotted name).
+void assign_dropout_sites(Module& root, const std::string& prefix = "");
+
+}  // namespace trainer
