@@ -70,19 +70,22 @@ Adafactor::Adafactor(Module& model, const OptimizerConfig& config, uint64_t seed
   scalar_a_ = at::empty({}, fp32);
   scalar_b_ = at::empty({}, fp32);
   scalar_c_ = at::empty({}, fp32);
+  allocate_compensation_scratch(chunk_);
 }
 
 void Adafactor::unscaled_update(const State& s, const at::Tensor& grad, int64_t m, int64_t r0, int64_t n,
-                                at::Tensor& out) {
+                                at::Tensor& out, const at::Tensor& scratch) {
+  const int64_t begin = s.factored ? (m * s.rows + r0) * s.cols : r0, count = s.factored ? n * s.cols : n;
+  at::Tensor g = grad.narrow(0, begin, count);
+  if (g.scalar_type() != at::kFloat) g = scratch.narrow(0, 0, count).copy_(g);  // no converted temporary
   if (s.factored) {
     // transformers: (r_factor x c_factor) * grad, in that order.
-    const at::Tensor g = grad.narrow(0, (m * s.rows + r0) * s.cols, n * s.cols).view({n, s.cols});
     at::Tensor u = out.view({n, s.cols});
     at::mul_out(u, row_factor_.narrow(0, r0, n).unsqueeze(1), col_factor_.narrow(0, 0, s.cols).unsqueeze(0));
-    u.mul_(g);
+    u.mul_(g.view({n, s.cols}));
   } else {
     at::rsqrt_out(out, s.sq.view({-1}).narrow(0, r0, n));
-    out.mul_(grad.narrow(0, r0, n));
+    out.mul_(g);
   }
 }
 
@@ -173,7 +176,7 @@ void Adafactor::step(double lr) {
       factors(m);
       for_each_piece([&](int64_t r0, int64_t n) {
         at::Tensor a = scratch_a_.narrow(0, 0, n * width), b = scratch_b_.narrow(0, 0, n * width);
-        unscaled_update(s, grad, m, r0, n, a);
+        unscaled_update(s, grad, m, r0, n, a, b);
         at::mul_out(b, a, a);
         squares += sum_of(sum_, b);
       });
@@ -190,7 +193,7 @@ void Adafactor::step(double lr) {
       for_each_piece([&](int64_t r0, int64_t n) {
         const int64_t begin = (m * length + r0) * width, count = n * width;
         at::Tensor a = scratch_a_.narrow(0, 0, count);
-        unscaled_update(s, grad, m, r0, n, a);
+        unscaled_update(s, grad, m, r0, n, a, scratch_b_);
         a.div_(scalar_a_).mul_(scalar_b_);
         at::Tensor update = a;
         if (config_.adafactor_beta1) {

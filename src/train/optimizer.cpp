@@ -44,8 +44,20 @@ at::Tensor Optimizer::load_master(std::size_t index, const at::Tensor& flat_para
   at::Tensor master = scratch.narrow(0, 0, n);
   master.copy_(chunk);
   const at::Tensor& compensation = params_[index].compensation;
-  if (compensation.defined()) master.add_(compensation.view({-1}).narrow(0, begin, n));
+  if (compensation.defined()) {
+    at::Tensor fp32 = compensation_scratch_.narrow(0, 0, n);
+    fp32.copy_(compensation.view({-1}).narrow(0, begin, n));
+    master.add_(fp32);
+  }
   return master;
+}
+
+void Optimizer::allocate_compensation_scratch(int64_t chunk) {
+  for (const auto& param : params_)
+    if (param.compensation.defined()) {
+      compensation_scratch_ = at::empty({chunk}, param.compensation.options().dtype(at::kFloat));
+      return;
+    }
 }
 
 void Optimizer::store_master(std::size_t index, at::Tensor& flat_param, int64_t begin, int64_t n,
@@ -180,6 +192,7 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed) : Opti
   }
   eps_ = at::empty({}, fp32);
   decay_ = at::empty({}, fp32);
+  allocate_compensation_scratch(chunk);
 }
 
 void AdamW::step(double lr) {

@@ -67,6 +67,9 @@ class Optimizer {
   virtual std::vector<std::pair<std::string, at::Tensor>> own_state() const = 0;
   virtual int64_t own_state_bytes() const = 0;
 
+  // Derived constructors call this with their chunk size: Kahan compensation needs an fp32 copy of its chunk
+  // (adding bf16 to fp32 in place would allocate a converted copy).
+  void allocate_compensation_scratch(int64_t chunk);
   // A parameter chunk [begin, begin + n) as fp32 master values in `scratch` (the parameter itself when fp32; with
   // Kahan compensation, weight + compensation).
   at::Tensor load_master(std::size_t index, const at::Tensor& flat_param, int64_t begin, int64_t n, at::Tensor scratch);
@@ -78,6 +81,7 @@ class Optimizer {
   void store_bf16_state(at::Tensor& dst, const at::Tensor& src, std::size_t index, uint64_t stream, int64_t begin);
 
   std::vector<Param> params_;
+  at::Tensor compensation_scratch_;  // fp32, defined when some parameter has Kahan compensation
   OptimizerConfig config_;
   uint64_t seed_;
   int64_t step_ = 0;
@@ -120,8 +124,9 @@ class Adafactor final : public Optimizer {
   std::vector<std::pair<std::string, at::Tensor>> own_state() const override;
   int64_t own_state_bytes() const override;
   // The unscaled update of rows [r0, r0 + n) of matrix `m` (factored) or elements [r0, r0 + n) (unfactored),
-  // into `out` (fp32, n x cols or n elements).
-  void unscaled_update(const State& s, const at::Tensor& grad, int64_t m, int64_t r0, int64_t n, at::Tensor& out);
+  // into `out` (fp32, n x cols or n elements); `scratch` (as large) holds an fp32 copy of a bf16 gradient chunk.
+  void unscaled_update(const State& s, const at::Tensor& grad, int64_t m, int64_t r0, int64_t n, at::Tensor& out,
+                       const at::Tensor& scratch);
 
   std::vector<State> state_;
   int64_t chunk_ = 0;
