@@ -67,14 +67,23 @@ inline constexpr EnumName<BadRecordPolicy> kBadRecordPolicyNames[] = {{BadRecord
                                                                       {BadRecordPolicy::kSkip, "skip"}};
 inline std::span<const EnumName<BadRecordPolicy>> enum_names(BadRecordPolicy) { return kBadRecordPolicyNames; }
 
-enum class OptimizerName { kAdamW };
-inline constexpr EnumName<OptimizerName> kOptimizerNames[] = {{OptimizerName::kAdamW, "adamw"}};
+enum class OptimizerName { kAdamW, kAdafactor };
+inline constexpr EnumName<OptimizerName> kOptimizerNames[] = {{OptimizerName::kAdamW, "adamw"},
+                                                              {OptimizerName::kAdafactor, "adafactor"}};
 inline std::span<const EnumName<OptimizerName>> enum_names(OptimizerName) { return kOptimizerNames; }
 
 // The dtype AdamW keeps its two moments in.
 enum class StateDtype { kFp32, kBf16 };
 inline constexpr EnumName<StateDtype> kStateDtypeNames[] = {{StateDtype::kFp32, "fp32"}, {StateDtype::kBf16, "bf16"}};
 inline std::span<const EnumName<StateDtype>> enum_names(StateDtype) { return kStateDtypeNames; }
+
+// How an update computed in fp32 is written into bf16 weights (precision.mode=bf16, bf16 LoRA adapters): rounded
+// stochastically (unbiased), with a Kahan compensation buffer carrying the rounding error, or to nearest (small
+// updates vanish: only to reproduce old runs).
+enum class Bf16Update { kStochastic, kKahan, kNearest };
+inline constexpr EnumName<Bf16Update> kBf16UpdateNames[] = {
+    {Bf16Update::kStochastic, "stochastic"}, {Bf16Update::kKahan, "kahan"}, {Bf16Update::kNearest, "nearest"}};
+inline std::span<const EnumName<Bf16Update>> enum_names(Bf16Update) { return kBf16UpdateNames; }
 
 enum class SchedulerName { kConstant, kLinear, kCosine };
 inline constexpr EnumName<SchedulerName> kSchedulerNames[] = {{SchedulerName::kConstant, "constant"},
@@ -258,10 +267,20 @@ struct OptimizerConfig {
   double weight_decay = 0.0;
   bool decay_norms_biases_embeddings = false;
   StateDtype state_dtype = StateDtype::kFp32;
+  Bf16Update bf16_update = Bf16Update::kStochastic;
+  // Adafactor (transformers.optimization.Adafactor's parameters; beta1 and weight_decay above are shared).
+  bool adafactor_beta1 = false;
+  double adafactor_eps1 = 1e-30;
+  double adafactor_eps2 = 1e-3;
+  double clip_threshold = 1.0;
+  double decay_rate = -0.8;
+  bool scale_parameter = false;  // false, relative_step false: what transformers' Trainer passes (optim=adafactor)
+  bool relative_step = false;
+  bool warmup_init = false;
 
   template <class V>
   void visit(V& v) {
-    v("name", name, "optimizer (adamw)");
+    v("name", name, "optimizer: adamw, or adafactor (factored second moments: a few bytes per matrix row and column)");
     v("lr", lr, "peak learning rate");
     v("beta1", beta1, "AdamW beta1");
     v("beta2", beta2, "AdamW beta2");
@@ -271,6 +290,18 @@ struct OptimizerConfig {
       "also decay norm weights, biases and embeddings (off, as is usual)");
     v("state_dtype", state_dtype,
       "dtype of the two AdamW moments: fp32 (8 bytes per parameter) or bf16 (4; the update is still computed in fp32)");
+    v("bf16_update", bf16_update,
+      "how fp32 updates reach bf16 weights and bf16 moments: stochastic (unbiased rounding), kahan (+2 bytes per "
+      "bf16 parameter of compensation) or nearest (small updates are lost; old behaviour)");
+    v("adafactor_beta1", adafactor_beta1, "Adafactor: keep a first moment with optimizer.beta1 (+4 bytes per parameter)");
+    v("adafactor_eps1", adafactor_eps1, "Adafactor: regularisation added to the squared gradient");
+    v("adafactor_eps2", adafactor_eps2, "Adafactor: floor of the parameter scale (scale_parameter)");
+    v("clip_threshold", clip_threshold, "Adafactor: RMS threshold of the update");
+    v("decay_rate", decay_rate, "Adafactor: second-moment decay 1 - t^decay_rate");
+    v("scale_parameter", scale_parameter, "Adafactor: scale the learning rate by the parameter's RMS");
+    v("relative_step", relative_step,
+      "Adafactor: time-dependent learning rate min(1e-2, 1/sqrt(t)) instead of optimizer.lr and the scheduler");
+    v("warmup_init", warmup_init, "Adafactor with relative_step: warm up from 1e-6 * t");
   }
   bool operator==(const OptimizerConfig&) const = default;
 };
@@ -441,7 +472,7 @@ struct Config {
     v.section("data", data, "JSONL training and validation data");
     v.section("training", training, "the effective batch, length of the run, and what the memory policy may use");
     v.section("evaluation", evaluation, "validation loss and sample generations");
-    v.section("optimizer", optimizer, "AdamW");
+    v.section("optimizer", optimizer, "AdamW or Adafactor");
     v.section("scheduler", scheduler, "learning-rate schedule");
     v.section("precision", precision, "numeric precision of weights and compute");
     v.section("lora", lora, "LoRA adapters (PEFT-compatible)");

@@ -111,6 +111,13 @@ std::vector<ConfigProblem> validate(const Config& c) {
   check.in_range(o.beta2, 0.0, 1.0, "optimizer.beta2", false);
   check.require(o.eps > 0, "optimizer.eps", "must be > 0");
   check.require(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0");
+  check.require(o.adafactor_eps1 > 0, "optimizer.adafactor_eps1", "must be > 0");
+  check.require(o.adafactor_eps2 > 0, "optimizer.adafactor_eps2", "must be > 0");
+  check.require(o.clip_threshold > 0, "optimizer.clip_threshold", "must be > 0");
+  check.require(o.decay_rate < 0, "optimizer.decay_rate", "must be < 0 (the decay is 1 - t^decay_rate)");
+  check.require(!o.warmup_init || o.relative_step, "optimizer.warmup_init", "only applies with optimizer.relative_step=true");
+  check.require(o.name == OptimizerName::kAdafactor || !(o.relative_step || o.adafactor_beta1), "optimizer.name",
+                "optimizer.relative_step / adafactor_beta1 are Adafactor's: set optimizer.name=adafactor");
 
   const auto& s = c.scheduler;
   check.at_least(s.warmup_steps, 0, "scheduler.warmup_steps");

@@ -26,6 +26,7 @@
 #include "models/hf_config.h"
 #include "models/lora.h"
 #include "models/model.h"
+#include "train/optimizer.h"
 #include "trainer/device.h"
 #include "trainer/model_dir.h"
 
@@ -147,6 +148,22 @@ double MemoryPlan::peak(int64_t micro, bool checkpointing, bool chunked_loss, in
   return weights + gradients + optimizer_state + workspace + m * activations + loss;
 }
 
+namespace {
+
+// What the optimizer-state row of the plan counts.
+std::string optimizer_state_note(const Config& config) {
+  const auto& o = config.optimizer;
+  std::string note = o.name == OptimizerName::kAdafactor
+                         ? std::string("fp32 row + column statistics per matrix") + (o.adafactor_beta1 ? ", fp32 first moment" : "")
+                         : std::string(o.state_dtype == StateDtype::kBf16 ? "two bf16" : "two fp32") +
+                               " moments per trainable parameter";
+  if (o.bf16_update == Bf16Update::kKahan && config.precision.mode == PrecisionMode::kBf16 && !config.lora.enabled)
+    note += " + bf16 Kahan compensation";
+  return note;
+}
+
+}  // namespace
+
 int64_t MemoryPlan::largest_micro_batch(bool checkpointing, bool chunked_loss, int64_t chunk) const {
   if (capacity <= 0) return batch_size;
   const double allowed = capacity * (1.0 - safety_margin);
@@ -181,6 +198,7 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
 
   MemoryPlan plan;
   int64_t adapter = 0;
+  double optimizer_state = 0;  // optimizer_state_bytes of every trainable parameter (LoRA: A and B, fp32)
   // LoRA keeps, per token of each adapted module: the adapter's input after dropout (in_features) and its byte
   // mask, when lora.dropout > 0, and A's output (r). Summed over the modules of the encoder/decoder stacks.
   double adapter_elements_input = 0, adapter_elements_target = 0;
@@ -188,9 +206,14 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     plan.parameters += p.numel();
     if (!config.lora.enabled) largest_trainable = std::max(largest_trainable, p.numel());
+    if (!config.lora.enabled)
+      optimizer_state += static_cast<double>(
+          optimizer_state_bytes(config.optimizer, p.sizes(), config.precision.mode == PrecisionMode::kBf16));
     if (!adapted.contains(name)) return;
     largest_trainable = std::max({largest_trainable, config.lora.r * p.size(0), config.lora.r * p.size(1)});
     adapter += config.lora.r * (p.size(0) + p.size(1));
+    optimizer_state += static_cast<double>(optimizer_state_bytes(config.optimizer, {config.lora.r, p.size(1)}, false) +
+                                           optimizer_state_bytes(config.optimizer, {p.size(0), config.lora.r}, false));
     const double per_token =
         static_cast<double>(config.lora.r) +
         (config.lora.dropout > 0 ? (1.0 + dropout_share) * static_cast<double>(p.size(1)) : 0.0);
@@ -208,8 +231,7 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
     plan.weights = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
     plan.gradients = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
   }
-  plan.optimizer_state = (config.optimizer.state_dtype == StateDtype::kBf16 ? 4.0 : 8.0) *
-                         static_cast<double>(plan.trainable_parameters);
+  plan.optimizer_state = optimizer_state;
   // bf16-mixed: autocast keeps a bf16 copy of every weight it casts until backward has used it.
   if (mode == PrecisionMode::kBf16Mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
   if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
@@ -272,9 +294,9 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
   out << "  parameters " << plan.parameters << ", trainable " << plan.trainable_parameters << "\n\n";
   row("weights", plan.weights, config.lora.enabled ? "frozen base + fp32 adapters" : "");
   row("gradients", plan.gradients, "trainable parameters, kept across micro-batches");
-  row("optimizer state (AdamW)", plan.optimizer_state,
-      config.optimizer.state_dtype == StateDtype::kBf16 ? "two bf16 moments per trainable parameter"
-                                                         : "two fp32 moments per trainable parameter");
+  row(std::string("optimizer state (") + (config.optimizer.name == OptimizerName::kAdafactor ? "Adafactor" : "AdamW") +
+          ")",
+      plan.optimizer_state, optimizer_state_note(config));
   row("workspace", plan.workspace, "optimizer scratch, autocast weight copies, device libraries");
   row("activations per example", plan.activations_per_example, "at the maximum lengths");
   row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
@@ -339,8 +361,9 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
     if (fixed >= allowed) {
       out << ": that is more than the device holds whatever the batch; train LoRA adapters (lora.enabled=true"
           << (config.precision.mode == PrecisionMode::kBf16 ? "" : ", precision.mode=bf16")
-          << (config.optimizer.state_dtype == StateDtype::kBf16 ? "" : "), halve the optimizer state "
-                                                                       "(optimizer.state_dtype=bf16")
+          << (config.optimizer.name == OptimizerName::kAdafactor ? ""
+                                                                  : "), shrink the optimizer state "
+                                                                    "(optimizer.name=adafactor")
           << ") or use a larger device\n";
     } else {
       out << "; one example at the maximum lengths needs " << human_bytes(plan.peak(1, true, true) - fixed)

@@ -20,7 +20,7 @@ struct MemoryPlan {
   int64_t trainable_parameters = 0;
   double weights = 0;          // bytes
   double gradients = 0;        // bytes, kept across the micro-batches of a step
-  double optimizer_state = 0;  // bytes: two fp32 AdamW moments per trainable parameter
+  double optimizer_state = 0;  // bytes: optimizer_state_bytes() of every trainable parameter
   // Per example at the maximum lengths: what forward keeps for backward, plus the largest transient of backward.
   double activations_per_example = 0;
   double activations_per_example_checkpointed = 0;

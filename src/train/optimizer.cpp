@@ -1,4 +1,4 @@
-// AdamW and the learning-rate schedule (see optimizer.h).
+// The optimizer interface, AdamW and the learning-rate schedule (see optimizer.h); Adafactor is in adafactor.cpp.
 #include "train/optimizer.h"
 
 #include <algorithm>
@@ -10,7 +10,10 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/StringUtil.h>
 
+#include <spdlog/spdlog.h>
+
 #include "trainer/errors.h"
+#include "util/counter_rng.h"
 
 namespace trainer {
 namespace {
@@ -24,25 +27,172 @@ bool decays_by_default(const std::string& name) {
            name == "shared.weight" || name.find("relative_attention_bias") != std::string::npos);
 }
 
-AdamW::AdamW(Module& model, const OptimizerConfig& config) : config_(config) {
-  int64_t largest = 0;
+Optimizer::Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed) : config_(config), seed_(seed) {
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) {
     if (!p.requires_grad()) return;
-    const auto options = p.options().dtype(config.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat);
-    slots_.push_back({name, &p, at::zeros(p.sizes(), options), at::zeros(p.sizes(), options),
-                      config.decay_norms_biases_embeddings || decays_by_default(name)});
-    largest = std::max(largest, p.numel());
+    at::Tensor compensation;
+    if (config.bf16_update == Bf16Update::kKahan && p.scalar_type() == at::kBFloat16)
+      compensation = at::zeros(p.sizes(), p.options());
+    params_.push_back({name, &p, config.decay_norms_biases_embeddings || decays_by_default(name), compensation});
   });
-  const auto device = slots_.empty() ? at::Device(at::kCPU) : slots_.front().param->device();
-  const int64_t chunk = std::min(largest, kChunk);
-  scratch_a_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
-  scratch_b_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
-  if (config.state_dtype == StateDtype::kBf16) {
-    scratch_m_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
-    scratch_v_ = at::empty({chunk}, at::TensorOptions().dtype(at::kFloat).device(device));
+}
+
+at::Tensor Optimizer::load_master(std::size_t index, const at::Tensor& flat_param, int64_t begin, int64_t n,
+                                  at::Tensor scratch) {
+  const at::Tensor chunk = flat_param.narrow(0, begin, n);
+  if (chunk.scalar_type() == at::kFloat) return chunk;
+  at::Tensor master = scratch.narrow(0, 0, n);
+  master.copy_(chunk);
+  const at::Tensor& compensation = params_[index].compensation;
+  if (compensation.defined()) {
+    at::Tensor fp32 = compensation_scratch_.narrow(0, 0, n);
+    fp32.copy_(compensation.view({-1}).narrow(0, begin, n));
+    master.add_(fp32);
   }
-  eps_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device));
-  decay_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device));
+  return master;
+}
+
+void Optimizer::allocate_compensation_scratch(int64_t chunk) {
+  for (const auto& param : params_)
+    if (param.compensation.defined()) {
+      compensation_scratch_ = at::empty({chunk}, param.compensation.options().dtype(at::kFloat));
+      return;
+    }
+}
+
+void Optimizer::store_master(std::size_t index, at::Tensor& flat_param, int64_t begin, int64_t n,
+                             const at::Tensor& master, const at::Tensor& spare) {
+  at::Tensor chunk = flat_param.narrow(0, begin, n);
+  if (chunk.scalar_type() == at::kFloat) return;  // the master is the parameter
+  const at::Tensor& compensation = params_[index].compensation;
+  if (compensation.defined()) {
+    // Kahan: the weight is the nearest bf16; what that lost (master - weight) is kept for the next update.
+    chunk.copy_(master);
+    at::Tensor lost = spare.narrow(0, 0, n);
+    lost.copy_(chunk);
+    at::sub_out(lost, master, lost);
+    compensation.view({-1}).narrow(0, begin, n).copy_(lost);
+  } else if (config_.bf16_update == Bf16Update::kStochastic && chunk.scalar_type() == at::kBFloat16) {
+    stochastic_round_bf16_(chunk, master, counter_key({seed_, static_cast<uint64_t>(step_), index}), begin);
+  } else {
+    chunk.copy_(master);
+  }
+}
+
+void Optimizer::store_bf16_state(at::Tensor& dst, const at::Tensor& src, std::size_t index, uint64_t stream,
+                                 int64_t begin) {
+  if (config_.bf16_update == Bf16Update::kNearest || dst.scalar_type() != at::kBFloat16) {
+    dst.copy_(src);
+    return;
+  }
+  stochastic_round_bf16_(dst, src, counter_key({seed_, static_cast<uint64_t>(step_), index, stream}), begin);
+}
+
+double Optimizer::clip_grad_norm(double max_norm) {
+  at::NoGradGuard no_grad;
+  // The norm in fp32 over slices of each gradient: temporaries stay at one slice whatever the tensor (a 152k x 3584
+  // embedding's gradient squared would be 2 GiB), so clipping cannot run out of memory where the step fit.
+  constexpr int64_t kSlice = int64_t{1} << 18;
+  double sum_squares = 0.0;
+  for (auto& param : params_) {
+    const at::Tensor& g = param.param->grad();
+    if (!g.defined()) continue;
+    const at::Tensor flat = g.reshape({-1});
+    for (int64_t begin = 0; begin < flat.numel(); begin += kSlice) {
+      const double norm = at::linalg_vector_norm(flat.narrow(0, begin, std::min(kSlice, flat.numel() - begin)), 2, {},
+                                                 false, at::kFloat)
+                              .item<double>();
+      sum_squares += norm * norm;
+    }
+  }
+  const double norm = std::sqrt(sum_squares);
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);  // as torch.nn.utils.clip_grad_norm_
+    for (auto& param : params_)
+      if (param.param->grad().defined()) param.param->mutable_grad().mul_(scale);
+  }
+  return norm;
+}
+
+void Optimizer::zero_grad() {
+  for (auto& param : params_) param.param->mutable_grad() = at::Tensor();
+}
+
+int64_t Optimizer::trainable_parameters() const {
+  int64_t n = 0;
+  for (const auto& param : params_) n += param.param->numel();
+  return n;
+}
+
+int64_t Optimizer::state_bytes() const {
+  int64_t n = own_state_bytes();
+  for (const auto& param : params_)
+    if (param.compensation.defined()) n += static_cast<int64_t>(param.compensation.nbytes());
+  return n;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
+  auto out = own_state();
+  for (const auto& param : params_)
+    if (param.compensation.defined()) out.emplace_back("kahan_compensation." + param.name, param.compensation);
+  return out;
+}
+
+void Optimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps,
+                           const std::string& source) {
+  at::NoGradGuard no_grad;
+  const std::map<std::string, at::Tensor> by_name(tensors.begin(), tensors.end());
+  const auto find = [&](const std::string& key, const at::Tensor& slot, bool required) -> const at::Tensor* {
+    const auto it = by_name.find(key);
+    if (it == by_name.end()) {
+      if (!required) return nullptr;
+      throw DataError(source + ": no tensor " + key + "; the optimizer state does not match the trainable parameters",
+                      "resume from a checkpoint written with the same model, lora and optimizer.name settings, or "
+                      "start without --resume");
+    }
+    if (it->second.sizes() != slot.sizes())
+      throw DataError(source + ": " + key + " has shape " + c10::str(it->second.sizes()) + ", the optimizer state has " +
+                          c10::str(slot.sizes()),
+                      "resume from a checkpoint of the same model and optimizer settings");
+    return &it->second;
+  };
+  const auto own = own_state();
+  for (const auto& [key, slot] : own) find(key, slot, true);  // check everything before changing anything
+  for (const auto& param : params_)
+    if (param.compensation.defined()) find("kahan_compensation." + param.name, param.compensation, false);
+  for (const auto& [key, slot] : own) slot.copy_(*find(key, slot, true));
+  for (auto& param : params_) {
+    if (!param.compensation.defined()) continue;
+    // A checkpoint written without Kahan compensation: its weights are exact as they are, zero is the right start.
+    if (const at::Tensor* saved = find("kahan_compensation." + param.name, param.compensation, false))
+      param.compensation.copy_(*saved);
+    else
+      param.compensation.zero_();
+  }
+  step_ = steps;
+}
+
+AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed) : Optimizer(model, config, seed) {
+  int64_t largest = 0;
+  for (const auto& param : params_) {
+    const at::Tensor& p = *param.param;
+    const auto options = p.options().dtype(config.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat);
+    exp_avg_.push_back(at::zeros(p.sizes(), options));
+    exp_avg_sq_.push_back(at::zeros(p.sizes(), options));
+    largest = std::max(largest, p.numel());
+  }
+  const auto device = params_.empty() ? at::Device(at::kCPU) : params_.front().param->device();
+  const int64_t chunk = std::min(largest, kChunk);
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  scratch_a_ = at::empty({chunk}, fp32);
+  scratch_b_ = at::empty({chunk}, fp32);
+  if (config.state_dtype == StateDtype::kBf16) {
+    scratch_m_ = at::empty({chunk}, fp32);
+    scratch_v_ = at::empty({chunk}, fp32);
+  }
+  eps_ = at::empty({}, fp32);
+  decay_ = at::empty({}, fp32);
+  allocate_compensation_scratch(chunk);
 }
 
 void AdamW::step(double lr) {
@@ -58,111 +208,87 @@ void AdamW::step(double lr) {
   eps_.fill_(config_.eps * bias2_sqrt);
   decay_.fill_(1.0 - lr * config_.weight_decay);
   const bool bf16_state = config_.state_dtype == StateDtype::kBf16;
-  for (auto& slot : slots_) {
-    at::Tensor& p = *slot.param;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = *params_[i].param;
     if (!p.grad().defined()) continue;
-    const at::Tensor param = p.view({-1}), grad = p.grad().view({-1});
-    const at::Tensor m = slot.exp_avg.view({-1}), v = slot.exp_avg_sq.view({-1});
-    const bool fp32 = p.scalar_type() == at::kFloat;
+    at::Tensor param = p.view({-1});
+    const at::Tensor grad = p.grad().view({-1});
+    const at::Tensor m = exp_avg_[i].view({-1}), v = exp_avg_sq_[i].view({-1});
     for (int64_t begin = 0; begin < param.numel(); begin += kChunk) {
       const int64_t n = std::min(kChunk, param.numel() - begin);
-      at::Tensor pc = param.narrow(0, begin, n), m_state = m.narrow(0, begin, n), v_state = v.narrow(0, begin, n);
+      at::Tensor m_state = m.narrow(0, begin, n), v_state = v.narrow(0, begin, n);
       // bf16 moments are updated in fp32 copies and rounded back; fp32 moments in place.
       at::Tensor mc = bf16_state ? scratch_m_.narrow(0, 0, n).copy_(m_state) : m_state;
       at::Tensor vc = bf16_state ? scratch_v_.narrow(0, 0, n).copy_(v_state) : v_state;
-      at::Tensor a = scratch_a_.narrow(0, 0, n), b = scratch_b_.narrow(0, 0, n);
+      at::Tensor a = scratch_a_.narrow(0, 0, n);
       a.copy_(grad.narrow(0, begin, n));  // fp32 whatever the gradient's dtype
       mc.lerp_(a, 1.0 - b1);              // m = b1 m + (1 - b1) g
+      at::Tensor b = scratch_b_.narrow(0, 0, n);
       at::mul_out(b, a, a);
       vc.lerp_(b, 1.0 - b2);              // v = b2 v + (1 - b2) g^2
       at::sqrt_out(a, vc).add_(eps_);     // a = sqrt(v) + eps * bias2_sqrt
-      at::Tensor master = fp32 ? pc : b.copy_(pc);
-      if (slot.decay && config_.weight_decay > 0) master.mul_(decay_);
+      const at::Tensor master = load_master(i, param, begin, n, scratch_b_);
+      if (params_[i].decay && config_.weight_decay > 0) master.mul_(decay_);
       master.addcdiv_(mc, a, -step_size);
-      if (!fp32) pc.copy_(master);
+      store_master(i, param, begin, n, master, scratch_a_);
       if (bf16_state) {
-        m_state.copy_(mc);
-        v_state.copy_(vc);
+        store_bf16_state(m_state, mc, i, 1, begin);
+        store_bf16_state(v_state, vc, i, 2, begin);
       }
     }
   }
 }
 
-double AdamW::clip_grad_norm(double max_norm) {
-  at::NoGradGuard no_grad;
-  // The norm in fp32 over slices of each gradient: temporaries stay at one slice whatever the tensor (a 152k x 3584
-  // embedding's gradient squared would be 2 GiB), so clipping cannot run out of memory where the step fit.
-  constexpr int64_t kSlice = int64_t{1} << 18;
-  double sum_squares = 0.0;
-  for (auto& slot : slots_) {
-    const at::Tensor& g = slot.param->grad();
-    if (!g.defined()) continue;
-    const at::Tensor flat = g.reshape({-1});
-    for (int64_t begin = 0; begin < flat.numel(); begin += kSlice) {
-      const double norm = at::linalg_vector_norm(flat.narrow(0, begin, std::min(kSlice, flat.numel() - begin)), 2, {},
-                                                 false, at::kFloat)
-                              .item<double>();
-      sum_squares += norm * norm;
-    }
-  }
-  const double norm = std::sqrt(sum_squares);
-  if (max_norm > 0 && norm > max_norm) {
-    const double scale = max_norm / (norm + 1e-6);  // as torch.nn.utils.clip_grad_norm_
-    for (auto& slot : slots_)
-      if (slot.param->grad().defined()) slot.param->mutable_grad().mul_(scale);
-  }
-  return norm;
-}
-
-void AdamW::zero_grad() {
-  for (auto& slot : slots_) slot.param->mutable_grad() = at::Tensor();
-}
-
-int64_t AdamW::trainable_parameters() const {
-  int64_t n = 0;
-  for (const auto& slot : slots_) n += slot.param->numel();
-  return n;
-}
-
-int64_t AdamW::state_bytes() const {
-  int64_t n = 0;
-  for (const auto& slot : slots_) n += 2 * slot.exp_avg.numel() * static_cast<int64_t>(slot.exp_avg.element_size());
-  return n;
-}
-
-std::vector<std::pair<std::string, at::Tensor>> AdamW::state_tensors() const {
+std::vector<std::pair<std::string, at::Tensor>> AdamW::own_state() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& slot : slots_) {
-    out.emplace_back("exp_avg." + slot.name, slot.exp_avg);
-    out.emplace_back("exp_avg_sq." + slot.name, slot.exp_avg_sq);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back("exp_avg." + params_[i].name, exp_avg_[i]);
+    out.emplace_back("exp_avg_sq." + params_[i].name, exp_avg_sq_[i]);
   }
   return out;
 }
 
-void AdamW::load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps,
-                       const std::string& source) {
-  at::NoGradGuard no_grad;
-  const std::map<std::string, at::Tensor> by_name(tensors.begin(), tensors.end());
-  const auto find = [&](const std::string& key, const at::Tensor& slot) -> const at::Tensor& {
-    const auto it = by_name.find(key);
-    if (it == by_name.end())
-      throw DataError(source + ": no tensor " + key + "; the optimizer state does not match the trainable parameters",
-                      "resume from a checkpoint written with the same model and lora settings, or start without --resume");
-    if (it->second.sizes() != slot.sizes())
-      throw DataError(source + ": " + key + " has shape " + c10::str(it->second.sizes()) + ", the parameter has " +
-                          c10::str(slot.sizes()),
-                      "resume from a checkpoint of the same model");
-    return it->second;
-  };
-  for (const auto& slot : slots_) {  // check everything before changing anything
-    find("exp_avg." + slot.name, slot.exp_avg);
-    find("exp_avg_sq." + slot.name, slot.exp_avg_sq);
+int64_t AdamW::own_state_bytes() const {
+  int64_t n = 0;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    n += static_cast<int64_t>(exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes());
+  return n;
+}
+
+std::unique_ptr<Optimizer> make_optimizer(Module& model, const OptimizerConfig& config, uint64_t seed) {
+  std::unique_ptr<Optimizer> optimizer;
+  if (config.name == OptimizerName::kAdafactor) optimizer = std::make_unique<Adafactor>(model, config, seed);
+  else optimizer = std::make_unique<AdamW>(model, config, seed);
+  if (config.bf16_update == Bf16Update::kNearest) {
+    bool bf16 = config.name == OptimizerName::kAdamW && config.state_dtype == StateDtype::kBf16;
+    model.for_each_parameter([&](const std::string&, at::Tensor& p) {
+      if (p.requires_grad() && p.scalar_type() == at::kBFloat16) bf16 = true;
+    });
+    if (bf16)
+      spdlog::warn("optimizer.bf16_update=nearest: updates smaller than half a bf16 step of a weight (or moment) are "
+                   "rounded away, and such a run learns far less than in fp32; use stochastic (the default) or kahan");
   }
-  for (auto& slot : slots_) {
-    slot.exp_avg.copy_(find("exp_avg." + slot.name, slot.exp_avg));
-    slot.exp_avg_sq.copy_(find("exp_avg_sq." + slot.name, slot.exp_avg_sq));
+  return optimizer;
+}
+
+int64_t optimizer_state_bytes(const OptimizerConfig& config, c10::IntArrayRef sizes, bool bf16_param) {
+  int64_t numel = 1;
+  for (const int64_t s : sizes) numel *= s;
+  int64_t bytes = 0;
+  if (config.name == OptimizerName::kAdafactor) {
+    if (sizes.size() >= 2) {
+      const int64_t cols = sizes.back(), rows = sizes[sizes.size() - 2];
+      const int64_t matrices = rows * cols == 0 ? 0 : numel / (rows * cols);
+      bytes += 4 * matrices * (rows + cols);
+    } else {
+      bytes += 4 * numel;
+    }
+    if (config.adafactor_beta1) bytes += 4 * numel;
+  } else {
+    bytes += 2 * numel * (config.state_dtype == StateDtype::kBf16 ? 2 : 4);
   }
-  step_ = steps;
+  if (bf16_param && config.bf16_update == Bf16Update::kKahan) bytes += 2 * numel;
+  return bytes;
 }
 
 double scheduled_lr(const SchedulerConfig& s, double peak_lr, int64_t step, int64_t total) {

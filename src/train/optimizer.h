@@ -1,26 +1,41 @@
-// AdamW (decoupled weight decay, as torch.optim.AdamW) over a model's trainable parameters, with no decay on
-// norms, biases and embeddings by default. The state (two moments, fp32 or bf16) is allocated when the optimizer is built, so
-// an optimizer-state out-of-memory shows before step 1, and the update itself allocates nothing (it works through
-// a fixed scratch buffer in chunks): an out-of-memory error cannot leave some parameters updated and others not.
+// The optimizers over a model's trainable parameters, behind one interface the training step holds: AdamW
+// (decoupled weight decay, as torch.optim.AdamW) and Adafactor (as transformers.optimization.Adafactor), with no
+// decay on norms, biases and embeddings by default.
+//
+// Contracts both keep:
+// - The state is allocated when the optimizer is built, so an optimizer-state out-of-memory shows before step 1,
+//   and the update itself allocates nothing (it works through fixed scratch buffers in chunks): an out-of-memory
+//   error cannot leave some parameters updated and others not.
+// - The update is computed in fp32 whatever the parameter's dtype. Into bf16 parameters (precision.mode=bf16) it is
+//   written per optimizer.bf16_update: stochastic rounding (unbiased; the random bits are a pure function of
+//   training.seed, the optimizer step, the parameter's index and the element's offset, so resume and any
+//   micro-batch split give the same weights), Kahan compensation (a bf16 buffer per parameter holding what
+//   rounding lost, added back before the next update; saved with the state), or round to nearest (small updates
+//   are lost). bf16 AdamW moments are rounded the same way (stochastically unless nearest).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 
 #include "models/module.h"
 #include "trainer/config.h"
 
 namespace trainer {
 
-class AdamW {
+class Optimizer {
  public:
-  AdamW(Module& model, const OptimizerConfig& config);
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
 
+  virtual const char* name() const = 0;  // "AdamW", "Adafactor"
   // One update with learning rate `lr` from the gradients in the parameters' .grad().
-  void step(double lr);
+  virtual void step(double lr) = 0;
   // Global L2 norm of all gradients; with max_norm > 0, scales them so the norm is at most max_norm.
   // Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
@@ -28,29 +43,105 @@ class AdamW {
 
   int64_t steps() const { return step_; }
   int64_t trainable_parameters() const;
+  // Bytes of optimizer state, Kahan compensation included.
   int64_t state_bytes() const;
 
-  // For checkpoints: moments by parameter name, and the step count. load_state requires both moments of every
-  // trainable parameter, with its shape; otherwise it throws DataError naming `source` and the first missing
-  // or mismatched tensor (and changes nothing).
+  // For checkpoints: the state by tensor name, and the step count. load_state requires every state tensor of
+  // every trainable parameter, with its shape (Kahan compensation may be absent: it starts at zero); otherwise it
+  // throws DataError naming `source` and the first missing or mismatched tensor (and changes nothing).
   std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps,
                   const std::string& source);
 
- private:
-  struct Slot {
+ protected:
+  struct Param {
     std::string name;
     at::Tensor* param;
-    at::Tensor exp_avg, exp_avg_sq;  // optimizer.state_dtype (fp32 or bf16), same shape
     bool decay;
+    at::Tensor compensation;  // bf16_update=kahan, bf16 parameters: what rounding lost (bf16, same shape)
   };
-  std::vector<Slot> slots_;
+  // Collects the trainable parameters of `model`; `seed` keys stochastic rounding.
+  Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed);
+
+  // The optimizer's own state tensors, as named in checkpoints, in a fixed order.
+  virtual std::vector<std::pair<std::string, at::Tensor>> own_state() const = 0;
+  virtual int64_t own_state_bytes() const = 0;
+
+  // Derived constructors call this with their chunk size: Kahan compensation needs an fp32 copy of its chunk
+  // (adding bf16 to fp32 in place would allocate a converted copy).
+  void allocate_compensation_scratch(int64_t chunk);
+  // A parameter chunk [begin, begin + n) as fp32 master values in `scratch` (the parameter itself when fp32; with
+  // Kahan compensation, weight + compensation).
+  at::Tensor load_master(std::size_t index, const at::Tensor& flat_param, int64_t begin, int64_t n, at::Tensor scratch);
+  // Writes the updated master chunk back (a no-op for fp32 parameters, whose master is the parameter); `spare` is
+  // an fp32 scratch chunk of at least n elements that may be overwritten.
+  void store_master(std::size_t index, at::Tensor& flat_param, int64_t begin, int64_t n, const at::Tensor& master,
+                    const at::Tensor& spare);
+  // Rounds an fp32 chunk into a bf16 state chunk (stream: which state tensor of the parameter).
+  void store_bf16_state(at::Tensor& dst, const at::Tensor& src, std::size_t index, uint64_t stream, int64_t begin);
+
+  std::vector<Param> params_;
+  at::Tensor compensation_scratch_;  // fp32, defined when some parameter has Kahan compensation
   OptimizerConfig config_;
+  uint64_t seed_;
   int64_t step_ = 0;
+};
+
+class AdamW final : public Optimizer {
+ public:
+  AdamW(Module& model, const OptimizerConfig& config, uint64_t seed = 0);
+  const char* name() const override { return "AdamW"; }
+  void step(double lr) override;
+
+ private:
+  std::vector<std::pair<std::string, at::Tensor>> own_state() const override;
+  int64_t own_state_bytes() const override;
+
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // per parameter: optimizer.state_dtype (fp32 or bf16)
   at::Tensor scratch_a_, scratch_b_;  // fp32 chunk buffers for the update
   at::Tensor scratch_m_, scratch_v_;  // fp32 copies of a chunk of bf16 moments (state_dtype bf16 only)
   at::Tensor eps_, decay_;            // 0-dim operands, refilled each step (no allocation during the update)
 };
+
+// Adafactor as transformers.optimization.Adafactor: for parameters of 2 or more dimensions, second moments
+// factored into row and column statistics over the last two dimensions; unfactored for vectors; beta2 at step t
+// 1 - t^decay_rate; eps pair (adafactor_eps1, adafactor_eps2); update clipped to RMS clip_threshold; optional
+// first moment (adafactor_beta1, with beta1); scale_parameter, relative_step, warmup_init. Its state is fp32.
+class Adafactor final : public Optimizer {
+ public:
+  Adafactor(Module& model, const OptimizerConfig& config, uint64_t seed = 0);
+  const char* name() const override { return "Adafactor"; }
+  void step(double lr) override;
+
+ private:
+  struct State {
+    int64_t matrices = 1, rows = 1, cols = 1;  // factored: the parameter as (matrices, rows, cols)
+    bool factored = false;
+    at::Tensor row, col;     // factored: (..., rows) and (..., cols) as transformers shapes them
+    at::Tensor sq;           // unfactored: same shape as the parameter
+    at::Tensor exp_avg;      // with adafactor_beta1
+  };
+  std::vector<std::pair<std::string, at::Tensor>> own_state() const override;
+  int64_t own_state_bytes() const override;
+  // The unscaled update of rows [r0, r0 + n) of matrix `m` (factored) or elements [r0, r0 + n) (unfactored),
+  // into `out` (fp32, n x cols or n elements); `scratch` (as large) holds an fp32 copy of a bf16 gradient chunk.
+  void unscaled_update(const State& s, const at::Tensor& grad, int64_t m, int64_t r0, int64_t n, at::Tensor& out,
+                       const at::Tensor& scratch);
+
+  std::vector<State> state_;
+  int64_t chunk_ = 0;
+  at::Tensor scratch_a_, scratch_b_, scratch_c_;  // fp32 chunk buffers
+  at::Tensor row_factor_, col_factor_, col_sum_;  // fp32, the largest rows / cols of one parameter
+  at::Tensor sum_, scalar_a_, scalar_b_, scalar_c_;  // 0-dim fp32 operands
+};
+
+// The optimizer optimizer.name selects, over the trainable parameters of `model`. Logs a warning when
+// optimizer.bf16_update=nearest meets bf16 parameters or moments.
+std::unique_ptr<Optimizer> make_optimizer(Module& model, const OptimizerConfig& config, uint64_t seed);
+
+// Bytes of optimizer state (Kahan compensation included) for one trainable parameter of `sizes` in the dtype given
+// by `bf16_param`: what state_bytes() counts, for the planner before any weight exists.
+int64_t optimizer_state_bytes(const OptimizerConfig& config, c10::IntArrayRef sizes, bool bf16_param);
 
 // Whether a parameter is decayed by default: not norms, biases or embeddings (nor T5's relative bias table).
 bool decays_by_default(const std::string& name);

@@ -49,7 +49,7 @@ struct StepOptions {
 
 class TrainStep {
  public:
-  TrainStep(LanguageModel& model, AdamW& optimizer, MemoryPolicy& policy, StepOptions options)
+  TrainStep(LanguageModel& model, Optimizer& optimizer, MemoryPolicy& policy, StepOptions options)
       : model_(model), optimizer_(optimizer), policy_(policy), options_(std::move(options)) {}
 
   StepResult run(const EffectiveBatch& batch, int64_t step, double lr);
@@ -66,7 +66,7 @@ class TrainStep {
   bool escalate(int64_t step);
 
   LanguageModel& model_;
-  AdamW& optimizer_;
+  Optimizer& optimizer_;
   MemoryPolicy& policy_;
   StepOptions options_;
 };

@@ -92,7 +92,7 @@ void reset_peak(const c10::Device& device) {
 // What held the memory when a step did not fit even at the floor: the fixed part (weights, gradients, optimizer
 // state), the rest of the run's peak (activations and workspace), and the allocator's own counters.
 std::string memory_report(const Config& config, const c10::Device& device, Module& model, Module* lora,
-                          const AdamW& optimizer, const MemoryPolicy& policy) {
+                          const Optimizer& optimizer, const MemoryPolicy& policy) {
   const int64_t weights = parameter_bytes(model) + (lora ? parameter_bytes(*lora) : 0);
   const int64_t gradients = parameter_bytes(lora ? *lora : model);  // one per trainable parameter, its dtype
   const int64_t state = optimizer.state_bytes();
@@ -102,7 +102,7 @@ std::string memory_report(const Config& config, const c10::Device& device, Modul
   std::string out = "memory report:";
   out += line("weights", static_cast<double>(weights));
   out += line("gradients (during backward)", static_cast<double>(gradients));
-  out += line("optimizer state (AdamW)", static_cast<double>(state));
+  out += line(fmt::format("optimizer state ({})", optimizer.name()).c_str(), static_cast<double>(state));
   out += line("peak of the run", static_cast<double>(now.peak));
   out += line("activations + workspace at it", static_cast<double>(std::max<int64_t>(0, now.peak - fixed)));
   out += line("in use now", static_cast<double>(now.allocated));
@@ -134,7 +134,9 @@ std::string floor_suggestions(const Config& config, const c10::Device& device, b
                   : "shorter sequences: data.max_length (activations grow with length)");
   if (!config.training.activation_checkpointing) s.push_back("training.activation_checkpointing=true from the start");
   if (!config.lora.enabled) s.push_back("lora.enabled=true (no gradients or optimizer state for the base weights)");
-  if (config.optimizer.state_dtype == StateDtype::kFp32)
+  if (config.optimizer.name == OptimizerName::kAdamW)
+    s.push_back("optimizer.name=adafactor (its state is a few bytes per matrix row and column, not 8 per parameter)");
+  if (config.optimizer.name == OptimizerName::kAdamW && config.optimizer.state_dtype == StateDtype::kFp32)
     s.push_back("optimizer.state_dtype=bf16 (halves the AdamW state)");
   if (config.precision.mode == PrecisionMode::kFp32)
     s.push_back("precision.mode=bf16-mixed (bf16 activations) or bf16 (bf16 weights and gradients too)");
@@ -149,7 +151,7 @@ std::string floor_suggestions(const Config& config, const c10::Device& device, b
 
 // The largest micro-batch whose forward and backward at maximum lengths fit and leave memory.auto_safety_margin
 // of the capacity free: doubling, then bisecting between the last fit and the first failure.
-int64_t probe_micro_batch(TrainStep& step, AdamW& optimizer, const Config& config, DataFamily family,
+int64_t probe_micro_batch(TrainStep& step, Optimizer& optimizer, const Config& config, DataFamily family,
                           const c10::Device& device) {
   const int64_t batch_size = config.training.batch_size;
   const int64_t capacity = memory_capacity(config, device);
@@ -303,7 +305,7 @@ void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config&
 // Another checkpoint-N (an earlier run's in the same output_dir) is replaced only once the new one is whole.
 void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, const c10::Device& device,
                       const TrainedWeights& trained,
-                      const AdamW& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
+                      const Optimizer& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
                       int64_t tokens_seen, const Config& config, const nlohmann::json& data_fingerprint) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   if (on_disk && fs::exists(final_dir / "COMPLETE")) {
@@ -487,8 +489,10 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   const int64_t total_steps = config.training.max_steps > 0 ? config.training.max_steps : per_epoch * config.training.epochs;
 
   // Only trainable parameters get state: with LoRA, the adapters (the frozen base has no gradients).
-  std::unique_ptr<AdamW> optimizer = fixed_part("the AdamW state (two moments per trainable parameter)", [&] {
-    return std::make_unique<AdamW>(lora ? static_cast<Module&>(*lora) : *model, config.optimizer);
+  const std::string state_name = "the optimizer state (" + std::string(enum_name(config.optimizer.name)) + ")";
+  std::unique_ptr<Optimizer> optimizer = fixed_part(state_name.c_str(), [&] {
+    return make_optimizer(lora ? static_cast<Module&>(*lora) : *model, config.optimizer,
+                          static_cast<uint64_t>(config.training.seed));
   });
   MemoryPolicy policy(config.memory, config.training);
   StepOptions options;

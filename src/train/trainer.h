@@ -22,7 +22,7 @@ int train(const Config& config, const ResolvedDevice& device, const TrainOptions
 
 // The largest micro-batch whose forward and backward at maximum lengths fit and leave memory.auto_safety_margin
 // of the capacity (memory.limit, or the device's total) free; 0 when not even one fits.
-int64_t probe_micro_batch(TrainStep& step, AdamW& optimizer, const Config& config, DataFamily family,
+int64_t probe_micro_batch(TrainStep& step, Optimizer& optimizer, const Config& config, DataFamily family,
                           const c10::Device& device);
 
 struct EvalResult {

@@ -24,6 +24,11 @@
 //       seconds of every step of each side as JSON (scripts/bench/dropout.py). LORA_DROPOUT > 0: LoRA r=8 on the
 //       attention projections with that dropout, the base frozen.
 //
+//   trainer_parity optimizer IN.safetensors OUT.safetensors OPTIMIZER_JSON
+//       our optimizer (optimizer.* keys of the JSON, e.g. {"name": "adafactor", "weight_decay": 0.1}, plus
+//       "lrs": one learning rate per step) over the tensors param.<name> of IN, stepping with the gradients
+//       grad.<step>.<name>; OUT holds param.<name> after the steps and state.<tensor> of the optimizer state
+//
 // BATCH holds input_ids, attention_mask, labels (int64) and optionally decoder_attention_mask.
 #include <chrono>
 #include <cstdlib>
@@ -210,6 +215,61 @@ int dropout_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, 
   }
   set_dropout_source(DropoutSource::kKeyed);
   std::cout << nlohmann::json{{"keyed", keyed}, {"generator", generator}}.dump() << "\n";
+}
+
+// Free-standing tensors as a module's parameters (what the optimizer parity test steps).
+class TensorBag : public trainer::Module {
+ public:
+  explicit TensorBag(std::size_t capacity) { tensors_.reserve(capacity); }  // slots must not move
+  at::Tensor& add(const std::string& name, at::Tensor t) {
+    tensors_.push_back(std::move(t));
+    register_parameter(name, &tensors_.back());
+    return tensors_.back();
+  }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+};
+
+int optimizer(const std::string& in_path, const std::string& out_path, const std::string& json_text) {
+  const auto spec = nlohmann::json::parse(json_text);
+  trainer::OptimizerConfig config;
+  for (const auto& [key, value] : spec.items()) {
+    if (key == "lrs") continue;
+    if (key == "name") config.name = value == "adafactor" ? trainer::OptimizerName::kAdafactor : trainer::OptimizerName::kAdamW;
+    else if (key == "beta1") config.beta1 = value.get<double>();
+    else if (key == "beta2") config.beta2 = value.get<double>();
+    else if (key == "eps") config.eps = value.get<double>();
+    else if (key == "weight_decay") config.weight_decay = value.get<double>();
+    else if (key == "adafactor_beta1") config.adafactor_beta1 = value.get<bool>();
+    else if (key == "adafactor_eps1") config.adafactor_eps1 = value.get<double>();
+    else if (key == "adafactor_eps2") config.adafactor_eps2 = value.get<double>();
+    else if (key == "clip_threshold") config.clip_threshold = value.get<double>();
+    else if (key == "decay_rate") config.decay_rate = value.get<double>();
+    else if (key == "scale_parameter") config.scale_parameter = value.get<bool>();
+    else if (key == "relative_step") config.relative_step = value.get<bool>();
+    else if (key == "warmup_init") config.warmup_init = value.get<bool>();
+    else throw trainer::UsageError("optimizer JSON: unknown key " + key, "");
+  }
+  config.decay_norms_biases_embeddings = true;  // transformers decays every parameter of the group
+  const auto lrs = spec.at("lrs").get<std::vector<double>>();
+  auto file = trainer::SafetensorsFile::open(in_path);
+  std::vector<std::string> names;
+  for (const auto& t : file.tensors())
+    if (t.name.starts_with("param.")) names.push_back(t.name.substr(6));
+  TensorBag bag(names.size());
+  std::vector<at::Tensor*> params;
+  for (const auto& name : names) params.push_back(&bag.add(name, file.load("param." + name).requires_grad_(true)));
+  auto opt = trainer::make_optimizer(bag, config, 0);
+  for (std::size_t step = 0; step < lrs.size(); ++step) {
+    for (std::size_t i = 0; i < names.size(); ++i)
+      params[i]->mutable_grad() = file.load("grad." + std::to_string(step) + "." + names[i]);
+    opt->step(lrs[step]);
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (std::size_t i = 0; i < names.size(); ++i) out.emplace_back("param." + names[i], params[i]->detach());
+  for (const auto& [name, t] : opt->state_tensors()) out.emplace_back("state." + name, t);
+  trainer::write_safetensors(out_path, out, {});
   return 0;
 }
 
@@ -224,6 +284,7 @@ int main(int argc, char** argv) {
     if (args.size() >= 4 && args[0] == "forward") return forward(args[1], args[2], args[3], args.size() > 4 && args[4] == "bf16");
     if (args.size() == 5 && args[0] == "train-step") return train_step(args[1], args[2], args[3], std::stod(args[4]));
     if (args.size() == 5 && args[0] == "lora-forward") return lora_forward(args[1], args[2], args[3], args[4]);
+    if (args.size() == 4 && args[0] == "optimizer") return optimizer(args[1], args[2], args[3]);
     if (args.size() == 5 && args[0] == "lora-train") return lora_train(args[1], args[2], args[3], args[4]);
   } catch (const trainer::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
@@ -232,6 +293,7 @@ int main(int argc, char** argv) {
   }
   std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR |\n"
                "       activations MODEL_DIR B T L | lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT |\n"
-               "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON | dropout-cost MODEL_DIR B T L ROUNDS LORA_DROPOUT\n";
+               "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON | dropout-cost MODEL_DIR B T L ROUNDS LORA_DROPOUT |\n"
+               "       optimizer IN OUT OPTIMIZER_JSON\n";
   return 2;
 }

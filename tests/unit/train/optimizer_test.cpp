@@ -1,0 +1,240 @@
+// The optimizers on free-standing tensors: bf16 updates that keep their value (stochastic rounding, Kahan
+// compensation) against round-to-nearest, determinism and exact resume, the allocation-free update, and the state
+// size the planner counts. Adafactor's numerics are compared with transformers in tests/parity/test_adafactor.py.
+#include <cmath>
+#include <map>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "memory/cpu_budget.h"
+#include "train/optimizer.h"
+#include "trainer/errors.h"
+
+namespace trainer {
+namespace {
+
+// Tensors as a module's parameters.
+class Bag : public Module {
+ public:
+  Bag(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+    tensors_.reserve(tensors.size());
+    for (const auto& [name, t] : tensors) {
+      tensors_.push_back(t.clone().requires_grad_(true));
+      register_parameter(name, &tensors_.back());
+    }
+  }
+  std::vector<at::Tensor>& tensors() { return tensors_; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+};
+
+std::vector<std::pair<std::string, at::Tensor>> start_tensors(at::ScalarType dtype) {
+  at::manual_seed(11);
+  return {{"layer.weight", (at::randn({64, 48}) * 0.05 + 0.05).to(dtype)},
+          {"layer.bias", (at::randn({48}) * 0.05).to(dtype)},
+          {"block.w", (at::randn({2, 8, 16}) * 0.05).to(dtype)}};
+}
+
+// Gradient number `step` for each tensor, independent of the run: a steady direction (as a loss going down gives)
+// plus as much noise.
+void set_grads(Bag& bag, int64_t step) {
+  at::manual_seed(77);
+  std::vector<at::Tensor> direction;
+  for (auto& t : bag.tensors()) direction.push_back(at::randn(t.sizes()));
+  at::manual_seed(1000 + static_cast<uint64_t>(step));
+  for (std::size_t i = 0; i < direction.size(); ++i) {
+    auto& t = bag.tensors()[i];
+    t.mutable_grad() = (direction[i] + at::randn(t.sizes())).to(t.scalar_type());
+  }
+}
+
+OptimizerConfig adamw(Bf16Update update, StateDtype state = StateDtype::kFp32) {
+  OptimizerConfig c;
+  c.bf16_update = update;
+  c.state_dtype = state;
+  c.weight_decay = 0.01;
+  return c;
+}
+
+OptimizerConfig adafactor(Bf16Update update) {
+  OptimizerConfig c;
+  c.name = OptimizerName::kAdafactor;
+  c.bf16_update = update;
+  c.adafactor_beta1 = true;
+  c.weight_decay = 0.01;
+  return c;
+}
+
+// The distance moved from the start, in fp32, summed over the tensors: |w - w0|.
+double distance(Bag& bag, const std::vector<std::pair<std::string, at::Tensor>>& start) {
+  double d2 = 0;
+  for (std::size_t i = 0; i < start.size(); ++i)
+    d2 += (bag.tensors()[i].detach().to(at::kFloat) - start[i].second.to(at::kFloat)).pow(2).sum().item<double>();
+  return std::sqrt(d2);
+}
+
+double difference(Bag& a, Bag& b) {
+  double d2 = 0;
+  for (std::size_t i = 0; i < a.tensors().size(); ++i)
+    d2 += (a.tensors()[i].detach().to(at::kFloat) - b.tensors()[i].detach().to(at::kFloat)).pow(2).sum().item<double>();
+  return std::sqrt(d2);
+}
+
+void run_steps(Bag& bag, Optimizer& optimizer, int64_t from, int64_t to, double lr) {
+  for (int64_t s = from; s < to; ++s) {
+    set_grads(bag, s);
+    optimizer.step(lr);
+  }
+}
+
+TEST(Bf16Update, StochasticAndKahanFollowFp32WhereNearestLosesTheUpdates) {
+  // lr 1e-4 on weights around 0.05: most updates are below half a bf16 step (~1.2e-4), as in configs/t5xl.json.
+  // Each bf16 run against the fp32 run from the same (bf16-representable) start, relative to how far that moved.
+  const auto start = start_tensors(at::kBFloat16);
+  for (const bool use_adafactor : {false, true}) {
+    SCOPED_TRACE(use_adafactor ? "Adafactor" : "AdamW");
+    const auto config = [&](Bf16Update u) { return use_adafactor ? adafactor(u) : adamw(u); };
+    Bag fp32(start);
+    for (auto& t : fp32.tensors()) t = t.detach().to(at::kFloat).requires_grad_(true);
+    auto reference = make_optimizer(fp32, config(Bf16Update::kStochastic), 5);
+    run_steps(fp32, *reference, 0, 200, 1e-4);
+    const double moved = distance(fp32, start);
+    ASSERT_GT(moved, 0);
+    std::map<Bf16Update, double> error;
+    for (const auto update : {Bf16Update::kStochastic, Bf16Update::kKahan, Bf16Update::kNearest}) {
+      Bag bf16(start);
+      auto optimizer = make_optimizer(bf16, config(update), 5);
+      run_steps(bf16, *optimizer, 0, 200, 1e-4);
+      error[update] = difference(bf16, fp32) / moved;
+    }
+    EXPECT_GT(error[Bf16Update::kNearest], 0.5) << "round to nearest should lose most of the update";
+    EXPECT_LT(error[Bf16Update::kStochastic], 0.25);
+    EXPECT_LT(error[Bf16Update::kKahan], 0.05);
+  }
+}
+
+TEST(Bf16Update, StochasticRoundingIsAFunctionOfSeedStepAndElement) {
+  Bag a(start_tensors(at::kBFloat16)), b(start_tensors(at::kBFloat16)), c(start_tensors(at::kBFloat16));
+  auto oa = make_optimizer(a, adamw(Bf16Update::kStochastic), 5);
+  auto ob = make_optimizer(b, adamw(Bf16Update::kStochastic), 5);
+  auto oc = make_optimizer(c, adamw(Bf16Update::kStochastic), 6);
+  run_steps(a, *oa, 0, 5, 1e-4);
+  run_steps(b, *ob, 0, 5, 1e-4);
+  run_steps(c, *oc, 0, 5, 1e-4);
+  EXPECT_EQ(difference(a, b), 0.0);
+  EXPECT_GT(difference(a, c), 0.0) << "another training.seed draws other rounding";
+}
+
+// Steps 0..10 straight, against 0..4, the state through a checkpoint (as resume reads it: fp32), 4..10.
+void expect_exact_resume(const OptimizerConfig& config, at::ScalarType dtype) {
+  Bag straight(start_tensors(dtype));
+  auto o1 = make_optimizer(straight, config, 9);
+  run_steps(straight, *o1, 0, 10, 1e-3);
+
+  Bag first(start_tensors(dtype));
+  auto o2 = make_optimizer(first, config, 9);
+  run_steps(first, *o2, 0, 4, 1e-3);
+  std::vector<std::pair<std::string, at::Tensor>> saved, weights;
+  for (const auto& [name, t] : o2->state_tensors()) saved.emplace_back(name, t.to(at::kFloat).clone());
+  for (auto& t : first.tensors()) t.mutable_grad() = at::Tensor();
+  for (std::size_t i = 0; i < first.tensors().size(); ++i)
+    weights.emplace_back(start_tensors(dtype)[i].first, first.tensors()[i].detach());
+  Bag resumed(weights);
+  auto o3 = make_optimizer(resumed, config, 9);
+  o3->load_state(saved, o2->steps(), "optimizer.safetensors");
+  run_steps(resumed, *o3, 4, 10, 1e-3);
+  EXPECT_EQ(difference(straight, resumed), 0.0);
+  const auto a = o1->state_tensors(), b = o3->state_tensors();
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+}
+
+TEST(Bf16Update, ResumeIsExact) {
+  {
+    SCOPED_TRACE("AdamW stochastic, bf16 moments");
+    expect_exact_resume(adamw(Bf16Update::kStochastic, StateDtype::kBf16), at::kBFloat16);
+  }
+  {
+    SCOPED_TRACE("AdamW kahan");
+    expect_exact_resume(adamw(Bf16Update::kKahan), at::kBFloat16);
+  }
+  {
+    SCOPED_TRACE("Adafactor kahan");
+    expect_exact_resume(adafactor(Bf16Update::kKahan), at::kBFloat16);
+  }
+  {
+    SCOPED_TRACE("Adafactor fp32");
+    expect_exact_resume(adafactor(Bf16Update::kStochastic), at::kFloat);
+  }
+}
+
+TEST(Bf16Update, KahanCompensationIsSavedAndCountedAtTwoBytesAParameter) {
+  Bag bag(start_tensors(at::kBFloat16));
+  auto stochastic = make_optimizer(bag, adamw(Bf16Update::kStochastic), 1);
+  auto kahan = make_optimizer(bag, adamw(Bf16Update::kKahan), 1);
+  EXPECT_EQ(kahan->state_bytes() - stochastic->state_bytes(), 2 * kahan->trainable_parameters());
+  int64_t compensation = 0;
+  for (const auto& [name, t] : kahan->state_tensors())
+    if (name.starts_with("kahan_compensation.")) {
+      EXPECT_EQ(t.scalar_type(), at::kBFloat16) << name;
+      ++compensation;
+    }
+  EXPECT_EQ(compensation, 3);
+  // fp32 weights need no compensation.
+  Bag fp32(start_tensors(at::kFloat));
+  EXPECT_EQ(make_optimizer(fp32, adamw(Bf16Update::kKahan), 1)->state_bytes(),
+            make_optimizer(fp32, adamw(Bf16Update::kStochastic), 1)->state_bytes());
+}
+
+TEST(Optimizer, StateBytesAreWhatThePlannerCounts) {
+  for (const auto dtype : {at::kFloat, at::kBFloat16})
+    for (const auto& config : {adamw(Bf16Update::kKahan), adamw(Bf16Update::kStochastic, StateDtype::kBf16),
+                               adafactor(Bf16Update::kKahan), adafactor(Bf16Update::kStochastic)}) {
+      Bag bag(start_tensors(dtype));
+      int64_t expected = 0;
+      for (auto& t : bag.tensors()) expected += optimizer_state_bytes(config, t.sizes(), dtype == at::kBFloat16);
+      EXPECT_EQ(make_optimizer(bag, config, 0)->state_bytes(), expected);
+    }
+  // Adafactor without a first moment: rows + columns of each matrix, the vector whole, in fp32.
+  OptimizerConfig factored;
+  factored.name = OptimizerName::kAdafactor;
+  EXPECT_EQ(optimizer_state_bytes(factored, {64, 48}, false), 4 * (64 + 48));
+  EXPECT_EQ(optimizer_state_bytes(factored, {2, 8, 16}, false), 4 * 2 * (8 + 16));
+  EXPECT_EQ(optimizer_state_bytes(factored, {48}, false), 4 * 48);
+}
+
+TEST(Optimizer, TheUpdateAllocatesNothing) {
+  // As AdamW's fp32 update (tests/unit/train/step_test.cpp): bf16 weights with either rounding, and Adafactor.
+  install_cpu_budget();
+  for (const auto& config : {adamw(Bf16Update::kStochastic, StateDtype::kBf16), adamw(Bf16Update::kKahan),
+                             adafactor(Bf16Update::kStochastic), adafactor(Bf16Update::kKahan)}) {
+    Bag bag(start_tensors(at::kBFloat16));
+    auto optimizer = make_optimizer(bag, config, 3);
+    set_grads(bag, 0);
+    set_cpu_budget_limit(cpu_memory_stats().allocated + 1);  // not one more byte
+    EXPECT_NO_THROW(optimizer->step(1e-3)) << optimizer->name();
+    set_cpu_budget_limit(0);
+    EXPECT_EQ(optimizer->steps(), 1);
+  }
+}
+
+TEST(Optimizer, LoadStateNamesTheMissingTensor) {
+  Bag bag(start_tensors(at::kFloat));
+  auto optimizer = make_optimizer(bag, adafactor(Bf16Update::kStochastic), 0);
+  auto state = optimizer->state_tensors();
+  const std::string missing = state[1].first;
+  state.erase(state.begin() + 1);
+  try {
+    optimizer->load_state(state, 3, "ckpt/optimizer.safetensors");
+    FAIL() << "a missing state tensor was accepted";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("ckpt/optimizer.safetensors: no tensor " + missing), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(optimizer->steps(), 0);
+}
+
+}  // namespace
+}  // namespace trainer
