@@ -30,7 +30,7 @@ OutOfMemoryAtFloor fixed_memory_error(const Config& config, const c10::Device& d
     message += "\nwhat the run needs before its first example (as `trainer plan` counts it):";
     message += line("weights", plan.weights);
     message += line("gradients (during backward)", plan.gradients);
-    message += line("optimizer state (AdamW)", plan.optimizer_state);
+    message += line("optimizer state (" + std::string(enum_name(config.optimizer.name)) + ")", plan.optimizer_state);
     message += line("together", fixed);
     if (capacity > 0) message += line(limited ? "memory.limit" : device.str() + " total", capacity);
     message += fmt::format("\n  {:<30}{} parameters, {} of them trained", "model", plan.parameters,
@@ -50,7 +50,10 @@ OutOfMemoryAtFloor fixed_memory_error(const Config& config, const c10::Device& d
   else if (!config.lora.base_in_bf16 && config.precision.mode != PrecisionMode::kBf16)
     s.push_back("lora.base_in_bf16=true (halves the frozen base)");
   if (config.precision.mode != PrecisionMode::kBf16) s.push_back("precision.mode=bf16 (bf16 weights and gradients)");
-  if (config.optimizer.state_dtype == StateDtype::kFp32) s.push_back("optimizer.state_dtype=bf16 (halves the AdamW state)");
+  if (config.optimizer.name == OptimizerName::kAdamW) {
+    s.push_back("optimizer.name=adafactor (a few bytes per matrix row and column instead of 8 per parameter)");
+    if (config.optimizer.state_dtype == StateDtype::kFp32) s.push_back("optimizer.state_dtype=bf16 (halves the AdamW state)");
+  }
   std::string hint;
   for (const auto& item : s) hint += (hint.empty() ? "" : "; ") + item;
   return OutOfMemoryAtFloor(message, hint);
