@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <set>
@@ -131,6 +132,7 @@ std::string file_summary(const nlohmann::json& file) {
 }  // namespace
 
 nlohmann::json data_fingerprint(const Config& config, const Tokenizer& tokenizer) {
+  const auto start = std::chrono::steady_clock::now();
   nlohmann::json files = nlohmann::json::array();
   std::uint64_t train_records = 0;
   if (!config.data.train_files.empty()) {
@@ -146,6 +148,7 @@ nlohmann::json data_fingerprint(const Config& config, const Tokenizer& tokenizer
                        {"records", index.records}});
     train_records = dataset->size();
   }
+  const auto indexed = std::chrono::steady_clock::now();
   // The tokenizer file and the settings beside it (special tokens, add_eos) that decide the ids.
   nlohmann::json tokenizer_files = nlohmann::json::array();
   fs::path source(tokenizer.source());
@@ -157,6 +160,10 @@ nlohmann::json data_fingerprint(const Config& config, const Tokenizer& tokenizer
                                {"size", fs::file_size(path)},
                                {"fnv1a64", fnv1a64_of_file(path.string())}});
   }
+  const auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+  spdlog::debug("data fingerprint: {} train file(s), {} records ({:.1f} ms); {} tokenizer file(s) hashed ({:.1f} ms)",
+                files.size(), train_records, ms(start, indexed), tokenizer_files.size(),
+                ms(indexed, std::chrono::steady_clock::now()));
   return {{"train_files", files}, {"train_records", train_records}, {"tokenizer_files", tokenizer_files}};
 }
 
