@@ -50,7 +50,8 @@ std::string MemoryPolicy::next_escalation(int64_t step) {
     if (candidate == "smaller_loss_chunks" && loss_chunk_size_ > kMinLossChunkSize) {
       // Halving the chunk changes no result (each token's loss and gradient are the same in any chunk).
       const int64_t smaller = std::max(kMinLossChunkSize, loss_chunk_size_ / 2);
-      if (std::find(escalated_.begin(), escalated_.end(), candidate) == escalated_.end()) escalated_.push_back(candidate);
+      if (std::find(escalated_.begin(), escalated_.end(), candidate) == escalated_.end())
+        escalated_.push_back(candidate);
       adaptations_.push_back({step, micro_batch_, micro_batch_,
                               "escalate: loss_chunk_size " + std::to_string(loss_chunk_size_) + " -> " +
                                   std::to_string(smaller)});

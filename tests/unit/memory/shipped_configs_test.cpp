@@ -83,7 +83,8 @@ TEST(ShippedConfigs, EveryGpuConfigFitsItsCardByThePlan) {
     std::ostringstream out;
     print_plan(plan, config, out);
     SCOPED_TRACE(out.str());
-    const int64_t micro = plan.largest_micro_batch(config.training.activation_checkpointing, config.training.chunked_loss);
+    const int64_t micro =
+        plan.largest_micro_batch(config.training.activation_checkpointing, config.training.chunked_loss);
     EXPECT_GE(micro, 1);
     EXPECT_NE(out.str().find("recommendation: micro_batch_size "), std::string::npos);
     ++checked;
