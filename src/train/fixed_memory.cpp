@@ -30,7 +30,9 @@ OutOfMemoryAtFloor fixed_memory_error(const Config& config, const c10::Device& d
     message += "\nwhat the run needs before its first example (as `trainer plan` counts it):";
     message += line("weights", plan.weights);
     message += line("gradients (during backward)", plan.gradients);
-    message += line("optimizer state (" + std::string(enum_name(config.optimizer.name)) + ")", plan.optimizer_state);
+    message += line(config.optimizer.name == OptimizerName::kAdafactor ? "optimizer state (Adafactor)"
+                                                                       : "optimizer state (AdamW)",
+                    plan.optimizer_state);
     message += line("together", fixed);
     if (capacity > 0) message += line(limited ? "memory.limit" : device.str() + " total", capacity);
     message += fmt::format("\n  {:<30}{} parameters, {} of them trained", "model", plan.parameters,

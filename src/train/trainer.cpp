@@ -489,8 +489,10 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   const int64_t total_steps = config.training.max_steps > 0 ? config.training.max_steps : per_epoch * config.training.epochs;
 
   // Only trainable parameters get state: with LoRA, the adapters (the frozen base has no gradients).
-  const std::string state_name = "the optimizer state (" + std::string(enum_name(config.optimizer.name)) + ")";
-  std::unique_ptr<Optimizer> optimizer = fixed_part(state_name.c_str(), [&] {
+  const char* state_name = config.optimizer.name == OptimizerName::kAdafactor
+                               ? "the Adafactor state (row and column statistics)"
+                               : "the AdamW state (two moments per trainable parameter)";
+  std::unique_ptr<Optimizer> optimizer = fixed_part(state_name, [&] {
     return make_optimizer(lora ? static_cast<Module&>(*lora) : *model, config.optimizer,
                           static_cast<uint64_t>(config.training.seed));
   });
