@@ -96,7 +96,7 @@ def transformers_trainer(settings, steps, out_dir):
         learning_rate=float(values["optimizer.lr"]), lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.01, max_grad_norm=1.0, optim="adafactor" if values.get("optimizer.name") == "adafactor"
         else "adamw_torch", bf16=values.get("precision.mode", "fp32") != "fp32", use_cpu=True, seed=1,
-        report_to=[], save_strategy="no", logging_strategy="no", eval_strategy="no", dataloader_num_workers=0)
+        report_to=[], disable_tqdm=True, save_strategy="no", logging_strategy="no", eval_strategy="no", dataloader_num_workers=0)
     trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=load("data/demo/recipes-seq2seq.jsonl"),
                              eval_dataset=load("data/demo/recipes-seq2seq-val.jsonl"),
                              data_collator=DataCollatorForSeq2Seq(tokenizer, model=model))
@@ -107,7 +107,8 @@ def transformers_trainer(settings, steps, out_dir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--hf", action="store_true", help="also run transformers' Seq2SeqTrainer (T5 rows)")
+    parser.add_argument("--hf", action="store_true",
+                        help="also run transformers' Seq2SeqTrainer (the rows of the T5 configs)")
     parser.add_argument("--only", help="rows whose config name or setting contains this")
     options = parser.parse_args()
 
@@ -121,15 +122,15 @@ def main():
                 continue
             log(f"{name or '  '}: {what}")
             loss = ours(config, settings, options.steps, os.path.join(tmp, f"ours-{i}"))
-            reference = tuple(fp32_of(settings))
+            reference = (config,) + tuple(fp32_of(settings))
             if reference not in fp32_cache:
-                fp32_cache[reference] = ours(config, list(reference), options.steps, os.path.join(tmp, f"fp32-{i}"))
+                fp32_cache[reference] = ours(config, list(reference[1:]), options.steps, os.path.join(tmp, f"fp32-{i}"))
             fp32 = fp32_cache[reference]
             lr = next(s for s in settings if s.startswith("optimizer.lr=")).split("=")[1]
             row = (f"| {name} | {what} ({os.path.basename(config).replace('.json', '')}, lr {lr}) | {loss:.3f} | "
                    f"{fp32:.3f} | {100 * (loss - fp32) / fp32:+.1f}% |")
             if options.hf:
-                if config == T5 and "lora.enabled=true" not in settings:
+                if config == T5 and name:  # each T5 config's own row (and the old t5xl setting)
                     theirs = transformers_trainer(settings, options.steps, os.path.join(tmp, f"hf-{i}"))
                     row += f" {theirs:.3f} | {100 * (loss - theirs) / theirs:+.1f}% |"
                 else:
