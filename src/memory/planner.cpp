@@ -374,6 +374,69 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
   out << "micro_batch_size=auto measures the same on the device at the start of training.\n";
 }
 
+void print_optimizer_choices(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
+                             double capacity, const std::string& source, std::ostream& out) {
+  struct Choice {
+    const char* label;
+    PrecisionMode mode;
+    OptimizerName name;
+    StateDtype state;
+    Bf16Update update;
+  };
+  // Least loss of precision first: fp32 master weights (fp32, bf16-mixed), then bf16 weights with Kahan
+  // compensation, then with stochastic rounding; within each, the optimizer state from exact to small.
+  const Choice choices[] = {
+      {"fp32, AdamW", PrecisionMode::kFp32, OptimizerName::kAdamW, StateDtype::kFp32, Bf16Update::kStochastic},
+      {"fp32, Adafactor", PrecisionMode::kFp32, OptimizerName::kAdafactor, StateDtype::kFp32, Bf16Update::kStochastic},
+      {"bf16-mixed, AdamW", PrecisionMode::kBf16Mixed, OptimizerName::kAdamW, StateDtype::kFp32, Bf16Update::kStochastic},
+      {"bf16-mixed, AdamW bf16 moments", PrecisionMode::kBf16Mixed, OptimizerName::kAdamW, StateDtype::kBf16,
+       Bf16Update::kStochastic},
+      {"bf16-mixed, Adafactor", PrecisionMode::kBf16Mixed, OptimizerName::kAdafactor, StateDtype::kFp32,
+       Bf16Update::kStochastic},
+      {"bf16 + kahan, AdamW", PrecisionMode::kBf16, OptimizerName::kAdamW, StateDtype::kFp32, Bf16Update::kKahan},
+      {"bf16 + kahan, AdamW bf16 moments", PrecisionMode::kBf16, OptimizerName::kAdamW, StateDtype::kBf16,
+       Bf16Update::kKahan},
+      {"bf16 + kahan, Adafactor", PrecisionMode::kBf16, OptimizerName::kAdafactor, StateDtype::kFp32, Bf16Update::kKahan},
+      {"bf16 + stochastic, AdamW", PrecisionMode::kBf16, OptimizerName::kAdamW, StateDtype::kFp32,
+       Bf16Update::kStochastic},
+      {"bf16 + stochastic, AdamW bf16 moments", PrecisionMode::kBf16, OptimizerName::kAdamW, StateDtype::kBf16,
+       Bf16Update::kStochastic},
+      {"bf16 + stochastic, Adafactor", PrecisionMode::kBf16, OptimizerName::kAdafactor, StateDtype::kFp32,
+       Bf16Update::kStochastic},
+  };
+  out << "\nprecision and optimizer choices (weights + gradients + optimizer state + workspace; the largest "
+         "micro-batch with activation checkpointing and chunked loss):\n";
+  const Choice* recommended = nullptr;
+  for (const auto& c : choices) {
+    Config alternative = config;
+    alternative.precision.mode = c.mode;
+    alternative.optimizer.name = c.name;
+    alternative.optimizer.state_dtype = c.state;
+    alternative.optimizer.bf16_update = c.update;
+    const auto plan = plan_memory(alternative, hf_config, device, capacity, source);
+    const double fixed = plan.weights + plan.gradients + plan.optimizer_state + plan.workspace;
+    const int64_t micro = plan.largest_micro_batch(true, true);
+    const bool current = c.mode == config.precision.mode && c.name == config.optimizer.name &&
+                         (c.name == OptimizerName::kAdafactor || c.state == config.optimizer.state_dtype) &&
+                         (c.mode != PrecisionMode::kBf16 || c.update == config.optimizer.bf16_update);
+    out << "  " << std::left << std::setw(40) << c.label << std::right << std::setw(12) << human_bytes(fixed) << "  "
+        << (capacity <= 0 ? std::string("capacity unknown") : micro > 0 ? "micro-batch " + std::to_string(micro)
+                                                                          : std::string("does not fit"))
+        << (current ? "  (this config)" : "") << "\n";
+    if (!recommended && (capacity <= 0 || micro > 0)) recommended = &c;
+  }
+  if (recommended && capacity > 0)
+    out << "  the least loss of precision that fits: " << recommended->label << " (precision.mode="
+        << enum_name(recommended->mode) << ", optimizer.name=" << enum_name(recommended->name)
+        << (recommended->name == OptimizerName::kAdamW ? std::string(", optimizer.state_dtype=") +
+                                                             enum_name(recommended->state)
+                                                       : std::string())
+        << (recommended->mode == PrecisionMode::kBf16 ? std::string(", optimizer.bf16_update=") +
+                                                            enum_name(recommended->update)
+                                                      : std::string())
+        << ")\n";
+}
+
 int run_plan(const Config& config, std::ostream& out) {
   DeviceConfig device_config = config.device;
   device_config.wait_for_device = false;
@@ -397,6 +460,7 @@ int run_plan(const Config& config, std::ostream& out) {
   const auto plan = plan_memory(config, hf_config, resolved.device, capacity, source);
   out << "model " << config.model.path << " on " << resolved.description << "\n";
   print_plan(plan, config, out);
+  print_optimizer_choices(config, hf_config, resolved.device, capacity, source, out);
   return kExitOk;
 }
 

@@ -60,6 +60,12 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
 // The budget table and the recommendation, as `trainer plan` prints them.
 void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out);
 
+// The precision and optimizer choices (fp32 / bf16-mixed / bf16 with Kahan or stochastic updates; AdamW with fp32 or
+// bf16 moments, Adafactor) with their fixed memory and the largest micro-batch each allows, least loss of precision
+// first, and the first that fits, as `trainer plan` prints them after the plan.
+void print_optimizer_choices(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
+                             double capacity, const std::string& capacity_source, std::ostream& out);
+
 // `trainer plan --config FILE`: resolves the device (without waiting), reads model.path/config.json, prints.
 int run_plan(const Config& config, std::ostream& out);
 

@@ -71,3 +71,23 @@ def test_adafactor_matches_transformers(option, tmp_path, parity_tool):
     names = {k for k in ours if k.startswith("state.")}
     assert len(names) == sum(2 if len(s) >= 2 else 1 for s in SHAPES.values()) + (
         len(SHAPES) if "exp_avg" in optimizer.state[theirs["w"]] else 0)
+
+
+def test_resume_through_the_binary_is_exact_with_bf16_adafactor_and_kahan(run_trainer, tmp_path):
+    """configs/t5xl.json's optimizer setting on the tiny T5: 10 steps straight, and 5 + a resume from checkpoint-5,
+    give byte-identical weights and optimizer state (Adafactor statistics, Kahan compensation) at step 10."""
+    common = ["--config", "configs/tiny-t5.json"]
+    for s in ["precision.mode=bf16", "optimizer.name=adafactor", "optimizer.bf16_update=kahan", "optimizer.lr=1e-4",
+              "training.max_steps=10", "training.micro_batch_size=8", "evaluation.every_steps=0",
+              "evaluation.sample_prompts=[]", "checkpoint.every_steps=5", "checkpoint.save_final=false",
+              "logging.progress=off"]:
+        common += ["--set", s]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_trainer(*common, "--set", f"checkpoint.output_dir={straight}")
+    run_trainer(*common, "--set", f"checkpoint.output_dir={resumed}", "--resume-from", straight / "checkpoint-5")
+    for name in ["model.safetensors", "optimizer.safetensors"]:
+        assert (straight / "checkpoint-10" / name).read_bytes() == (resumed / "checkpoint-10" / name).read_bytes(), name
+    state = load_file(straight / "checkpoint-10" / "optimizer.safetensors")
+    assert any(k.startswith("kahan_compensation.") and v.dtype == torch.bfloat16 for k, v in state.items())
+    assert any(k.startswith("exp_avg_sq_row.") for k in state)
+    assert any(k.startswith("kahan_compensation.") and v.abs().max() > 0 for k, v in state.items())

@@ -4,7 +4,8 @@ configs/tiny-t5.json at configs/t5xl.json's learning rate (1e-4), constant sched
 same data, each setting's validation loss must be within a few percent of the fp32 run's. Rounding fp32 updates to
 nearest into bf16 weights (optimizer.bf16_update=nearest, the old behaviour) loses most of them at this learning
 rate; the test checks that it fails the same bound, so the bound can tell a setting that learns from one that
-does not. scripts/bench/learning_parity.py prints the longer table in the README.
+does not. scripts/bench/learning_parity.py prints the longer table in the README (Kahan with AdamW, bf16 moments,
+LoRA); six runs of 80 steps here, about a minute on an idle 2-core machine.
 """
 import json
 
@@ -21,10 +22,9 @@ COMMON = ["--config", "configs/tiny-t5.json", "--set", "optimizer.lr=1e-4", "--s
 # setting -> (its --set overrides, the fp32 run it is compared with: the same optimizer in fp32)
 SETTINGS = {
     "bf16 (default: stochastic rounding)": ["precision.mode=bf16"],
-    "bf16, kahan": ["precision.mode=bf16", "optimizer.bf16_update=kahan"],
-    "bf16, bf16 moments": ["precision.mode=bf16", "optimizer.state_dtype=bf16"],
+    "bf16, adafactor, kahan (configs/t5xl.json)": ["precision.mode=bf16", "optimizer.name=adafactor",
+                                                   "optimizer.bf16_update=kahan"],
     "bf16-mixed (configs/qwen2.5-7b-lora.json)": ["precision.mode=bf16-mixed"],
-    "bf16, adafactor (configs/t5xl.json)": ["precision.mode=bf16", "optimizer.name=adafactor"],
 }
 FP32_KEYS = ("optimizer.name=",)
 

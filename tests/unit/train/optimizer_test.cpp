@@ -236,5 +236,32 @@ TEST(Optimizer, LoadStateNamesTheMissingTensor) {
   EXPECT_EQ(optimizer->steps(), 0);
 }
 
+TEST(OptimizerConfig, AdafactorAndRoundingKeysAreValidated) {
+  const char* minimal = R"({"model": {"path": "m"}, "data": {"train_files": ["d.jsonl"]}})";
+  const auto problems = [&](const std::vector<std::string>& overrides) {
+    try {
+      parse_config(minimal, "test.json", overrides);
+    } catch (const ConfigError& e) {
+      std::string where;
+      for (const auto& p : e.problems()) where += p.where + ";";
+      return where;
+    }
+    return std::string();
+  };
+  EXPECT_EQ(problems({"optimizer.name=adafactor", "optimizer.bf16_update=kahan", "optimizer.relative_step=true",
+                      "optimizer.warmup_init=true"}),
+            "");
+  EXPECT_NE(problems({"optimizer.bf16_update=round"}).find("optimizer.bf16_update"), std::string::npos);
+  EXPECT_NE(problems({"optimizer.name=adafactor", "optimizer.warmup_init=true"}).find("optimizer.warmup_init"),
+            std::string::npos);
+  EXPECT_NE(problems({"optimizer.relative_step=true"}).find("optimizer.name"), std::string::npos)
+      << "relative_step is Adafactor's";
+  EXPECT_NE(problems({"optimizer.name=adafactor", "optimizer.decay_rate=0.8"}).find("optimizer.decay_rate"),
+            std::string::npos);
+  const Config config = parse_config(minimal, "test.json");
+  EXPECT_EQ(config.optimizer.bf16_update, Bf16Update::kStochastic);
+  EXPECT_FALSE(config.optimizer.scale_parameter);  // as transformers' Trainer passes for optim="adafactor"
+}
+
 }  // namespace
 }  // namespace trainer
