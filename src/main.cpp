@@ -1,4 +1,5 @@
 // trainer's entry point: run the command line, turn every error into one clear message and an exit code.
+#include <cstdio>
 #include <exception>
 #include <iostream>
 
@@ -14,6 +15,9 @@ int main(int argc, char** argv) {
   // Before any tensor exists, so that the CPU memory budget (memory.limit) sees every allocation.
   trainer::install_cpu_budget();
   // Logs and progress go to stderr; stdout carries what a command produces (tables, ids, the resolved config).
+  // stdout is written line by line even into a file or pipe (stderr is unbuffered), so with both redirected to one
+  // file (docker logs, CI, nohup) the lines keep their order and none is cut by another.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   spdlog::set_default_logger(trainer::make_console_logger());
   try {
     return trainer::run_cli(argc, argv, std::cout, std::cerr);

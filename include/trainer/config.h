@@ -472,7 +472,10 @@ std::vector<ConfigProblem> validate(const Config& config);
 // The config as JSON text in file order; parse_config(config_to_json(c)) == c.
 std::string config_to_json(const Config& config, int indent = 2);
 
-// The resolved configuration as a two- or three-column table; non-default values show the default beside them.
-std::string format_config_table(const Config& config);
+// The keys whose resolved value differs from the default, as a table: key, value, default, and where the value
+// came from (`--set` when one of `overrides` set it, else `source`, the config file). `--print-config` prints
+// every key.
+std::string format_config_table(const Config& config, const std::string& source = "",
+                                const std::vector<std::string>& overrides = {});
 
 }  // namespace trainer

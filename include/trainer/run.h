@@ -3,6 +3,7 @@
 
 #include <iosfwd>
 #include <string>
+#include <vector>
 
 #include "trainer/config.h"
 
@@ -13,6 +14,8 @@ struct TrainOptions {
   bool resume = false;   // continue from the newest complete checkpoint in checkpoint.output_dir
   std::string resume_from;  // or from this checkpoint directory
   bool merge = false;       // LoRA: also write output_dir/final-merged, the base with the adapters merged
+  std::string config_file;             // where the config came from, and its --set overrides: the start-up
+  std::vector<std::string> overrides;  // table says which of them gave each changed value
 };
 
 // Runs the train command on a validated config; returns the process exit code. Throws trainer::Error.

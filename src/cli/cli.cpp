@@ -243,6 +243,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       return kExitOk;
     }
     configure_logging(config.logging);
+    train_options.config_file = config_path;
+    train_options.overrides = overrides;
     return run_train(config, train_options, out);
   }
   if (data_cmd->parsed()) {

@@ -441,7 +441,8 @@ std::string config_to_json(const Config& config, int indent) {
   return root.dump(indent);
 }
 
-std::string format_config_table(const Config& config) {
+std::string format_config_table(const Config& config, const std::string& source,
+                                const std::vector<std::string>& overrides) {
   const ordered_json current = ordered_json::parse(config_to_json(config));
   const ordered_json defaults = ordered_json::parse(config_to_json(Config{}));
   // Long values (prompt lists) are shortened in the table; the JSON saved with checkpoints has them whole.
@@ -450,30 +451,43 @@ std::string format_config_table(const Config& config) {
     if (text.size() > 60) text = text.substr(0, 57) + "...";
     return text;
   };
-
-  std::size_t key_width = 3, value_width = 5;
-  for (const auto& key : schema().keys) {
-    const auto dot = key.path.find('.');
-    const auto& v = current[key.path.substr(0, dot)][key.path.substr(dot + 1)];
-    key_width = std::max(key_width, key.path.size());
-    value_width = std::max(value_width, show(v).size());
-  }
-  std::ostringstream out;
-  auto pad = [](std::string s, std::size_t width) {
-    if (s.size() < width) s.append(width - s.size(), ' ');
-    return s;
+  // Where a changed value came from: the last --set of its key, else the file (which may also derive it).
+  auto origin = [&](const std::string& path) {
+    for (auto it = overrides.rbegin(); it != overrides.rend(); ++it)
+      if (it->starts_with(path + "=")) return std::string("--set");
+    return source.empty() ? std::string("the file") : source;
   };
-  out << pad("key", key_width) << "  " << pad("value", value_width) << "  default (where changed)\n";
-  out << std::string(key_width, '-') << "  " << std::string(value_width, '-') << "  "
-      << std::string(23, '-') << "\n";
+  struct Row {
+    std::string key, value, default_value, from;
+  };
+  std::vector<Row> rows;
   for (const auto& key : schema().keys) {
     const auto dot = key.path.find('.');
     const auto section = key.path.substr(0, dot), name = key.path.substr(dot + 1);
     const auto& v = current[section][name];
     const auto& d = defaults[section][name];
-    out << pad(key.path, key_width) << "  " << (v == d ? show(v) : pad(show(v), value_width) + "  " + show(d));
-    out << "\n";
+    if (v != d) rows.push_back({key.path, show(v), show(d), origin(key.path)});
   }
+  if (rows.empty()) return "(every key at its default)\n";
+  Row widths{"key", "value", "default", "from"};
+  std::size_t w[3] = {widths.key.size(), widths.value.size(), widths.default_value.size()};
+  for (const auto& r : rows) {
+    w[0] = std::max(w[0], r.key.size());
+    w[1] = std::max(w[1], r.value.size());
+    w[2] = std::max(w[2], r.default_value.size());
+  }
+  auto pad = [](std::string s, std::size_t width) {
+    if (s.size() < width) s.append(width - s.size(), ' ');
+    return s;
+  };
+  std::ostringstream out;
+  auto line = [&](const Row& r) {
+    out << pad(r.key, w[0]) << "  " << pad(r.value, w[1]) << "  " << pad(r.default_value, w[2]) << "  " << r.from
+        << "\n";
+  };
+  line(widths);
+  line({std::string(w[0], '-'), std::string(w[1], '-'), std::string(w[2], '-'), "----"});
+  for (const auto& r : rows) line(r);
   return out.str();
 }
 

@@ -34,7 +34,8 @@ std::string export_allocator_conf(const MemoryConfig& memory) {
 
 int run_train(const Config& config, const TrainOptions& options, std::ostream& out) {
   out << "trainer " << kVersion << " (LibTorch " << kTorchBuildVersion << ")\n\n";
-  out << "Resolved configuration:\n" << format_config_table(config) << "\n";
+  out << "Resolved configuration (the keys that differ from their defaults; --print-config shows every key):\n"
+      << format_config_table(config, options.config_file, options.overrides) << "\n";
 
   const std::string allocator_conf = export_allocator_conf(config.memory);
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);

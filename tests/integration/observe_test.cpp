@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -152,6 +153,28 @@ TEST(IntegrationObserve, ProgressLineLogLinesAndTheLogFile) {
   auto bad = run_trainer(short_run(dir.path() / "bad", {"--set", "logging.log_file=/proc/no/such/dir/run.log"}));
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_TRUE(contains(bad.err, "logging.log_file")) << bad.err;
+}
+
+// Both streams into one file (docker logs, CI, nohup): every line whole and in the order it happened: the
+// start-up table and the plan before the micro-batch probe's log lines, the summary at the end.
+TEST(IntegrationObserve, OneFileForBothStreamsKeepsTheLinesInOrder) {
+  TempDir dir;
+  auto run = run_trainer(short_run(dir.path() / "run", {"--set", "training.micro_batch_size=auto"}), "", true);
+  ASSERT_EQ(run.exit_code, 0) << run.out;
+  const auto at = [&](const std::string& text) { return run.out.find(text); };
+  const auto table = at("Resolved configuration"), plan = at("Plan:"), probe = at("micro_batch_size=auto: 1 ");
+  ASSERT_NE(table, std::string::npos) << run.out;
+  ASSERT_NE(probe, std::string::npos) << run.out;
+  EXPECT_LT(table, plan);
+  EXPECT_LT(plan, probe) << run.out;
+  EXPECT_LT(at("step 5/6 loss "), at("Done: 6 steps")) << run.out;
+  // The table's rows are whole: between its header and the plan, every line is a row (key, value, default, from).
+  std::istringstream lines(run.out.substr(table, plan - table));
+  std::string line;
+  std::getline(lines, line);
+  while (std::getline(lines, line))
+    if (!line.empty()) EXPECT_FALSE(contains(line, "[info]") || contains(line, "[warn")) << "a log line in the table: " << line;
+  EXPECT_TRUE(contains(run.out.substr(table, plan - table), "training.max_steps")) << "a changed key is listed";
 }
 
 TEST(IntegrationObserve, SummaryAndKeepBestAcrossResume) {

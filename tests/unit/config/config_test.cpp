@@ -1,5 +1,6 @@
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -279,20 +280,26 @@ TEST(ConfigOverrides, BadOverridesNameTheFlag) {
                        "at least 1"));
 }
 
-TEST(ConfigTable, ShowsEveryKeyAndMarksChangedDefaults) {
-  const Config c = parse_config(kMinimal, "test.json", {"training.batch_size=64"});
-  const std::string table = format_config_table(c);
-  for (const auto& key : config_keys()) EXPECT_TRUE(contains(table, key.path)) << key.path;
+TEST(ConfigTable, ShowsTheChangedKeysWithTheirDefaultAndOrigin) {
+  const std::vector<std::string> overrides = {"training.batch_size=64", "optimizer.lr=0.5"};
+  const Config c = parse_config(kMinimal, "test.json", overrides);
+  const std::string table = format_config_table(c, "test.json", overrides);
+  std::map<std::string, std::string> rows;  // key -> its whole line
   std::istringstream lines(table);
   std::string line;
-  bool found = false;
-  while (std::getline(lines, line)) {
-    if (!line.starts_with("training.batch_size ")) continue;
-    found = true;
-    EXPECT_TRUE(contains(line, "64"));
-    EXPECT_TRUE(contains(line, "32")) << "the default is shown beside a changed value: " << line;
-  }
-  EXPECT_TRUE(found);
+  while (std::getline(lines, line)) rows[line.substr(0, line.find(' '))] = line;
+  ASSERT_TRUE(rows.contains("training.batch_size")) << table;
+  EXPECT_TRUE(contains(rows["training.batch_size"], "64"));
+  EXPECT_TRUE(contains(rows["training.batch_size"], "32")) << "the default beside the value";
+  EXPECT_TRUE(rows["training.batch_size"].ends_with("--set"));
+  EXPECT_TRUE(rows["optimizer.lr"].ends_with("--set"));
+  ASSERT_TRUE(rows.contains("model.path")) << table;
+  EXPECT_TRUE(rows["model.path"].ends_with("test.json")) << "from the file";
+  // Keys at their default are left out: they are what --print-config and --help-config are for.
+  for (const auto& key : config_keys())
+    if (!rows.contains(key.path)) EXPECT_FALSE(contains(table, key.path + " ")) << key.path;
+  EXPECT_FALSE(rows.contains("memory.shrink_factor")) << table;
+  EXPECT_EQ(format_config_table(Config{}), "(every key at its default)\n");
 }
 
 TEST(ConfigKeys, EveryKeyIsDocumentedInTheReadme) {
