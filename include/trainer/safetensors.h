@@ -75,4 +75,8 @@ class SafetensorsFile {
 void write_safetensors(const std::string& path, const NamedTensors& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
+// Writes `text` to `path` as write_safetensors writes: to path.tmp, synced, renamed into place. Throws DataError
+// naming the file and the system's reason (a full disk among them); on failure the old file, if any, is intact.
+void write_text_file(const std::string& path, const std::string& text);
+
 }  // namespace trainer

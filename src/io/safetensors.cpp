@@ -460,4 +460,10 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
   file.commit(path);
 }
 
+void write_text_file(const std::string& path, const std::string& text) {
+  TempFile file(path + ".tmp");
+  write_all(file.fd(), text.data(), text.size(), path);
+  file.commit(path);
+}
+
 }  // namespace trainer

@@ -82,7 +82,7 @@ void save_model(LanguageModel& model, const std::string& dir, uint64_t max_shard
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) { tensors.emplace_back(name, p.detach()); });
   save_state_dict(dir, tensors, max_shard_bytes);
-  std::ofstream(fs::path(dir) / "config.json") << model.hf_config().dump(2) << "\n";
+  write_text_file((fs::path(dir) / "config.json").string(), model.hf_config().dump(2) + "\n");
 }
 
 }  // namespace trainer

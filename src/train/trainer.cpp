@@ -295,6 +295,12 @@ void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config&
   }
 }
 
+void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::Device& device,
+                            const TrainedWeights& trained, const Optimizer& optimizer,
+                            const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
+                            const Config& config, const nlohmann::json& data_fingerprint);
+std::optional<fs::path> newest_checkpoint(const fs::path& dir);
+
 // A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
 // config, written to a temporary directory and renamed into place, so a crash leaves the previous one intact.
 // CheckpointRetention removes old ones afterwards.
@@ -314,6 +320,44 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
   }
   const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
   fs::remove_all(temp_dir);
+  try {
+    write_checkpoint_files(temp_dir, step, device, trained, optimizer, policy_state, cursor, tokens_seen, config,
+                           data_fingerprint);
+  } catch (const Error& e) {
+    // A full disk (or any write error): the partial directory goes, the previous checkpoint stays the newest, and
+    // the message says what the checkpoint needs against what is free.
+    std::error_code ignored;
+    fs::remove_all(temp_dir, ignored);
+    int64_t needed = trained.lora ? 4 * trained.lora->trainable_parameters() : parameter_bytes(trained.model);
+    for (const auto& [name, tensor] : optimizer.state_tensors()) needed += static_cast<int64_t>(tensor.nbytes());
+    const auto space = fs::space(output_dir, ignored);
+    const auto previous = newest_checkpoint(output_dir);
+    throw DataError(fmt::format("checkpoint step {} could not be written: {}\n  the checkpoint needs about {} "
+                                "(weights and optimizer state); {} {}\n  {}",
+                                step, e.what(), human_bytes(static_cast<double>(needed)),
+                                ignored ? std::string("free space unknown on")
+                                        : human_bytes(static_cast<double>(space.available)) + " free on",
+                                output_dir.string(),
+                                previous ? "the newest complete checkpoint is still " + previous->string()
+                                         : std::string("no earlier checkpoint of this run exists")),
+                    "free space there (or set checkpoint.output_dir to a disk with room), then continue with "
+                    "--resume");
+  }
+  const fs::path replaced = output_dir / (".checkpoint-" + std::to_string(step) + ".replaced");
+  fs::remove_all(replaced);
+  if (fs::exists(final_dir)) fs::rename(final_dir, replaced);
+  fs::rename(temp_dir, final_dir);
+  // Written last: a checkpoint without it is not trusted.
+  write_text_file((final_dir / "COMPLETE").string(), std::to_string(step) + "\n");
+  fs::remove_all(replaced);
+  spdlog::info("checkpoint step {}: {}", step, final_dir.string());
+}
+
+// What checkpoint-N holds, written into `temp_dir` (see write_checkpoint).
+void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::Device& device,
+                            const TrainedWeights& trained, const Optimizer& optimizer,
+                            const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
+                            const Config& config, const nlohmann::json& data_fingerprint) {
   save_trained(trained, temp_dir, config);
   auto tensors = optimizer.state_tensors();
   // LibTorch's generator state. Dropout no longer draws from it (its masks are keyed by the step); kept for
@@ -330,14 +374,7 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
                                 {"config", nlohmann::json::parse(config_to_json(config))},
                                 {"data_fingerprint", data_fingerprint}};
   if (trained.lora) state["base_model_config"] = trained.model.hf_config();  // an adapter has no config.json
-  std::ofstream(temp_dir / "train_state.json") << state.dump(2) << "\n";
-  const fs::path replaced = output_dir / (".checkpoint-" + std::to_string(step) + ".replaced");
-  fs::remove_all(replaced);
-  if (fs::exists(final_dir)) fs::rename(final_dir, replaced);
-  fs::rename(temp_dir, final_dir);
-  std::ofstream(final_dir / "COMPLETE") << step << "\n";  // written last: a checkpoint without it is not trusted
-  fs::remove_all(replaced);
-  spdlog::info("checkpoint step {}: {}", step, final_dir.string());
+  write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
 }
 
 // With memory.snapshot_on_oom on a CUDA device: the allocator's history up to the run's first out-of-memory error,

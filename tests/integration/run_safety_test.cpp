@@ -293,3 +293,43 @@ TEST(IntegrationRunSafety, MemoryLimitBelowTheWeightsSaysWhatTheyNeed) {
 }
 
 }  // namespace trainer::test
+
+namespace trainer::test {
+
+// A checkpoint the disk cannot take (here: a file-size limit, as `ulimit -f` sets; writes past it fail as on a
+// full disk): the run stops with exit 3 saying what the checkpoint needs and what is free, the partial
+// .checkpoint-N.tmp is gone, the previous checkpoint stays the newest and complete, and --resume continues from it.
+TEST(IntegrationRunSafety, ACheckpointTheDiskCannotTakeLeavesThePreviousOne) {
+  TempDir dir;
+  const auto run_dir = dir.path() / "run";
+  auto args = [&](int steps) {
+    return std::vector<std::string>{"--config", "configs/tiny-qwen2.json", "--set",
+                                    "training.max_steps=" + std::to_string(steps), "--set", "checkpoint.every_steps=3",
+                                    "--set", "evaluation.every_steps=0", "--set",
+                                    "checkpoint.output_dir=" + run_dir.string()};
+  };
+  const auto first = run_trainer(args(3));
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  ASSERT_TRUE(fs::exists(run_dir / "checkpoint-3" / "COMPLETE"));
+  const auto weights = fs::file_size(run_dir / "checkpoint-3" / "model.safetensors");
+  // Files up to a quarter of the weights file may be written (logs, metrics); the weights may not.
+  const std::string limit = std::to_string(std::max<std::uintmax_t>(8, weights / 4 / 512));
+  auto full = run_trainer(with(args(6), {"--resume"}), "trap '' XFSZ; ulimit -f " + limit + ";");
+  EXPECT_EQ(full.exit_code, 3) << full.err;
+  EXPECT_TRUE(contains(full.err, "checkpoint step 6 could not be written")) << full.err;
+  EXPECT_TRUE(contains(full.err, "the checkpoint needs about")) << full.err;
+  EXPECT_TRUE(contains(full.err, " free on ")) << full.err;
+  EXPECT_TRUE(contains(full.err, "the newest complete checkpoint is still")) << full.err;
+  EXPECT_TRUE(contains(full.err, "checkpoint-3")) << full.err;
+  EXPECT_TRUE(contains(full.err, "hint: free space there")) << full.err;
+  EXPECT_FALSE(fs::exists(run_dir / ".checkpoint-6.tmp")) << "the partial checkpoint is removed";
+  EXPECT_FALSE(fs::exists(run_dir / "checkpoint-6"));
+  EXPECT_TRUE(fs::exists(run_dir / "checkpoint-3" / "COMPLETE"));
+  const auto again = run_trainer(with(args(6), {"--resume"}));
+  EXPECT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_TRUE(contains(again.err, "resuming from")) << again.err;
+  EXPECT_TRUE(contains(again.err, "checkpoint-3")) << again.err;
+  EXPECT_TRUE(fs::exists(run_dir / "checkpoint-6" / "COMPLETE"));
+}
+
+}  // namespace trainer::test

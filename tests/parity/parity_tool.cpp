@@ -215,6 +215,7 @@ int dropout_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, 
   }
   set_dropout_source(DropoutSource::kKeyed);
   std::cout << nlohmann::json{{"keyed", keyed}, {"generator", generator}}.dump() << "\n";
+  return 0;
 }
 
 // Free-standing tensors as a module's parameters (what the optimizer parity test steps).
