@@ -192,8 +192,35 @@ int64_t probe_micro_batch(TrainStep& step, Optimizer& optimizer, const Config& c
 
 // Validation loss with its own micro-batch: an out-of-memory error halves it and retries the same batch,
 // and never touches the training policy.
+namespace {
+
+// The summed loss and target tokens of one collated micro-batch without autograd: through the full logits, or with
+// `loss_chunk_size` > 0 through the LM head over that many trained positions at a time, so that with a large
+// vocabulary evaluation never holds more logits than a training step's chunked loss does.
+std::pair<double, int64_t> evaluation_loss(LanguageModel& model, const Batch& batch, int64_t loss_chunk_size) {
+  if (loss_chunk_size <= 0) {
+    const auto out = forward_loss(model, batch);
+    return {out.loss_sum.item<double>(), out.target_tokens};
+  }
+  const auto [hidden, targets] = model.hidden_and_targets(batch);
+  const at::Tensor flat_targets = targets.reshape({-1});
+  const at::Tensor rows = (flat_targets != -100).nonzero().reshape({-1});
+  const at::Tensor flat_hidden = hidden.reshape({-1, hidden.size(-1)});
+  double sum = 0;
+  for (int64_t begin = 0; begin < rows.numel(); begin += loss_chunk_size) {
+    const at::Tensor index = rows.narrow(0, begin, std::min(loss_chunk_size, rows.numel() - begin));
+    const at::Tensor logits = model.lm_head(flat_hidden.index_select(0, index));
+    sum += at::cross_entropy_loss(logits.to(at::kFloat), flat_targets.index_select(0, index), {}, at::Reduction::Sum,
+                                  -100)
+               .item<double>();
+  }
+  return {sum, rows.numel()};
+}
+
+}  // namespace
+
 EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, const Config& config,
-                    const c10::Device& device, int32_t pad_id) {
+                    const c10::Device& device, int32_t pad_id, int64_t loss_chunk_size) {
   at::NoGradGuard no_grad;
   model.train(false);
   EvalResult result;
@@ -208,9 +235,10 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
         for (const auto& [begin, count] : split_counts(static_cast<int64_t>(examples.size()), micro)) {
           const auto collated = collate(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
                                         pad_id, device);
-          const auto out = forward_loss(model, {collated.input_ids, collated.attention_mask, collated.labels, {}});
-          part_sum += out.loss_sum.item<double>();
-          part_tokens += out.target_tokens;
+          const auto [sum, tokens] =
+              evaluation_loss(model, {collated.input_ids, collated.attention_mask, collated.labels, {}}, loss_chunk_size);
+          part_sum += sum;
+          part_tokens += tokens;
         }
         loss_sum += part_sum;
         result.tokens += part_tokens;
@@ -657,7 +685,8 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     if (eval_now || step_index == total_steps) {
       validation = make_validation_loader(config, *tokenizer, family, config.training.batch_size);
       if (validation) {
-        const auto eval = evaluate(*model, *validation, eval_micro, config, device, pad_id);
+        const auto eval = evaluate(*model, *validation, eval_micro, config, device, pad_id,
+                                   step.chunked_loss() ? step.loss_chunk_size() : 0);
         last_eval = eval.loss;
         last_eval_step = step_index;
         reporter.on_eval(step_index, eval.loss, eval.tokens);

@@ -30,8 +30,9 @@ struct EvalResult {
   int64_t tokens = 0;
 };
 // Validation loss with its own micro-batch `micro`: an out-of-memory error halves it (in place) and retries;
-// the training policy is never touched.
+// the training policy is never touched. With `loss_chunk_size` > 0 (training's chunked loss is on) the LM head and
+// the loss run over that many target tokens at a time, so the full logits never exist; the loss is the same.
 EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, const Config& config,
-                    const c10::Device& device, int32_t pad_id);
+                    const c10::Device& device, int32_t pad_id, int64_t loss_chunk_size = 0);
 
 }  // namespace trainer

@@ -101,4 +101,26 @@ TEST(Evaluation, AnOutOfMemoryShrinksOnlyTheEvaluationMicroBatch) {
   EXPECT_NEAR(constrained.loss, unconstrained.loss, 1e-5);
 }
 
+// With training's chunked loss on, evaluation runs the LM head over chunks of target tokens too: the same loss,
+// and a lower peak than through the full logits.
+TEST(Evaluation, ChunkedLossGivesTheSameLossWithLessMemory) {
+  BudgetScope budget;
+  TinyRun s;
+  auto tokenizer = load_tokenizer(s.config.model.path);
+  const c10::Device cpu(at::kCPU);
+  auto measure = [&](int64_t chunk) {
+    int64_t micro = 16;
+    auto loader = make_validation_loader(s.config, *tokenizer, DataFamily::kCausal, 16);
+    const int64_t base = cpu_memory_stats().allocated;
+    reset_cpu_peak();
+    const auto result = evaluate(*s.model, *loader, micro, s.config, cpu, 0, chunk);
+    return std::make_pair(result, cpu_memory_stats().peak - base);
+  };
+  const auto [plain, plain_peak] = measure(0);
+  const auto [chunked, chunked_peak] = measure(16);
+  EXPECT_EQ(chunked.tokens, plain.tokens);
+  EXPECT_NEAR(chunked.loss, plain.loss, 1e-5);
+  EXPECT_LT(chunked_peak, plain_peak) << "one chunk of logits at a time";
+}
+
 }  // namespace trainer
