@@ -2,7 +2,6 @@
 #include "models/weights.h"
 
 #include <filesystem>
-#include <fstream>
 #include <map>
 
 #include <ATen/ATen.h>
