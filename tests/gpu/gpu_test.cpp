@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "memory/cuda_extras.h"
 #include "models/model.h"
 #include "support/metrics.h"
 #include "support/process.h"
@@ -36,8 +37,9 @@ bool has_cuda_device() {
 
 std::string why_no_gpu() {
   const auto type = at::accelerator::getAccelerator(false);
-  if (!type) return "no GPU: this build's LibTorch has no accelerator (a CPU build); scripts/gpu-check builds against a CUDA PyTorch";
-  return "no GPU: LibTorch (" + c10::DeviceTypeName(*type, true) + ") sees no device";
+  if (type || cuda_extras_available())
+    return "no GPU: this CUDA build of LibTorch sees no CUDA device (no GPU, or no NVIDIA driver)";
+  return "no GPU: this build's LibTorch is a CPU build; scripts/gpu-check builds against a CUDA PyTorch";
 }
 
 #define SKIP_WITHOUT_GPU() \
@@ -118,7 +120,8 @@ TEST(GpuMemory, OutOfMemoryUnderTheLimitAdaptsToTheUncappedWeights) {
     SCOPED_TRACE(info.name);
     const auto x = a.view(info.name).to(at::kFloat), y = b.view(info.name).to(at::kFloat);
     // Another split sums the same gradient in another order: equal up to fp32 rounding.
-    EXPECT_TRUE(at::allclose(x, y, /*rtol=*/1e-4, /*atol=*/1e-5)) << "max difference " << (x - y).abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(x, y, /*rtol=*/1e-4, /*atol=*/1e-5))
+        << "max difference " << (x - y).abs().max().item<double>();
   }
 }
 
@@ -154,9 +157,10 @@ html = _memory_viz.trace_plot(snapshot)
 assert "<html" in html.lower() or len(html) > 1000
 print("segments", len(snapshot["segments"]), "events", len(events))
 )";
-  const int status = std::system((shell_quote(interpreter) + " " + shell_quote(script.string()) + " " +
-                                  shell_quote(pickles[0].string()) + " > " + shell_quote((run.dir / "py.log").string()) + " 2>&1")
-                                     .c_str());
+  const std::string command = shell_quote(interpreter) + " " + shell_quote(script.string()) + " " +
+                              shell_quote(pickles[0].string()) + " > " + shell_quote((run.dir / "py.log").string()) +
+                              " 2>&1";
+  const int status = std::system(command.c_str());
   EXPECT_EQ(status, 0) << read_text(run.dir / "py.log");
 }
 
@@ -173,13 +177,15 @@ TEST(GpuNumerics, Bf16LogitsOnTheGpuMatchFp32OnTheCpu) {
       at::NoGradGuard no_grad;
       auto source = cpu->named_parameters();
       for (auto& [param_name, p] : gpu->named_parameters()) {
-        const auto it = std::find_if(source.begin(), source.end(), [&](const auto& s) { return s.first == param_name; });
+        const auto it =
+            std::find_if(source.begin(), source.end(), [&](const auto& s) { return s.first == param_name; });
         ASSERT_NE(it, source.end()) << param_name;
         p.copy_(it->second);
       }
     }
     const Batch batch = padded_batch(cpu->family() == ModelFamily::kSeq2Seq);
-    const Batch on_gpu{batch.input_ids.to(at::kCUDA), batch.attention_mask.to(at::kCUDA), batch.labels.to(at::kCUDA), {}};
+    const Batch on_gpu{batch.input_ids.to(at::kCUDA), batch.attention_mask.to(at::kCUDA),
+                       batch.labels.to(at::kCUDA), {}};
     at::NoGradGuard no_grad;
     const auto reference = forward_loss(*cpu, batch, true);
     const auto result = forward_loss(*gpu, on_gpu, true);
@@ -193,7 +199,8 @@ TEST(GpuNumerics, Bf16LogitsOnTheGpuMatchFp32OnTheCpu) {
     const double mean_error = (actual - expected).abs().mean().item<double>();
     EXPECT_LT(mean_error, 0.01 * scale);
     EXPECT_EQ(result.target_tokens, reference.target_tokens);
-    const double loss_cpu = reference.loss_sum.item<double>(), loss_gpu = result.loss_sum.to(at::kFloat).item<double>();
+    const double loss_cpu = reference.loss_sum.item<double>();
+    const double loss_gpu = result.loss_sum.to(at::kFloat).item<double>();
     EXPECT_NEAR(loss_gpu, loss_cpu, 0.01 * std::abs(loss_cpu));
   }
 }
