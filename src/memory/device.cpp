@@ -87,9 +87,12 @@ ResolvedDevice resolve_device(const DeviceConfig& config) {
                  config.type, why_not);
     return {c10::Device(c10::kCPU), "cpu (fallback: " + why_not + ")", true};
   }
+  const bool cuda_build = type || cuda_extras_available();
   throw UsageError("device.type=" + config.type + " cannot be used: " + why_not,
-                   "use device.type=cpu, install the CUDA build of torch (see README, GPU build), or set "
-                   "device.allow_cpu_fallback=true");
+                   std::string(cuda_build ? "check nvidia-smi and CUDA_VISIBLE_DEVICES, use device.type=cpu"
+                                          : "use device.type=cpu, build against the CUDA build of torch "
+                                            "(docs/building.md)") +
+                       ", or set device.allow_cpu_fallback=true");
 }
 
 }  // namespace trainer
