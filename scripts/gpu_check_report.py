@@ -58,6 +58,9 @@ def human_bytes(n: float) -> str:
 def gpu_info() -> tuple[str, float | None]:
     """The first visible card's name and its bf16 peak in FLOP/s (None when unknown), or ("", None)."""
     try:
+        import warnings  # noqa: PLC0415
+
+        warnings.filterwarnings("ignore")  # e.g. "Failed to initialize NumPy" from a torch without numpy
         import torch  # noqa: PLC0415 (only this helper needs it)
 
         if not torch.cuda.is_available():
@@ -76,7 +79,7 @@ def gpu_info() -> tuple[str, float | None]:
 
 
 def run_gpu_tests(build_dir: Path, rows: list[list[str]]) -> bool:
-    junit = build_dir / "gpu-tests.xml"
+    junit = build_dir.resolve() / "gpu-tests.xml"  # ctest takes a relative path from the build directory
     junit.unlink(missing_ok=True)
     ctest = subprocess.run(
         ["ctest", "--test-dir", str(build_dir), "-L", "gpu", "--output-on-failure", "--output-junit", str(junit)],
@@ -132,7 +135,7 @@ def throughput(build_dir: Path, config: str, steps: int, precision: str, peak: f
     found = re.search(r"\((\d+) parameters", run.stdout + run.stderr)
     parameters = int(found.group(1)) if found else 0
     flops = 6.0 * parameters * tokens_per_s  # forward + backward per trained token
-    share = f"{100.0 * flops / peak:.2f}% of bf16 peak" if peak else "bf16 peak unknown (TRAINER_GPU_BF16_TFLOPS)"
+    share = f"{100.0 * flops / peak:.3g}% of bf16 peak" if peak else "bf16 peak unknown (TRAINER_GPU_BF16_TFLOPS)"
     rows.append([label, "PASS", f"{tokens_per_s:,.0f} tokens/s, peak {human_bytes(peak_memory)}, "
                                 f"{flops / 1e12:.3f} TFLOP/s model ({parameters:,} parameters), {share}"])
     return tokens_per_s > 0
