@@ -139,7 +139,7 @@ TEST(GpuMemory, SnapshotOnOomWritesAPickleThatTorchMemoryVizReads) {
   for (const auto& entry : fs::directory_iterator(run.dir / "capped"))
     if (entry.path().extension() == ".pickle") pickles.push_back(entry.path());
   ASSERT_EQ(pickles.size(), 1u) << capped.err;
-  EXPECT_TRUE(contains(capped.err, pickles[0].string())) << capped.err;
+  EXPECT_TRUE(contains(capped.out + capped.err, pickles[0].string())) << capped.err;
 
   const char* python = std::getenv("TRAINER_PYTHON");
   const std::string interpreter = python ? python : source_path(".venv/bin/python");
