@@ -38,8 +38,11 @@ separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
 target_compile_options(trainer_torch INTERFACE ${_torch_flags})
 if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
   set(TRAINER_TORCH_HAS_CUDA ON)
+  # What `trainer --version` says the build is: "CUDA 13.0" (the toolkit Caffe2's CMake config found), or "CPU".
+  set(TRAINER_TORCH_BUILD "CUDA ${CUDA_VERSION}")
 else()
   set(TRAINER_TORCH_HAS_CUDA OFF)
+  set(TRAINER_TORCH_BUILD "CPU")
 endif()
 # The one compile-time switch for CUDA-only extras (allocator snapshot on OOM, memory fraction).
 target_compile_definitions(trainer_torch INTERFACE TRAINER_WITH_CUDA=$<BOOL:${TRAINER_TORCH_HAS_CUDA}>)

@@ -103,7 +103,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   CLI::App app{"trainer: fine-tune Hugging Face T5 and Llama-family models from JSONL with LibTorch, adapting\n"
                "the micro-batch to the memory it has instead of dying of out-of-memory.",
                "trainer"};
-  app.set_version_flag("--version", std::string("trainer ") + kVersion + " (LibTorch " + kTorchBuildVersion + ")");
+  app.set_version_flag("--version", std::string("trainer ") + kVersion + " (LibTorch " + kTorchBuildVersion + ", " +
+                                        kTorchBuild + ")");
   app.footer(std::string("`train` is the default subcommand: `trainer --config FILE` trains.\n") + kExitCodeHelp);
   bool help_config = false, help_config_markdown = false;
   app.add_flag("--help-config", help_config, "List every configuration key with its type, default and meaning");

@@ -6,6 +6,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <spdlog/spdlog.h>
 
+#include "memory/cuda_extras.h"
 #include "trainer/device.h"
 
 namespace trainer {
@@ -37,7 +38,8 @@ std::optional<Candidate> best_device(c10::DeviceType type, std::optional<c10::De
 
 std::string accelerator_summary() {
   const auto type = at::accelerator::getAccelerator(false);
-  if (!type) return "none (CPU build of LibTorch)";
+  if (!type) return cuda_extras_available() ? "none (a CUDA build of LibTorch, but no CUDA device or driver)"
+                                            : "none (CPU build of LibTorch)";
   return c10::DeviceTypeName(*type, /*lower_case=*/true) + " x " + std::to_string(at::accelerator::deviceCount());
 }
 
@@ -53,7 +55,9 @@ ResolvedDevice resolve_device(const DeviceConfig& config) {
   const bool has_cuda = type && *type == c10::kCUDA && at::accelerator::deviceCount() > 0;
   std::string why_not;
   if (!has_cuda) {
-    why_not = type ? "LibTorch sees no CUDA device" : "this trainer is built with a CPU-only LibTorch";
+    // A CUDA build on a machine without a GPU or driver may report no accelerator at all: say which it is.
+    why_not = type || cuda_extras_available() ? "LibTorch sees no CUDA device (no GPU, or no NVIDIA driver)"
+                                              : "this trainer is built with a CPU-only LibTorch";
   } else {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(config.wait_timeout_s);
     while (true) {
@@ -83,9 +87,12 @@ ResolvedDevice resolve_device(const DeviceConfig& config) {
                  config.type, why_not);
     return {c10::Device(c10::kCPU), "cpu (fallback: " + why_not + ")", true};
   }
+  const bool cuda_build = type || cuda_extras_available();
   throw UsageError("device.type=" + config.type + " cannot be used: " + why_not,
-                   "use device.type=cpu, install the CUDA build of torch (see docs/building.md), or set "
-                   "device.allow_cpu_fallback=true");
+                   std::string(cuda_build ? "check nvidia-smi and CUDA_VISIBLE_DEVICES, use device.type=cpu"
+                                          : "use device.type=cpu, build against the CUDA build of torch "
+                                            "(docs/building.md)") +
+                       ", or set device.allow_cpu_fallback=true");
 }
 
 }  // namespace trainer

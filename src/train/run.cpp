@@ -35,7 +35,7 @@ std::string export_allocator_conf(const MemoryConfig& memory) {
 }  // namespace
 
 int run_train(const Config& config, const TrainOptions& options, std::ostream& out) {
-  out << "trainer " << kVersion << " (LibTorch " << kTorchBuildVersion << ")\n\n";
+  out << "trainer " << kVersion << " (LibTorch " << kTorchBuildVersion << ", " << kTorchBuild << ")\n\n";
   out << "Resolved configuration (the keys that differ from their defaults; --print-config shows every key):\n"
       << format_config_table(config, options.config_file, options.overrides) << "\n";
 

@@ -45,6 +45,8 @@ TEST(Cli, VersionNamesTrainerAndLibTorch) {
   EXPECT_EQ(r.code, 0);
   EXPECT_TRUE(contains(r.out, "trainer 0."));
   EXPECT_TRUE(contains(r.out, "LibTorch"));
+  // And whether it is a CUDA build: what a user on a GPU machine checks first.
+  EXPECT_TRUE(contains(r.out, TRAINER_WITH_CUDA ? ", CUDA " : ", CPU)")) << r.out;
 }
 
 TEST(Cli, HelpConfigListsEveryKey) {
