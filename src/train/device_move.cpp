@@ -54,7 +54,7 @@ std::optional<std::pair<c10::Device, std::string>> DeviceLadder::other_gpu(const
   }
   // What the current device gives the run: its free memory plus what the run holds (cached included), within
   // memory.limit on the device it was set for.
-  const auto [current_free, current_total] = at::accelerator::getMemoryInfo(current.index());
+  const auto current_free = at::accelerator::getMemoryInfo(current.index()).first;
   const auto stats = at::accelerator::getDeviceStats(current.index());
   int64_t room = static_cast<int64_t>(current_free) + stats.reserved_bytes[0].current;
   if (current == start_ && config_.memory.limit.bytes > 0)
