@@ -37,9 +37,9 @@ fs::path write_ids(const fs::path& path, bool seq2seq) {
   std::ofstream out(path);
   for (int r = 0; r < 8; ++r) {
     nlohmann::json ids = nlohmann::json::array(), labels = nlohmann::json::array();
-    for (int i = 0; i < 6 + 3 * r; ++i) ids.push_back(5 + (r * 37 + i * 11) % 240);
+    for (int i = 0; i < 6 + 3 * r; ++i) ids.push_back(5 + (r * 37 + i * 11) % 190);
     if (seq2seq) {
-      for (int i = 0; i < 3 + r; ++i) labels.push_back(5 + (r * 13 + i * 7) % 240);
+      for (int i = 0; i < 3 + r; ++i) labels.push_back(5 + (r * 13 + i * 7) % 190);
     } else {
       labels = ids;
       for (int i = 0; i < 3; ++i) labels[static_cast<std::size_t>(i)] = -100;
