@@ -125,8 +125,12 @@ const char* enum_name(E value) {
 }
 
 // The steps of memory escalation, in the order the user lists them in memory.escalation. smaller_loss_chunks
-// halves training.loss_chunk_size each time it is reached, down to kMinLossChunkSize.
-inline constexpr const char* kEscalationSteps[] = {"activation_checkpointing", "chunked_loss", "smaller_loss_chunks"};
+// halves training.loss_chunk_size each time it is reached, down to kMinLossChunkSize. The device moves
+// (kDeviceEscalationSteps) are the end of the ladder: they come after the others in the list, and move the run
+// to another device instead of changing how it computes (train/device_move.h).
+inline constexpr const char* kEscalationSteps[] = {"activation_checkpointing", "chunked_loss", "smaller_loss_chunks",
+                                                   "move_to_other_gpu", "move_to_cpu"};
+inline constexpr const char* kDeviceEscalationSteps[] = {"move_to_other_gpu", "move_to_cpu"};
 inline constexpr std::int64_t kMinLossChunkSize = 128;
 
 // ---- sections -------------------------------------------------------------------------------------------------
@@ -360,7 +364,8 @@ struct MemoryConfig {
   double shrink_factor = 0.5;
   std::int64_t min_micro_batch_size = 1;
   std::int64_t max_retries = 8;
-  std::vector<std::string> escalation = {"activation_checkpointing", "chunked_loss", "smaller_loss_chunks"};
+  std::vector<std::string> escalation = {"activation_checkpointing", "chunked_loss", "smaller_loss_chunks",
+                                         "move_to_other_gpu", "move_to_cpu"};
   std::int64_t regrow_after_steps = 0;
   double auto_safety_margin = 0.1;
   std::int64_t empty_cache_every = 0;
@@ -376,7 +381,9 @@ struct MemoryConfig {
     v("max_retries", max_retries, "out-of-memory retries of one optimizer step before giving up");
     v("escalation", escalation,
       "what to turn on at the floor, in order: activation_checkpointing, chunked_loss, smaller_loss_chunks (halve "
-      "training.loss_chunk_size, repeatedly, down to 128; turns chunked_loss on)");
+      "training.loss_chunk_size, repeatedly, down to 128; turns chunked_loss on); then, last, the device moves: "
+      "move_to_other_gpu (device.type=auto: the GPU with the most free memory, if it has more than this one gives "
+      "the run) and move_to_cpu (device.allow_cpu_fallback=true), which continue the same step on the new device");
     v("regrow_after_steps", regrow_after_steps, "try a larger micro-batch after N steps without OOM; 0: never");
     v("auto_safety_margin", auto_safety_margin, "fraction of memory micro_batch_size=auto leaves free");
     v("empty_cache_every", empty_cache_every, "release cached device memory every N steps; 0: only after an OOM");
@@ -401,7 +408,9 @@ struct DeviceConfig {
     v("wait_for_device", wait_for_device, "wait for a device with min_free_memory instead of failing");
     v("wait_timeout_s", wait_timeout_s, "how long to wait for a device");
     v("poll_interval_s", poll_interval_s, "how often to look while waiting");
-    v("allow_cpu_fallback", allow_cpu_fallback, "run on the CPU (with a loud warning) when no device is available");
+    v("allow_cpu_fallback", allow_cpu_fallback,
+      "run on the CPU (with a loud warning) when no device is available, and move a running job to the CPU when a "
+      "step does not fit on its device even at the floor (memory.escalation's move_to_cpu)");
   }
   bool operator==(const DeviceConfig&) const = default;
 };

@@ -60,6 +60,23 @@ class Tokenizer {
 // Throws DataError naming the file, with what is supported, when the file is missing or cannot be used.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path_or_dir, TokenizerKind kind = TokenizerKind::kAuto);
 
+// Whether `path_or_dir` is a tokenizer file, or a directory holding one load_tokenizer would take for `kind`.
+bool has_tokenizer(const std::string& path_or_dir, TokenizerKind kind = TokenizerKind::kAuto);
+
+// For pre-tokenized data (records with input_ids) and a model directory without tokenizer files: a Tokenizer with
+// no vocabulary whose ids come from the model's config.json, then generation_config.json: vocab_size, eos_token_id
+// and pad_token_id (a list's first id; pad falls back to EOS as with a tokenizer that has none). encode() and
+// decode() throw UsageError saying that text needs a tokenizer and how to give one. Throws DataError naming the
+// files and keys when neither gives a pad or an EOS id (collation needs one to pad with).
+std::unique_ptr<Tokenizer> ids_only_tokenizer(const std::string& model_dir);
+// Whether `tokenizer` is an ids_only_tokenizer (it cannot encode or decode text).
+bool is_ids_only(const Tokenizer& tokenizer);
+
+// The tokenizer of a run (`trainer train`, `trainer data`): tokenizer.path, else model.path's; when model.path has
+// no tokenizer files and tokenizer.path is unset, the ids_only_tokenizer (pre-tokenized records only; logged).
+// With `samples` (training), evaluation.sample_prompts need a real tokenizer: UsageError saying so otherwise.
+std::unique_ptr<Tokenizer> load_run_tokenizer(const Config& config, bool samples);
+
 // The ids of one training text under the family's convention: special_token_template() around encode(text).
 // With add_eos, the sequence ends in EOS even when transformers' template adds none (Qwen2, Llama-3 base): a
 // causal model must see EOS to learn to stop, which is what TRL's SFTTrainer appends too. Without add_eos,

@@ -79,6 +79,10 @@ int run_generate(GenerateCommand& command, std::ostream& out) {
       throw UsageError("--ids: token id " + std::to_string(id) + " is outside the vocabulary (0.." +
                        std::to_string(model->vocab_size() - 1) + ")");
   std::unique_ptr<Tokenizer> tokenizer;
+  if (!command.prompt.empty() && command.tokenizer.empty() && !has_tokenizer(command.model_dir))
+    throw UsageError("--prompt needs a tokenizer to turn the text into ids, and " + command.model_dir +
+                         " has no tokenizer files (tokenizer.json, spiece.model or tokenizer.model)",
+                     "pass the model's tokenizer with --tokenizer FILE_OR_DIR, or give the prompt as ids: --ids 5,17,42");
   if (!command.prompt.empty() || !command.tokenizer.empty())
     tokenizer = load_tokenizer(command.tokenizer.empty() ? command.model_dir : command.tokenizer);
   if (!command.prompt.empty()) command.ids = prompt_ids(*model, *tokenizer, command.prompt, /*add_eos=*/true);

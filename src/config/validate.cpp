@@ -1,5 +1,6 @@
 // Semantic checks of a parsed configuration: ranges and consistency between keys. Pure: no file system access
 // (a config for another machine must validate here), so paths are checked when the run starts.
+#include <algorithm>
 #include <regex>
 #include <string>
 
@@ -34,6 +35,11 @@ class Checker {
   }
   std::vector<ConfigProblem>& problems_;
 };
+
+bool known_step(const std::string& step) {
+  return std::find_if(std::begin(kEscalationSteps), std::end(kEscalationSteps),
+                      [&](const char* s) { return step == s; }) != std::end(kEscalationSteps);
+}
 
 bool is_device_spec(const std::string& spec) {
   static const std::regex pattern("auto|cpu|cuda(:[0-9]+)?");
@@ -151,6 +157,17 @@ std::vector<ConfigProblem> validate(const Config& c) {
     check.require(known, "memory.escalation[" + std::to_string(i) + "]",
                   "'" + step + "' is not one of " + join_alternatives(steps) +
                       (hint.empty() ? "" : "; did you mean '" + hint + "'?"));
+  }
+  // The device moves end the ladder: nothing that changes how the step computes may come after one.
+  std::size_t first_move = m.escalation.size();
+  for (std::size_t i = 0; i < m.escalation.size(); ++i) {
+    const bool is_move = std::find(std::begin(kDeviceEscalationSteps), std::end(kDeviceEscalationSteps),
+                                   m.escalation[i]) != std::end(kDeviceEscalationSteps);
+    if (is_move) first_move = std::min(first_move, i);
+    else if (i > first_move && known_step(m.escalation[i]))
+      check.require(false, "memory.escalation[" + std::to_string(i) + "]",
+                    "'" + m.escalation[i] + "' comes after the device move '" + m.escalation[first_move] +
+                        "'; the device moves are the end of the ladder: list them last");
   }
   if (!t.micro_batch_size.is_auto)
     check.require(m.min_micro_batch_size <= t.micro_batch_size.value, "memory.min_micro_batch_size",

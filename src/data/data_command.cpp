@@ -68,8 +68,7 @@ void print_pass(const char* name, const PassResult& r, std::ostream& out) {
 
 int run_data(const Config& config, std::ostream& out) {
   const ModelDirInfo model = inspect_model_dir(config.model.path, false);
-  const std::string tokenizer_path = config.tokenizer.path.empty() ? model.dir : config.tokenizer.path;
-  const auto tokenizer = load_tokenizer(tokenizer_path, config.tokenizer.kind);
+  const auto tokenizer = load_run_tokenizer(config, /*samples=*/false);
   const DataFamily family = model.family == "seq2seq" ? DataFamily::kSeq2Seq : DataFamily::kCausal;
   const int32_t pad_id = tokenizer->pad_id().value_or(tokenizer->eos_id().value_or(0));
 

@@ -60,6 +60,7 @@ std::vector<ScalarName> scalar_names() {
           {"micro_steps", "memory/micro_steps"},
           {"oom_retries", "memory/oom_retries"},
           {"adaptations", "memory/adaptations"},
+          {"device_moves", "memory/device_moves"},
           {"memory_allocated", "memory/allocated_bytes"},
           {"memory_peak", "memory/peak_bytes"},
           {"eval_loss", "eval/loss"},
@@ -167,6 +168,7 @@ void Reporter::on_step(const StepMetrics& m) {
                  {"micro_steps", m.micro_steps},
                  {"oom_retries", m.oom_retries},
                  {"adaptations", m.adaptations},
+                 {"device_moves", m.device_moves},
                  {"memory_allocated", m.memory_allocated},
                  {"memory_peak", m.memory_peak}});
   if (console_ == Console::kOff) return;

@@ -49,6 +49,7 @@ struct StepMetrics {
   int64_t micro_steps = 0;
   int64_t oom_retries = 0;    // attempts of this step lost to out-of-memory errors
   int64_t adaptations = 0;    // micro-batch adaptations of the memory policy so far
+  int64_t device_moves = 0;   // moves of the run to another device in this process (train/device_move.h)
   int64_t memory_allocated = 0;
   int64_t memory_peak = 0;
   double seconds = 0;         // the step itself: batch, forward, backward, update

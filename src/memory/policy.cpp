@@ -61,6 +61,7 @@ std::string MemoryPolicy::next_escalation(int64_t step) {
       return candidate;
     }
     if (candidate == "smaller_loss_chunks") continue;  // at its minimum
+    if (is_device_escalation(candidate)) continue;     // the trainer's, once these are used (device_move.h)
     if (std::find(escalated_.begin(), escalated_.end(), candidate) != escalated_.end()) continue;
     escalated_.push_back(candidate);
     adaptations_.push_back({step, micro_batch_, micro_batch_, "escalate: turn on " + candidate});
@@ -68,6 +69,20 @@ std::string MemoryPolicy::next_escalation(int64_t step) {
     return candidate;
   }
   return {};
+}
+
+void MemoryPolicy::record_device_move(int64_t step, const std::string& escalation, const std::string& what) {
+  if (!escalated(escalation)) escalated_.push_back(escalation);
+  adaptations_.push_back({step, micro_batch_, micro_batch_, "escalate: " + escalation + " (" + what + ")"});
+}
+
+bool MemoryPolicy::escalated(const std::string& escalation) const {
+  return std::find(escalated_.begin(), escalated_.end(), escalation) != escalated_.end();
+}
+
+bool is_device_escalation(const std::string& escalation) {
+  return std::find_if(std::begin(kDeviceEscalationSteps), std::end(kDeviceEscalationSteps),
+                      [&](const char* s) { return escalation == s; }) != std::end(kDeviceEscalationSteps);
 }
 
 void MemoryPolicy::step_succeeded(int64_t step, int64_t batch_size) {
@@ -103,7 +118,9 @@ void MemoryPolicy::restore(const nlohmann::json& state) {
     spdlog::warn("memory: the checkpoint's micro-batch counts {}, this run counts {}: starting from the config's",
                  saved_by_tokens ? "tokens" : "examples", by_tokens_ ? "tokens" : "examples");
   }
-  escalated_ = state.at("escalated").get<std::vector<std::string>>();
+  escalated_.clear();
+  for (const auto& e : state.at("escalated").get<std::vector<std::string>>())
+    if (!is_device_escalation(e)) escalated_.push_back(e);
   loss_chunk_size_ = std::min(loss_chunk_size_, state.value("loss_chunk_size", loss_chunk_size_));
   adaptations_.clear();
   for (const auto& a : state.at("adaptations"))

@@ -39,6 +39,10 @@ class MemoryPolicy {
   // smaller_loss_chunks is returned again each time it halves loss_chunk_size(), until that reaches
   // kMinLossChunkSize.
   std::string next_escalation(int64_t step);
+  // The end of the ladder (train/device_move.h): records the device move `escalation` ("move_to_cpu", ...) made at
+  // `step`, described as `what` ("cuda:0 -> cpu"). next_escalation never returns a device move.
+  void record_device_move(int64_t step, const std::string& escalation, const std::string& what);
+  bool escalated(const std::string& escalation) const;
   // Trained tokens per chunk of the chunked loss: training.loss_chunk_size until the escalation lowers it.
   int64_t loss_chunk_size() const { return loss_chunk_size_; }
   // After a step that completed; may grow the micro-batch back (memory.regrow_after_steps).
@@ -47,7 +51,9 @@ class MemoryPolicy {
   const std::vector<Adaptation>& adaptations() const { return adaptations_; }
   const std::vector<std::string>& escalations() const { return escalated_; }
 
-  // The learned state, saved with checkpoints and restored on resume.
+  // The learned state, saved with checkpoints and restored on resume. A resumed run starts on the device its config
+  // picks, so restore() keeps the record of earlier device moves in the adaptations but not as escalations used:
+  // they can be made again.
   nlohmann::json state() const;
   void restore(const nlohmann::json& state);
 
@@ -61,6 +67,9 @@ class MemoryPolicy {
   std::vector<std::string> escalated_;
   std::vector<Adaptation> adaptations_;
 };
+
+// Whether `escalation` is one of the device moves that end the ladder (kDeviceEscalationSteps).
+bool is_device_escalation(const std::string& escalation);
 
 // Splits `count` examples into consecutive parts of at most `micro` (the last may be smaller).
 std::vector<std::pair<int64_t, int64_t>> split_counts(int64_t count, int64_t micro);

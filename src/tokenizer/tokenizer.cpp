@@ -75,6 +75,15 @@ std::string find_in_dir(const fs::path& dir, TokenizerKind kind) {
 
 }  // namespace
 
+bool has_tokenizer(const std::string& path_or_dir, TokenizerKind kind) {
+  const fs::path path(path_or_dir);
+  if (!fs::is_directory(path)) return fs::is_regular_file(path);
+  if (kind != TokenizerKind::kBpe)
+    for (const char* name : kSentencePieceNames)
+      if (fs::is_regular_file(path / name)) return true;
+  return kind != TokenizerKind::kSentencePiece && fs::is_regular_file(path / "tokenizer.json");
+}
+
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path_or_dir, TokenizerKind kind) {
   const fs::path path(path_or_dir);
   if (!fs::exists(path))

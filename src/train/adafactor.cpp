@@ -225,6 +225,14 @@ std::vector<std::pair<std::string, at::Tensor>> Adafactor::own_state() const {
   return out;
 }
 
+void Adafactor::for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) {
+  for (auto& s : state_)
+    for (at::Tensor* t : {&s.row, &s.col, &s.sq, &s.exp_avg}) visit(*t);
+  for (at::Tensor* t : {&scratch_a_, &scratch_b_, &scratch_c_, &row_factor_, &col_factor_, &col_sum_, &sum_, &scalar_a_,
+                        &scalar_b_, &scalar_c_})
+    visit(*t);
+}
+
 int64_t Adafactor::own_state_bytes() const {
   int64_t n = 0;
   for (const auto& [name, t] : own_state()) n += static_cast<int64_t>(t.nbytes());

@@ -37,6 +37,15 @@ Optimizer::Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed
   });
 }
 
+void Optimizer::move_to(const c10::Device& device) {
+  auto move = [&](at::Tensor& t) {
+    if (t.defined()) t = t.to(device, /*non_blocking=*/false, /*copy=*/true);
+  };
+  for (auto& param : params_) move(param.compensation);
+  move(compensation_scratch_);
+  for_each_own_tensor(move);
+}
+
 at::Tensor Optimizer::load_master(std::size_t index, const at::Tensor& flat_param, int64_t begin, int64_t n,
                                   at::Tensor scratch) {
   const at::Tensor chunk = flat_param.narrow(0, begin, n);
@@ -284,6 +293,12 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::own_state() const {
     out.emplace_back("exp_avg_sq." + params_[i].name, exp_avg_sq_[i]);
   }
   return out;
+}
+
+void AdamW::for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) {
+  for (auto& t : exp_avg_) visit(t);
+  for (auto& t : exp_avg_sq_) visit(t);
+  for (at::Tensor* t : {&scratch_a_, &scratch_b_, &scratch_m_, &scratch_v_, &eps_, &decay_}) visit(*t);
 }
 
 int64_t AdamW::own_state_bytes() const {

@@ -16,11 +16,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/ArrayRef.h>
 
 #include "models/module.h"
@@ -54,6 +56,11 @@ class Optimizer {
   void load_state(const std::vector<std::pair<std::string, at::Tensor>>& tensors, int64_t steps,
                   const std::string& source);
 
+  // Re-creates every tensor the optimizer owns (its state, Kahan compensation, the update's scratch buffers) on
+  // `device` with the same values: a copy even onto the same device. The parameters are the model's and move with
+  // it, before this (train/device_move.h); the optimizer reaches them through their slots.
+  void move_to(const c10::Device& device);
+
  protected:
   struct Param {
     std::string name;
@@ -67,6 +74,8 @@ class Optimizer {
   // The optimizer's own state tensors, as named in checkpoints, in a fixed order.
   virtual std::vector<std::pair<std::string, at::Tensor>> own_state() const = 0;
   virtual int64_t own_state_bytes() const = 0;
+  // Every tensor the derived optimizer holds (state and scratch), for move_to.
+  virtual void for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) = 0;
 
   // Derived constructors call this with their chunk size: Kahan compensation needs an fp32 copy of its chunk
   // (adding bf16 to fp32 in place would allocate a converted copy).
@@ -106,6 +115,7 @@ class AdamW final : public Optimizer {
   void fused_step(double lr);
   std::vector<std::pair<std::string, at::Tensor>> own_state() const override;
   int64_t own_state_bytes() const override;
+  void for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) override;
 
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // per parameter: optimizer.state_dtype (fp32 or bf16)
   at::Tensor scratch_a_, scratch_b_;  // fp32 chunk buffers for the update
@@ -135,6 +145,7 @@ class Adafactor final : public Optimizer {
   };
   std::vector<std::pair<std::string, at::Tensor>> own_state() const override;
   int64_t own_state_bytes() const override;
+  void for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) override;
   // The unscaled update of rows [r0, r0 + n) of matrix `m` (factored) or elements [r0, r0 + n) (unfactored),
   // into `out` (fp32, n x cols or n elements); `scratch` (as large) holds an fp32 copy of a bf16 gradient chunk.
   void unscaled_update(const State& s, const at::Tensor& grad, int64_t m, int64_t r0, int64_t n, at::Tensor& out,

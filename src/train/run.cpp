@@ -58,7 +58,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
                                                         std::to_string(model.weight_files.size()) + " file(s)")
       << ")\n";
   out << "  tokenizer    "
-      << (config.tokenizer.path.empty() ? (model.tokenizer_file.empty() ? "(none found in model.path)"
+      << (config.tokenizer.path.empty() ? (model.tokenizer_file.empty() ? "(none in model.path: pre-tokenized records only)"
                                                                          : model.tokenizer_file)
                                         : config.tokenizer.path)
       << "\n";

@@ -60,6 +60,8 @@ class TrainStep {
   bool chunked_loss() const { return options_.chunked_loss; }
   int64_t loss_chunk_size() const { return policy_.loss_chunk_size(); }
   void set_chunked_loss(bool on) { options_.chunked_loss = on; }
+  // Where the next micro-batches are collated and run: after the run moved (train/device_move.h).
+  void set_device(const c10::Device& device) { options_.device = device; }
 
  private:
   // At the floor: applies the policy's next escalation that changes something; false when none is left.

@@ -22,6 +22,7 @@
 #include "models/lora.h"
 #include "models/weights.h"
 #include "train/checkpointing.h"
+#include "train/device_move.h"
 #include "train/fixed_memory.h"
 #include "train/optimizer.h"
 #include "train/resume_check.h"
@@ -140,6 +141,8 @@ std::string floor_suggestions(const Config& config, const c10::Device& device, b
     s.push_back("optimizer.state_dtype=bf16 (halves the AdamW state)");
   if (config.precision.mode == PrecisionMode::kFp32)
     s.push_back("precision.mode=bf16-mixed (bf16 activations) or bf16 (bf16 weights and gradients too)");
+  if (!config.device.allow_cpu_fallback)
+    s.push_back("device.allow_cpu_fallback=true (the run moves to the CPU and goes on, slowly, instead of stopping)");
   s.push_back(device.is_cpu() ? "a larger memory.limit" : "a larger memory.limit or a device with more memory");
   s.push_back("`trainer plan` with the same config shows the budget");
   std::string out;
@@ -470,7 +473,7 @@ void check_same_architecture(const fs::path& checkpoint, const Config& config) {
 
 int run_training(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options,
                  Reporter& reporter) {
-  const c10::Device device = resolved.device;
+  c10::Device device = resolved.device;  // changes only when the run moves (train/device_move.h)
   install_stop_handlers();  // from here a signal stops at the next step boundary (with a checkpoint)
   if (config.memory.snapshot_on_oom) {
     if (cuda_extras_available() && device.is_cuda()) start_recording_allocations();
@@ -487,8 +490,8 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     else cap_device_memory(device, static_cast<int64_t>(config.memory.limit.bytes));
   }
 
-  const auto tokenizer = load_tokenizer(config.tokenizer.path.empty() ? config.model.path : config.tokenizer.path,
-                                        config.tokenizer.kind);
+  // Without tokenizer files in model.path: pre-tokenized records only (trainer/tokenizer.h).
+  const auto tokenizer = load_run_tokenizer(config, /*samples=*/true);
   // A LoRA base held in bf16 is loaded in bf16: a 7B model never exists in fp32 on the device.
   const bool bf16_weights = config.precision.mode == PrecisionMode::kBf16 || (config.lora.enabled && config.lora.base_in_bf16);
   const auto dtype = bf16_weights ? at::kBFloat16 : at::kFloat;
@@ -571,6 +574,7 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   options.chunked_loss = config.training.chunked_loss;
   options.seed = static_cast<uint64_t>(config.training.seed);
   TrainStep step(*model, *optimizer, policy, options);
+  DeviceLadder device_ladder(config, device);
   int64_t tokens_seen = 0;
   int64_t step_index = 0;
   if (resume_dir) {
@@ -662,11 +666,21 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     if (!batch) break;
     const double lr = scheduled_lr(config.scheduler, config.optimizer.lr, step_index, total_steps);
     StepResult result;
-    try {
+    for (;;) try {
       result = step.run(*batch, step_index + 1, lr);
+      break;
     } catch (const OutOfMemoryAtFloor& e) {
+      // ---- the end of the memory ladder: move the run to a device with more room, run the same step there ----
+      if (const auto moved = device_ladder.move(step_index + 1, device, {*model, lora.get(), *optimizer}, policy,
+                                                e.what())) {
+        device = *moved;
+        step.set_device(device);
+        continue;
+      }
+      // ---- no move left: stop with a report and a checkpoint of the last completed step ----
       dump_snapshot_once(output_dir, step_index + 1);
-      const std::string report = memory_report(config, device, *model, lora.get(), *optimizer, policy);
+      std::string report = memory_report(config, device, *model, lora.get(), *optimizer, policy);
+      if (const auto why_not = device_ladder.why_not_moved(); !why_not.empty()) report += "\n  device moves: " + why_not;
       const auto saved = checkpoint(cursor_before, policy_before);
       throw OutOfMemoryAtFloor(std::string(e.what()) + "\n" + report + "\nthe last completed step (" +
                                    std::to_string(step_index) + ") is saved in " + saved +
@@ -679,7 +693,8 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     const auto memory = memory_now(device);
     reporter.on_step({step_index, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen,
                       result.micro_batch, result.micro_steps, result.retries,
-                      static_cast<int64_t>(policy.adaptations().size()), memory.allocated, memory.peak,
+                      static_cast<int64_t>(policy.adaptations().size()), device_ladder.moves(), memory.allocated,
+                      memory.peak,
                       std::chrono::duration<double>(Clock::now() - step_start).count()});
     const bool eval_now = config.evaluation.every_steps > 0 && step_index % config.evaluation.every_steps == 0;
     if (eval_now || step_index == total_steps) {

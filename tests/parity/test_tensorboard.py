@@ -21,6 +21,7 @@ TAGS = {
     "micro_steps": "memory/micro_steps",
     "oom_retries": "memory/oom_retries",
     "adaptations": "memory/adaptations",
+    "device_moves": "memory/device_moves",
     "memory_allocated": "memory/allocated_bytes",
     "memory_peak": "memory/peak_bytes",
     "eval_loss": "eval/loss",

@@ -226,6 +226,11 @@ TEST(ConfigErrors, ValidationChecksRangesAndConsistency) {
   EXPECT_TRUE(contains(problem_at(with(R"("memory": {"escalation": ["activation_checkpoint"]})"),
                                   "memory.escalation[0]"),
                        "did you mean 'activation_checkpointing'?"));
+  // The device moves end the ladder.
+  EXPECT_TRUE(contains(problem_at(with(R"("memory": {"escalation": ["move_to_cpu", "chunked_loss"]})"),
+                                  "memory.escalation[1]"),
+                       "comes after the device move 'move_to_cpu'"));
+  EXPECT_TRUE(with(R"("memory": {"escalation": ["chunked_loss", "move_to_other_gpu", "move_to_cpu"]})").empty());
   EXPECT_TRUE(contains(problem_at(with(R"("device": {"type": "gpu"})"), "device.type"), "cuda:N"));
   EXPECT_TRUE(contains(problem_at(with(R"("scheduler": {"warmup_steps": 10, "warmup_ratio": 0.1})"),
                                   "scheduler.warmup_ratio"),
