@@ -298,7 +298,7 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::own_state() const {
 void AdamW::for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) {
   for (auto& t : exp_avg_) visit(t);
   for (auto& t : exp_avg_sq_) visit(t);
-  for (at::Tensor* t : {&scratch_a_, &scratch_b_, &scratch_m_, &scratch_v_, &eps_, &decay_}) visit(*t);
+  for (at::Tensor* t : {&scratch_a_, &scratch_b_, &scratch_m_, &scratch_v_, &eps_, &decay_, &step_count_}) visit(*t);
 }
 
 int64_t AdamW::own_state_bytes() const {
