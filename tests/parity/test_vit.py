@@ -1,0 +1,141 @@
+"""Our ViT (src/models/vit.cpp) against transformers' ViTForImageClassification on the same weights and images:
+fp32 logits, loss and every gradient within 1e-4; position embeddings interpolated for another image size as
+transformers' interpolate_pos_encoding; what we save loads in transformers with the same logits and classes.
+The C++ side runs through build/trainer_vit_parity."""
+import json
+import os
+import pathlib
+import re
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOLERANCE = 1e-4
+
+CONFIGS = {
+    # name: (config overrides, input height, input width)
+    "tiny": ({}, 16, 16),
+    "no-qkv-bias-8px-patches": ({"qkv_bias": False, "patch_size": 8, "image_size": 32, "layer_norm_eps": 1e-6,
+                                 "num_labels": 7}, 32, 32),
+    "interpolated-24x20": ({}, 24, 20),
+    "gelu-tanh-one-class": ({"hidden_act": "gelu_pytorch_tanh", "num_labels": 1, "num_hidden_layers": 1}, 16, 16),
+}
+
+
+def vit_config(**overrides):
+    from transformers import ViTConfig
+    base = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, image_size=16,
+                patch_size=4, num_channels=3, num_labels=5, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)
+    base.update(overrides)
+    return ViTConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def vit_tool():
+    binary = os.environ.get("TRAINER_BINARY", str(ROOT / "build" / "trainer"))
+    path = pathlib.Path(binary).parent / "trainer_vit_parity"
+    if not path.exists():
+        pytest.fail(f"{path} does not exist: build first (cmake --build build)")
+    return path
+
+
+def run(tool, *args):
+    result = subprocess.run([str(tool), *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"trainer_vit_parity {' '.join(map(str, args))}: {result.stderr}"
+
+
+def make_batch(path, num_labels, height, width, batch=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(batch, 3, height, width, generator=generator)
+    labels = torch.randint(0, num_labels, (batch,), generator=generator)
+    save_file({"pixel_values": pixels.contiguous(), "labels": labels}, str(path))
+    return pixels, labels
+
+
+def hf_name(model, name):
+    """The transformers parameter of a checkpoint name (transformers 5 renames the layers in memory)."""
+    params = dict(model.named_parameters())
+    if name in params:
+        return name
+    mapped = re.sub(r"vit\.encoder\.layer\.(\d+)\.", r"vit.layers.\1.", name)
+    for old, new in ((".attention.attention.query.", ".attention.q_proj."),
+                     (".attention.attention.key.", ".attention.k_proj."),
+                     (".attention.attention.value.", ".attention.v_proj."),
+                     (".attention.output.dense.", ".attention.o_proj."),
+                     (".intermediate.dense.", ".mlp.fc1."), (".output.dense.", ".mlp.fc2.")):
+        mapped = mapped.replace(old, new)
+    assert mapped in params, f"no transformers parameter for {name} (tried {mapped})"
+    return mapped
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fp32_logits_loss_and_gradients_match_transformers(name, tmp_path, vit_tool):
+    from transformers import ViTForImageClassification
+    overrides, height, width = CONFIGS[name]
+    torch.manual_seed(1)
+    model = ViTForImageClassification(vit_config(**overrides)).eval()
+    model.save_pretrained(tmp_path / "model")
+    pixels, labels = make_batch(tmp_path / "batch.safetensors", model.config.num_labels, height, width)
+    run(vit_tool, "forward", tmp_path / "model", tmp_path / "batch.safetensors", tmp_path / "out.safetensors")
+    ours = load_file(str(tmp_path / "out.safetensors"))
+
+    interpolate = (height, width) != (model.config.image_size,) * 2
+    output = model(pixel_values=pixels, labels=labels, interpolate_pos_encoding=interpolate)
+    output.loss.backward()
+    assert torch.allclose(ours["logits"], output.logits.detach(), atol=TOLERANCE, rtol=0), \
+        (ours["logits"] - output.logits).abs().max()
+    assert abs(ours["loss"].item() - output.loss.item()) < TOLERANCE
+    grads = {k[len("grad."):]: v for k, v in ours.items() if k.startswith("grad.")}
+    params = dict(model.named_parameters())
+    assert len(grads) == len(params), f"{len(grads)} gradients for {len(params)} parameters"
+    for our_name, grad in grads.items():
+        theirs = params[hf_name(model, our_name)].grad
+        assert grad.shape == theirs.shape, our_name
+        difference = (grad - theirs).abs().max().item()
+        assert difference < TOLERANCE, f"{our_name}: gradient differs by {difference}"
+
+
+def test_saved_model_reloads_in_transformers_with_the_same_logits(tmp_path, vit_tool):
+    from transformers import ViTForImageClassification
+    torch.manual_seed(2)
+    ViTForImageClassification(vit_config()).save_pretrained(tmp_path / "model")
+    pixels, _ = make_batch(tmp_path / "batch.safetensors", 5, 16, 16)
+    run(vit_tool, "train-step", tmp_path / "model", tmp_path / "batch.safetensors", tmp_path / "out", 0.5)
+    ours = load_file(str(tmp_path / "out" / "logits.safetensors"))["logits"]
+    reloaded = ViTForImageClassification.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        theirs = reloaded(pixel_values=pixels).logits
+    assert torch.allclose(ours, theirs, atol=TOLERANCE, rtol=0)
+    before = ViTForImageClassification.from_pretrained(tmp_path / "model").eval()
+    with torch.no_grad():
+        assert not torch.allclose(before(pixel_values=pixels).logits, theirs, atol=1e-3), "the step changed nothing"
+
+
+def test_backbone_checkpoint_gets_a_new_head_with_our_classes(tmp_path, vit_tool):
+    """A ViTModel checkpoint (no "vit." prefix, a pooler, no classifier) loads with a new head for the given
+    classes; the saved classifier has them as id2label/label2id and transformers loads it."""
+    from transformers import ViTForImageClassification, ViTModel
+    torch.manual_seed(3)
+    backbone = ViTModel(vit_config())
+    backbone.save_pretrained(tmp_path / "backbone")
+    classes = ["circle-red", "square-green", "triangle-blue"]
+    pixels, _ = make_batch(tmp_path / "batch.safetensors", len(classes), 16, 16)
+    run(vit_tool, "train-step", tmp_path / "backbone", tmp_path / "batch.safetensors", tmp_path / "out", 0.0,
+        ",".join(classes))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["id2label"] == {str(i): c for i, c in enumerate(classes)}
+    assert config["label2id"] == {c: i for i, c in enumerate(classes)}
+    reloaded = ViTForImageClassification.from_pretrained(tmp_path / "out").eval()
+    assert reloaded.config.num_labels == 3
+    with torch.no_grad():
+        theirs = reloaded(pixel_values=pixels).logits
+        # lr 0: the backbone is the checkpoint's, so transformers' ViTModel gives the same class-token features.
+        features = backbone.eval()(pixel_values=pixels).last_hidden_state[:, 0]
+        expected = features @ reloaded.classifier.weight.T + reloaded.classifier.bias
+    ours = load_file(str(tmp_path / "out" / "logits.safetensors"))["logits"]
+    assert torch.allclose(ours, theirs, atol=TOLERANCE, rtol=0)
+    assert torch.allclose(theirs, expected, atol=TOLERANCE, rtol=0)
