@@ -283,3 +283,94 @@ def test_bomb_allocates_nothing(image_tool, tmp_path):
     result = subprocess.run(["bash", "-c", f"ulimit -v 1048576; exec {image_tool} decode {tmp_path}/bomb.png "
                              f"{tmp_path}/out.raw"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 3 and "decompression bomb" in result.stderr, result.stderr
+
+
+# ---- datasets: image folders and JSONL --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_set(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-set")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_images.py"), "--out", str(out), "--classes",
+                    "4", "--per-class", "5", "--validation-per-class", "2"], check=True, capture_output=True)
+    (out / "train" / "circle-red" / "README.txt").write_text("not an image\n")
+    return out
+
+
+def list_dataset(tool, tmp_path, sources, classes="-", policy="error"):
+    out = tmp_path / "list.json"
+    answer = tool("list", ",".join(map(str, sources)), classes, policy, out)
+    if answer != "ok":
+        return answer
+    return json.loads(out.read_text())
+
+
+def test_folder_classes_sorted_and_files_as_imagefolder(tool, demo_set, tmp_path):
+    listed = list_dataset(tool, tmp_path, [demo_set / "train"])
+    classes = sorted(p.name for p in (demo_set / "train").iterdir() if p.is_dir())
+    assert listed["classes"] == classes
+    expected = [(str(f), classes.index(c)) for c in classes
+                for f in sorted((demo_set / "train" / c).iterdir()) if f.suffix in (".jpg", ".png")]
+    assert [(r[0], r[1]) for r in listed["records"]] == expected
+    assert listed["other_files"] == 1  # README.txt: counted, not read
+    assert listed["bad_records_skipped"] == 0
+
+
+def test_jsonl_gives_the_folder_dataset(tool, demo_set, tmp_path):
+    folder = list_dataset(tool, tmp_path, [demo_set / "train"])
+    jsonl = list_dataset(tool, tmp_path, [demo_set / "train.jsonl"])
+    assert jsonl["classes"] == folder["classes"]
+    assert sorted((r[0], r[1]) for r in jsonl["records"]) == sorted((r[0], r[1]) for r in folder["records"])
+    assert jsonl["records"][0][2] == f"{demo_set / 'train.jsonl'}:1"
+    # Validation with the training classes: the same ids for the same names.
+    validation = list_dataset(tool, tmp_path, [demo_set / "validation.jsonl"], ",".join(folder["classes"]))
+    for path, label, _ in validation["records"]:
+        assert folder["classes"][label] == pathlib.Path(path).parent.name
+
+
+def test_bad_records_name_file_and_line_or_are_counted(tool, demo_set, tmp_path):
+    good = (demo_set / "train.jsonl").read_text().splitlines()[:3]
+    bad = ["{not json", '{"label": "circle-red"}', '{"image": "train/x.jpg", "label": "hexagon-gold"}',
+           '{"image": "train/x.jpg", "label": 9}', '{"image": "train/x.jpg", "label": [1]}']
+    path = demo_set / "bad.jsonl"
+    path.write_text("\n".join(good[:1] + bad + good[1:]) + "\n")
+    classes = ",".join(list_dataset(tool, tmp_path, [demo_set / "train"])["classes"])
+    answer = list_dataset(tool, tmp_path, [path], classes)
+    assert answer.startswith(f"error {path}:2: invalid JSON"), answer
+    path.write_text("\n".join(good[:1] + bad[2:3]) + "\n")
+    answer = list_dataset(tool, tmp_path, [path], classes)
+    assert answer.startswith(f'error {path}:2: label "hexagon-gold" is not one of the 4 classes'), answer
+    path.write_text("\n".join(good[:1] + bad + good[1:]) + "\n")
+    skipped = list_dataset(tool, tmp_path, [path], classes, "skip")
+    assert skipped["bad_records_skipped"] == len(bad)
+    assert len(skipped["records"]) == 3
+
+
+def test_decoding_on_threads_is_the_same_and_bad_images_are_skipped_or_stop(tool, demo_set, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "ViTImageProcessor", "size": {"height": 24, "width": 24}, "resample": 2}))
+    results = []
+    for threads in (1, 3):
+        f32, meta = tmp_path / f"pixels{threads}.raw", tmp_path / f"meta{threads}.json"
+        assert tool("decode-batch", demo_set / "train", "-", model_dir, threads, "error", f32, meta) == "ok"
+        results.append((pathlib.Path(f32).read_bytes(), json.loads(meta.read_text())))
+    assert results[0] == results[1]
+    listed = list_dataset(tool, tmp_path, [demo_set / "train"])
+    assert results[0][1]["labels"] == [r[1] for r in listed["records"]]
+    # One image, preprocessed alone, is the same as in the batch.
+    first = listed["records"][3][0]
+    assert tool("preprocess", model_dir, first, tmp_path / "u8.raw", tmp_path / "one.raw") == "ok"
+    batch = np.frombuffer(results[0][0][8:], dtype=np.float32).reshape(-1, 3, 24, 24)
+    assert np.array_equal(batch[3], read_raw(tmp_path / "one.raw", np.float32))
+    # A truncated image: the error names it; with skip it is left out and described.
+    broken = demo_set / "broken"
+    (broken / "circle-red").mkdir(parents=True)
+    good = pathlib.Path(listed["records"][0][0])
+    (broken / "circle-red" / ("a" + good.suffix)).write_bytes(good.read_bytes())
+    (broken / "circle-red" / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 10)
+    answer = tool("decode-batch", broken, "-", model_dir, 2, "error", tmp_path / "p.raw", tmp_path / "m.json")
+    assert answer.startswith(f"error {broken / 'circle-red' / 'b.png'}: "), answer
+    assert tool("decode-batch", broken, "-", model_dir, 2, "skip", tmp_path / "p.raw", tmp_path / "m.json") == "ok"
+    meta = json.loads((tmp_path / "m.json").read_text())
+    assert meta["kept"] == [0] and len(meta["problems"]) == 1 and "b.png" in meta["problems"][0]
