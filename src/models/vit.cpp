@@ -1,6 +1,7 @@
 // ViT image classification (see vit.h). Classes in dependency order; shapes in comments.
 #include "models/vit.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -277,7 +278,11 @@ VitForImageClassification::VitForImageClassification(const nlohmann::json& confi
   image_size_ = h.image_size;
   labels_ = config_labels(config);
   num_labels_ = static_cast<int64_t>(labels_.size());
-  if (num_labels_ < 1) throw DataError("config.json: a classifier needs at least one class (id2label is empty)");
+  // transformers treats one label as regression (MSE loss); a classifier needs two classes or more.
+  if (num_labels_ < 2)
+    throw DataError("config.json: an image classifier needs at least 2 classes, id2label/num_labels gives " +
+                        std::to_string(num_labels_),
+                    "one label is regression in transformers, which trainer does not train");
   vit_ = register_module("vit", std::make_shared<VitBody>(h, options));
   classifier_weight_ = at::empty({num_labels_, h.hidden}, options);
   classifier_bias_ = at::zeros({num_labels_}, options);
@@ -324,7 +329,8 @@ void VitForImageClassification::init_weights(bool head_only) {
 }
 
 void VitForImageClassification::set_labels(const std::vector<std::string>& labels, const c10::TensorOptions& options) {
-  if (labels.empty()) throw UsageError("a classifier needs at least one class");
+  if (labels.size() < 2)
+    throw DataError("an image classifier needs at least 2 classes, the data has " + std::to_string(labels.size()));
   labels_ = labels;
   num_labels_ = static_cast<int64_t>(labels.size());
   classifier_weight_ = at::empty({num_labels_, vit_->hyper.hidden}, options);
@@ -344,7 +350,21 @@ namespace fs = std::filesystem;
 std::unique_ptr<VitForImageClassification> load_vit(const std::string& dir, ModelInit init,
                                                     const c10::TensorOptions& options, uint64_t seed,
                                                     const std::vector<std::string>& labels) {
-  const auto info = inspect_model_dir(dir, init == ModelInit::kPretrained);
+  // The weight files (the text models' inspect_model_dir knows only their model types).
+  std::vector<std::string> weight_files;
+  const fs::path root(dir), single = root / "model.safetensors", index = root / "model.safetensors.index.json";
+  if (fs::exists(single)) {
+    weight_files.push_back(single.string());
+  } else if (fs::exists(index)) {
+    for (const auto& [name, file] : read_weight_map(index)) {
+      const std::string path = (root / file).string();
+      if (std::find(weight_files.begin(), weight_files.end(), path) == weight_files.end()) weight_files.push_back(path);
+    }
+  }
+  if (init == ModelInit::kPretrained && weight_files.empty())
+    throw DataError(dir + " holds no model.safetensors or model.safetensors.index.json",
+                    "convert .bin weights with transformers' save_pretrained(safe_serialization=True), or set "
+                    "model.init=random to start from config.json alone");
   const nlohmann::json config = read_json_file((fs::path(dir) / "config.json").string());
   if (hf::get_string(config, "model_type", "") != "vit")
     throw DataError(dir + "/config.json: model_type \"" + hf::get_string(config, "model_type", "") +
@@ -364,7 +384,7 @@ std::unique_ptr<VitForImageClassification> load_vit(const std::string& dir, Mode
   std::vector<SafetensorsFile> files;
   std::map<std::string, std::pair<std::size_t, std::string>> where;  // our name -> (file, checkpoint name)
   ShapeMap got;
-  for (const auto& path : info.weight_files) files.push_back(SafetensorsFile::open(path));
+  for (const auto& path : weight_files) files.push_back(SafetensorsFile::open(path));
   for (std::size_t f = 0; f < files.size(); ++f) {
     for (const auto& tensor : files[f].tensors()) {
       std::string name = tensor.name;
@@ -387,7 +407,7 @@ std::unique_ptr<VitForImageClassification> load_vit(const std::string& dir, Mode
     got.erase("classifier.weight");
     got.erase("classifier.bias");
   }
-  check_state_dict(expected, got, info.dir);
+  check_state_dict(expected, got, dir);
   const auto dtype = c10::typeMetaToScalarType(options.dtype());
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     if (new_head && name.rfind("classifier.", 0) == 0) {

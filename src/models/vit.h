@@ -25,7 +25,7 @@ class VitBody;
 
 class VitForImageClassification : public Module {
  public:
-  // config: a ViT config.json (model_type "vit"); num_labels from id2label (or num_labels), at least 1.
+  // config: a ViT config.json (model_type "vit"); the classes from id2label (or num_labels), at least 2.
   VitForImageClassification(const nlohmann::json& config, const c10::TensorOptions& options);
 
   // pixel_values (B, C, H, W), H and W multiples of patch_size -> logits (B, num_labels).

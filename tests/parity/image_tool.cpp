@@ -9,7 +9,7 @@
 //       {"classes", "records": [[path, label, origin]...], "bad_records_skipped", "other_files"}
 //   trainer_image_tool decode-batch SOURCES CLASSES MODEL_DIR THREADS skip|error OUT_F32 OUT.json
 //       every record decoded and preprocessed on THREADS threads: the pixels (float32, N x 3 x H x W, header
-//       width/height of one image) and {"labels", "kept", "problems"}
+//       width/height of one image; OUT_F32 "-": not written) and {"labels", "kept", "problems"}
 //   trainer_image_tool batch                            one command a line on stdin; answers "ok" or
 //                                                       "error <message>" a line on stdout
 // Raw files: int32 width, int32 height (little-endian), then the pixels (RGB interleaved, or float32 CHW).
@@ -82,7 +82,7 @@ void run(const std::vector<std::string>& args) {
     for (std::size_t i = 0; i < indices.size(); ++i) indices[i] = i;
     const auto decoded = trainer::data::decode_images(dataset, indices, spec, std::stoi(args[4]), skip);
     const auto [height, width] = spec.output_size();
-    write_raw(args[6], width, height, decoded.pixels.data(), decoded.pixels.size() * sizeof(float));
+    if (args[6] != "-") write_raw(args[6], width, height, decoded.pixels.data(), decoded.pixels.size() * sizeof(float));
     std::ofstream(args[7]) << nlohmann::json{{"labels", decoded.labels}, {"kept", decoded.kept},
                                              {"problems", decoded.problems}}.dump();
   } else {

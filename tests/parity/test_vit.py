@@ -21,7 +21,8 @@ CONFIGS = {
     "no-qkv-bias-8px-patches": ({"qkv_bias": False, "patch_size": 8, "image_size": 32, "layer_norm_eps": 1e-6,
                                  "num_labels": 7}, 32, 32),
     "interpolated-24x20": ({}, 24, 20),
-    "gelu-tanh-one-class": ({"hidden_act": "gelu_pytorch_tanh", "num_labels": 1, "num_hidden_layers": 1}, 16, 16),
+    "gelu-tanh-two-classes-one-layer": ({"hidden_act": "gelu_pytorch_tanh", "num_labels": 2, "num_hidden_layers": 1},
+                                        16, 16),
 }
 
 
