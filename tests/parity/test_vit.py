@@ -140,3 +140,49 @@ def test_backbone_checkpoint_gets_a_new_head_with_our_classes(tmp_path, vit_tool
     ours = load_file(str(tmp_path / "out" / "logits.safetensors"))["logits"]
     assert torch.allclose(ours, theirs, atol=TOLERANCE, rtol=0)
     assert torch.allclose(theirs, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_predict_gives_transformers_probabilities(tmp_path, run_trainer):
+    """`trainer predict` on demo images (JPEG, PNG, grayscale, palette, CMYK, EXIF-rotated): the top-k classes and
+    probabilities of transformers' ViTImageProcessorPil + ViTForImageClassification on Pillow's decoding."""
+    import sys
+    from PIL import Image, ImageOps
+    from transformers import ViTForImageClassification
+    from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+    images = tmp_path / "images"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_demo_images.py"), "--out", str(images),
+                    "--classes", "6", "--per-class", "4", "--validation-per-class", "0"], check=True,
+                   capture_output=True)
+    classes = sorted(p.name for p in (images / "train").iterdir())
+    files = sorted((images / "train").rglob("*.*"))
+    torch.manual_seed(4)
+    config = vit_config(image_size=32, patch_size=8, num_labels=len(classes))
+    config.id2label = dict(enumerate(classes))
+    config.label2id = {c: i for i, c in enumerate(classes)}
+    model = ViTForImageClassification(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    processor_config = {"image_processor_type": "ViTImageProcessor", "size": {"height": 32, "width": 32},
+                        "resample": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    (tmp_path / "model" / "preprocessor_config.json").write_text(json.dumps(processor_config))
+    processor = ViTImageProcessorPil(**{k: v for k, v in processor_config.items() if k != "image_processor_type"})
+    args = ["predict", "--model", tmp_path / "model", "--top-k", 3, "--json"]
+    for f in files:
+        args += ["--image", f]
+    lines = run_trainer(*args).stdout.strip().splitlines()
+    assert len(lines) == len(files)
+    for f, line in zip(files, lines):
+        ours = json.loads(line)
+        assert ours["image"] == str(f)
+        with Image.open(f) as image:
+            rgb = ImageOps.exif_transpose(image).convert("RGB")
+        with torch.no_grad():
+            logits = model(**processor(rgb, return_tensors="pt")).logits[0]
+        probabilities = torch.softmax(logits, -1)
+        top = torch.topk(probabilities, 3)
+        assert [p["label"] for p in ours["predictions"]] == [classes[i] for i in top.indices.tolist()], f
+        for p, q in zip(ours["predictions"], top.values.tolist()):
+            assert abs(p["probability"] - q) < TOLERANCE, f
+    # A bad image: exit 3 naming it.
+    (tmp_path / "bad.jpg").write_bytes(b"not a jpeg")
+    result = run_trainer("predict", "--model", tmp_path / "model", "--image", tmp_path / "bad.jpg", check=False)
+    assert result.returncode == 3 and str(tmp_path / "bad.jpg") in result.stderr, result.stderr
