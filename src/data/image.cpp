@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string_view>
 
@@ -382,14 +383,21 @@ RgbImage decode_image(std::span<const std::uint8_t> bytes, const std::string& na
 }
 
 RgbImage load_image_file(const std::string& path, std::int64_t max_pixels) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  std::error_code error;
+  const auto status = std::filesystem::status(path, error);
+  if (error || !std::filesystem::exists(status))
+    fail(path, "cannot open the image file (" + (error ? error.message() : std::string("No such file or directory")) +
+                   ")",
+         "check the path and its permissions");
+  if (!std::filesystem::is_regular_file(status))
+    fail(path, "is not a regular file (a directory or a device), not an image", "check the path");
+  std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, std::string("cannot open the image file (") + std::strerror(errno) + ")",
                 "check the path and its permissions");
-  const std::streamoff size = in.tellg();
-  if (size < 0) fail(path, "cannot read the image file", "check the path and its permissions");
+  const auto size = std::filesystem::file_size(path, error);
+  if (error) fail(path, "cannot read the image file (" + error.message() + ")", "check the path and its permissions");
   std::vector<std::uint8_t> bytes(static_cast<std::size_t>(size));
-  in.seekg(0);
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size))
+  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
     fail(path, std::string("cannot read the image file (") + std::strerror(errno) + ")",
          "check the path and its permissions");
   return decode_image(bytes, path, max_pixels);

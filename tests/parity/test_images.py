@@ -256,6 +256,8 @@ def bad_files(tmp_path, demo_images):
     bomb_png(tmp_path / "zero.png", 0, 10)
     cases["zero.png"] = (None, "PNG")
     cases["missing.jpg"] = (None, "cannot open")
+    (tmp_path / "folder.jpg").mkdir()
+    cases["folder.jpg"] = (None, "is not a regular file")
     return {tmp_path / name: expected for name, (_, expected) in cases.items()}
 
 
