@@ -186,3 +186,23 @@ def test_predict_gives_transformers_probabilities(tmp_path, run_trainer):
     (tmp_path / "bad.jpg").write_bytes(b"not a jpeg")
     result = run_trainer("predict", "--model", tmp_path / "model", "--image", tmp_path / "bad.jpg", check=False)
     assert result.returncode == 3 and str(tmp_path / "bad.jpg") in result.stderr, result.stderr
+
+
+def test_dropout_and_activation_checkpointing_apply_from_outside(tmp_path, vit_tool):
+    """With dropout on (keyed masks), activation checkpointing installed from outside changes nothing: the same
+    logits and gradients as without it; and dropout does act (the logits differ from evaluation mode)."""
+    from transformers import ViTForImageClassification
+    torch.manual_seed(6)
+    ViTForImageClassification(vit_config(hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2)).save_pretrained(
+        tmp_path / "model")
+    make_batch(tmp_path / "batch.safetensors", 5, 16, 16)
+    outputs = {}
+    for mode in (["train"], ["train", "checkpointing"], []):
+        out = tmp_path / f"out-{'-'.join(mode) or 'eval'}.safetensors"
+        run(vit_tool, "forward", tmp_path / "model", tmp_path / "batch.safetensors", out, *mode)
+        outputs["-".join(mode) or "eval"] = load_file(str(out))
+    plain, checkpointed = outputs["train"], outputs["train-checkpointing"]
+    assert plain.keys() == checkpointed.keys()
+    for key in plain:
+        assert torch.allclose(plain[key], checkpointed[key], atol=1e-6, rtol=0), key
+    assert not torch.allclose(plain["logits"], outputs["eval"]["logits"], atol=1e-3), "dropout did nothing"

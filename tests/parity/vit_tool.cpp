@@ -1,8 +1,9 @@
 // trainer_vit_parity: runs our ViT on inputs tests/parity/test_vit.py prepares, for comparison with transformers.
 //
-//   trainer_vit_parity forward MODEL_DIR BATCH.safetensors OUT.safetensors
+//   trainer_vit_parity forward MODEL_DIR BATCH.safetensors OUT.safetensors [train] [checkpointing]
 //       logits, loss (mean cross-entropy over the batch, as transformers reports it) and grad.<name> of every
-//       parameter
+//       parameter; `train`: training mode (dropout on, keyed masks of step 0, seed 0); `checkpointing`: activation
+//       checkpointing installed from outside
 //   trainer_vit_parity train-step MODEL_DIR BATCH.safetensors OUT_DIR LR [LABEL,LABEL,...]
 //       loads MODEL_DIR (with a new head for the given classes, if any), one SGD step on the mean loss, saves to
 //       OUT_DIR, and writes OUT_DIR/logits.safetensors: the logits of the same batch after the step
@@ -17,6 +18,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "models/vit.h"
+#include "train/checkpointing_runner.h"
 #include "trainer/errors.h"
 #include "trainer/safetensors.h"
 
@@ -38,9 +40,11 @@ std::vector<std::string> split_labels(const std::string& text) {
   return out;
 }
 
-int forward(const std::string& model_dir, const std::string& batch_path, const std::string& out_path) {
+int forward(const std::string& model_dir, const std::string& batch_path, const std::string& out_path, bool training,
+            bool checkpointing) {
   auto model = trainer::load_vit(model_dir, trainer::ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
-  model->train(false);
+  model->train(training);
+  if (checkpointing) model->set_block_runner(trainer::activation_checkpointing_runner());
   model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
   const ImageBatch batch = read_batch(batch_path);
   const at::Tensor logits = model->forward(batch.pixels);
@@ -80,7 +84,14 @@ int train_step(const std::string& model_dir, const std::string& batch_path, cons
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   try {
-    if (args.size() == 4 && args[0] == "forward") return forward(args[1], args[2], args[3]);
+    if (args.size() >= 4 && args[0] == "forward") {
+      bool training = false, checkpointing = false;
+      for (std::size_t i = 4; i < args.size(); ++i) {
+        training = training || args[i] == "train";
+        checkpointing = checkpointing || args[i] == "checkpointing";
+      }
+      return forward(args[1], args[2], args[3], training, checkpointing);
+    }
     if ((args.size() == 5 || args.size() == 6) && args[0] == "train-step")
       return train_step(args[1], args[2], args[3], std::stod(args[4]),
                         args.size() == 6 ? split_labels(args[5]) : std::vector<std::string>{});
