@@ -2,6 +2,7 @@
 #include "cli/predict.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <iomanip>
 #include <ostream>
 
@@ -21,7 +22,11 @@ int run_predict(const PredictOptions& options, std::ostream& out) {
   if (options.top_k < 1) throw UsageError("--top-k must be at least 1, got " + std::to_string(options.top_k));
   auto model = load_vit(options.model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
   model->train(false);
-  const auto spec = data::read_image_processor(options.model_dir, "ViTImageProcessor");
+  auto spec = data::read_image_processor(options.model_dir, "ViTImageProcessor");
+  if (!std::filesystem::exists(std::filesystem::path(options.model_dir) / "preprocessor_config.json")) {
+    // No processor file: ViTImageProcessor's defaults at the model's own image size (not 224).
+    spec.resize_height = spec.resize_width = static_cast<int>(model->image_size());
+  }
   const auto [height, width] = spec.output_size();
   const int64_t k = std::min<int64_t>(options.top_k, model->num_labels());
   constexpr std::size_t kBatch = 16;

@@ -206,3 +206,24 @@ def test_dropout_and_activation_checkpointing_apply_from_outside(tmp_path, vit_t
     for key in plain:
         assert torch.allclose(plain[key], checkpointed[key], atol=1e-6, rtol=0), key
     assert not torch.allclose(plain["logits"], outputs["eval"]["logits"], atol=1e-3), "dropout did nothing"
+
+
+def test_predict_without_processor_file_uses_the_model_size(tmp_path, run_trainer):
+    """No preprocessor_config.json: ViTImageProcessor's defaults (bilinear, mean/std 0.5) at config.json's
+    image_size, so the position embeddings need no interpolation."""
+    from PIL import Image
+    from transformers import ViTForImageClassification
+    from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+    torch.manual_seed(8)
+    model = ViTForImageClassification(vit_config(image_size=24, patch_size=8, num_labels=3)).eval()
+    model.save_pretrained(tmp_path / "model")
+    rng = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (37, 53, 3), generator=rng, dtype=torch.uint8).numpy()
+    Image.fromarray(pixels).save(tmp_path / "noise.png")
+    ours = json.loads(run_trainer("predict", "--model", tmp_path / "model", "--image", tmp_path / "noise.png",
+                                  "--json", "--top-k", 3).stdout)
+    processor = ViTImageProcessorPil(size={"height": 24, "width": 24})
+    with torch.no_grad():
+        probabilities = torch.softmax(model(**processor(Image.fromarray(pixels), return_tensors="pt")).logits[0], -1)
+    for p in ours["predictions"]:
+        assert abs(p["probability"] - probabilities[p["id"]].item()) < TOLERANCE
