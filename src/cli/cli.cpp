@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include "cli/predict.h"
 #include "log/console.h"
 #include "memory/planner.h"
 #include "models/inspect.h"
@@ -214,12 +215,25 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   generate_cmd->add_option("--dtype", generate_command.dtype, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
 
+  PredictOptions predict_options;
+  auto* predict_cmd = app.add_subcommand("predict", "Classify images with an image classifier (ViT): top-k classes "
+                                                    "and probabilities (docs/images.md)");
+  predict_cmd->add_option("--model", predict_options.model_dir, "Model directory (config.json with id2label, "
+                                                                "weights, preprocessor_config.json)")
+      ->required();
+  predict_cmd->add_option("--image", predict_options.images, "Image file (JPEG, PNG, WebP); repeat for more")
+      ->required();
+  predict_cmd->add_option("--top-k", predict_options.top_k, "Classes to show per image")->capture_default_str();
+  predict_cmd->add_flag("--json", predict_options.json, "One JSON object a line: {image, predictions}");
+  predict_cmd->footer(kExitCodeHelp);
+
   // `trainer --config x` means `trainer train --config x`.
   std::vector<std::string> args;
   for (int i = argc - 1; i > 0; --i) args.emplace_back(argv[i]);  // CLI11 takes them reversed
   const bool has_subcommand =
       !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
                         args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
+                        args.back() == "predict" ||
                         is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
 
@@ -272,6 +286,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     return kExitOk;
   }
   if (generate_cmd->parsed()) return run_generate(generate_command, out);
+  if (predict_cmd->parsed()) return run_predict(predict_options, out);
   if (merge_cmd->parsed()) {
     const auto merged = merge_adapter(merge_options);
     out << "Merged " << merged.layers << " LoRA layers of " << merge_options.adapter_dir << " into "

@@ -1,5 +1,6 @@
 // Activation checkpointing as a custom autograd Function (LibTorch has no torch.utils.checkpoint).
 #include "train/checkpointing.h"
+#include "train/checkpointing_runner.h"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -86,16 +87,18 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
 }  // namespace
 
-void apply_activation_checkpointing(LanguageModel& model) {
-  model.set_block_runner([](const BlockFn& fn, const std::vector<at::Tensor>& inputs) {
+BlockRunner activation_checkpointing_runner() {
+  return [](const BlockFn& fn, const std::vector<at::Tensor>& inputs) {
     if (!at::GradMode::is_enabled()) return fn(inputs);  // evaluation and generation keep nothing anyway
     std::vector<at::Tensor> all;
     all.push_back(at::empty({0}, inputs[0].options().dtype(at::kFloat)).requires_grad_(true));
     all.insert(all.end(), inputs.begin(), inputs.end());
     return CheckpointFunction::apply(c10::make_intrusive<BlockHolder>(fn, current_dropout_context()),
                                      at::TensorList(all))[0];
-  });
+  };
 }
+
+void apply_activation_checkpointing(LanguageModel& model) { model.set_block_runner(activation_checkpointing_runner()); }
 
 void remove_activation_checkpointing(LanguageModel& model) { model.set_block_runner({}); }
 

@@ -1,0 +1,235 @@
+// Image-classification datasets: folders and JSONL listings, and threaded decoding (see image_dataset.h).
+#include "data/image_dataset.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "trainer/errors.h"
+
+namespace trainer::data {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kSkipHint = "fix or remove the record, or set data.on_bad_record = \"skip\" to count and skip "
+                                  "bad records";
+
+bool has_image_extension(const fs::path& path) {
+  std::string ext = path.extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return ext == ".jpg" || ext == ".jpeg" || ext == ".png" || ext == ".webp";
+}
+
+std::vector<std::string> sorted_subfolders(const std::string& folder) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(folder))
+    if (entry.is_directory()) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void read_folder(const std::string& folder, std::vector<std::string>& classes, bool fixed_classes, bool skip_bad,
+                 ImageDataset& out) {
+  const std::vector<std::string> folders = sorted_subfolders(folder);
+  if (folders.empty())
+    throw DataError(folder + ": an image folder needs one subfolder per class, and this one has none",
+                    "put the images of each class in FOLDER/<class name>/, or list them in a JSONL file");
+  if (!fixed_classes && classes.empty()) classes = folders;
+  for (const auto& name : folders) {
+    const auto it = std::find(classes.begin(), classes.end(), name);
+    const fs::path class_dir = fs::path(folder) / name;
+    if (it == classes.end()) {
+      if (!skip_bad)
+        throw DataError(class_dir.string() + ": class \"" + name + "\" is not one of the " +
+                            std::to_string(classes.size()) + " training classes",
+                        "give the validation folder the training folder's class subfolders, or set "
+                        "data.on_bad_record = \"skip\"");
+      ++out.bad_records_skipped;
+      continue;
+    }
+    const auto label = static_cast<std::int64_t>(it - classes.begin());
+    std::vector<std::string> files;
+    for (const auto& entry : fs::recursive_directory_iterator(class_dir, fs::directory_options::follow_directory_symlink)) {
+      if (!entry.is_regular_file()) continue;
+      if (has_image_extension(entry.path())) {
+        files.push_back(entry.path().string());
+      } else {
+        ++out.other_files;
+      }
+    }
+    std::sort(files.begin(), files.end());
+    for (auto& file : files) out.records.push_back({file, label, file});
+  }
+}
+
+// One JSONL record's image path and label (a class name or a number), or the problem with it.
+struct JsonlItem {
+  std::string image, origin, problem;
+  std::optional<std::string> name;
+  std::optional<std::int64_t> id;
+};
+
+std::vector<JsonlItem> read_jsonl(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) throw DataError(file + ": cannot open (" + std::string(std::strerror(errno)) + ")",
+                           "check the path in data.train_files / data.validation_files");
+  const fs::path base = fs::path(file).parent_path();
+  std::vector<JsonlItem> items;
+  std::string line;
+  for (std::int64_t number = 1; std::getline(in, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    JsonlItem item;
+    item.origin = file + ":" + std::to_string(number);
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception&) {
+      item.problem = "invalid JSON";
+      items.push_back(std::move(item));
+      continue;
+    }
+    if (!record.is_object() || !record.contains("image") || !record["image"].is_string() ||
+        record["image"].get<std::string>().empty()) {
+      item.problem = "needs \"image\": a path (relative to the JSONL file)";
+    } else if (!record.contains("label") || !(record["label"].is_string() || record["label"].is_number_integer())) {
+      item.problem = "needs \"label\": a class name or a class number";
+    } else {
+      const fs::path image = record["image"].get<std::string>();
+      item.image = (image.is_absolute() ? image : base / image).lexically_normal().string();
+      if (record["label"].is_string()) {
+        item.name = record["label"].get<std::string>();
+      } else {
+        item.id = record["label"].get<std::int64_t>();
+      }
+    }
+    items.push_back(std::move(item));
+  }
+  return items;
+}
+
+}  // namespace
+
+bool is_image_folder(const std::string& source) { return fs::is_directory(source); }
+
+ImageDataset open_image_dataset(const std::vector<std::string>& sources, const std::vector<std::string>& classes,
+                                bool skip_bad) {
+  ImageDataset out;
+  out.classes = classes;
+  const bool fixed = !classes.empty();
+  std::vector<JsonlItem> items;
+  for (const auto& source : sources) {
+    if (is_image_folder(source)) {
+      read_folder(source, out.classes, fixed, skip_bad, out);
+    } else {
+      auto more = read_jsonl(source);
+      items.insert(items.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+    }
+  }
+  if (items.empty()) return out;
+  // Without a class list, JSONL classes are its label names sorted, or the numbers 0..max.
+  if (out.classes.empty()) {
+    std::vector<std::string> names;
+    std::int64_t max_id = -1;
+    for (const auto& item : items) {
+      if (item.name) names.push_back(*item.name);
+      if (item.id) max_id = std::max(max_id, *item.id);
+    }
+    std::sort(names.begin(), names.end());
+    names.erase(std::unique(names.begin(), names.end()), names.end());
+    if (!names.empty() && max_id >= 0)
+      throw DataError(sources.front() + ": labels mix class names and class numbers, so the numbers mean nothing",
+                      "use names (or numbers) throughout, or give the classes (a model with id2label)");
+    if (!names.empty()) {
+      out.classes = names;
+    } else {
+      for (std::int64_t i = 0; i <= max_id; ++i) out.classes.push_back(std::to_string(i));
+    }
+  }
+  std::map<std::string, std::int64_t> ids;
+  for (std::size_t i = 0; i < out.classes.size(); ++i) ids[out.classes[i]] = static_cast<std::int64_t>(i);
+  const auto count = static_cast<std::int64_t>(out.classes.size());
+  for (auto& item : items) {
+    std::int64_t label = -1;
+    if (item.problem.empty() && item.name) {
+      const auto it = ids.find(*item.name);
+      if (it == ids.end()) {
+        item.problem = "label \"" + *item.name + "\" is not one of the " + std::to_string(count) + " classes";
+      } else {
+        label = it->second;
+      }
+    } else if (item.problem.empty() && item.id) {
+      if (*item.id < 0 || *item.id >= count) {
+        item.problem = "label " + std::to_string(*item.id) + " is outside the classes 0.." + std::to_string(count - 1);
+      } else {
+        label = *item.id;
+      }
+    }
+    if (!item.problem.empty()) {
+      if (!skip_bad) throw DataError(item.origin + ": " + item.problem, kSkipHint);
+      ++out.bad_records_skipped;
+      continue;
+    }
+    out.records.push_back({std::move(item.image), label, std::move(item.origin)});
+  }
+  return out;
+}
+
+DecodedImages decode_images(const ImageDataset& dataset, const std::vector<std::size_t>& indices,
+                            const ImageProcessorSpec& spec, int threads, bool skip_bad) {
+  const auto [height, width] = spec.output_size();
+  const std::size_t plane = static_cast<std::size_t>(3) * height * width;
+  std::vector<float> pixels(indices.size() * plane);
+  std::vector<std::string> problems(indices.size());
+  std::vector<std::exception_ptr> errors(indices.size());
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t i = next++; i < indices.size(); i = next++) {
+      const ImageRecord& record = dataset.records.at(indices[i]);
+      try {
+        const RgbImage image = load_image_file(record.path);
+        preprocess_image(image, spec, pixels.data() + i * plane);
+      } catch (const DataError& e) {
+        problems[i] = e.what();
+        errors[i] = std::current_exception();
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    }
+  };
+  const int count = std::max(1, std::min<int>(threads, static_cast<int>(indices.size())));
+  std::vector<std::thread> pool;
+  for (int t = 1; t < count; ++t) pool.emplace_back(work);
+  work();
+  for (auto& thread : pool) thread.join();
+
+  DecodedImages out;
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    if (errors[i]) {
+      if (!skip_bad || problems[i].empty()) std::rethrow_exception(errors[i]);  // non-data errors always stop
+      out.problems.push_back(problems[i]);
+      continue;
+    }
+    out.kept.push_back(i);
+    out.labels.push_back(dataset.records[indices[i]].label);
+  }
+  if (out.kept.size() == indices.size()) {
+    out.pixels = std::move(pixels);
+  } else {
+    out.pixels.reserve(out.kept.size() * plane);
+    for (std::size_t i : out.kept)
+      out.pixels.insert(out.pixels.end(), pixels.begin() + static_cast<std::ptrdiff_t>(i * plane),
+                        pixels.begin() + static_cast<std::ptrdiff_t>((i + 1) * plane));
+  }
+  return out;
+}
+
+}  // namespace trainer::data

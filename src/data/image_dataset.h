@@ -1,0 +1,55 @@
+// Image-classification datasets: which files, which class each is, and decoding a batch of them on worker
+// threads. Sources are image folders (one subfolder per class, classes sorted by name, as torchvision's
+// ImageFolder) or JSONL files of {"image": "path", "label": "daisy" | 3} (paths relative to the JSONL file).
+// Bad records and bad images stop with a `file: what` DataError, or are counted and skipped (skip_bad). No LibTorch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/image_preprocess.h"
+
+namespace trainer::data {
+
+struct ImageRecord {
+  std::string path;     // the image file
+  std::int64_t label;   // index into ImageDataset::classes
+  std::string origin;   // where the record came from, for messages: the JSONL "file:line", or the image path
+};
+
+struct ImageDataset {
+  std::vector<std::string> classes;   // class names by label id
+  std::vector<ImageRecord> records;   // folder: class by class, files sorted by path; JSONL: file order
+  std::int64_t bad_records_skipped = 0;  // JSONL records (and labels) skipped with skip_bad
+  std::int64_t other_files = 0;          // files in an image folder that are not .jpg/.jpeg/.png/.webp (counted,
+                                         // not read: README.txt, .DS_Store, ...)
+};
+
+// Reads the sources. `classes` fixes the class list (a validation set must use the training set's; a model's
+// id2label); empty: the folder's subfolders sorted by name, or the JSONL's string labels sorted (integer labels:
+// 0..max). A label that is not a known class, an integer out of range, a missing "image"/"label" field or invalid
+// JSON is a DataError naming file:line (folder: the class folder), or is counted and skipped with skip_bad.
+ImageDataset open_image_dataset(const std::vector<std::string>& sources, const std::vector<std::string>& classes,
+                                bool skip_bad);
+
+// Whether a path names an image folder (a directory) rather than a JSONL file.
+bool is_image_folder(const std::string& source);
+
+// A decoded, preprocessed batch: pixels of the kept records (kept.size() x 3 x H x W float32, channel-first),
+// their labels, the positions (into the requested indices) that were kept, and what was wrong with the others.
+struct DecodedImages {
+  std::vector<float> pixels;
+  std::vector<std::int64_t> labels;
+  std::vector<std::size_t> kept;
+  std::vector<std::string> problems;  // "file: what", one per skipped image
+};
+
+// Decodes and preprocesses records `indices` of `dataset` on `threads` worker threads (each image independent,
+// results in index order whatever the thread count). A bad image throws its DataError (the first in index order),
+// or with skip_bad is left out and described in `problems`.
+DecodedImages decode_images(const ImageDataset& dataset, const std::vector<std::size_t>& indices,
+                            const ImageProcessorSpec& spec, int threads, bool skip_bad);
+
+}  // namespace trainer::data

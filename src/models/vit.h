@@ -1,0 +1,69 @@
+// ViT image classification (transformers' ViTForImageClassification): patch embedding, class token, learned
+// positions (bicubically interpolated when the image size differs from config.json's), pre-norm blocks with GELU,
+// final LayerNorm and a linear head on the class token. Parameter names are the checkpoint's
+// ("vit.encoder.layer.0.attention.attention.query.weight"); a ViTModel checkpoint (no "vit." prefix, no head) loads
+// with a new head. Maths only: LoRA (Linear output hooks), activation checkpointing (the block runner) and
+// precision are applied from outside, as for the text models.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
+#include <nlohmann/json.hpp>
+
+#include "models/model.h"
+#include "models/module.h"
+#include "trainer/config.h"
+
+namespace trainer {
+
+class VitBody;
+
+class VitForImageClassification : public Module {
+ public:
+  // config: a ViT config.json (model_type "vit"); the classes from id2label (or num_labels), at least 2.
+  VitForImageClassification(const nlohmann::json& config, const c10::TensorOptions& options);
+
+  // pixel_values (B, C, H, W), H and W multiples of patch_size -> logits (B, num_labels).
+  at::Tensor forward(const at::Tensor& pixel_values);
+  // The class token's final hidden state (B, D), what the head reads (a linear probe may cache it).
+  at::Tensor features(const at::Tensor& pixel_values);
+  at::Tensor head(const at::Tensor& features) const;
+
+  // HF's initialisation (truncated normal of initializer_range, zero biases, unit LayerNorms) from the global
+  // generator; head_only re-initialises just the classifier (a new head on a pretrained backbone).
+  void init_weights(bool head_only = false);
+
+  void set_block_runner(BlockRunner runner) { block_runner_ = std::move(runner); }
+  const nlohmann::json& hf_config() const { return config_; }
+  int64_t num_labels() const { return num_labels_; }
+  int64_t image_size() const { return image_size_; }
+  // Class names by id (config.json's id2label; "LABEL_i" where it has none).
+  const std::vector<std::string>& labels() const { return labels_; }
+  // Sets the classes (id2label/label2id in config.json) and rebuilds the head for their number.
+  void set_labels(const std::vector<std::string>& labels, const c10::TensorOptions& options);
+
+ private:
+  nlohmann::json config_;
+  int64_t num_labels_ = 0, image_size_ = 0;
+  std::vector<std::string> labels_;
+  std::shared_ptr<VitBody> vit_;
+  at::Tensor classifier_weight_, classifier_bias_;
+  BlockRunner block_runner_;
+};
+
+// Reads dir/config.json and the weights. A checkpoint without the head (a ViTModel, or a classifier for other
+// classes when `labels` is given and differs) gets a new, randomly initialised head from `seed`; init = random
+// initialises everything from `seed`. Missing or misshapen backbone tensors are one DataError listing them.
+std::unique_ptr<VitForImageClassification> load_vit(const std::string& dir, ModelInit init,
+                                                    const c10::TensorOptions& options, uint64_t seed = 0,
+                                                    const std::vector<std::string>& labels = {});
+// Writes config.json (with id2label/label2id and architectures = ViTForImageClassification) and
+// model.safetensors so that transformers' from_pretrained loads it.
+void save_vit(VitForImageClassification& model, const std::string& dir);
+
+}  // namespace trainer
