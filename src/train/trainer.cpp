@@ -570,6 +570,8 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   options.max_retries = config.memory.max_retries;
   options.chunked_loss = config.training.chunked_loss;
   options.seed = static_cast<uint64_t>(config.training.seed);
+  options.packing = config.data.packing;
+  options.pack_capacity = pack_capacity(config.data, family);
   TrainStep step(*model, *optimizer, policy, options);
   int64_t tokens_seen = 0;
   int64_t step_index = 0;
