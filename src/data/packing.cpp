@@ -70,9 +70,14 @@ PackedBatch collate_packed(std::span<const Example> examples, std::span<const Pa
   const bool seq2seq = family == DataFamily::kSeq2Seq;
   const auto b = static_cast<int64_t>(rows.size());
   int64_t t = 1, l = 1, s = 1;
-  for (const auto& row : rows) {
-    t = std::max(t, row.input);
-    l = std::max(l, row.labels);
+  for (const auto& row : rows) {  // lengths from the examples themselves
+    int64_t input = 0, labels = 0;
+    for (const int64_t i : row.examples) {
+      input += input_length(examples[static_cast<std::size_t>(i)]);
+      labels += static_cast<int64_t>(examples[static_cast<std::size_t>(i)].labels.size());
+    }
+    t = std::max(t, input);
+    l = std::max(l, labels);
     s = std::max(s, static_cast<int64_t>(row.examples.size()));
   }
   const auto long_options = at::TensorOptions().dtype(at::kLong);
@@ -109,21 +114,21 @@ PackedBatch collate_packed(std::span<const Example> examples, std::span<const Pa
       segment_examples[r * (s + 1) + segment] = row.examples[j];
       starts[r * (s + 1) + segment] = column;
       for (std::size_t i = 0; i < e.input_ids.size(); ++i) {
-        const int64_t at = r * t + column + static_cast<int64_t>(i);
-        ids[at] = e.input_ids[i];
-        mask[at] = 1;
-        segments[at] = segment;
-        positions[at] = static_cast<int64_t>(i);
+        const int64_t cell = r * t + column + static_cast<int64_t>(i);
+        ids[cell] = e.input_ids[i];
+        mask[cell] = 1;
+        segments[cell] = segment;
+        positions[cell] = static_cast<int64_t>(i);
         if (!seq2seq) labels[r * label_columns + column + static_cast<int64_t>(i)] = i == 0 ? -100 : e.labels[i];
       }
       column += static_cast<int64_t>(e.input_ids.size());
       if (seq2seq) {
         decoder_starts[r * (s + 1) + segment] = label_column;
         for (std::size_t i = 0; i < e.labels.size(); ++i) {
-          const int64_t at = r * l + label_column + static_cast<int64_t>(i);
-          labels[at] = e.labels[i];
-          decoder_segments[at] = segment;
-          decoder_positions[at] = static_cast<int64_t>(i);
+          const int64_t cell = r * l + label_column + static_cast<int64_t>(i);
+          labels[cell] = e.labels[i];
+          decoder_segments[cell] = segment;
+          decoder_positions[cell] = static_cast<int64_t>(i);
         }
         label_column += static_cast<int64_t>(e.labels.size());
       }

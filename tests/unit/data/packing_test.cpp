@@ -1,5 +1,6 @@
 // Packing (data/packing.h): which examples share a row, what a packed row holds, and the masks models build from
 // segment ids. The training-level promise (packed weights = padded weights) is in tests/unit/train/packing_step_test.
+#include <algorithm>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -107,8 +108,9 @@ TEST(Packing, SegmentMaskIsBlockDiagonalCausalAndNeverEmpty) {
                                           0, 0, 1, 1, 0, 0,  //
                                           0, 0, 1, 1, 1, 0,  //
                                           1, 1, 1, 1, 1, 1},  // padding query: sees all (its output is unused)
-                                         at::kBool)
-                                   .view({6, 6});
+                                         at::kLong)
+                                   .view({6, 6})
+                                   .to(at::kBool);
   EXPECT_TRUE(at::equal(mask, expected)) << mask;
   // Sliding window of 2 within a segment: position 2 sees positions 1 and 2 of its example.
   const at::Tensor window = segment_mask(segments, segments, positions, positions, true, 2).squeeze();
@@ -117,7 +119,7 @@ TEST(Packing, SegmentMaskIsBlockDiagonalCausalAndNeverEmpty) {
   // Cross-attention: decoder segments to encoder segments, no causality.
   const at::Tensor decoder = at::tensor({1, 2, 2, 0}, at::kLong).view({1, 4});
   const at::Tensor cross = segment_mask(decoder, segments, {}, {}, false, std::nullopt).squeeze();
-  EXPECT_TRUE(at::equal(cross[1], at::tensor({0, 0, 1, 1, 1, 0}, at::kBool)));
+  EXPECT_TRUE(at::equal(cross[1], at::tensor({0, 0, 1, 1, 1, 0}, at::kLong).to(at::kBool)));
 }
 
 TEST(Packing, FiguresCountRealTokensAgainstRowCapacity) {
