@@ -177,6 +177,7 @@ struct DataConfig {
   BadRecordPolicy on_bad_record = BadRecordPolicy::kError;
   bool shuffle = true;
   bool group_by_length = false;
+  bool packing = false;
   std::int64_t num_workers = 2;
 
   template <class V>
@@ -196,6 +197,9 @@ struct DataConfig {
     v("on_bad_record", on_bad_record, "error: stop at the first bad record (exit 3); skip: count and go on");
     v("shuffle", shuffle, "shuffle the examples every epoch (seeded by training.seed)");
     v("group_by_length", group_by_length, "group similar lengths into batches, longest batch first");
+    v("packing", packing,
+      "training packs several examples into each row up to the maximum lengths (attention and positions stay per "
+      "example, the same weights as padded rows; the micro-batch counts rows); docs/packing.md");
     v("num_workers", num_workers, "tokenizer worker threads");
   }
   bool operator==(const DataConfig&) const = default;

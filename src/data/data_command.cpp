@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "data/packing.h"
 #include "trainer/data.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"
@@ -28,11 +29,14 @@ std::uint64_t peak_rss_bytes() {
 struct PassResult {
   DataStats stats;
   std::uint64_t batches = 0, tokens = 0, target_tokens = 0, padded_tokens = 0;
+  PackingFigures packing;  // every effective batch packed into rows of the maximum lengths (data.packing)
+  PackCapacity capacity;
   double seconds = 0;
 };
 
-PassResult stream_all(DataLoader& loader, int32_t pad_id) {
+PassResult stream_all(DataLoader& loader, int32_t pad_id, DataFamily family, PackCapacity capacity) {
   PassResult result;
+  result.capacity = capacity;
   const auto start = std::chrono::steady_clock::now();
   while (auto batch = loader.next()) {
     ++result.batches;
@@ -40,6 +44,11 @@ PassResult stream_all(DataLoader& loader, int32_t pad_id) {
     for (const auto& e : batch->examples) result.tokens += e.input_ids.size() + e.labels.size();
     const CollatedBatch collated = collate(batch->examples, pad_id, c10::Device(c10::kCPU));
     result.padded_tokens += static_cast<std::uint64_t>(collated.input_ids.numel() + collated.labels.numel());
+    const PackingFigures packed = packing_figures(batch->examples, family, capacity);
+    result.packing.rows += packed.rows;
+    result.packing.tokens += packed.tokens;
+    result.packing.capacity_tokens += packed.capacity_tokens;
+    result.packing.padded_tokens += packed.padded_tokens;
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   result.stats = loader.stats();
@@ -59,6 +68,14 @@ void print_pass(const char* name, const PassResult& r, std::ostream& out) {
   out << fmt::format("  tokens              {} ({} target; {:.1f}% padding after collation)\n", r.tokens,
                      r.target_tokens,
                      r.padded_tokens ? 100.0 * (1.0 - static_cast<double>(r.tokens) / static_cast<double>(r.padded_tokens)) : 0.0);
+  const PackingFigures& p = r.packing;
+  auto percent = [](int64_t part, int64_t whole) { return whole ? 100.0 * static_cast<double>(part) / static_cast<double>(whole) : 0.0; };
+  out << fmt::format("  packing             {} rows for {} examples (data.packing, rows of {}): {:.1f}% of the row "
+                     "capacity is real tokens; {:.1f}% padding after collation\n",
+                     p.rows, s.examples,
+                     r.capacity.labels ? fmt::format("{} + {} tokens", r.capacity.input, r.capacity.labels)
+                                       : fmt::format("{} tokens", r.capacity.input),
+                     percent(p.tokens, p.capacity_tokens), 100.0 - percent(p.tokens, p.padded_tokens));
   out << fmt::format("  time                {:.2f} s: {:.0f} examples/s, {:.0f} tokens/s\n", r.seconds,
                      static_cast<double>(s.examples) / seconds, static_cast<double>(r.tokens) / seconds);
   for (const auto& problem : s.first_problems) out << "  problem: " << problem << "\n";
@@ -80,9 +97,10 @@ int run_data(const Config& config, std::ostream& out) {
                      model.model_type, tokenizer->source(), config.data.num_workers, config.training.batch_size);
   auto train = make_train_loader(one_pass, *tokenizer, family);
   out << fmt::format("train: {} records per epoch\n", train->examples_per_epoch());
-  print_pass("train", stream_all(*train, pad_id), out);
+  const PackCapacity capacity = pack_capacity(config.data, family);
+  print_pass("train", stream_all(*train, pad_id, family, capacity), out);
   if (auto validation = make_validation_loader(one_pass, *tokenizer, family, config.training.batch_size))
-    print_pass("validation", stream_all(*validation, pad_id), out);
+    print_pass("validation", stream_all(*validation, pad_id, family, capacity), out);
   out << fmt::format("peak RSS {:.1f} MiB\n", static_cast<double>(peak_rss_bytes()) / (1024.0 * 1024.0));
   return kExitOk;
 }

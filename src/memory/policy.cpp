@@ -32,6 +32,10 @@ std::vector<std::pair<int64_t, int64_t>> MemoryPolicy::split(std::span<const Exa
                     : split_counts(static_cast<int64_t>(examples.size()), micro_batch_);
 }
 
+std::vector<std::pair<int64_t, int64_t>> MemoryPolicy::split_rows(std::span<const std::pair<int64_t, int64_t>> sizes) const {
+  return by_tokens_ ? split_token_sizes(sizes, micro_batch_) : split_counts(static_cast<int64_t>(sizes.size()), micro_batch_);
+}
+
 bool MemoryPolicy::shrink(int64_t step, const std::string& where, bool single_examples) {
   stable_steps_ = 0;
   largest_ok_ = std::min(largest_ok_, micro_batch_ - 1);
@@ -130,12 +134,19 @@ void MemoryPolicy::restore(const nlohmann::json& state) {
 
 std::vector<std::pair<int64_t, int64_t>> split_tokens(std::span<const Example> examples, int64_t tokens, bool seq2seq) {
   // Collation pads inputs to the longest input and (seq2seq) labels to the longest labels of the micro-batch.
-  auto input = [&](int64_t i) { return static_cast<int64_t>(examples[static_cast<std::size_t>(i)].input_ids.size()); };
-  auto labels = [&](int64_t i) {
-    return seq2seq ? static_cast<int64_t>(examples[static_cast<std::size_t>(i)].labels.size()) : int64_t{0};
-  };
+  std::vector<std::pair<int64_t, int64_t>> sizes;
+  sizes.reserve(examples.size());
+  for (const auto& e : examples)
+    sizes.emplace_back(static_cast<int64_t>(e.input_ids.size()), seq2seq ? static_cast<int64_t>(e.labels.size()) : 0);
+  return split_token_sizes(sizes, tokens);
+}
+
+std::vector<std::pair<int64_t, int64_t>> split_token_sizes(std::span<const std::pair<int64_t, int64_t>> sizes,
+                                                           int64_t tokens) {
+  auto input = [&](int64_t i) { return sizes[static_cast<std::size_t>(i)].first; };
+  auto labels = [&](int64_t i) { return sizes[static_cast<std::size_t>(i)].second; };
   std::vector<std::pair<int64_t, int64_t>> parts;
-  const auto n = static_cast<int64_t>(examples.size());
+  const auto n = static_cast<int64_t>(sizes.size());
   for (int64_t begin = 0; begin < n;) {
     int64_t count = 1, longest_input = input(begin), longest_labels = labels(begin);
     while (begin + count < n) {

@@ -31,6 +31,8 @@ class MemoryPolicy {
   void set_micro_batch(int64_t n, int64_t step, const std::string& reason);
   // The effective batch's micro-batches as consecutive (begin, count) parts: by count, or by padded tokens.
   std::vector<std::pair<int64_t, int64_t>> split(std::span<const Example> examples, bool seq2seq) const;
+  // The same over packed rows (data.packing) of (input, target) tokens each: rows count as examples do.
+  std::vector<std::pair<int64_t, int64_t>> split_rows(std::span<const std::pair<int64_t, int64_t>> sizes) const;
 
   // After an out-of-memory error at `step` in `where`: a smaller micro-batch (true), or false at the floor.
   // `single_examples`: the failed split already had one example per micro-batch (the floor in token mode).
@@ -76,5 +78,8 @@ std::vector<std::pair<int64_t, int64_t>> split_counts(int64_t count, int64_t mic
 // Splits examples into consecutive parts whose padded size (examples x (longest input + longest labels for
 // seq2seq; longest input for causal)) stays within `tokens`; a part holds at least one example.
 std::vector<std::pair<int64_t, int64_t>> split_tokens(std::span<const Example> examples, int64_t tokens, bool seq2seq);
+// The same over units of (input, target) tokens.
+std::vector<std::pair<int64_t, int64_t>> split_token_sizes(std::span<const std::pair<int64_t, int64_t>> sizes,
+                                                           int64_t tokens);
 
 }  // namespace trainer

@@ -29,6 +29,15 @@ DropoutScope::DropoutScope(uint64_t seed, int64_t step, int64_t first_example, i
   current_context = std::move(context);
 }
 
+DropoutScope::DropoutScope(uint64_t seed, int64_t step, std::vector<PackedDropoutStream> streams)
+    : previous_(current_context) {
+  auto context = std::make_shared<DropoutContext>();
+  context->seed = seed;
+  context->step = step;
+  context->streams = std::move(streams);
+  current_context = std::move(context);
+}
+
 DropoutScope::DropoutScope(std::shared_ptr<const DropoutContext> context) : previous_(current_context) {
   current_context = std::move(context);
 }
@@ -47,7 +56,10 @@ at::Tensor Dropout::keep_mask(const at::Tensor& x, bool attention) const {
   uint64_t seed = 0;
   int64_t step = 0;
   at::Tensor rows;
-  if (context) {
+  if (context && !context->streams.empty()) {
+    seed = context->seed;
+    step = context->step;
+  } else if (context) {
     if (context->rows.size(0) != batch)
       throw std::logic_error("dropout: the context names " + std::to_string(context->rows.size(0)) +
                              " examples, the tensor has " + std::to_string(batch) + " rows");
@@ -58,6 +70,7 @@ at::Tensor Dropout::keep_mask(const at::Tensor& x, bool attention) const {
     rows = at::arange(batch, x.options().dtype(at::kLong)).mul(int64_t{1} << kRowShift);
   }
   const uint64_t key = counter_key({seed, static_cast<uint64_t>(step), *site_});
+  if (context && !context->streams.empty()) return packed_keep_mask(*context, x, attention, key);
   std::vector<int64_t> strides;
   if (attention) {
     TORCH_CHECK(x.dim() == 4, "attention dropout takes (B, H, Tq, Tk), got ", x.sizes());
@@ -72,6 +85,51 @@ at::Tensor Dropout::keep_mask(const at::Tensor& x, bool attention) const {
                 "dropout: one example of ", x.sizes(), " has more than 2^40 elements");
   }
   return counter_keep_mask(key, rows, x.sizes(), strides, p_);
+}
+
+// Packed rows: element (b, t, i_1, ..., i_k) of a hidden-state tensor draws at (example << 40) + p * inner + the
+// offset of (i_1, ..., i_k), p its position within the example, as it would in the example's padded row; attention
+// element (b, h, q, k) at (example << 40) + h << 32 + p_q << 16 + p_k, p_k = k minus the first key position of
+// q's example (keys of other examples are masked: their draw does not matter). One grid row per (b, t) or (b, q).
+at::Tensor Dropout::packed_keep_mask(const DropoutContext& context, const at::Tensor& x, bool attention,
+                                     uint64_t key) const {
+  const auto stream_at = [&](int index) -> const PackedDropoutStream& {
+    if (index >= static_cast<int>(context.streams.size()))
+      throw std::logic_error("dropout: the site follows packed stream " + std::to_string(index) + ", the context has " +
+                             std::to_string(context.streams.size()));
+    return context.streams[static_cast<std::size_t>(index)];
+  };
+  const PackedDropoutStream& rows = stream_at(query_stream_);
+  const int64_t b = x.size(0), t = x.dim() > 1 ? x.size(attention ? 2 : 1) : 0;
+  if (x.dim() < 2 || rows.segments.size(0) != b || rows.segments.size(1) != t)
+    throw std::logic_error("dropout: packed rows of " + std::to_string(rows.segments.size(0)) + " x " +
+                           std::to_string(rows.segments.size(1)) + " positions, the tensor is " +
+                           c10::str(x.sizes()));
+  const auto device = x.device();
+  const at::Tensor example = rows.examples.to(device).gather(1, rows.segments.to(device));  // (B, T)
+  const at::Tensor position = rows.positions.to(device);
+  const at::Tensor base = example.mul(int64_t{1} << kRowShift);
+  if (attention) {
+    TORCH_CHECK(x.dim() == 4, "attention dropout takes (B, H, Tq, Tk), got ", x.sizes());
+    TORCH_CHECK(x.size(1) < 256 && x.size(2) < 65536 && x.size(3) < 65536,
+                "attention dropout supports up to 255 heads and 65535 positions, got ", x.sizes());
+    const PackedDropoutStream& keys = stream_at(key_stream_);
+    const at::Tensor key_start = keys.starts.to(device).gather(1, rows.segments.to(device));  // (B, Tq)
+    const at::Tensor row_base = (base + position.mul(int64_t{1} << 16) - key_start).reshape({-1});
+    const at::Tensor mask = counter_keep_mask(key, row_base, {b * t, x.size(1), x.size(3)},
+                                              {int64_t{1} << 32, 1}, p_);  // (B * Tq, H, Tk)
+    return mask.view({b, t, x.size(1), x.size(3)}).permute({0, 2, 1, 3});
+  }
+  std::vector<int64_t> sizes = {b * t};
+  std::vector<int64_t> strides;
+  int64_t inner = 1;
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    strides.insert(strides.begin(), inner);
+    inner *= x.size(d);
+  }
+  for (int64_t d = 2; d < x.dim(); ++d) sizes.push_back(x.size(d));
+  const at::Tensor row_base = (base + position.mul(inner)).reshape({-1});
+  return counter_keep_mask(key, row_base, sizes, strides, p_).view(x.sizes());
 }
 
 at::Tensor Dropout::forward(const at::Tensor& x, bool training) const {
@@ -99,9 +157,21 @@ uint64_t dropout_site_id(const std::string& path) {
   return key;
 }
 
+std::pair<int, int> dropout_streams_for_path(const std::string& path) {
+  if (!path.starts_with("decoder.")) return {0, 0};
+  if (path.find(".EncDecAttention.k.") != std::string::npos || path.find(".EncDecAttention.v.") != std::string::npos)
+    return {0, 0};
+  if (path.find(".EncDecAttention.dropout") != std::string::npos) return {1, 0};
+  return {1, 1};
+}
+
 void assign_dropout_sites(Module& root, const std::string& prefix) {
   root.for_each_module([&](const std::string& name, Module& m) {
-    if (auto* dropout = dynamic_cast<Dropout*>(&m)) dropout->set_site(dropout_site_id(prefix + name));
+    if (auto* dropout = dynamic_cast<Dropout*>(&m)) {
+      dropout->set_site(dropout_site_id(prefix + name));
+      const auto [query, key] = dropout_streams_for_path(prefix + name);
+      dropout->set_streams(query, key);
+    }
   });
 }
 

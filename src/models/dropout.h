@@ -13,6 +13,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -21,11 +23,23 @@
 
 namespace trainer {
 
+// One sequence of packed rows (data.packing) as dropout sees it: per position its segment (0: padding) and its
+// position within the segment; per segment (column s of (B, S + 1)) its example's index in the effective batch and
+// its first position in the row. T5 has two: stream 0 the encoder's (and a causal model's only one), stream 1 the
+// decoder's.
+struct PackedDropoutStream {
+  at::Tensor segments, positions;  // (B, T) int64
+  at::Tensor examples, starts;     // (B, S + 1) int64
+};
+
 // What the masks of one micro-batch's forward are drawn for.
 struct DropoutContext {
   uint64_t seed = 0;
   int64_t step = 0;
   at::Tensor rows;  // int64 (B): counter base of each row of the micro-batch, (index in the effective batch) << 40
+  // Packed rows instead of one example per row: an element draws at the counter it has in its example's own
+  // padded row (example << 40, its position within the example), so packing changes no mask.
+  std::vector<PackedDropoutStream> streams;
 };
 
 // Makes a context current on this thread until the scope ends; the previous one is current again after it.
@@ -33,6 +47,8 @@ class DropoutScope {
  public:
   // Rows are examples first_example, first_example + 1, ... of the effective batch; `rows` lives on `device`.
   DropoutScope(uint64_t seed, int64_t step, int64_t first_example, int64_t count, const c10::Device& device);
+  // Packed rows: `streams` as PackedDropoutStream describes (on the device of the tensors).
+  DropoutScope(uint64_t seed, int64_t step, std::vector<PackedDropoutStream> streams);
   explicit DropoutScope(std::shared_ptr<const DropoutContext> context);
   ~DropoutScope();
   DropoutScope(const DropoutScope&) = delete;
@@ -78,12 +94,25 @@ class Dropout : public Module {
   double p() const { return p_; }
   void set_site(uint64_t site) { site_ = site; }
   std::optional<uint64_t> site() const { return site_; }
+  // Which packed stream the rows (queries) and, for attention, the keys of this site follow (0 unless a model
+  // with two sequences says otherwise: dropout_streams_for_path).
+  void set_streams(int query, int key) {
+    query_stream_ = query;
+    key_stream_ = key;
+  }
 
  private:
   at::Tensor keep_mask(const at::Tensor& x, bool attention) const;
+  at::Tensor packed_keep_mask(const DropoutContext& context, const at::Tensor& x, bool attention, uint64_t key) const;
   double p_;
   std::optional<uint64_t> site_;
+  int query_stream_ = 0, key_stream_ = 0;
 };
+
+// The packed streams of the site at this module path: T5's decoder (paths "decoder.") is stream 1, except the
+// inputs of its cross-attention's key and value projections (encoder states, stream 0: LoRA's dropout there), and
+// its cross-attention probabilities have decoder queries and encoder keys. Everything else is stream 0.
+std::pair<int, int> dropout_streams_for_path(const std::string& path);
 
 // The id of the dropout site at this module path (a pure function of the string).
 uint64_t dropout_site_id(const std::string& path);

@@ -91,4 +91,18 @@ at::Tensor causal_mask(const at::Tensor& key_attention_mask, int64_t query_lengt
   return mask | (empty & (k == q).unsqueeze(0).unsqueeze(0));
 }
 
+at::Tensor segment_mask(const at::Tensor& query_segments, const at::Tensor& key_segments,
+                        const at::Tensor& query_positions, const at::Tensor& key_positions, bool causal,
+                        std::optional<int64_t> sliding_window) {
+  const at::Tensor qs = query_segments.unsqueeze(2), ks = key_segments.unsqueeze(1);  // (B, Tq, 1), (B, 1, Tk)
+  at::Tensor allowed = (qs == ks) & (ks != 0);
+  if (causal || sliding_window) {
+    const at::Tensor qp = query_positions.unsqueeze(2), kp = key_positions.unsqueeze(1);
+    if (causal) allowed = allowed & (kp <= qp);
+    if (sliding_window) allowed = allowed & (kp > qp - *sliding_window);
+  }
+  const at::Tensor empty = allowed.any(-1, /*keepdim=*/true).logical_not();
+  return (allowed | empty).unsqueeze(1);
+}
+
 }  // namespace trainer

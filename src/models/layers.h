@@ -68,4 +68,12 @@ at::Tensor padding_bias(const at::Tensor& attention_mask, c10::ScalarType dtype)
 at::Tensor causal_mask(const at::Tensor& key_attention_mask, int64_t query_length, int64_t offset,
                        std::optional<int64_t> sliding_window);
 
+// Boolean mask (B, 1, Tq, Tk), true = attend, for packed rows: a query attends only to keys of its own segment
+// (segment ids (B, Tq) and (B, Tk), 0 = padding, never attended), with `causal` only to keys at or before its
+// position (position ids within the segment), and with a sliding window only to the last `window` of them. A
+// padding query, which would see nothing, sees every key, so no softmax row is empty (its output is never used).
+at::Tensor segment_mask(const at::Tensor& query_segments, const at::Tensor& key_segments,
+                        const at::Tensor& query_positions, const at::Tensor& key_positions, bool causal,
+                        std::optional<int64_t> sliding_window);
+
 }  // namespace trainer

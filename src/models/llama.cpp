@@ -246,17 +246,32 @@ class LlamaModel : public LanguageModel {
     return {emb.cos().to(dtype), emb.sin().to(dtype)};
   }
 
-  // Runs the blocks over (B, T) ids; with a state, uses and extends its cache.
-  at::Tensor body(const at::Tensor& ids, const at::Tensor& key_mask, int64_t offset, LlamaGenerationState* state) {
+  // cos and sin (B, T, head_dim) for the position ids of packed rows (B, T), computed as rotary() computes them.
+  std::pair<at::Tensor, at::Tensor> rotary_at(const at::Tensor& positions, c10::ScalarType dtype) const {
+    const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * h_.inv_freq.to(positions.device());  // (B, T, hd/2)
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);
+    return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  }
+
+  // Runs the blocks over (B, T) ids; with a state, uses and extends its cache. Packed rows (segment and
+  // position ids) attend within their segments and rotate by their positions within them.
+  at::Tensor body(const at::Tensor& ids, const at::Tensor& key_mask, int64_t offset, LlamaGenerationState* state,
+                  const at::Tensor& segments = {}, const at::Tensor& positions = {}) {
     at::Tensor x = model->embed_tokens->forward(ids);
-    const auto [cos, sin] = rotary(offset, ids.size(1), x.scalar_type(), x.device());
+    const bool packed = segments.defined();
+    const auto [cos, sin] = packed ? rotary_at(positions, x.scalar_type())
+                                   : rotary(offset, ids.size(1), x.scalar_type(), x.device());
+    auto mask_for = [&](std::optional<int64_t> window) {
+      return packed ? segment_mask(segments, segments, positions, positions, /*causal=*/true, window)
+                    : causal_mask(key_mask, ids.size(1), offset, window);
+    };
     std::optional<at::Tensor> full_mask;
     for (std::size_t i = 0; i < model->layers->items.size(); ++i) {
       at::Tensor mask;
       if (h_.window[i]) {
-        mask = causal_mask(key_mask, ids.size(1), offset, h_.window[i]);
+        mask = mask_for(h_.window[i]);
       } else {
-        if (!full_mask) full_mask = causal_mask(key_mask, ids.size(1), offset, std::nullopt);
+        if (!full_mask) full_mask = mask_for(std::nullopt);
         mask = *full_mask;
       }
       auto& block = model->layers->items[i];
@@ -271,7 +286,8 @@ class LlamaModel : public LanguageModel {
   }
 
   std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) override {
-    const at::Tensor hidden = body(batch.input_ids, batch.attention_mask, 0, nullptr);
+    const at::Tensor hidden =
+        body(batch.input_ids, batch.attention_mask, 0, nullptr, batch.segment_ids, batch.position_ids);
     // Position t predicts token t + 1; the last position predicts nothing.
     at::Tensor targets = at::full_like(batch.labels, -100);
     const int64_t t = batch.labels.size(1);

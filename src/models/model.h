@@ -28,6 +28,11 @@ struct Batch {
   at::Tensor labels;          // seq2seq: (B, L) decoder targets; causal: (B, T) unshifted, as transformers takes them;
                               // -100 = not trained on (padding, causal prompt tokens)
   at::Tensor decoder_attention_mask;  // seq2seq, optional (B, L): without it the decoder mask is causal only
+  // Packed rows (data.packing, data/packing.h), else undefined. Segment ids (B, T) number the examples of a row
+  // from 1 (0: padding); position ids (B, T) restart at 0 per example. Attention stays within a segment, RoPE and
+  // T5's relative positions count within it, and a segment's first decoder input is the decoder start token.
+  at::Tensor segment_ids{}, position_ids{};
+  at::Tensor decoder_segment_ids{}, decoder_position_ids{};  // seq2seq (B, L)
 };
 
 // Per-sequence state of incremental decoding (key-value caches); generation only, never in training.

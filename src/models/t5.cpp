@@ -330,24 +330,39 @@ class T5Model : public LanguageModel {
     return [this](const BlockFn& fn, const std::vector<at::Tensor>& inputs) { return run_block(fn, inputs); };
   }
 
-  at::Tensor encode(const at::Tensor& input_ids, const at::Tensor& attention_mask) {
+  // Packed rows: attention within segments. The relative position of two positions of one segment (key minus
+  // query) is the same counted in the row or within the example, so the stack's bias over the row, masked to the
+  // segments, is the bias of each example's own positions.
+  at::Tensor encode(const at::Tensor& input_ids, const at::Tensor& attention_mask, const at::Tensor& segments = {}) {
     const int64_t t = input_ids.size(1);
-    const at::Tensor bias = encoder->position_bias(t, t, 0, input_ids.device()) +
-                            padding_bias(attention_mask, shared->weight.scalar_type());
+    const auto dtype = shared->weight.scalar_type();
+    const at::Tensor mask = segments.defined()
+                                ? additive_mask(segment_mask(segments, segments, {}, {}, false, std::nullopt), dtype)
+                                : padding_bias(attention_mask, dtype);
+    const at::Tensor bias = encoder->position_bias(t, t, 0, input_ids.device()) + mask;
     return encoder->forward(shared->forward(input_ids), bias, {}, {}, runner());
   }
 
   std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) override {
-    const at::Tensor encoder_states = encode(batch.input_ids, batch.attention_mask);
-    const at::Tensor decoder_ids = shift_right(batch.labels);
+    const bool packed = batch.segment_ids.defined();
+    const at::Tensor encoder_states = encode(batch.input_ids, batch.attention_mask, batch.segment_ids);
+    at::Tensor decoder_ids = shift_right(batch.labels);
+    // Each packed example's decoder starts from the start token, not from the previous example's last label.
+    if (packed) decoder_ids = decoder_ids.masked_fill(batch.decoder_position_ids == 0, h_.decoder_start_token_id);
     const int64_t l = decoder_ids.size(1);
     const auto dtype = shared->weight.scalar_type();
     const at::Tensor decoder_mask = batch.decoder_attention_mask.defined()
                                         ? batch.decoder_attention_mask
                                         : at::ones_like(decoder_ids);
-    const at::Tensor causal = causal_mask(decoder_mask, l, 0, std::nullopt);  // (B, 1, L, L) bool
+    const at::Tensor causal = packed ? segment_mask(batch.decoder_segment_ids, batch.decoder_segment_ids,
+                                                    batch.decoder_position_ids, batch.decoder_position_ids, true,
+                                                    std::nullopt)
+                                     : causal_mask(decoder_mask, l, 0, std::nullopt);  // (B, 1, L, L) bool
     const at::Tensor self_bias = decoder->position_bias(l, l, 0, decoder_ids.device()) + additive_mask(causal, dtype);
-    const at::Tensor cross_bias = padding_bias(batch.attention_mask, dtype);
+    const at::Tensor cross_bias =
+        packed ? additive_mask(segment_mask(batch.decoder_segment_ids, batch.segment_ids, {}, {}, false, std::nullopt),
+                               dtype)
+               : padding_bias(batch.attention_mask, dtype);
     const at::Tensor hidden =
         decoder->forward(shared->forward(decoder_ids), self_bias, encoder_states, cross_bias, runner());
     return {hidden, batch.labels};

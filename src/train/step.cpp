@@ -30,7 +30,37 @@ void release_cached_memory() {
 
 double TrainStep::forward_backward(std::span<const Example> examples, double normaliser) {
   const CollatedBatch collated = collate(examples, options_.pad_id, options_.device);
-  const Batch batch{collated.input_ids, collated.attention_mask, collated.labels, {}};
+  return forward_backward(Batch{collated.input_ids, collated.attention_mask, collated.labels, {}}, normaliser);
+}
+
+std::vector<PackedRow> TrainStep::pack(std::span<const Example> examples) const {
+  const DataFamily family = model_.family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
+  const PackCapacity capacity = policy_.by_tokens()
+                                    ? pack_capacity_within(options_.pack_capacity, family, policy_.micro_batch())
+                                    : options_.pack_capacity;
+  return pack_rows(examples, family, capacity);
+}
+
+double TrainStep::forward_backward_packed(std::span<const Example> examples, std::span<const PackedRow> rows,
+                                          int64_t step, double normaliser) {
+  const DataFamily family = model_.family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
+  const PackedBatch packed = collate_packed(examples, rows, family, options_.pad_id, options_.device);
+  Batch batch{packed.input_ids, packed.attention_mask, packed.labels, {}};
+  batch.segment_ids = packed.segment_ids;
+  batch.position_ids = packed.position_ids;
+  batch.decoder_segment_ids = packed.decoder_segment_ids;
+  batch.decoder_position_ids = packed.decoder_position_ids;
+  // Each example keeps the dropout masks of its place in the effective batch, wherever its row puts it.
+  std::vector<PackedDropoutStream> streams = {
+      {packed.segment_ids, packed.position_ids, packed.segment_examples, packed.segment_starts}};
+  if (family == DataFamily::kSeq2Seq)
+    streams.push_back({packed.decoder_segment_ids, packed.decoder_position_ids, packed.segment_examples,
+                       packed.decoder_segment_starts});
+  const DropoutScope dropout(options_.seed, step, std::move(streams));
+  return forward_backward(batch, normaliser);
+}
+
+double TrainStep::forward_backward(const Batch& batch, double normaliser) {
   if (!options_.chunked_loss) {
     at::Tensor loss_sum;
     {
@@ -90,17 +120,37 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
   StepResult result;
   bool optimizer_retried = false;
   std::vector<std::pair<int64_t, int64_t>> parts;
+  std::vector<PackedRow> rows;
+  // At the floor of token mode: one example per micro-batch (with packing: one row of one example).
+  auto single_examples = [&] {
+    if (largest_part(parts) > 1) return false;
+    for (const auto& row : rows)
+      if (row.examples.size() > 1) return false;
+    return true;
+  };
   for (int64_t attempt = 0;; ++attempt) {
     bool in_optimizer_step = false;
     try {
       optimizer_.zero_grad();
       double loss_sum = 0;
-      parts = policy_.split(examples, model_.family() == ModelFamily::kSeq2Seq);
-      for (const auto& [begin, count] : parts) {
-        // Dropout masks follow the examples' places in the effective batch, so the split cannot change them.
-        const DropoutScope dropout(options_.seed, step, begin, count, options_.device);
-        loss_sum += forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
-                                     normaliser);
+      if (options_.packing) {
+        // Packed rows: the policy splits rows as it splits examples (and in token mode packs shorter rows).
+        rows = pack(examples);
+        const auto sizes = row_sizes(rows, model_.family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq
+                                                                                     : DataFamily::kCausal);
+        parts = policy_.split_rows(sizes);
+        for (const auto& [begin, count] : parts)
+          loss_sum += forward_backward_packed(
+              examples, std::span<const PackedRow>(rows).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+              step, normaliser);
+      } else {
+        parts = policy_.split(examples, model_.family() == ModelFamily::kSeq2Seq);
+        for (const auto& [begin, count] : parts) {
+          // Dropout masks follow the examples' places in the effective batch, so the split cannot change them.
+          const DropoutScope dropout(options_.seed, step, begin, count, options_.device);
+          loss_sum += forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+                                       normaliser);
+        }
       }
       in_optimizer_step = true;
       result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
@@ -137,7 +187,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
         throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
                                      std::to_string(attempt + 1) + " attempts (memory.max_retries)",
                                  "raise memory.max_retries or memory.limit");
-      if (policy_.shrink(step, phase, largest_part(parts) <= 1)) continue;
+      if (policy_.shrink(step, phase, single_examples())) continue;
       if (escalate(step)) continue;
       throw OutOfMemoryAtFloor("out of memory in " + phase + " at step " + std::to_string(step) +
                                    " with micro-batch " + std::to_string(policy_.micro_batch()) +

@@ -12,6 +12,7 @@
 
 #include <c10/core/Device.h>
 
+#include "data/packing.h"
 #include "memory/policy.h"
 #include "models/model.h"
 #include "train/optimizer.h"
@@ -45,6 +46,10 @@ struct StepOptions {
   int64_t max_retries = 8;
   bool chunked_loss = false;  // the chunk size is the policy's (training.loss_chunk_size, lowered by escalation)
   uint64_t seed = 0;  // training.seed: with the step and each example's index, what its dropout masks are drawn for
+  // data.packing: examples share rows of this capacity (cut to the token budget in token-budget mode) and the
+  // policy's micro-batch counts rows (data/packing.h).
+  bool packing = false;
+  PackCapacity pack_capacity;
 };
 
 class TrainStep {
@@ -56,6 +61,14 @@ class TrainStep {
 
   // The summed loss of some examples, with gradients (scaled by 1/normaliser) accumulated into the parameters.
   double forward_backward(std::span<const Example> examples, double normaliser);
+  // The same for a collated batch (padded or packed rows).
+  double forward_backward(const Batch& batch, double normaliser);
+  // Packed rows of `examples` (an effective batch: row indices are the examples' places in it, which key their
+  // dropout masks at `step`).
+  double forward_backward_packed(std::span<const Example> examples, std::span<const PackedRow> rows, int64_t step,
+                                 double normaliser);
+  // The rows this step packs an effective batch into at the policy's current micro-batch.
+  std::vector<PackedRow> pack(std::span<const Example> examples) const;
 
   bool chunked_loss() const { return options_.chunked_loss; }
   int64_t loss_chunk_size() const { return policy_.loss_chunk_size(); }

@@ -573,6 +573,8 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   options.max_retries = config.memory.max_retries;
   options.chunked_loss = config.training.chunked_loss;
   options.seed = static_cast<uint64_t>(config.training.seed);
+  options.packing = config.data.packing;
+  options.pack_capacity = pack_capacity(config.data, family);
   TrainStep step(*model, *optimizer, policy, options);
   DeviceLadder device_ladder(config, device);
   int64_t tokens_seen = 0;
