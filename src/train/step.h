@@ -9,6 +9,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include <c10/core/Device.h>
 
@@ -37,6 +38,26 @@ struct StepResult {
   int64_t target_tokens = 0;
 };
 
+// What data parallelism adds to a step (implemented in src/distributed/); absent in a single process.
+class StepSync {
+ public:
+  virtual ~StepSync() = default;
+  // This rank's examples of the effective batch: [begin, begin + count).
+  virtual std::pair<int64_t, int64_t> share(std::span<const Example> examples, bool by_tokens, bool seq2seq) = 0;
+  // Called by every rank after each forward/backward attempt, before any gradient is reduced. `fit`: this rank's
+  // attempt had no out-of-memory error; `largest_part`: its largest micro-batch. Returns whether every rank fit and
+  // the largest micro-batch of any rank, so all ranks take the same decision (shrink, escalate, stop).
+  struct Outcome {
+    bool all_fit = true;
+    int64_t largest_part = 0;
+    std::string failed_ranks;  // "1, 2" when not all fit
+  };
+  virtual Outcome agree(bool fit, int64_t largest_part) = 0;
+  // Sums the trainable parameters' gradients over the ranks (a missing gradient counts as zero) and returns the
+  // summed loss of the effective batch.
+  virtual double reduce(double loss_sum) = 0;
+};
+
 struct StepOptions {
   c10::Device device{c10::kCPU};
   int32_t pad_id = 0;
@@ -45,6 +66,7 @@ struct StepOptions {
   int64_t max_retries = 8;
   bool chunked_loss = false;  // the chunk size is the policy's (training.loss_chunk_size, lowered by escalation)
   uint64_t seed = 0;  // training.seed: with the step and each example's index, what its dropout masks are drawn for
+  StepSync* sync = nullptr;  // data parallelism: this rank trains its share, gradients are summed over the ranks
 };
 
 class TrainStep {
