@@ -538,7 +538,7 @@ class TrainingRun {
   void restore_or_probe();
   void start_retention();
   std::string checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state);
-  void train_one_step();
+  bool train_one_step();
   void evaluate_and_sample();
   int agreed_stop_signal();
 
@@ -880,7 +880,6 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
   return run.finish();
 }
 
-}  // namespace
 }  // namespace
 
 int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options, std::ostream& out,

@@ -183,6 +183,21 @@ TEST(IntegrationDistributed, OutOfMemoryOnOneRankShrinksEveryRankAndKeepsTheWeig
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
+// Checkpoints do not depend on the world size: 2 ranks train 2 steps, one process resumes for 2 more, and the weights
+// are those of 4 steps in one process.
+TEST(IntegrationDistributed, ACheckpointOfTwoRanksResumesInOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const auto single = run_trainer(short_run("configs/tiny-qwen2.json", one, 4), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, short_run("configs/tiny-qwen2.json", two, 2));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  const auto resumed = run_trainer(with(short_run("configs/tiny-qwen2.json", two, 4), {"--resume"}), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("at step 2"), std::string::npos) << resumed.err;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
 TEST(IntegrationDistributed, BadLaunchEnvironmentsFailWithExitTwoNamingTheVariable) {
   TempDir dir;
   const auto args = short_run("configs/tiny-t5.json", dir.path() / "run", 1);
