@@ -11,7 +11,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -90,7 +89,8 @@ int run_launch(const LaunchOptions& options) {
   }
 
   int running = n, result = 0, failed_rank = -1;
-  std::optional<std::chrono::steady_clock::time_point> kill_after;
+  bool kill_pending = false;  // after a rank failed: SIGKILL whoever is left at kill_after
+  auto kill_after = std::chrono::steady_clock::now();
   int last_forwarded = 0;
   while (running > 0) {
     if (const int signal = forwarded_signal.exchange(0)) {
@@ -113,6 +113,7 @@ int run_launch(const LaunchOptions& options) {
               spdlog::error("trainer launch: rank {} exited with code {}; stopping the other ranks", r, code);
               for (const pid_t pid : pids)
                 if (pid > 0) ::kill(pid, SIGTERM);
+              kill_pending = true;
               kill_after = std::chrono::steady_clock::now() +
                            std::chrono::milliseconds(static_cast<int64_t>(options.grace_s * 1000));
             }
@@ -122,10 +123,10 @@ int run_launch(const LaunchOptions& options) {
         }
       continue;
     }
-    if (kill_after && std::chrono::steady_clock::now() > *kill_after) {
+    if (kill_pending && std::chrono::steady_clock::now() > kill_after) {
       for (const pid_t pid : pids)
         if (pid > 0) ::kill(pid, SIGKILL);
-      kill_after.reset();
+      kill_pending = false;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }

@@ -233,6 +233,8 @@ void Communicator::check_same_config(const std::string& config_json, const std::
       for (const auto& k : keys) list += (list.empty() ? "" : ", ") + k;
       differences += "\n  rank " + std::to_string(r) + " differs from rank 0 in: " + list;
     }
+    // Nobody leaves (rank 0 hosts the store) before every rank has read what it compares.
+    impl_->backend->barrier(c10d::BarrierOptions{})->wait();
   });
   if (!differences.empty())
     throw UsageError("the ranks were started with different configurations:" + differences,

@@ -62,8 +62,11 @@ const std::vector<std::string> kPerRankKeys = {"memory.limit", "device.*"};
 
 }  // namespace
 
-int run_train(const Config& config, const TrainOptions& options, std::ostream& out) {
+int run_train(const Config& config, const TrainOptions& options, std::ostream& stdout_stream) {
   const auto environment = distributed::environment_from_variables();
+  // Data parallelism: rank 0 alone prints the configuration, the plan and the run (errors go to stderr on every rank).
+  std::ostream null_stream(nullptr);
+  std::ostream& out = environment && environment->rank != 0 ? null_stream : stdout_stream;
   const DeviceConfig device_config = environment ? prepare_rank(config, *environment) : config.device;
   out << "trainer " << kVersion << " (LibTorch " << kTorchBuildVersion << ")\n\n";
   out << "Resolved configuration (the keys that differ from their defaults; --print-config shows every key):\n"
