@@ -134,10 +134,11 @@ std::unique_ptr<Communicator> Communicator::connect(const Environment& e, const 
       impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, e.rank, e.world_size, gloo_options);
       impl->name = "gloo";
     }
-  } catch (const c10::Error& error) {
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& error) {  // c10::Error, or Gloo's own exceptions
     throw CommunicationError("rank " + std::to_string(e.rank) + ": the " + (device.is_cuda() ? "NCCL" : "Gloo") +
-                                 " backend could not connect the ranks: " +
-                                 std::string(error.what_without_backtrace()).substr(0, 400),
+                                 " backend could not connect the ranks: " + std::string(error.what()).substr(0, 400),
                              "on one machine set GLOO_SOCKET_IFNAME=lo; across machines the interface that reaches "
                              "MASTER_ADDR (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)");
   }
@@ -146,17 +147,26 @@ std::unique_ptr<Communicator> Communicator::connect(const Environment& e, const 
 
 std::string Communicator::backend_name() const { return impl_->name; }
 
+CommunicationError Communicator::collective_failed(const char* what, const std::string& cause) const {
+  return CommunicationError("rank " + std::to_string(rank()) + ": " + what + " across " +
+                                std::to_string(world_size()) +
+                                " ranks failed: another rank died, hung past distributed.timeout_s, or runs "
+                                "something else: " + cause.substr(0, 400),
+                            "the first error of the other ranks names the cause; a resume continues from the last "
+                            "complete checkpoint");
+}
+
 template <class F>
 void Communicator::timed(const char* what, F&& f) {
   const auto start = std::chrono::steady_clock::now();
   try {
     f();
+  } catch (const Error&) {
+    throw;
   } catch (const c10::Error& error) {
-    throw CommunicationError(
-        "rank " + std::to_string(rank()) + ": " + what + " across " + std::to_string(world_size()) +
-            " ranks failed: another rank died, hung past distributed.timeout_s, or runs something else: " +
-            std::string(error.what_without_backtrace()).substr(0, 400),
-        "the first error of the other ranks names the cause; a resume continues from the last complete checkpoint");
+    throw collective_failed(what, error.what_without_backtrace());
+  } catch (const std::exception& error) {  // Gloo's own (gloo::IoException: a peer closed its connection)
+    throw collective_failed(what, error.what());
   }
   communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

@@ -79,6 +79,7 @@ class Communicator {
   Communicator(Environment environment, std::unique_ptr<Impl> impl);
   template <class F>
   void timed(const char* what, F&& f);
+  CommunicationError collective_failed(const char* what, const std::string& cause) const;
 
   Environment environment_;
   std::unique_ptr<Impl> impl_;
