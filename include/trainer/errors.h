@@ -1,4 +1,4 @@
-// The error types trainer_core throws, each mapped to one process exit code by main (and documented in README).
+// The error types trainer_core throws, each mapped to one process exit code by main (and documented in README.md).
 #pragma once
 
 #include <stdexcept>

@@ -10,7 +10,7 @@ from our initial weights, but draws its own data order, so it agrees in trend, n
 
     .venv/bin/python scripts/bench/learning_parity.py [--steps 200] [--hf] [--only t5xl]
 
-Prints a Markdown table (the README's "Learning parity" section).
+Prints a Markdown table (the "Learning parity" section of docs/benchmarks.md).
 """
 import argparse
 import json

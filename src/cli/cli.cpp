@@ -108,7 +108,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   app.footer(std::string("`train` is the default subcommand: `trainer --config FILE` trains.\n") + kExitCodeHelp);
   bool help_config = false, help_config_markdown = false;
   app.add_flag("--help-config", help_config, "List every configuration key with its type, default and meaning");
-  app.add_flag("--help-config-markdown", help_config_markdown, "The same as a Markdown table (the README's reference)");
+  app.add_flag("--help-config-markdown", help_config_markdown, "The same as a Markdown table (docs/configuration.md)");
   app.require_subcommand(0, 1);
 
   std::string config_path;

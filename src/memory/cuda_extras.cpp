@@ -55,7 +55,7 @@ bool cuda_extras_available() { return false; }
 void cap_device_memory(const c10::Device& device, int64_t /*bytes*/) {
   throw UsageError("memory.limit on " + device.str() + " needs a CUDA build of trainer; this one is built with a "
                    "CPU-only LibTorch",
-                   "on the CPU, memory.limit is the budget allocator's cap; see README, GPU build");
+                   "on the CPU, memory.limit is the budget allocator's cap; see docs/building.md");
 }
 
 void start_recording_allocations() {}

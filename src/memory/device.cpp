@@ -84,7 +84,7 @@ ResolvedDevice resolve_device(const DeviceConfig& config) {
     return {c10::Device(c10::kCPU), "cpu (fallback: " + why_not + ")", true};
   }
   throw UsageError("device.type=" + config.type + " cannot be used: " + why_not,
-                   "use device.type=cpu, install the CUDA build of torch (see README, GPU build), or set "
+                   "use device.type=cpu, install the CUDA build of torch (see docs/building.md), or set "
                    "device.allow_cpu_fallback=true");
 }
 

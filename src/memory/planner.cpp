@@ -235,11 +235,14 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   // bf16-mixed: autocast keeps a bf16 copy of every weight it casts until backward has used it.
   if (mode == PrecisionMode::kBf16Mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
   if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
-  // AdamW's update scratch (train/optimizer.cpp): two fp32 buffers (four with bf16 moments) of the largest
+  // The optimizer's update scratch (train/optimizer.cpp): two fp32 buffers (four with bf16 moments) of the largest
   // trainable tensor's size, at most 4M elements each. Tens of MiB; most of a tiny model's step with a large
-  // vocabulary.
-  const double scratch_buffers = config.optimizer.state_dtype == StateDtype::kBf16 ? 4 : 2;
-  plan.workspace += scratch_buffers * 4.0 * static_cast<double>(std::min<int64_t>(largest_trainable, 1 << 22));
+  // vocabulary. None where AdamW runs ATen's fused kernel (fp32 parameters and moments).
+  const bool bf16_trainable = !config.lora.enabled && mode == PrecisionMode::kBf16;
+  if (!adamw_uses_fused_kernel(config.optimizer, bf16_trainable)) {
+    const double scratch_buffers = config.optimizer.state_dtype == StateDtype::kBf16 ? 4 : 2;
+    plan.workspace += scratch_buffers * 4.0 * static_cast<double>(std::min<int64_t>(largest_trainable, 1 << 22));
+  }
 
   const Activations base_activations =
       seq2seq ? t5_activations(hf_config, static_cast<double>(config.data.max_input_length),

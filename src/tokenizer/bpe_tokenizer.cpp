@@ -1,7 +1,9 @@
-// Hugging Face tokenizer.json with a byte-level BPE model (Qwen2, Llama-3, GPT-2), reproducing the Rust
+// Hugging Face tokenizer.json with a byte-level BPE model (Qwen2, Llama-3, GPT-2, CLIP), reproducing the Rust
 // `tokenizers` pipeline: added tokens are split out of the raw text (then, for `normalized` ones, out of the
-// normalized text), the normalizer runs, the pre-tokenizers split words (Split regex, ByteLevel), each word's
-// bytes become GPT-2's byte alphabet and are merged by rank, and decoding maps the alphabet back to bytes.
+// normalized text), the normalizer runs (Unicode forms, Replace, Lowercase), the pre-tokenizers split words
+// (Split regex, ByteLevel), each word's bytes become GPT-2's byte alphabet (the last one with the model's
+// end-of-word suffix, the others with its continuing-subword prefix) and are merged by rank, and decoding maps
+// the alphabet back to bytes.
 #include <array>
 #include <deque>
 #include <fstream>
@@ -48,6 +50,14 @@ struct Piece {
 };
 
 enum class SplitBehavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
+
+// One normalizer of the sequence: a Unicode normal form, a Replace (regex or string -> content) or Lowercase.
+struct NormalizerStep {
+  enum class Kind { kForm, kReplace, kLowercase } kind = Kind::kForm;
+  NormalForm form = NormalForm::kNfc;
+  std::unique_ptr<Regex> pattern;
+  std::string content;
+};
 
 struct PreTokenizerStep {
   bool byte_level = false;
@@ -221,11 +231,7 @@ class BpeTokenizer final : public Tokenizer {
         continue;
       }
       std::string_view normalized = raw.text;
-      if (!normal_forms_.empty()) {
-        std::string current(raw.text);
-        for (const NormalForm form : normal_forms_) current = normalize(current, form);
-        normalized = storage.emplace_back(std::move(current));
-      }
+      if (!normalizers_.empty()) normalized = storage.emplace_back(apply_normalizers(raw.text));
       pieces.clear();
       normalized_token_matcher_.split(normalized, pieces);
       for (const Piece& piece : pieces) {
@@ -285,7 +291,7 @@ class BpeTokenizer final : public Tokenizer {
  private:
   [[noreturn]] void unsupported(const std::string& what, const std::string& supported) const {
     throw DataError(source_ + ": " + what + " is not supported; supported: " + supported,
-                    "trainer reads byte-level BPE tokenizer.json files (Qwen2, Llama-3, GPT-2); for T5 or "
+                    "trainer reads byte-level BPE tokenizer.json files (Qwen2, Llama-3, GPT-2, CLIP); for T5 or "
                     "Llama-2 use the spiece.model / tokenizer.model SentencePiece file (tokenizer.kind=sentencepiece)");
   }
   [[noreturn]] void invalid(const std::string& what) const {
@@ -311,9 +317,11 @@ class BpeTokenizer final : public Tokenizer {
       unsupported("BPE dropout", "dropout null or 0");
     if (model.value("byte_fallback", false))
       unsupported("BPE with byte_fallback (Llama-2 style)", "byte-level BPE");
-    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-      if (model.contains(key) && model[key].is_string() && !model[key].get<std::string>().empty())
-        unsupported(std::string("BPE ") + key, "byte-level BPE without subword prefix or suffix");
+    if (model.contains("continuing_subword_prefix") && model["continuing_subword_prefix"].is_string())
+      subword_prefix_ = model["continuing_subword_prefix"].get<std::string>();
+    if (model.contains("end_of_word_suffix") && model["end_of_word_suffix"].is_string())
+      word_suffix_ = model["end_of_word_suffix"].get<std::string>();
+    if (model.value("fuse_unk", false)) unsupported("BPE with fuse_unk", "fuse_unk false");
     ignore_merges_ = model.value("ignore_merges", false);
     if (!model.contains("vocab") || !model["vocab"].is_object()) invalid("model.vocab is not an object");
     for (const auto& [token, id] : model["vocab"].items()) {
@@ -326,10 +334,19 @@ class BpeTokenizer final : public Tokenizer {
       if (it != vocab_.end()) unk_id_ = it->second;
     }
     const auto& alphabet = byte_to_unicode();
+    const auto id_of = [&](const std::string& token) {
+      const auto it = vocab_.find(token);
+      return it == vocab_.end() ? -1 : it->second;
+    };
+    // A word's symbols before merging: its first byte bare, later ones with the continuing-subword prefix, the
+    // last one with the end-of-word suffix (a one-byte word: bare + suffix), as tokenizers' BPE::merge_word.
     for (int b = 0; b < 256; ++b) {
       const auto& character = alphabet[static_cast<std::size_t>(b)];
-      const auto it = vocab_.find(character);
-      byte_ids_[static_cast<std::size_t>(b)] = it == vocab_.end() ? -1 : it->second;
+      const auto index = static_cast<std::size_t>(b);
+      byte_ids_[index] = id_of(character);
+      inner_byte_ids_[index] = id_of(subword_prefix_ + character);
+      last_byte_ids_[index] = id_of(subword_prefix_ + character + word_suffix_);
+      only_byte_ids_[index] = id_of(character + word_suffix_);
       std::size_t pos = 0;
       unicode_to_byte_.emplace(next_code_point(character, pos), static_cast<unsigned char>(b));
     }
@@ -350,7 +367,10 @@ class BpeTokenizer final : public Tokenizer {
       } else {
         invalid("merge " + merge.dump() + " is neither \"a b\" nor [\"a\", \"b\"]");
       }
-      const auto a = vocab_.find(left), b = vocab_.find(right), merged = vocab_.find(left + right);
+      // The merged token drops the right side's continuing-subword prefix ("a" + "##b" -> "ab").
+      const std::string joined =
+          left + (right.starts_with(subword_prefix_) ? right.substr(subword_prefix_.size()) : right);
+      const auto a = vocab_.find(left), b = vocab_.find(right), merged = vocab_.find(joined);
       if (a == vocab_.end() || b == vocab_.end() || merged == vocab_.end())
         invalid("merge \"" + left + " " + right + "\" uses a token that is not in the vocabulary");
       merges_.emplace(pair_key(a->second, b->second), Merge{rank++, merged->second});
@@ -383,7 +403,7 @@ class BpeTokenizer final : public Tokenizer {
     for (AddedToken& token : added_tokens_) {
       token.pattern = token.content;
       if (token.normalized) {
-        for (const NormalForm form : normal_forms_) token.pattern = normalize(token.pattern, form);
+        token.pattern = apply_normalizers(token.pattern);
         id_to_token_[static_cast<std::size_t>(token.id)] = token.pattern;  // tokenizers decodes it normalized too
       }
       (token.normalized ? normalized_token_matcher_ : raw_token_matcher_).add(&token);
@@ -399,12 +419,56 @@ class BpeTokenizer final : public Tokenizer {
     }
     static const std::pair<const char*, NormalForm> kForms[] = {
         {"NFC", NormalForm::kNfc}, {"NFD", NormalForm::kNfd}, {"NFKC", NormalForm::kNfkc}, {"NFKD", NormalForm::kNfkd}};
+    NormalizerStep step;
     for (const auto& [name, form] : kForms)
       if (type == name) {
-        normal_forms_.push_back(form);
+        step.form = form;
+        normalizers_.push_back(std::move(step));
         return;
       }
-    unsupported("normalizer \"" + type + "\"", "none, NFC, NFD, NFKC, NFKD, or a Sequence of them");
+    if (type == "Lowercase") {
+      step.kind = NormalizerStep::Kind::kLowercase;
+      normalizers_.push_back(std::move(step));
+      return;
+    }
+    if (type == "Replace") {
+      step.kind = NormalizerStep::Kind::kReplace;
+      const json pattern = normalizer.value("pattern", json());
+      try {
+        if (pattern.contains("Regex")) step.pattern = std::make_unique<Regex>(pattern["Regex"].get<std::string>(), false);
+        else if (pattern.contains("String")) step.pattern = std::make_unique<Regex>(pattern["String"].get<std::string>(), true);
+        else invalid("Replace normalizer without a {\"Regex\": ...} or {\"String\": ...} pattern");
+      } catch (const std::invalid_argument& error) {
+        invalid(std::string("Replace pattern: ") + error.what());
+      }
+      step.content = normalizer.value("content", std::string());
+      normalizers_.push_back(std::move(step));
+      return;
+    }
+    unsupported("normalizer \"" + type + "\"", "none, NFC, NFD, NFKC, NFKD, Replace, Lowercase, or a Sequence of them");
+  }
+
+  std::string apply_normalizers(std::string_view text) const {
+    std::string current(text);
+    for (const NormalizerStep& step : normalizers_) {
+      switch (step.kind) {
+        case NormalizerStep::Kind::kForm: current = normalize(current, step.form); break;
+        case NormalizerStep::Kind::kLowercase: current = to_lowercase(current); break;
+        case NormalizerStep::Kind::kReplace: {
+          std::string replaced;
+          std::size_t done = 0;
+          for (const auto& [begin, end] : step.pattern->find_all(current)) {
+            replaced.append(current, done, begin - done);
+            replaced += step.content;
+            done = end;
+          }
+          replaced.append(current, done);
+          current = std::move(replaced);
+          break;
+        }
+      }
+    }
+    return current;
   }
 
   void read_pre_tokenizer(const json& pre_tokenizer) {
@@ -565,8 +629,11 @@ class BpeTokenizer final : public Tokenizer {
     }
     std::vector<std::int32_t> symbols;
     symbols.reserve(word.size());
-    for (const char byte : word) {
-      const std::int32_t id = byte_ids_[static_cast<unsigned char>(byte)];
+    for (std::size_t i = 0; i < word.size(); ++i) {
+      const auto byte = static_cast<unsigned char>(word[i]);
+      const bool first = i == 0, last = i + 1 == word.size();
+      const std::int32_t id = first ? (last ? only_byte_ids_[byte] : byte_ids_[byte])
+                                    : (last ? last_byte_ids_[byte] : inner_byte_ids_[byte]);
       if (id >= 0) symbols.push_back(id);
       else if (unk_id_) symbols.push_back(*unk_id_);  // tokenizers drops a missing byte when there is no unk
     }
@@ -655,13 +722,14 @@ class BpeTokenizer final : public Tokenizer {
   std::vector<std::string> id_to_token_;
   std::vector<bool> has_token_, is_special_;
   std::unordered_map<std::uint64_t, Merge> merges_;
-  std::array<std::int32_t, 256> byte_ids_{};
+  std::array<std::int32_t, 256> byte_ids_{}, inner_byte_ids_{}, last_byte_ids_{}, only_byte_ids_{};
+  std::string subword_prefix_, word_suffix_;  // BPE continuing_subword_prefix and end_of_word_suffix (CLIP: "</w>")
   std::unordered_map<char32_t, unsigned char> unicode_to_byte_;
   std::optional<std::int32_t> unk_id_;
   bool ignore_merges_ = false;
   std::deque<AddedToken> added_tokens_;  // stable addresses for the matchers
   AddedTokenMatcher raw_token_matcher_, normalized_token_matcher_;
-  std::vector<NormalForm> normal_forms_;
+  std::vector<NormalizerStep> normalizers_;
   std::vector<PreTokenizerStep> pre_steps_;
   bool byte_level_decoder_ = false;
   SpecialTokenTemplate template_;

@@ -21,6 +21,9 @@ char32_t previous_code_point(std::string_view text, std::size_t end, std::size_t
 void append_utf8(std::string& out, char32_t code_point);
 
 std::string normalize(std::string_view text, NormalForm form);
+// Rust's char::to_lowercase on every character (tokenizers' Lowercase normalizer): the Unicode lowercase
+// mapping, one-to-many for U+0130; no context rules (a final capital sigma becomes a plain sigma).
+std::string to_lowercase(std::string_view text);
 
 // Rust's char::is_whitespace (the White_Space property).
 bool is_whitespace(char32_t c);

@@ -172,7 +172,15 @@ void Optimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>
   step_ = steps;
 }
 
-AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed) : Optimizer(model, config, seed) {
+bool adamw_uses_fused_kernel(const OptimizerConfig& config, bool bf16_trainable_parameters) {
+  return config.name == OptimizerName::kAdamW && config.state_dtype == StateDtype::kFp32 && !bf16_trainable_parameters;
+}
+
+AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed, bool allow_fused)
+    : Optimizer(model, config, seed) {
+  bool bf16_trainable = false;
+  for (const auto& param : params_) bf16_trainable = bf16_trainable || param.param->scalar_type() != at::kFloat;
+  fused_ = allow_fused && adamw_uses_fused_kernel(config, bf16_trainable);
   int64_t largest = 0;
   for (const auto& param : params_) {
     const at::Tensor& p = *param.param;
@@ -182,8 +190,12 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed) : Opti
     largest = std::max(largest, p.numel());
   }
   const auto device = params_.empty() ? at::Device(at::kCPU) : params_.front().param->device();
-  const int64_t chunk = std::min(largest, kChunk);
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  if (fused_) {
+    step_count_ = at::zeros({}, fp32);
+    return;  // no scratch: the kernel updates each tensor in place
+  }
+  const int64_t chunk = std::min(largest, kChunk);
   scratch_a_ = at::empty({chunk}, fp32);
   scratch_b_ = at::empty({chunk}, fp32);
   if (config.state_dtype == StateDtype::kBf16) {
@@ -195,7 +207,33 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed) : Opti
   allocate_compensation_scratch(chunk);
 }
 
+// ATen's fused AdamW (what torch.optim.AdamW(fused=True) runs), once for the decayed parameters and once for the
+// others. It reads the step count from state_steps and updates parameters and moments in place, allocating
+// nothing on the CPU (tested under a budget of zero spare bytes); on CUDA it launches multi-tensor kernels.
+void AdamW::fused_step(double lr) {
+  at::NoGradGuard no_grad;
+  ++step_;
+  step_count_.fill_(static_cast<double>(step_));
+  for (const bool decayed : {true, false}) {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor& p = *params_[i].param;
+      if (!p.grad().defined() || params_[i].decay != decayed) continue;
+      params.push_back(p);
+      grads.push_back(p.grad());
+      exp_avgs.push_back(exp_avg_[i]);
+      exp_avg_sqs.push_back(exp_avg_sq_[i]);
+      steps.push_back(step_count_);
+    }
+    if (params.empty()) continue;
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr, config_.beta1,
+                      config_.beta2, decayed ? config_.weight_decay : 0.0, config_.eps, /*amsgrad=*/false,
+                      /*maximize=*/false);
+  }
+}
+
 void AdamW::step(double lr) {
+  if (fused_) return fused_step(lr);
   // Only tensor-tensor and Scalar-argument kernels below: a plain Scalar operand (x.mul_(0.9)) is wrapped into a
   // freshly allocated tensor, which could run out of memory half way through the parameters.
   at::NoGradGuard no_grad;

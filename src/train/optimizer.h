@@ -4,8 +4,9 @@
 //
 // Contracts both keep:
 // - The state is allocated when the optimizer is built, so an optimizer-state out-of-memory shows before step 1,
-//   and the update itself allocates nothing (it works through fixed scratch buffers in chunks): an out-of-memory
-//   error cannot leave some parameters updated and others not.
+//   and the update itself allocates nothing (it works through fixed scratch buffers in chunks, or, for fp32
+//   AdamW, ATen's fused kernel in place): an out-of-memory error cannot leave some parameters updated and others
+//   not.
 // - The update is computed in fp32 whatever the parameter's dtype. Into bf16 parameters (precision.mode=bf16) it is
 //   written per optimizer.bf16_update: stochastic rounding (unbiased; the random bits are a pure function of
 //   training.seed, the optimizer step, the parameter's index and the element's offset, so resume and any
@@ -87,13 +88,22 @@ class Optimizer {
   int64_t step_ = 0;
 };
 
+// Whether AdamW runs ATen's fused kernel (_fused_adamw_: one vectorised pass per tensor, about 5x faster on a
+// CPU than the chunked update below) rather than its chunked update: when every trainable parameter and both
+// moments are fp32 (precision fp32 or bf16-mixed, or LoRA adapters; optimizer.state_dtype fp32). bf16 weights
+// or moments need stochastic rounding or Kahan compensation, which the kernel does not do.
+bool adamw_uses_fused_kernel(const OptimizerConfig& config, bool bf16_trainable_parameters);
+
 class AdamW final : public Optimizer {
  public:
-  AdamW(Module& model, const OptimizerConfig& config, uint64_t seed = 0);
+  // `allow_fused` false keeps the chunked update even where the fused kernel applies (for comparisons).
+  AdamW(Module& model, const OptimizerConfig& config, uint64_t seed = 0, bool allow_fused = true);
   const char* name() const override { return "AdamW"; }
   void step(double lr) override;
+  bool fused() const { return fused_; }
 
  private:
+  void fused_step(double lr);
   std::vector<std::pair<std::string, at::Tensor>> own_state() const override;
   int64_t own_state_bytes() const override;
 
@@ -101,6 +111,8 @@ class AdamW final : public Optimizer {
   at::Tensor scratch_a_, scratch_b_;  // fp32 chunk buffers for the update
   at::Tensor scratch_m_, scratch_v_;  // fp32 copies of a chunk of bf16 moments (state_dtype bf16 only)
   at::Tensor eps_, decay_;            // 0-dim operands, refilled each step (no allocation during the update)
+  bool fused_ = false;
+  at::Tensor step_count_;             // fused: the step as a 0-dim fp32 tensor, the kernel's state_steps
 };
 
 // Adafactor as transformers.optimization.Adafactor: for parameters of 2 or more dimensions, second moments

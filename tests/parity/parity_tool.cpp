@@ -24,6 +24,12 @@
 //       seconds of every step of each side as JSON (scripts/bench/dropout.py). LORA_DROPOUT > 0: LoRA r=8 on the
 //       attention projections with that dropout, the base frozen.
 //
+//   trainer_parity adamw-cost MODEL_DIR B T L ROUNDS
+//       whole training steps (micro-batch B, sequences of T tokens, seq2seq targets of L; fp32, full fine-tuning)
+//       alternating AdamW through ATen's fused kernel and through the chunked update, the order swapped every round;
+//       prints the seconds of every step and of its optimizer update alone, per side, as JSON
+//       (scripts/bench/fused_adamw.py)
+//
 //   trainer_parity optimizer IN.safetensors OUT.safetensors OPTIMIZER_JSON
 //       our optimizer (optimizer.* keys of the JSON, e.g. {"name": "adafactor", "weight_decay": 0.1}, plus
 //       "lrs": one learning rate per step) over the tensors param.<name> of IN, stepping with the gradients
@@ -218,6 +224,54 @@ int dropout_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, 
   return 0;
 }
 
+int adamw_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, int64_t rounds) {
+  using namespace trainer;
+  auto model = load_model(model_dir, ModelInit::kRandom, at::TensorOptions().dtype(at::kFloat), 1);
+  model->train(true);
+  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  OptimizerConfig adam;
+  adam.weight_decay = 0.01;
+  AdamW fused(*model, adam), chunked(*model, adam, 0, /*allow_fused=*/false);
+  if (!fused.fused() || chunked.fused()) throw Error("adamw-cost: expected one fused and one chunked optimizer", "");
+  TrainingConfig training;
+  training.batch_size = b;
+  training.micro_batch_size = MicroBatchSize::fixed(b);
+  MemoryPolicy fused_policy(MemoryConfig{}, training), chunked_policy(MemoryConfig{}, training);
+  StepOptions options;
+  options.seed = 42;
+  TrainStep fused_step(*model, fused, fused_policy, options), chunked_step(*model, chunked, chunked_policy, options);
+  const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
+  EffectiveBatch batch;
+  at::manual_seed(3);
+  for (int64_t i = 0; i < b; ++i) {
+    Example e;
+    const at::Tensor ids = at::randint(3, std::min<int64_t>(model->vocab_size(), 30000), {t}, at::kInt);
+    e.input_ids.assign(ids.data_ptr<int32_t>(), ids.data_ptr<int32_t>() + t);
+    e.labels = seq2seq ? std::vector<int32_t>(e.input_ids.begin(), e.input_ids.begin() + std::min(t, l)) : e.input_ids;
+    batch.target_tokens += target_tokens(e, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal);
+    batch.examples.push_back(std::move(e));
+  }
+  std::map<std::string, std::vector<double>> seconds;
+  const auto timed = [](const auto& f) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (int64_t r = 0; r < rounds; ++r) {
+    for (int side = 0; side < 2; ++side) {
+      const bool use_fused = (side == 0) == (r % 2 == 0);
+      const std::string name = use_fused ? "fused" : "chunked";
+      seconds[name + "_step"].push_back(timed([&] { (use_fused ? fused_step : chunked_step).run(batch, r + 1, 1e-5); }));
+      // The update alone, on gradients of the parameters' shapes.
+      model->for_each_parameter([](const std::string&, at::Tensor& p) { p.mutable_grad() = at::ones_like(p) * 1e-3; });
+      seconds[name + "_update"].push_back(timed([&] { (use_fused ? static_cast<Optimizer&>(fused) : chunked).step(1e-5); }));
+      model->for_each_parameter([](const std::string&, at::Tensor& p) { p.mutable_grad() = at::Tensor(); });
+    }
+  }
+  std::cout << nlohmann::json(seconds).dump() << "\n";
+  return 0;
+}
+
 // Free-standing tensors as a module's parameters (what the optimizer parity test steps).
 class TensorBag : public trainer::Module {
  public:
@@ -286,6 +340,8 @@ int main(int argc, char** argv) {
     if (args.size() == 5 && args[0] == "train-step") return train_step(args[1], args[2], args[3], std::stod(args[4]));
     if (args.size() == 5 && args[0] == "lora-forward") return lora_forward(args[1], args[2], args[3], args[4]);
     if (args.size() == 4 && args[0] == "optimizer") return optimizer(args[1], args[2], args[3]);
+    if (args.size() == 6 && args[0] == "adamw-cost")
+      return adamw_cost(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]), std::stoll(args[5]));
     if (args.size() == 5 && args[0] == "lora-train") return lora_train(args[1], args[2], args[3], args[4]);
   } catch (const trainer::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
@@ -295,6 +351,6 @@ int main(int argc, char** argv) {
   std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR |\n"
                "       activations MODEL_DIR B T L | lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT |\n"
                "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON | dropout-cost MODEL_DIR B T L ROUNDS LORA_DROPOUT |\n"
-               "       optimizer IN OUT OPTIMIZER_JSON\n";
+               "       optimizer IN OUT OPTIMIZER_JSON | adamw-cost MODEL_DIR B T L ROUNDS\n";
   return 2;
 }

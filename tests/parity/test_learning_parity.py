@@ -4,7 +4,7 @@ configs/tiny-t5.json at configs/t5xl.json's learning rate (1e-4), constant sched
 same data, each setting's validation loss must be within a few percent of the fp32 run's. Rounding fp32 updates to
 nearest into bf16 weights (optimizer.bf16_update=nearest, the old behaviour) loses most of them at this learning
 rate; the test checks that it fails the same bound, so the bound can tell a setting that learns from one that
-does not. scripts/bench/learning_parity.py prints the longer table in the README (Kahan with AdamW, bf16 moments,
+does not. scripts/bench/learning_parity.py prints the longer table in docs/benchmarks.md (Kahan with AdamW, bf16 moments,
 LoRA); six runs of 80 steps here, about a minute on an idle 2-core machine.
 """
 import json

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-# metrics.jsonl key -> TensorBoard tag, as the README documents them.
+# metrics.jsonl key -> TensorBoard tag, as docs/monitoring.md documents them.
 TAGS = {
     "loss": "train/loss",
     "lr": "train/lr",

@@ -16,11 +16,11 @@ from tokenizers import Tokenizer
 
 JSON_TOKENIZERS = ["tests/assets/tokenizers/gpt2-bytelevel", "tests/assets/tokenizers/gpt2-prefix-nfkc",
                    "tests/assets/tokenizers/qwen2-style", "tests/assets/tokenizers/llama3-style",
-                   "configs/models/tiny-qwen2"]
+                   "tests/assets/tokenizers/clip-style", "configs/models/tiny-qwen2"]
 SPM_TOKENIZERS = ["tests/assets/tokenizers/spm-unigram", "tests/assets/tokenizers/spm-bpe", "configs/models/tiny-t5"]
 # Directories transformers loads (AutoTokenizer): their `tokenizer(text)` ids must equal ours with the template.
 TRANSFORMERS_DIRS = ["tests/assets/tokenizers/qwen2-style", "tests/assets/tokenizers/llama3-style",
-                     "configs/models/tiny-qwen2"]
+                     "tests/assets/tokenizers/clip-style", "configs/models/tiny-qwen2"]
 
 FIXED_TEXTS = [
     "", " ", "  ", "\n", "\t", "a", "Hello world", " Hello world ", "Hello  world", "Hello   \n\n  world\n",
@@ -47,7 +47,9 @@ SPECIAL_TEXTS = [
     "a<|endoftext|><|endoftext|>b <|endoftext|> c", "<|endoftext", "<|begin_of_text|>Hi<|eot_id|><|end_of_text|>",
     "a [MASK] b", "a   [MASK]   b", "[MASK][MASK]", "x[MASK]y", "foo bar foofoo food _foo foo_ (foo) foo1 foo",
     "hello wörld, wörlds, new token, newtoken, new  token", "<|user|> hi <|pad|>", "</s> and </s>", "a<sep>b <sep> c",
-    "<s>hello</s>", "ﬁsh ﬁ Ⅻ XII",
+    "<s>hello</s>", "ﬁsh ﬁ Ⅻ XII", "<|startoftext|>A Photo of a CAR<|endoftext|>", "a photo<|endoftext|>",
+    # Lowercase: one-to-many (U+0130), Greek capital sigma at a word's end (no context rule), title case, Deseret
+    "İstanbul İ", "ΟΔΟΣ Σ σ", "ǅ ǈ ǋ", "𐐀𐐁 ÀÉÎÕÜ ẞ",
 ]
 
 

@@ -9,6 +9,9 @@ NFD, whitespace runs, digits, contractions in every case) with the Python librar
   qwen2-style/           Qwen2's pipeline (NFC, Split(Qwen2 regex) + ByteLevel(use_regex=False)), saved by
                          transformers' Qwen2Tokenizer: tokenizer.json + tokenizer_config.json as on the Hub
   llama3-style/          Llama-3's split regex, ignore_merges, TemplateProcessing with <|begin_of_text|>
+  clip-style/            CLIP's pipeline (NFC, Replace(\s+ -> " "), Lowercase; Split(CLIP regex, removed, inverted)
+                         + ByteLevel; BPE with end_of_word_suffix "</w>"; RobertaProcessing), saved by
+                         transformers' CLIPTokenizer
   spm-unigram/spiece.model     sentencepiece unigram with T5's ids (pad 0, eos 1, unk 2)
   spm-bpe/tokenizer.model      sentencepiece BPE with Llama's ids (unk 0, bos 1, eos 2), byte fallback,
                                a user-defined symbol
@@ -30,6 +33,8 @@ QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+CLIP_PATTERN = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 
 FRAGMENTS = [
     "The quick brown fox jumps over the lazy dog.", "Whisk the eggs until smooth, then fold in the flour.",
@@ -137,6 +142,27 @@ def llama3_style():
                  eos_token="<|end_of_text|>")
 
 
+def clip_style():
+    from transformers import CLIPTokenizer
+    out = fresh("clip-style")
+    special = ["<|startoftext|>", "<|endoftext|>"]
+    tokenizer = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token="<|endoftext|>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
+                                                 normalizers.Lowercase()])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(CLIP_PATTERN), behavior="removed", invert=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=special, show_progress=False,
+                                  end_of_word_suffix="</w>", initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    data = json.loads(tokenizer.to_str())
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in data["model"]["merges"]]
+    CLIPTokenizer(vocab=data["model"]["vocab"], merges=merges).save_pretrained(out)
+    for name in os.listdir(out):
+        if name not in ("tokenizer.json", "tokenizer_config.json"):
+            os.remove(os.path.join(out, name))
+
+
 def sentencepiece_models():
     with tempfile.TemporaryDirectory() as tmp:
         text = os.path.join(tmp, "corpus.txt")
@@ -162,6 +188,7 @@ def main():
     gpt2_prefix_nfkc()
     qwen2_style()
     llama3_style()
+    clip_style()
     sentencepiece_models()
 
 

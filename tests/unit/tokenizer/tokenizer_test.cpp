@@ -224,6 +224,22 @@ TEST(Bpe, LlamaThreeTemplatePrependsBeginOfText) {
   EXPECT_EQ(ids.back(), tokenizer->eos_id());
 }
 
+// CLIP's pipeline: whitespace runs collapse and case folds before splitting, each word ends in an
+// end-of-word-suffixed token, and the RobertaProcessing template wraps a text in <|startoftext|> ... <|endoftext|>.
+TEST(Bpe, ClipStyleLowercasesCollapsesWhitespaceAndMarksWordEnds) {
+  const auto tokenizer = load_tokenizer(asset("clip-style"));
+  const auto bos = tokenizer->token_to_id("<|startoftext|>"), eos = tokenizer->token_to_id("<|endoftext|>");
+  ASSERT_TRUE(bos && eos);
+  EXPECT_EQ(tokenizer->special_token_template(), (SpecialTokenTemplate{{*bos}, {*eos}}));
+  const auto ids = tokenizer->encode("the photo");
+  EXPECT_EQ(tokenizer->encode("THE   Photo"), ids);
+  EXPECT_EQ(tokenizer->encode("\tthe\n photo "), ids);
+  EXPECT_EQ(tokenizer->decode(ids, true), "the</w>photo</w>");  // as tokenizers' ByteLevel decoder gives it
+  const auto the = tokenizer->token_to_id("the</w>");
+  ASSERT_TRUE(the);
+  EXPECT_EQ(ids.front(), *the);
+}
+
 TEST(Bpe, AddEosTokenInTokenizerConfigOverridesThePostProcessor) {
   TempDir dir;
   fs::copy_file(qwen2_dir() + "/tokenizer.json", dir.path() + "/tokenizer.json");

@@ -220,6 +220,60 @@ TEST(Optimizer, TheUpdateAllocatesNothing) {
   }
 }
 
+TEST(Optimizer, FusedAdamWAllocatesNothingEither) {
+  install_cpu_budget();
+  Bag bag(start_tensors(at::kFloat));
+  AdamW optimizer(bag, adamw(Bf16Update::kStochastic), 3);
+  ASSERT_TRUE(optimizer.fused());
+  for (int64_t step = 0; step < 2; ++step) {  // the first step too: nothing is allocated lazily
+    set_grads(bag, step);
+    set_cpu_budget_limit(cpu_memory_stats().allocated + 1);
+    EXPECT_NO_THROW(optimizer.step(1e-3));
+    set_cpu_budget_limit(0);
+  }
+  EXPECT_EQ(optimizer.steps(), 2);
+}
+
+// ATen's fused kernel where every parameter and moment is fp32, the chunked update otherwise: the same weights and
+// moments (to float rounding: the two order the bias corrections differently) over steps with a changing
+// learning rate, weight decay on the matrices and none on the bias; and a resumed fused optimizer continues the same.
+TEST(Optimizer, FusedAdamWGivesTheChunkedUpdatesWeights) {
+  const auto start = start_tensors(at::kFloat);
+  Bag fused_bag(start), chunked_bag(start);
+  AdamW fused(fused_bag, adamw(Bf16Update::kStochastic), 3);
+  AdamW chunked(chunked_bag, adamw(Bf16Update::kStochastic), 3, /*allow_fused=*/false);
+  ASSERT_TRUE(fused.fused());
+  ASSERT_FALSE(chunked.fused());
+  EXPECT_FALSE(AdamW(fused_bag, adamw(Bf16Update::kStochastic, StateDtype::kBf16), 3).fused()) << "bf16 moments";
+  Bag bf16_bag(start_tensors(at::kBFloat16));
+  EXPECT_FALSE(AdamW(bf16_bag, adamw(Bf16Update::kStochastic), 3).fused()) << "bf16 weights";
+  for (int64_t step = 0; step < 12; ++step) {
+    set_grads(fused_bag, step);
+    set_grads(chunked_bag, step);
+    const double lr = 1e-3 * (1.0 - 0.05 * static_cast<double>(step));
+    fused.step(lr);
+    chunked.step(lr);
+  }
+  EXPECT_GT(distance(fused_bag, start), 1e-3) << "the weights moved";
+  EXPECT_LT(difference(fused_bag, chunked_bag), 1e-6);
+  const auto a = fused.state_tensors(), b = chunked.state_tensors();
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].first, b[i].first);
+    EXPECT_TRUE(at::allclose(a[i].second, b[i].second, 1e-5, 1e-9)) << a[i].first;
+  }
+  // Resume: a new fused optimizer loaded with the state continues exactly as the one that ran on.
+  Bag resumed_bag(start);
+  for (std::size_t i = 0; i < start.size(); ++i) resumed_bag.tensors()[i].detach().copy_(fused_bag.tensors()[i].detach());
+  AdamW resumed(resumed_bag, adamw(Bf16Update::kStochastic), 3);
+  resumed.load_state(fused.state_tensors(), fused.steps(), "test");
+  set_grads(fused_bag, 12);
+  set_grads(resumed_bag, 12);
+  fused.step(1e-3);
+  resumed.step(1e-3);
+  EXPECT_EQ(difference(fused_bag, resumed_bag), 0.0);
+}
+
 TEST(Optimizer, LoadStateNamesTheMissingTensor) {
   Bag bag(start_tensors(at::kFloat));
   auto optimizer = make_optimizer(bag, adafactor(Bf16Update::kStochastic), 0);
