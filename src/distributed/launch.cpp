@@ -3,6 +3,7 @@
 
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -68,12 +69,16 @@ int run_launch(const LaunchOptions& options) {
 
   spdlog::info("trainer launch: {} ranks on this machine, rendezvous 127.0.0.1:{}", n, port);
   std::vector<pid_t> pids(static_cast<std::size_t>(n), 0);
+  const pid_t launcher = ::getpid();
   for (int r = 0; r < n; ++r) {
     const pid_t pid = ::fork();
     if (pid < 0) throw Error(std::string("trainer launch: fork failed: ") + std::strerror(errno));
     if (pid == 0) {
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
+      // A launcher that is killed outright (SIGKILL) takes its ranks with it: SIGTERM, a graceful stop.
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != launcher) ::_exit(130);  // the launcher died before prctl took effect
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
