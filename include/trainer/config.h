@@ -463,6 +463,22 @@ struct LoggingConfig {
   bool operator==(const LoggingConfig&) const = default;
 };
 
+// Data parallelism (docs/distributed.md). Valid in a single process too, where it is moot: one config serves any
+// number of ranks.
+struct DistributedConfig {
+  double timeout_s = 600.0;
+  ByteSize bucket_size{25'000'000};
+
+  template <class V>
+  void visit(V& v) {
+    v("timeout_s", timeout_s,
+      "data parallelism: how long the rendezvous and every collective wait for the other ranks before the run stops "
+      "with an error (a rank that died or hangs)");
+    v("bucket_size", bucket_size, "data parallelism: gradients are summed over the ranks in buckets of this size");
+  }
+  bool operator==(const DistributedConfig&) const = default;
+};
+
 struct Config {
   ModelConfig model;
   TokenizerConfig tokenizer;
@@ -477,6 +493,7 @@ struct Config {
   DeviceConfig device;
   CheckpointConfig checkpoint;
   LoggingConfig logging;
+  DistributedConfig distributed;
 
   template <class V>
   void visit(V& v) {
@@ -493,6 +510,7 @@ struct Config {
     v.section("device", device, "which device to run on");
     v.section("checkpoint", checkpoint, "checkpoints and the saved model");
     v.section("logging", logging, "console, metrics and TensorBoard output");
+    v.section("distributed", distributed, "data parallelism over several processes (torchrun, trainer launch)");
   }
   bool operator==(const Config&) const = default;
 };

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/predict.h"
+#include "distributed/launch.h"
 #include "log/console.h"
 #include "memory/planner.h"
 #include "models/inspect.h"
@@ -226,6 +227,19 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   predict_cmd->add_option("--top-k", predict_options.top_k, "Classes to show per image")->capture_default_str();
   predict_cmd->add_flag("--json", predict_options.json, "One JSON object a line: {image, predictions}");
   predict_cmd->footer(kExitCodeHelp);
+  distributed::LaunchOptions launch_options;
+  auto* launch_cmd = app.add_subcommand(
+      "launch", "Start N data-parallel ranks of trainer on this machine (what torchrun does, without Python): "
+                "trainer launch --nproc-per-node 2 -- --config FILE");
+  launch_cmd->add_option("--nproc-per-node", launch_options.nproc_per_node, "Ranks to start on this machine")
+      ->required();
+  launch_cmd->add_option("--master-port", launch_options.master_port,
+                         "Rendezvous port on 127.0.0.1 (default: a free one)");
+  launch_cmd->add_option("trainer_args", launch_options.args, "Everything after --: the arguments of each rank");
+  launch_cmd->footer("Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and "
+                     "MASTER_PORT; SIGINT/SIGTERM are forwarded to every rank; when one rank fails the others are "
+                     "stopped and launch exits with its code. docs/distributed.md\n" +
+                     std::string(kExitCodeHelp));
 
   // `trainer --config x` means `trainer train --config x`.
   std::vector<std::string> args;
@@ -234,6 +248,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
                         args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
                         args.back() == "predict" ||
+                        args.back() == "launch" ||
                         is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
 
@@ -287,6 +302,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   }
   if (generate_cmd->parsed()) return run_generate(generate_command, out);
   if (predict_cmd->parsed()) return run_predict(predict_options, out);
+  if (launch_cmd->parsed()) return distributed::run_launch(launch_options);
   if (merge_cmd->parsed()) {
     const auto merged = merge_adapter(merge_options);
     out << "Merged " << merged.layers << " LoRA layers of " << merge_options.adapter_dir << " into "

@@ -196,6 +196,8 @@ std::vector<ConfigProblem> validate(const Config& c) {
   }
 
   check.at_least(c.logging.every_steps, 1, "logging.every_steps");
+  check.require(c.distributed.timeout_s > 0, "distributed.timeout_s", "must be > 0");
+  check.require(c.distributed.bucket_size.bytes >= (1u << 10), "distributed.bucket_size", "must be at least 1KiB");
   return problems;
 }
 

@@ -99,8 +99,13 @@ std::string format_summary(const RunSummary& s) {
   return text;
 }
 
-Reporter::Reporter(const Config& config, std::ostream& out) : config_(config), out_(out), start_(Clock::now()) {
+Reporter::Reporter(const Config& config, std::ostream& out, bool primary)
+    : config_(config), out_(out), start_(Clock::now()) {
   const auto& logging = config.logging;
+  if (!primary) {
+    console_ = Console::kOff;
+    return;
+  }
   sink_ = default_console_sink();
   switch (logging.progress) {
     case ProgressStyle::kOff: console_ = Console::kOff; break;

@@ -91,7 +91,8 @@ class Reporter {
  public:
   // Opens metrics.jsonl and the TensorBoard file in config.checkpoint.output_dir as the logging section says, and
   // starts the webhook when TRAINER_WEBHOOK_URL is set. `out` gets the start line, the stop message and the summary.
-  Reporter(const Config& config, std::ostream& out);
+  // `primary` false (a rank other than 0 of a data-parallel run): no files, no webhook, no progress lines.
+  Reporter(const Config& config, std::ostream& out, bool primary = true);
   ~Reporter();
   Reporter(const Reporter&) = delete;
   Reporter& operator=(const Reporter&) = delete;

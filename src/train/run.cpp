@@ -1,12 +1,17 @@
 // The train command: everything is resolved and checked before any step runs, so a mistake in paths, device or
 // data shows in the first second, not after the model has loaded.
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <ostream>
 
+#include <ATen/DeviceAccelerator.h>
 #include <spdlog/spdlog.h>
 
 #include "data/jsonl.h"
+#include "distributed/process_group.h"
 #include "trainer/device.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"
@@ -32,9 +37,37 @@ std::string export_allocator_conf(const MemoryConfig& memory) {
   return "PYTORCH_ALLOC_CONF=" + memory.allocator_conf + " (memory.allocator_conf)";
 }
 
+// Data parallelism: the device of this rank (LOCAL_RANK's GPU when the config leaves the choice to trainer), its
+// share of the CPU threads, and its log lines marked with the rank.
+DeviceConfig prepare_rank(const Config& config, const distributed::Environment& environment) {
+  const int threads = distributed::share_cpu_threads(environment.local_world_size);
+  if (environment.rank != 0) {
+    auto logger = spdlog::default_logger();
+    logger->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank " + std::to_string(environment.rank) + "] [%l] %v");
+    if (logger->level() < spdlog::level::warn) logger->set_level(spdlog::level::warn);
+  }
+  if (threads > 0)
+    spdlog::info("rank {} of {}: {} intra-op threads ({} ranks on this machine)", environment.rank,
+                 environment.world_size, threads, environment.local_world_size);
+  DeviceConfig device = config.device;
+  const auto accelerator = at::accelerator::getAccelerator(false);
+  if ((device.type == "auto" || device.type == "cuda") && accelerator && *accelerator == c10::DeviceType::CUDA &&
+      static_cast<int>(at::accelerator::deviceCount()) > environment.local_rank)
+    device.type = "cuda:" + std::to_string(environment.local_rank);
+  return device;
+}
+
+// The keys that may differ between ranks: what one machine has (its memory, its device).
+const std::vector<std::string> kPerRankKeys = {"memory.limit", "device.*"};
+
 }  // namespace
 
-int run_train(const Config& config, const TrainOptions& options, std::ostream& out) {
+int run_train(const Config& config, const TrainOptions& options, std::ostream& stdout_stream) {
+  const auto environment = distributed::environment_from_variables();
+  // Data parallelism: rank 0 alone prints the configuration, the plan and the run (errors go to stderr on every rank).
+  std::ostream null_stream(nullptr);
+  std::ostream& out = environment && environment->rank != 0 ? null_stream : stdout_stream;
+  const DeviceConfig device_config = environment ? prepare_rank(config, *environment) : config.device;
   out << "trainer " << kVersion << " (LibTorch " << kTorchBuildVersion << ", " << kTorchBuild << ")\n\n";
   out << "Resolved configuration (the keys that differ from their defaults; --print-config shows every key):\n"
       << format_config_table(config, options.config_file, options.overrides) << "\n";
@@ -45,9 +78,18 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
   // One run per output directory, held from before the wait for a device (queued jobs started together) to the
   // end; a dry run writes nothing and takes no lock.
+  // With data parallelism rank 0 holds it for all ranks.
   std::optional<RunLock> lock;
-  if (!options.dry_run) lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
-  const auto device = resolve_device(config.device);
+  if (!options.dry_run && (!environment || environment->rank == 0))
+    lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
+  const auto device = resolve_device(device_config);
+  std::unique_ptr<distributed::Communicator> world;
+  if (environment && !options.dry_run) {
+    world = distributed::Communicator::connect(
+        *environment, device.device,
+        std::chrono::seconds(static_cast<int64_t>(std::ceil(config.distributed.timeout_s))));
+    world->check_same_config(config_to_json(config, -1), kPerRankKeys);
+  }
 
   const auto& t = config.training;
   out << "Plan:\n";
@@ -71,6 +113,16 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
           : t.micro_batch_size.is_auto ? std::string("micro-batch auto (probed against memory)")
                                        : "micro-batch " + std::to_string(t.micro_batch_size.value))
       << "\n";
+  if (environment) {
+    const int64_t n = environment->world_size;
+    out << "  ranks        " << n << " (this is rank " << environment->rank << ", local rank "
+        << environment->local_rank << "; backend " << (device.device.is_cuda() ? "nccl" : "gloo") << ", rendezvous "
+        << environment->master_addr << ":" << environment->master_port
+        << (environment->agent_store ? " (torchrun's store)" : "") << "); each rank trains "
+        << (t.micro_batch_tokens > 0 ? "a token-balanced share" : "about " + std::to_string((t.batch_size + n - 1) / n) +
+                                                                    " examples")
+        << " of every effective batch\n";
+  }
   out << "  length       "
       << (t.max_steps > 0 ? std::to_string(t.max_steps) + " optimizer steps" : std::to_string(t.epochs) + " epoch(s)")
       << "\n";
@@ -94,7 +146,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& o
     out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
     return kExitOk;
   }
-  return train(config, device, options, out);
+  return train(config, device, options, out, world.get());
 }
 
 }  // namespace trainer

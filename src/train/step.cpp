@@ -1,6 +1,8 @@
 // The memory-adaptive training step (see step.h).
 #include "train/step.h"
 
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
 #include <c10/util/Exception.h>
@@ -42,7 +44,7 @@ std::vector<PackedRow> TrainStep::pack(std::span<const Example> examples) const 
 }
 
 double TrainStep::forward_backward_packed(std::span<const Example> examples, std::span<const PackedRow> rows,
-                                          int64_t step, double normaliser) {
+                                          int64_t step, double normaliser, int64_t first_example) {
   const DataFamily family = model_.family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
   const PackedBatch packed = collate_packed(examples, rows, family, options_.pad_id, options_.device);
   Batch batch{packed.input_ids, packed.attention_mask, packed.labels, {}};
@@ -51,10 +53,13 @@ double TrainStep::forward_backward_packed(std::span<const Example> examples, std
   batch.decoder_segment_ids = packed.decoder_segment_ids;
   batch.decoder_position_ids = packed.decoder_position_ids;
   // Each example keeps the dropout masks of its place in the effective batch, wherever its row puts it.
+  // (`first_example`: where this rank's share starts in the effective batch, under data parallelism.)
+  const at::Tensor segment_examples =
+      first_example == 0 ? packed.segment_examples : packed.segment_examples + first_example;
   std::vector<PackedDropoutStream> streams = {
-      {packed.segment_ids, packed.position_ids, packed.segment_examples, packed.segment_starts}};
+      {packed.segment_ids, packed.position_ids, segment_examples, packed.segment_starts}};
   if (family == DataFamily::kSeq2Seq)
-    streams.push_back({packed.decoder_segment_ids, packed.decoder_position_ids, packed.segment_examples,
+    streams.push_back({packed.decoder_segment_ids, packed.decoder_position_ids, segment_examples,
                        packed.decoder_segment_starts});
   const DropoutScope dropout(options_.seed, step, std::move(streams));
   return forward_backward(batch, normaliser);
@@ -115,7 +120,13 @@ bool TrainStep::escalate(int64_t step) {
 }
 
 StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) {
-  const std::span<const Example> examples(batch.examples);
+  const bool seq2seq = model_.family() == ModelFamily::kSeq2Seq;
+  const std::span<const Example> all(batch.examples);
+  // Data parallelism: this rank trains its share; the normaliser stays the whole effective batch's target tokens.
+  const auto [share_begin, share_count] = options_.sync
+                                              ? options_.sync->share(all, policy_.by_tokens(), seq2seq)
+                                              : std::pair<int64_t, int64_t>{0, static_cast<int64_t>(all.size())};
+  const auto examples = all.subspan(static_cast<std::size_t>(share_begin), static_cast<std::size_t>(share_count));
   const double normaliser = static_cast<double>(std::max<int64_t>(1, batch.target_tokens));
   StepResult result;
   bool optimizer_retried = false;
@@ -129,71 +140,89 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
     return true;
   };
   for (int64_t attempt = 0;; ++attempt) {
-    bool in_optimizer_step = false;
+    optimizer_.zero_grad();
+    double loss_sum = 0;
+    std::optional<std::string> out_of_memory;  // what ran out of memory in this attempt's forward/backward
     try {
-      optimizer_.zero_grad();
-      double loss_sum = 0;
       if (options_.packing) {
         // Packed rows: the policy splits rows as it splits examples (and in token mode packs shorter rows).
         rows = pack(examples);
-        const auto sizes = row_sizes(rows, model_.family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq
-                                                                                     : DataFamily::kCausal);
+        const auto sizes = row_sizes(rows, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal);
         parts = policy_.split_rows(sizes);
         for (const auto& [begin, count] : parts)
           loss_sum += forward_backward_packed(
               examples, std::span<const PackedRow>(rows).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
-              step, normaliser);
+              step, normaliser, share_begin);
       } else {
-        parts = policy_.split(examples, model_.family() == ModelFamily::kSeq2Seq);
+        parts = policy_.split(examples, seq2seq);
         for (const auto& [begin, count] : parts) {
-          // Dropout masks follow the examples' places in the effective batch, so the split cannot change them.
-          const DropoutScope dropout(options_.seed, step, begin, count, options_.device);
+          // Dropout masks follow the examples' places in the effective batch, so neither the split nor the ranks
+          // change them.
+          const DropoutScope dropout(options_.seed, step, share_begin + begin, count, options_.device);
           loss_sum += forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
                                        normaliser);
         }
       }
-      in_optimizer_step = true;
-      result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
-      optimizer_.step(lr);
-      result.loss = loss_sum / normaliser;
-      result.micro_batch = largest_part(parts);
-      result.micro_steps = static_cast<int64_t>(parts.size());
-      result.retries = attempt;
-      result.target_tokens = batch.target_tokens;
-      policy_.step_succeeded(step, static_cast<int64_t>(examples.size()));
-      return result;
     } catch (const c10::OutOfMemoryError& e) {
-      // The attempt's activations were freed while unwinding; drop its gradients too. No parameter has changed:
-      // the update allocates nothing, and everything before it only reads the parameters.
+      // The attempt's activations were freed while unwinding. No parameter has changed: everything before the
+      // update only reads the parameters.
+      out_of_memory = e.what_without_backtrace();
+    }
+    int64_t largest = largest_part(parts);
+    // At the floor: one example per micro-batch (with packing: rows of one example each). Agreed over the ranks
+    // as the largest part is, so every rank shrinks or escalates alike.
+    bool at_floor = options_.packing ? single_examples() : largest <= 1;
+    if (options_.sync) {
+      // Every rank learns whether every rank fit before any gradient is reduced, and all decide alike.
+      const auto outcome = options_.sync->agree(!out_of_memory, at_floor ? std::min<int64_t>(largest, 1)
+                                                                          : std::max<int64_t>(largest, 2));
+      at_floor = outcome.largest_part <= 1;
+      if (!outcome.all_fit && !out_of_memory) out_of_memory = "rank(s) " + outcome.failed_ranks + " ran out of memory";
+      else if (out_of_memory) *out_of_memory = "rank(s) " + outcome.failed_ranks + ": " + *out_of_memory;
+    }
+    if (out_of_memory) {
       optimizer_.zero_grad();
       release_cached_memory();
-      const std::string phase = in_optimizer_step ? "the optimizer step" : "forward/backward";
-      spdlog::debug("out of memory in {}: {}", phase, e.what_without_backtrace());
-      if (in_optimizer_step) {
-        // Weights, gradients and optimizer state alone: a smaller micro-batch changes none of them. Once more at
-        // the same size (cached or fragmented memory is released now), then stop with what to change.
-        if (!optimizer_retried) {
-          optimizer_retried = true;
-          spdlog::warn("memory: step {}: out of memory in the optimizer step; retrying once at micro-batch {}", step,
-                       policy_.micro_batch());
-          continue;
-        }
-        throw OutOfMemoryAtFloor("out of memory in the optimizer step at step " + std::to_string(step) +
-                                     ": the weights, their gradients and the optimizer state do not fit together, "
-                                     "and a smaller micro-batch cannot change that",
-                                 "");
-      }
+      spdlog::debug("out of memory in forward/backward: {}", *out_of_memory);
       if (attempt + 1 > options_.max_retries)
         throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
                                      std::to_string(attempt + 1) + " attempts (memory.max_retries)",
                                  "raise memory.max_retries or memory.limit");
-      if (policy_.shrink(step, phase, single_examples())) continue;
+      if (policy_.shrink(step, "forward/backward", at_floor)) continue;
       if (escalate(step)) continue;
-      throw OutOfMemoryAtFloor("out of memory in " + phase + " at step " + std::to_string(step) +
+      throw OutOfMemoryAtFloor("out of memory in forward/backward at step " + std::to_string(step) +
                                    " with micro-batch " + std::to_string(policy_.micro_batch()) +
-                                   " and every escalation used: " + std::string(e.what_without_backtrace()).substr(0, 300),
+                                   " and every escalation used: " + out_of_memory->substr(0, 300),
                                "");
     }
+    if (options_.sync) loss_sum = options_.sync->reduce(loss_sum);
+    try {
+      result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
+      optimizer_.step(lr);
+    } catch (const c10::OutOfMemoryError& e) {
+      optimizer_.zero_grad();
+      release_cached_memory();
+      spdlog::debug("out of memory in the optimizer step: {}", e.what_without_backtrace());
+      // Weights, gradients and optimizer state alone: a smaller micro-batch changes none of them. Once more at the
+      // same size (cached or fragmented memory is released now), then stop with what to change.
+      if (!optimizer_retried) {
+        optimizer_retried = true;
+        spdlog::warn("memory: step {}: out of memory in the optimizer step; retrying once at micro-batch {}", step,
+                     policy_.micro_batch());
+        continue;
+      }
+      throw OutOfMemoryAtFloor("out of memory in the optimizer step at step " + std::to_string(step) +
+                                   ": the weights, their gradients and the optimizer state do not fit together, "
+                                   "and a smaller micro-batch cannot change that",
+                               "");
+    }
+    result.loss = loss_sum / normaliser;
+    result.micro_batch = largest;
+    result.micro_steps = static_cast<int64_t>(parts.size());
+    result.retries = attempt;
+    result.target_tokens = batch.target_tokens;
+    policy_.step_succeeded(step, static_cast<int64_t>(all.size()));
+    return result;
   }
 }
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include <c10/core/Device.h>
 
@@ -38,6 +39,26 @@ struct StepResult {
   int64_t target_tokens = 0;
 };
 
+// What data parallelism adds to a step (implemented in src/distributed/); absent in a single process.
+class StepSync {
+ public:
+  virtual ~StepSync() = default;
+  // This rank's examples of the effective batch: [begin, begin + count).
+  virtual std::pair<int64_t, int64_t> share(std::span<const Example> examples, bool by_tokens, bool seq2seq) = 0;
+  // Called by every rank after each forward/backward attempt, before any gradient is reduced. `fit`: this rank's
+  // attempt had no out-of-memory error; `largest_part`: its largest micro-batch. Returns whether every rank fit and
+  // the largest micro-batch of any rank, so all ranks take the same decision (shrink, escalate, stop).
+  struct Outcome {
+    bool all_fit = true;
+    int64_t largest_part = 0;
+    std::string failed_ranks;  // "1, 2" when not all fit
+  };
+  virtual Outcome agree(bool fit, int64_t largest_part) = 0;
+  // Sums the trainable parameters' gradients over the ranks (a missing gradient counts as zero) and returns the
+  // summed loss of the effective batch.
+  virtual double reduce(double loss_sum) = 0;
+};
+
 struct StepOptions {
   c10::Device device{c10::kCPU};
   int32_t pad_id = 0;
@@ -50,6 +71,7 @@ struct StepOptions {
   // policy's micro-batch counts rows (data/packing.h).
   bool packing = false;
   PackCapacity pack_capacity;
+  StepSync* sync = nullptr;  // data parallelism: this rank trains its share, gradients are summed over the ranks
 };
 
 class TrainStep {
@@ -63,10 +85,10 @@ class TrainStep {
   double forward_backward(std::span<const Example> examples, double normaliser);
   // The same for a collated batch (padded or packed rows).
   double forward_backward(const Batch& batch, double normaliser);
-  // Packed rows of `examples` (an effective batch: row indices are the examples' places in it, which key their
-  // dropout masks at `step`).
+  // Packed rows of `examples` (this rank's share of the effective batch, starting at `first_example` in it: an
+  // example's place in the effective batch keys its dropout masks at `step`).
   double forward_backward_packed(std::span<const Example> examples, std::span<const PackedRow> rows, int64_t step,
-                                 double normaliser);
+                                 double normaliser, int64_t first_example);
   // The rows this step packs an effective batch into at the policy's current micro-batch.
   std::vector<PackedRow> pack(std::span<const Example> examples) const;
 

@@ -19,6 +19,8 @@
 #include "memory/cpu_budget.h"
 #include "memory/cuda_extras.h"
 #include "memory/policy.h"
+#include "distributed/data_parallel.h"
+#include "distributed/process_group.h"
 #include "models/lora.h"
 #include "models/weights.h"
 #include "train/checkpointing.h"
@@ -289,11 +291,13 @@ void save_trained(const TrainedWeights& trained, const fs::path& dir, const Conf
 // initialised base (the tiny demos) is saved to output_dir/base at the start of a run (a resumed run recreates
 // the same one from training.seed), so the adapter has a base to be loaded onto.
 std::unique_ptr<LoraAdapters> apply_lora_for_training(LanguageModel& model, const Config& config,
-                                                      const std::optional<fs::path>& resume_dir, std::string& base) {
+                                                      const std::optional<fs::path>& resume_dir, std::string& base,
+                                                      bool write_base) {
   base = fs::absolute(config.model.path).lexically_normal().string();
   if (config.model.init == ModelInit::kRandom) {
     const fs::path saved = fs::absolute(fs::path(config.checkpoint.output_dir) / "base").lexically_normal();
-    if (!resume_dir || (!fs::exists(saved / kWeightsFileName) && !fs::exists(saved / kWeightsIndexName))) {
+    if (write_base &&
+        (!resume_dir || (!fs::exists(saved / kWeightsFileName) && !fs::exists(saved / kWeightsIndexName)))) {
       save_model(model, saved.string(), config.checkpoint.max_shard_size.bytes);
       copy_tokenizer_files(config, saved);
     }
@@ -471,9 +475,34 @@ void check_same_architecture(const fs::path& checkpoint, const Config& config) {
                     "resume with the model.path the checkpoint was trained from");
 }
 
-int run_training(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options,
-                 Reporter& reporter) {
-  c10::Device device = resolved.device;  // changes only when the run moves (train/device_move.h)
+// ---- the run, in phases -------------------------------------------------------------------------------------
+
+// What a resume continues from: the checkpoint, its train state, and whether the data changed since.
+struct ResumePoint {
+  std::optional<fs::path> dir;
+  nlohmann::json state;
+  bool data_changed = false;
+};
+
+// The checkpoint --resume / --resume-from names, if any (checked to be complete).
+std::optional<fs::path> find_resume_dir(const Config& config, const TrainOptions& train_options) {
+  if (!train_options.resume_from.empty()) {
+    fs::path dir(train_options.resume_from);
+    if (!fs::exists(dir / "COMPLETE"))
+      throw DataError(train_options.resume_from + " is not a complete checkpoint (no COMPLETE marker)",
+                      "resume from a checkpoint-N directory that trainer finished writing");
+    return dir;
+  }
+  if (!train_options.resume) return std::nullopt;
+  auto dir = newest_checkpoint(config.checkpoint.output_dir);
+  if (!dir)
+    throw DataError("--resume: no complete checkpoint in " + config.checkpoint.output_dir,
+                    "start without --resume, or point checkpoint.output_dir at the run to continue");
+  return dir;
+}
+
+// Options that contradict each other, the memory budget, allocator recording: before anything is loaded.
+void prepare_run(const Config& config, const c10::Device& device, const TrainOptions& train_options) {
   install_stop_handlers();  // from here a signal stops at the next step boundary (with a checkpoint)
   if (config.memory.snapshot_on_oom) {
     if (cuda_extras_available() && device.is_cuda()) start_recording_allocations();
@@ -489,266 +518,403 @@ int run_training(const Config& config, const ResolvedDevice& resolved, const Tra
     if (device.is_cpu()) set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
     else cap_device_memory(device, static_cast<int64_t>(config.memory.limit.bytes));
   }
+}
 
+// One training run over explicit state: set_up() loads everything (model, LoRA, optimizer, data, the resumed
+// state), loop() runs the optimizer steps, finish() saves and summarises. With a communicator (data parallelism)
+// every rank runs the same phases; rank 0 alone writes files and reports.
+class TrainingRun {
+ public:
+  TrainingRun(const Config& config, const c10::Device& device, const TrainOptions& train_options, Reporter& reporter,
+              distributed::Communicator* world)
+      : config_(config), device_(device), train_options_(train_options), reporter_(reporter), world_(world),
+        primary_(!world || world->rank() == 0), output_dir_(config.checkpoint.output_dir) {}
+
+  void set_up();
+  int loop();  // the exit code when a signal stopped the run; -1 when it ran to its end
+  int finish();
+
+ private:
+  void check_resume();
+  void build_model();
+  void build_optimizer_and_step();
+  void restore_or_probe();
+  void start_retention();
+  std::string checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state);
+  bool train_one_step();
+  void evaluate_and_sample();
+  int agreed_stop_signal();
+
+  const Config& config_;
+  c10::Device device_;  // changes only when the run moves (train/device_move.h)
+  const TrainOptions& train_options_;
+  Reporter& reporter_;
+  distributed::Communicator* world_;
+  const bool primary_;  // writes checkpoints, metrics, the final model
+  const fs::path output_dir_;
+
+  std::unique_ptr<Tokenizer> tokenizer_;
+  ResumePoint resume_;
+  nlohmann::json fingerprint_;
+  std::unique_ptr<LanguageModel> model_;
+  std::unique_ptr<LoraAdapters> lora_;
+  std::string lora_base_;
+  std::optional<TrainedWeights> trained_;
+  DataFamily family_ = DataFamily::kCausal;
+  int32_t pad_id_ = 0;
+  std::unique_ptr<DataLoader> loader_;
+  int64_t total_steps_ = 0;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<MemoryPolicy> policy_;
+  std::unique_ptr<distributed::DataParallel> data_parallel_;
+  std::unique_ptr<TrainStep> step_;
+  std::unique_ptr<DeviceLadder> device_ladder_;
+  int64_t tokens_seen_ = 0;
+  int64_t step_index_ = 0;
+  int64_t eval_micro_ = 0;
+  std::unique_ptr<CheckpointRetention> retention_;
+  double last_eval_ = std::nan("");
+  int64_t last_eval_step_ = -1;
+  // The step whose state checkpoint-N in output_dir holds: the one resumed from, then each one written.
+  std::optional<int64_t> on_disk_step_;
+  int64_t current_epoch_ = 0;
+};
+
+// What must fit before the first example (weights, LoRA, optimizer state): an error says how much that is.
+template <class Build>
+auto fixed_part(const Config& config, const c10::Device& device, const char* what, Build&& build) {
+  try {
+    return build();
+  } catch (const c10::OutOfMemoryError& e) {
+    throw fixed_memory_error(config, device, what, e);
+  }
+}
+
+void TrainingRun::set_up() {
   // Without tokenizer files in model.path: pre-tokenized records only (trainer/tokenizer.h).
-  const auto tokenizer = load_run_tokenizer(config, /*samples=*/true);
-  // A LoRA base held in bf16 is loaded in bf16: a 7B model never exists in fp32 on the device.
-  const bool bf16_weights = config.precision.mode == PrecisionMode::kBf16 || (config.lora.enabled && config.lora.base_in_bf16);
-  const auto dtype = bf16_weights ? at::kBFloat16 : at::kFloat;
-  std::optional<fs::path> resume_dir;
-  if (!train_options.resume_from.empty()) {
-    resume_dir = fs::path(train_options.resume_from);
-    if (!fs::exists(*resume_dir / "COMPLETE"))
-      throw DataError(train_options.resume_from + " is not a complete checkpoint (no COMPLETE marker)",
-                      "resume from a checkpoint-N directory that trainer finished writing");
-  } else if (train_options.resume) {
-    resume_dir = newest_checkpoint(config.checkpoint.output_dir);
-    if (!resume_dir)
-      throw DataError("--resume: no complete checkpoint in " + config.checkpoint.output_dir,
-                      "start without --resume, or point checkpoint.output_dir at the run to continue");
-  }
-  // Before anything is loaded: the checkpoint's model, then the settings (one line with every difference; the
-  // ones that would make it another run are refused unless --allow-config-change), then the data.
-  nlohmann::json resume_state;
-  bool data_changed = false;
-  if (resume_dir) {
-    check_same_architecture(*resume_dir, config);
-    resume_state = read_json_file((*resume_dir / "train_state.json").string());
-    check_resume_config(resume_state.at("config"), config, resume_dir->string(), train_options.allow_config_change);
-  }
-  const nlohmann::json fingerprint = data_fingerprint(config, *tokenizer);
-  if (resume_dir)
-    data_changed = check_resume_data(resume_state, fingerprint, resume_dir->string(), train_options.allow_data_change);
-  // What must fit before the first example (weights, LoRA, optimizer state): an error says how much that is.
-  auto fixed_part = [&](const char* what, auto&& build) {
-    try {
-      return build();
-    } catch (const c10::OutOfMemoryError& e) {
-      throw fixed_memory_error(config, device, what, e);
-    }
-  };
-  // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
-  auto model = fixed_part("the model's weights", [&] {
-    return resume_dir && !config.lora.enabled
-               ? load_model(resume_dir->string(), ModelInit::kPretrained,
-                            at::TensorOptions().dtype(dtype).device(device))
-               : load_model(config.model.path, config.model.init, at::TensorOptions().dtype(dtype).device(device),
-                            static_cast<uint64_t>(config.training.seed));
-  });
-  model->train(true);
-  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
-  std::unique_ptr<LoraAdapters> lora;
-  std::string lora_base;
-  if (config.lora.enabled)
-    lora = fixed_part("the LoRA adapters", [&] { return apply_lora_for_training(*model, config, resume_dir, lora_base); });
-  const TrainedWeights trained{*model, lora.get(), lora_base};
-  if (config.training.activation_checkpointing) apply_activation_checkpointing(*model);
-  const DataFamily family = model->family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
-  if (tokenizer->vocab_size() > model->vocab_size())
-    throw DataError("the tokenizer " + tokenizer->source() + " has " + std::to_string(tokenizer->vocab_size()) +
-                        " tokens but the model's vocabulary has " + std::to_string(model->vocab_size()),
-                    "tokenizer.path must belong to model.path");
-  const int32_t pad_id = tokenizer->pad_id().value_or(tokenizer->eos_id().value_or(0));
-
-  auto loader = make_train_loader(config, *tokenizer, family);
+  tokenizer_ = load_run_tokenizer(config_, /*samples=*/true);
+  resume_.dir = find_resume_dir(config_, train_options_);
+  check_resume();
+  build_model();
+  loader_ = make_train_loader(config_, *tokenizer_, family_);
   const int64_t per_epoch = static_cast<int64_t>(
-      (loader->examples_per_epoch() + static_cast<uint64_t>(config.training.batch_size) - 1) /
-      static_cast<uint64_t>(config.training.batch_size));
-  const int64_t total_steps = config.training.max_steps > 0 ? config.training.max_steps : per_epoch * config.training.epochs;
+      (loader_->examples_per_epoch() + static_cast<uint64_t>(config_.training.batch_size) - 1) /
+      static_cast<uint64_t>(config_.training.batch_size));
+  total_steps_ = config_.training.max_steps > 0 ? config_.training.max_steps : per_epoch * config_.training.epochs;
+  build_optimizer_and_step();
+  restore_or_probe();
+  // Evaluation's own micro-batch (examples); "auto" starts from training's (in token mode: what its budget holds
+  // at the maximum lengths).
+  const int64_t longest = max_example_tokens(config_.data, family_ == DataFamily::kSeq2Seq);
+  eval_micro_ = !config_.evaluation.micro_batch_size.is_auto ? config_.evaluation.micro_batch_size.value
+                : policy_->by_tokens() ? std::max<int64_t>(1, policy_->micro_batch() / std::max<int64_t>(1, longest))
+                                       : policy_->micro_batch();
+  start_retention();
+}
 
+// Before anything is loaded: the checkpoint's model, then the settings (one line with every difference; the ones
+// that would make it another run are refused unless --allow-config-change), then the data.
+void TrainingRun::check_resume() {
+  if (resume_.dir) {
+    check_same_architecture(*resume_.dir, config_);
+    resume_.state = read_json_file((*resume_.dir / "train_state.json").string());
+    check_resume_config(resume_.state.at("config"), config_, resume_.dir->string(), train_options_.allow_config_change);
+  }
+  fingerprint_ = data_fingerprint(config_, *tokenizer_);
+  if (resume_.dir)
+    resume_.data_changed =
+        check_resume_data(resume_.state, fingerprint_, resume_.dir->string(), train_options_.allow_data_change);
+}
+
+// The model (from model.path, or from the checkpoint when resuming a full fine-tune), LoRA, activation
+// checkpointing; with data parallelism rank 0's values on every rank.
+void TrainingRun::build_model() {
+  // A LoRA base held in bf16 is loaded in bf16: a 7B model never exists in fp32 on the device.
+  const bool bf16_weights =
+      config_.precision.mode == PrecisionMode::kBf16 || (config_.lora.enabled && config_.lora.base_in_bf16);
+  const auto options = at::TensorOptions().dtype(bf16_weights ? at::kBFloat16 : at::kFloat).device(device_);
+  // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
+  model_ = fixed_part(config_, device_, "the model's weights", [&] {
+    return resume_.dir && !config_.lora.enabled
+               ? load_model(resume_.dir->string(), ModelInit::kPretrained, options)
+               : load_model(config_.model.path, config_.model.init, options,
+                            static_cast<uint64_t>(config_.training.seed));
+  });
+  model_->train(true);
+  model_->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  if (config_.lora.enabled)
+    lora_ = fixed_part(config_, device_, "the LoRA adapters", [&] {
+      return apply_lora_for_training(*model_, config_, resume_.dir, lora_base_, primary_);
+    });
+  trained_.emplace(TrainedWeights{*model_, lora_.get(), lora_base_});
+  if (config_.training.activation_checkpointing) apply_activation_checkpointing(*model_);
+  family_ = model_->family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
+  if (tokenizer_->vocab_size() > model_->vocab_size())
+    throw DataError("the tokenizer " + tokenizer_->source() + " has " + std::to_string(tokenizer_->vocab_size()) +
+                        " tokens but the model's vocabulary has " + std::to_string(model_->vocab_size()),
+                    "tokenizer.path must belong to model.path");
+  pad_id_ = tokenizer_->pad_id().value_or(tokenizer_->eos_id().value_or(0));
+  if (world_) {
+    std::vector<at::Tensor> all;
+    model_->for_each_parameter([&](const std::string&, at::Tensor& p) { all.push_back(p); });
+    if (lora_) lora_->for_each_parameter([&](const std::string&, at::Tensor& p) { all.push_back(p); });
+    world_->broadcast(all);
+  }
+}
+
+void TrainingRun::build_optimizer_and_step() {
   // Only trainable parameters get state: with LoRA, the adapters (the frozen base has no gradients).
-  const char* state_name = config.optimizer.name == OptimizerName::kAdafactor
+  const char* state_name = config_.optimizer.name == OptimizerName::kAdafactor
                                ? "the Adafactor state (row and column statistics)"
                                : "the AdamW state (two moments per trainable parameter)";
-  std::unique_ptr<Optimizer> optimizer = fixed_part(state_name, [&] {
-    return make_optimizer(lora ? static_cast<Module&>(*lora) : *model, config.optimizer,
-                          static_cast<uint64_t>(config.training.seed));
+  Module& trainable = lora_ ? static_cast<Module&>(*lora_) : *model_;
+  optimizer_ = fixed_part(config_, device_, state_name, [&] {
+    return make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
   });
-  MemoryPolicy policy(config.memory, config.training);
+  policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
   StepOptions options;
-  options.device = device;
-  options.pad_id = pad_id;
-  options.precision = config.precision.mode;
-  options.max_grad_norm = config.training.max_grad_norm;
-  options.max_retries = config.memory.max_retries;
-  options.chunked_loss = config.training.chunked_loss;
-  options.seed = static_cast<uint64_t>(config.training.seed);
-  options.packing = config.data.packing;
-  options.pack_capacity = pack_capacity(config.data, family);
-  TrainStep step(*model, *optimizer, policy, options);
-  DeviceLadder device_ladder(config, device);
-  int64_t tokens_seen = 0;
-  int64_t step_index = 0;
-  if (resume_dir) {
-    const auto& state = resume_state;
-    const auto file = SafetensorsFile::open((*resume_dir / "optimizer.safetensors").string());
+  options.device = device_;
+  options.pad_id = pad_id_;
+  options.precision = config_.precision.mode;
+  options.max_grad_norm = config_.training.max_grad_norm;
+  options.max_retries = config_.memory.max_retries;
+  options.chunked_loss = config_.training.chunked_loss;
+  options.seed = static_cast<uint64_t>(config_.training.seed);
+  options.packing = config_.data.packing;
+  options.pack_capacity = pack_capacity(config_.data, family_);
+  if (world_) {
+    std::vector<at::Tensor> parameters;
+    trainable.for_each_parameter([&](const std::string&, at::Tensor& p) {
+      if (p.requires_grad()) parameters.push_back(p);
+    });
+    data_parallel_ = std::make_unique<distributed::DataParallel>(
+        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes));
+    options.sync = data_parallel_.get();
+  }
+  step_ = std::make_unique<TrainStep>(*model_, *optimizer_, *policy_, options);
+  device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
+}
+
+// A resume restores the optimizer, the data position, the policy, the step and the RNG; a fresh run with
+// micro_batch_size=auto probes the largest micro-batch that fits (the smallest of any rank's).
+void TrainingRun::restore_or_probe() {
+  if (resume_.dir) {
+    const auto& state = resume_.state;
+    const auto file = SafetensorsFile::open((*resume_.dir / "optimizer.safetensors").string());
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& t : file.tensors())
       if (!t.name.starts_with("rng.")) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
-    optimizer->load_state(tensors, state.at("optimizer_steps").get<int64_t>(),
-                          (*resume_dir / "optimizer.safetensors").string());
+    optimizer_->load_state(tensors, state.at("optimizer_steps").get<int64_t>(),
+                           (*resume_.dir / "optimizer.safetensors").string());
     const LoaderCursor saved_cursor = cursor_from_json(state.at("data_cursor"));
-    loader->restore(data_changed ? new_epoch_cursor(saved_cursor) : saved_cursor);
-    policy.restore(state.at("memory_policy"));
-    step_index = state.at("step").get<int64_t>();
-    tokens_seen = state.at("tokens_seen").get<int64_t>();
+    loader_->restore(resume_.data_changed ? new_epoch_cursor(saved_cursor) : saved_cursor);
+    policy_->restore(state.at("memory_policy"));
+    step_index_ = state.at("step").get<int64_t>();
+    tokens_seen_ = state.at("tokens_seen").get<int64_t>();
     if (file.find("rng.cpu")) set_rng_state(at::Device(at::kCPU), file.load("rng.cpu"));
-    if (!device.is_cpu()) {
-      const std::string name = "rng." + device.str();
-      if (file.find(name)) set_rng_state(device, file.load(name));  // dropout does not need it (keyed masks)
+    if (!device_.is_cpu()) {
+      const std::string name = "rng." + device_.str();
+      if (file.find(name)) set_rng_state(device_, file.load(name));  // dropout does not need it (keyed masks)
     }
-    spdlog::info("resuming from {} at step {} (micro-batch {}){}", resume_dir->string(), step_index,
-                 policy.micro_batch(),
-                 data_changed ? fmt::format("; the data changed: epoch {} starts over it", loader->cursor().epoch + 1)
-                              : std::string());
-  } else if (config.training.micro_batch_size.is_auto && !policy.by_tokens()) {
-    const int64_t probed = probe_micro_batch(step, *optimizer, config, family, device);
+    spdlog::info("resuming from {} at step {} (micro-batch {}){}", resume_.dir->string(), step_index_,
+                 policy_->micro_batch(),
+                 resume_.data_changed
+                     ? fmt::format("; the data changed: epoch {} starts over it", loader_->cursor().epoch + 1)
+                     : std::string());
+  } else if (config_.training.micro_batch_size.is_auto && !policy_->by_tokens()) {
+    int64_t probed = probe_micro_batch(*step_, *optimizer_, config_, family_, device_);
+    if (world_) probed = -world_->all_reduce_max({-probed})[0];  // what fits on every rank
     if (probed == 0)
       throw OutOfMemoryAtFloor("not even one example of the maximum lengths fits for micro_batch_size=auto",
                                "lower data.max_length / max_input_length / max_target_length, turn on "
                                "training.activation_checkpointing and training.chunked_loss, or raise memory.limit");
-    policy.set_micro_batch(probed, 0, "micro_batch_size=auto probe");
+    policy_->set_micro_batch(probed, 0, "micro_batch_size=auto probe");
   }
+}
 
-  std::unique_ptr<DataLoader> validation;
-  // Evaluation's own micro-batch (examples); "auto" starts from training's (in token mode: what its budget holds
-  // at the maximum lengths).
-  const int64_t longest = max_example_tokens(config.data, family == DataFamily::kSeq2Seq);
-  int64_t eval_micro = !config.evaluation.micro_batch_size.is_auto ? config.evaluation.micro_batch_size.value
-                       : policy.by_tokens() ? std::max<int64_t>(1, policy.micro_batch() / std::max<int64_t>(1, longest))
-                                            : policy.micro_batch();
-  const fs::path output_dir(config.checkpoint.output_dir);
-  fs::create_directories(output_dir);
-  if (!resume_dir)
-    if (const auto earlier = newest_checkpoint(output_dir))
+void TrainingRun::start_retention() {
+  fs::create_directories(output_dir_);
+  if (!resume_.dir && primary_)
+    if (const auto earlier = newest_checkpoint(output_dir_))
       spdlog::warn("{} already holds checkpoints of an earlier run (newest {}); this run starts from step 0 and "
                    "writes its own beside them. To continue that run instead, stop and add --resume",
-                   output_dir.string(), earlier->filename().string());
-  CheckpointRetention retention(output_dir, config.checkpoint.keep_last, config.checkpoint.keep_best);
-  retention.start(resume_dir ? std::optional<int64_t>(step_index) : std::nullopt);
-  double last_eval = std::nan("");
-  int64_t last_eval_step = -1;
-  // Checkpoint-N, then what stays (keep_last, keep_best: by the validation loss at this step), then the webhook.
-  // The step whose state checkpoint-N in output_dir holds: the one resumed from, then each one written.
-  std::optional<int64_t> on_disk_step;
+                   output_dir_.string(), earlier->filename().string());
+  retention_ = std::make_unique<CheckpointRetention>(output_dir_, config_.checkpoint.keep_last,
+                                                     config_.checkpoint.keep_best);
+  if (primary_) retention_->start(resume_.dir ? std::optional<int64_t>(step_index_) : std::nullopt);
   std::error_code same_error;
-  if (resume_dir && fs::equivalent(*resume_dir, output_dir / ("checkpoint-" + std::to_string(step_index)), same_error))
-    on_disk_step = step_index;
-  auto checkpoint = [&](const LoaderCursor& cursor, const nlohmann::json& policy_state) {
-    write_checkpoint(output_dir, step_index, on_disk_step == step_index, device, trained, *optimizer, policy_state,
-                     cursor, tokens_seen, config, fingerprint);
-    on_disk_step = step_index;
-    retention.on_checkpoint(step_index, last_eval_step == step_index ? std::optional<double>(last_eval) : std::nullopt);
-    const auto path = (output_dir / ("checkpoint-" + std::to_string(step_index))).string();
-    reporter.on_checkpoint(step_index, path);
-    return path;
-  };
+  if (resume_.dir &&
+      fs::equivalent(*resume_.dir, output_dir_ / ("checkpoint-" + std::to_string(step_index_)), same_error))
+    on_disk_step_ = step_index_;
+}
 
-  reset_peak(device);  // the summary's peak is training's, not the micro-batch probe's
-  const int64_t start_step = step_index, start_tokens = tokens_seen;
-  reporter.on_start({model->model_type(), count_parameters(*model), optimizer->trainable_parameters(), total_steps,
-                     policy.micro_batch(), start_step, start_tokens, resume_dir ? resume_dir->string() : ""});
-  int64_t current_epoch = loader->cursor().epoch;
-  while (step_index < total_steps) {
-    if (const int signal = stop_requested()) {
-      reporter.on_stopped(signal, step_index, checkpoint(loader->cursor(), policy.state()));
+// Checkpoint-N, then what stays (keep_last, keep_best: by the validation loss at this step), then the webhook.
+// Rank 0 alone writes it (every rank holds the same weights and optimizer state).
+std::string TrainingRun::checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state) {
+  const auto path = (output_dir_ / ("checkpoint-" + std::to_string(step_index_))).string();
+  if (!primary_) return path;
+  write_checkpoint(output_dir_, step_index_, on_disk_step_ == step_index_, device_, *trained_, *optimizer_,
+                   policy_state, cursor, tokens_seen_, config_, fingerprint_);
+  on_disk_step_ = step_index_;
+  retention_->on_checkpoint(step_index_,
+                            last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
+  reporter_.on_checkpoint(step_index_, path);
+  return path;
+}
+
+// A signal on any rank stops every rank after the same step.
+int TrainingRun::agreed_stop_signal() {
+  const int signal = stop_requested();
+  if (!world_) return signal;
+  return static_cast<int>(world_->all_reduce_max({signal})[0]);
+}
+
+int TrainingRun::loop() {
+  reset_peak(device_);  // the summary's peak is training's, not the micro-batch probe's
+  reporter_.on_start({model_->model_type(), count_parameters(*model_), optimizer_->trainable_parameters(),
+                      total_steps_, policy_->micro_batch(), step_index_, tokens_seen_,
+                      resume_.dir ? resume_.dir->string() : ""});
+  current_epoch_ = loader_->cursor().epoch;
+  while (step_index_ < total_steps_) {
+    if (const int signal = agreed_stop_signal()) {
+      reporter_.on_stopped(signal, step_index_, checkpoint(loader_->cursor(), policy_->state()));
       return signal == SIGINT ? kExitInterrupted : kExitOk;
     }
-    const auto step_start = Clock::now();
-    const LoaderCursor cursor_before = loader->cursor();  // for a checkpoint of this state if the step cannot fit
-    const nlohmann::json policy_before = policy.state();
-    auto batch = loader->next();
-    if (batch && batch->epoch != current_epoch) {
-      const auto d = loader->stats();
-      spdlog::info("epoch {} done (data so far: records {} read, bad records skipped {}, truncated {}, too long and "
-                   "skipped {})", current_epoch + 1, d.records_read, d.bad_records_skipped, d.truncated,
-                   d.overlength_skipped);
-      current_epoch = batch->epoch;
-    }
-    if (!batch) break;
-    const double lr = scheduled_lr(config.scheduler, config.optimizer.lr, step_index, total_steps);
-    StepResult result;
-    for (;;) try {
-      result = step.run(*batch, step_index + 1, lr);
-      break;
-    } catch (const OutOfMemoryAtFloor& e) {
-      // ---- the end of the memory ladder: move the run to a device with more room, run the same step there ----
-      if (const auto moved = device_ladder.move(step_index + 1, device, {*model, lora.get(), *optimizer}, policy,
-                                                e.what())) {
-        device = *moved;
-        step.set_device(device);
+    if (!train_one_step()) break;
+  }
+  return -1;
+}
+
+// One optimizer step: the next effective batch, the memory-adaptive step, metrics, then evaluation and a periodic
+// checkpoint when due. False when the data is done.
+bool TrainingRun::train_one_step() {
+  const auto step_start = Clock::now();
+  const LoaderCursor cursor_before = loader_->cursor();  // for a checkpoint of this state if the step cannot fit
+  const nlohmann::json policy_before = policy_->state();
+  auto batch = loader_->next();
+  if (batch && batch->epoch != current_epoch_) {
+    const auto d = loader_->stats();
+    spdlog::info("epoch {} done (data so far: records {} read, bad records skipped {}, truncated {}, too long and "
+                 "skipped {})", current_epoch_ + 1, d.records_read, d.bad_records_skipped, d.truncated,
+                 d.overlength_skipped);
+    current_epoch_ = batch->epoch;
+  }
+  if (!batch) return false;
+  const double lr = scheduled_lr(config_.scheduler, config_.optimizer.lr, step_index_, total_steps_);
+  StepResult result;
+  for (;;) try {
+    result = step_->run(*batch, step_index_ + 1, lr);
+    break;
+  } catch (const OutOfMemoryAtFloor& e) {
+    // ---- the end of the memory ladder: move the run to a device with more room, run the same step there ----
+    // (one process only: ranks would have to agree on a move, which data parallelism does not do yet)
+    if (!world_) {
+      if (const auto moved = device_ladder_->move(step_index_ + 1, device_, {*model_, lora_.get(), *optimizer_},
+                                                  *policy_, e.what())) {
+        device_ = *moved;
+        step_->set_device(device_);
         continue;
       }
-      // ---- no move left: stop with a report and a checkpoint of the last completed step ----
-      dump_snapshot_once(output_dir, step_index + 1);
-      std::string report = memory_report(config, device, *model, lora.get(), *optimizer, policy);
-      if (const auto why_not = device_ladder.why_not_moved(); !why_not.empty()) report += "\n  device moves: " + why_not;
-      const auto saved = checkpoint(cursor_before, policy_before);
-      throw OutOfMemoryAtFloor(std::string(e.what()) + "\n" + report + "\nthe last completed step (" +
-                                   std::to_string(step_index) + ") is saved in " + saved +
-                                   "; after changing the config, continue with --resume-from " + saved,
-                               floor_suggestions(config, device, family == DataFamily::kSeq2Seq));
     }
-    ++step_index;
-    if (result.retries > 0) dump_snapshot_once(output_dir, step_index);
-    tokens_seen += result.target_tokens;
-    const auto memory = memory_now(device);
-    reporter.on_step({step_index, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen,
-                      result.micro_batch, result.micro_steps, result.retries,
-                      static_cast<int64_t>(policy.adaptations().size()), device_ladder.moves(), memory.allocated,
-                      memory.peak,
-                      std::chrono::duration<double>(Clock::now() - step_start).count()});
-    const bool eval_now = config.evaluation.every_steps > 0 && step_index % config.evaluation.every_steps == 0;
-    if (eval_now || step_index == total_steps) {
-      validation = make_validation_loader(config, *tokenizer, family, config.training.batch_size);
-      if (validation) {
-        const auto eval = evaluate(*model, *validation, eval_micro, config, device, pad_id,
-                                   step.chunked_loss() ? step.loss_chunk_size() : 0);
-        last_eval = eval.loss;
-        last_eval_step = step_index;
-        reporter.on_eval(step_index, eval.loss, eval.tokens);
-      }
-      log_samples(*model, *tokenizer, config, device, step_index, reporter);
-    }
-    if (config.checkpoint.every_steps > 0 && step_index % config.checkpoint.every_steps == 0 && step_index < total_steps)
-      checkpoint(loader->cursor(), policy.state());
-    if (config.memory.empty_cache_every > 0 && step_index % config.memory.empty_cache_every == 0) release_cached_memory();
+    // ---- no move left: stop with a report and a checkpoint of the last completed step ----
+    dump_snapshot_once(output_dir_, step_index_ + 1);
+    std::string report = memory_report(config_, device_, *model_, lora_.get(), *optimizer_, *policy_);
+    if (world_) report += "\n  device moves: not made in data-parallel runs (the ranks stop together)";
+    else if (const auto why_not = device_ladder_->why_not_moved(); !why_not.empty())
+      report += "\n  device moves: " + why_not;
+    const auto saved = checkpoint(cursor_before, policy_before);
+    throw OutOfMemoryAtFloor(std::string(e.what()) + "\n" + report + "\nthe last completed step (" +
+                                 std::to_string(step_index_) + ") is saved in " + saved +
+                                 "; after changing the config, continue with --resume-from " + saved,
+                             floor_suggestions(config_, device_, family_ == DataFamily::kSeq2Seq));
   }
+  ++step_index_;
+  if (result.retries > 0) dump_snapshot_once(output_dir_, step_index_);
+  tokens_seen_ += result.target_tokens;
+  const auto memory = memory_now(device_);
+  reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen_,
+                     result.micro_batch, result.micro_steps, result.retries,
+                     static_cast<int64_t>(policy_->adaptations().size()), device_ladder_->moves(), memory.allocated,
+                     memory.peak,
+                     std::chrono::duration<double>(Clock::now() - step_start).count()});
+  const bool eval_now = config_.evaluation.every_steps > 0 && step_index_ % config_.evaluation.every_steps == 0;
+  if (eval_now || step_index_ == total_steps_) evaluate_and_sample();
+  if (config_.checkpoint.every_steps > 0 && step_index_ % config_.checkpoint.every_steps == 0 &&
+      step_index_ < total_steps_)
+    checkpoint(loader_->cursor(), policy_->state());
+  if (config_.memory.empty_cache_every > 0 && step_index_ % config_.memory.empty_cache_every == 0)
+    release_cached_memory();
+  return true;
+}
 
-  // The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.
-  checkpoint(loader->cursor(), policy.state());
-  if (config.checkpoint.save_final) save_trained(trained, output_dir / "final", config);
-  if (train_options.merge) {
+// Validation loss and sample generations (rank 0 alone: the other ranks hold the same weights and go on to the
+// next step, where they wait for it).
+void TrainingRun::evaluate_and_sample() {
+  if (!primary_) return;
+  auto validation = make_validation_loader(config_, *tokenizer_, family_, config_.training.batch_size);
+  if (validation) {
+    const auto eval = evaluate(*model_, *validation, eval_micro_, config_, device_, pad_id_,
+                               step_->chunked_loss() ? step_->loss_chunk_size() : 0);
+    last_eval_ = eval.loss;
+    last_eval_step_ = step_index_;
+    reporter_.on_eval(step_index_, eval.loss, eval.tokens);
+  }
+  log_samples(*model_, *tokenizer_, config_, device_, step_index_, reporter_);
+}
+
+// The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.
+int TrainingRun::finish() {
+  checkpoint(loader_->cursor(), policy_->state());
+  if (primary_ && config_.checkpoint.save_final) save_trained(*trained_, output_dir_ / "final", config_);
+  if (primary_ && train_options_.merge) {
     MergeOptions merge;
-    merge.adapter_dir = (output_dir / "final").string();
-    merge.output_dir = (output_dir / "final-merged").string();
-    merge.max_shard_bytes = config.checkpoint.max_shard_size.bytes;
+    merge.adapter_dir = (output_dir_ / "final").string();
+    merge.output_dir = (output_dir_ / "final-merged").string();
+    merge.max_shard_bytes = config_.checkpoint.max_shard_size.bytes;
     merge_adapter(merge);
   }
   RunSummary summary;
-  summary.steps = step_index;
-  summary.tokens_seen = tokens_seen;
-  summary.data = loader->stats();
-  summary.memory_peak = memory_now(device).peak;
-  summary.adaptations = policy.adaptations();
-  summary.escalations = policy.escalations();
-  if (config.checkpoint.save_final) summary.model_dir = (output_dir / "final").string();
-  summary.model_is_adapter = lora != nullptr;
-  if (train_options.merge) summary.merged_dir = (output_dir / "final-merged").string();
-  if (const auto& best = retention.best()) {
+  summary.steps = step_index_;
+  summary.tokens_seen = tokens_seen_;
+  summary.data = loader_->stats();
+  summary.memory_peak = memory_now(device_).peak;
+  summary.adaptations = policy_->adaptations();
+  summary.escalations = policy_->escalations();
+  if (config_.checkpoint.save_final) summary.model_dir = (output_dir_ / "final").string();
+  summary.model_is_adapter = lora_ != nullptr;
+  if (train_options_.merge) summary.merged_dir = (output_dir_ / "final-merged").string();
+  if (const auto& best = retention_->best()) {
     summary.best_checkpoint = best->path.string();
     summary.best_eval_loss = best->eval_loss;
   }
-  reporter.on_finish(std::move(summary));
+  if (world_)
+    spdlog::info("data parallelism: {} ranks ({}); this rank spent {:.1f} s in collectives (waiting included)",
+                 world_->world_size(), world_->backend_name(), world_->communication_seconds());
+  reporter_.on_finish(std::move(summary));
   return kExitOk;
+}
+
+int run_training(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options,
+                 Reporter& reporter, distributed::Communicator* world) {
+  prepare_run(config, resolved.device, train_options);
+  TrainingRun run(config, resolved.device, train_options, reporter, world);
+  run.set_up();
+  if (const int stopped = run.loop(); stopped >= 0) return stopped;
+  return run.finish();
 }
 
 }  // namespace
 
-int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options, std::ostream& out) {
-  Reporter reporter(config, out);
+int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& train_options, std::ostream& out,
+          distributed::Communicator* world) {
+  // Rank 0 alone prints the progress and writes metrics, TensorBoard and the webhook; the others log warnings.
+  std::ostream null_stream(nullptr);
+  const bool primary = !world || world->rank() == 0;
+  Reporter reporter(config, primary ? out : null_stream, primary);
   try {
-    return run_training(config, resolved, train_options, reporter);
+    const int code = run_training(config, resolved, train_options, reporter, world);
+    if (world) world->barrier();  // rank 0, which hosts the rendezvous, leaves last
+    return code;
   } catch (const std::exception& error) {
     reporter.on_failure(error);  // the webhook hears of it; main reports it and picks the exit code
     throw;

@@ -13,10 +13,17 @@
 
 namespace trainer {
 
+namespace distributed {
+class Communicator;
+}
+
 // Trains as the config says on `device`; returns the exit code. Throws trainer::Error (OutOfMemoryAtFloor: 4).
 // With options.resume / resume_from, continues from a checkpoint: weights, optimizer state, step, data position,
 // RNG state and the memory policy's micro-batch, so the run reaches the weights an uninterrupted run would.
-int train(const Config& config, const ResolvedDevice& device, const TrainOptions& options, std::ostream& out);
+// With `world` (data parallelism) this process is one rank: it trains its share of every effective batch and rank 0
+// alone writes checkpoints, metrics and the final model.
+int train(const Config& config, const ResolvedDevice& device, const TrainOptions& options, std::ostream& out,
+          distributed::Communicator* world = nullptr);
 
 // The steps of the run, exposed for their tests.
 

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Data parallelism on this machine's cores: 2 ranks x 1 thread (`trainer launch --nproc-per-node 2`, Gloo on
+127.0.0.1) against 1 process x 2 threads, the same global batch, the same steps, run alternately. Prints a table:
+tokens/s of each side (steps after the warm-up), their ratio, peak RSS (one process; the launcher's largest rank),
+and the share of rank 0's step time spent in collectives (waiting for the other rank included).
+
+    .venv/bin/python scripts/bench/distributed_scaling.py [--models t5-60m qwen2-100m] [--repeats 2]
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import BENCH_DIR, ROOT, TRAINER, ensure_data, fresh_dir, load_average, log, run_measured  # noqa: E402
+from vs_hf import LENGTHS, MODELS, model_dir, ours_config  # noqa: E402
+
+STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss")
+COMM_LINE = re.compile(r"spent ([\d.]+) s in collectives")
+
+
+def one_run(config_path, ranks):
+    """Runs the config on `ranks` processes (1: plain trainer with 2 threads); returns tokens/s, peak RSS, the
+    collective seconds of rank 0 and the wall time of the measured steps."""
+    with open(config_path) as f:
+        config = json.load(f)
+    metrics = os.path.join(config["checkpoint"]["output_dir"], "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    if ranks == 1:
+        env["OMP_NUM_THREADS"] = "2"
+        command = [TRAINER, "--config", config_path]
+    else:
+        env["OMP_NUM_THREADS"] = "1"
+        command = [TRAINER, "launch", "--nproc-per-node", str(ranks), "--", "--config", config_path]
+    run = run_measured(command, env=env, timeout=3600)
+    if run.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed (exit {run.returncode}):\n" + run.text()[-3000:])
+    times = {int(m.group(1)): t for t, line in run.lines if (m := STEP_LINE.search(line))}
+    with open(metrics) as f:
+        tokens = {r["step"]: r["tokens"] for r in map(json.loads, f) if "loss" in r}
+    return run, times, tokens
+
+
+def measure(name, repeats, warmup):
+    m = MODELS[name]
+    steps = m["steps"] + warmup
+    path = model_dir(name)
+    data = ensure_data(m["form"], 4096)
+    work = fresh_dir(os.path.join(BENCH_DIR, "runs", "distributed", name))
+    config = ours_config(os.path.join(work, "config.json"), path, m["form"], data, os.path.join(work, "out"),
+                         m["batch"], 1, steps, LENGTHS[m["form"]], logging={"every_steps": 1, "progress": "plain",
+                                                                            "tensorboard": False})
+    sides = {1: [], 2: []}
+    for r in range(repeats):
+        for ranks in ([1, 2] if r % 2 == 0 else [2, 1]):
+            load = load_average()
+            run, times, tokens = one_run(config, ranks)
+            last = max(times)
+            rate = (tokens[last] - tokens[warmup]) / (times[last] - times[warmup])
+            comm = COMM_LINE.search(run.text())
+            sample = {"tokens_per_s": rate, "peak_rss": run.peak_rss, "comm_s": float(comm.group(1)) if comm else 0.0,
+                      "wall_s": run.seconds, "load": load}
+            sides[ranks].append(sample)
+            log(f"{name} rep {r + 1}/{repeats} {ranks} rank(s): {rate:.0f} tokens/s, load {load}")
+    return {"model": name, "batch": m["batch"], "steps": steps, "sides": sides}
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["t5-60m", "qwen2-100m"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    results = [measure(name, args.repeats, args.warmup) for name in args.models]
+    print("| model | batch | 1 process x 2 threads: tokens/s | 2 ranks x 1 thread: tokens/s | ratio (2 ranks / 1) "
+          "| rank 0 time in collectives |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        one = median([s["tokens_per_s"] for s in r["sides"][1]])
+        two = median([s["tokens_per_s"] for s in r["sides"][2]])
+        comm = median([s["comm_s"] / s["wall_s"] for s in r["sides"][2]])
+        print(f"| {r['model']} | {r['batch']} | {one:.0f} | {two:.0f} | {two / one:.2f}x | {comm:.0%} of the run |")
+    print(f"\n{args.repeats} runs of each side, alternating; medians. Measured steps: after {args.warmup} warm-up "
+          f"steps. Micro-batch 1 on both sides (the same per-example work).")
+
+
+if __name__ == "__main__":
+    main()

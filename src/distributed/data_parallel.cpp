@@ -1,0 +1,72 @@
+// Data parallelism for one training step (see data_parallel.h).
+#include "distributed/data_parallel.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+namespace trainer::distributed {
+
+std::pair<int64_t, int64_t> share_of(std::span<const Example> examples, int rank, int world, bool by_tokens) {
+  const auto n = static_cast<int64_t>(examples.size());
+  if (!by_tokens) {
+    // Equal counts; the remainder goes to the first ranks.
+    const int64_t base = n / world, extra = n % world;
+    auto begin_of = [&](int r) { return r * base + std::min<int64_t>(r, extra); };
+    return {begin_of(rank), begin_of(rank + 1) - begin_of(rank)};
+  }
+  std::vector<int64_t> cumulative(static_cast<std::size_t>(n) + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& e = examples[static_cast<std::size_t>(i)];
+    cumulative[static_cast<std::size_t>(i) + 1] =
+        cumulative[static_cast<std::size_t>(i)] + static_cast<int64_t>(e.input_ids.size() + e.labels.size());
+  }
+  const int64_t total = cumulative.back();
+  // Rank r starts at the first example whose running cost reaches r/world of the total (never before the previous
+  // rank's start, so shares stay contiguous and disjoint).
+  auto begin_of = [&](int r) -> int64_t {
+    if (r <= 0) return 0;
+    if (r >= world) return n;
+    const int64_t target = (total * r + world / 2) / world;
+    int64_t i = 0;
+    while (i < n && cumulative[static_cast<std::size_t>(i)] < target) ++i;
+    return i;
+  };
+  const int64_t begin = begin_of(rank), end = std::max(begin, begin_of(rank + 1));
+  return {begin, end - begin};
+}
+
+std::pair<int64_t, int64_t> DataParallel::share(std::span<const Example> examples, bool by_tokens, bool) {
+  return share_of(examples, communicator_.rank(), communicator_.world_size(), by_tokens);
+}
+
+StepSync::Outcome DataParallel::agree(bool fit, int64_t largest_part) {
+  // One message: per rank a 0/1 "did not fit", then the largest micro-batch; the maximum of each over the ranks.
+  const int world = communicator_.world_size();
+  std::vector<int64_t> values(static_cast<std::size_t>(world) + 1, 0);
+  values[static_cast<std::size_t>(communicator_.rank())] = fit ? 0 : 1;
+  values.back() = largest_part;
+  const auto agreed = communicator_.all_reduce_max(values);
+  Outcome outcome;
+  outcome.largest_part = agreed.back();
+  for (int r = 0; r < world; ++r)
+    if (agreed[static_cast<std::size_t>(r)]) {
+      outcome.all_fit = false;
+      outcome.failed_ranks += (outcome.failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+  return outcome;
+}
+
+double DataParallel::reduce(double loss_sum) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  grads.reserve(parameters_.size());
+  for (auto& p : parameters_) {
+    // A rank whose share left a parameter unused (or that had no examples) contributes zeros.
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    grads.push_back(p.grad());
+  }
+  communicator_.all_reduce_sum(grads, bucket_bytes_);
+  return communicator_.all_reduce_sum(loss_sum);
+}
+
+}  // namespace trainer::distributed

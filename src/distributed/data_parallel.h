@@ -1,0 +1,40 @@
+// Data parallelism for one training step (TrainStep's StepSync): which examples of the effective batch this rank
+// trains, the ranks' agreement on out-of-memory errors, and the gradient sum, once per optimizer step.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "distributed/process_group.h"
+#include "train/step.h"
+#include "trainer/data.h"
+
+namespace trainer::distributed {
+
+// Rank `rank`'s contiguous share [begin, begin + count) of `examples` among `world` ranks: equal example counts
+// (the first ranks take one more when it does not divide), or with `by_tokens` cut where the running padded-token
+// cost (input + labels lengths) crosses rank/world of the total, so token-budget ranks get balanced work. Shares
+// are disjoint, cover every example, and depend only on the batch, never on the memory policy.
+std::pair<int64_t, int64_t> share_of(std::span<const Example> examples, int rank, int world, bool by_tokens);
+
+class DataParallel : public StepSync {
+ public:
+  // `parameters`: the trainable parameters, in the same order on every rank.
+  DataParallel(Communicator& communicator, std::vector<at::Tensor> parameters, int64_t bucket_bytes)
+      : communicator_(communicator), parameters_(std::move(parameters)), bucket_bytes_(bucket_bytes) {}
+
+  std::pair<int64_t, int64_t> share(std::span<const Example> examples, bool by_tokens, bool seq2seq) override;
+  Outcome agree(bool fit, int64_t largest_part) override;
+  double reduce(double loss_sum) override;
+
+ private:
+  Communicator& communicator_;
+  std::vector<at::Tensor> parameters_;
+  int64_t bucket_bytes_;
+};
+
+}  // namespace trainer::distributed

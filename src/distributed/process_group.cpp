@@ -1,0 +1,291 @@
+// The c10d rendezvous and backend (see process_group.h). Compiled with USE_C10D_GLOO and the gloo stand-in headers
+// (src/distributed/gloo_standin): the wheel's libtorch_cpu carries the Gloo backend; NCCL only in CUDA builds with
+// TRAINER_WITH_NCCL.
+#include "distributed/process_group.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <set>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#if TRAINER_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace trainer::distributed {
+namespace {
+
+Getenv or_getenv(const Getenv& get) {
+  if (get) return get;
+  return [](const char* name) { return std::getenv(name); };
+}
+
+// An integer variable in [low, high]; UsageError naming it otherwise.
+int integer_variable(const Getenv& get, const char* name, int low, int high, const std::string& hint) {
+  const char* text = get(name);
+  if (!text || !*text) throw UsageError(std::string(name) + " is not set", hint);
+  char* end = nullptr;
+  errno = 0;
+  const long value = std::strtol(text, &end, 10);
+  if (errno || *end || value < low || value > high)
+    throw UsageError(std::string(name) + "=" + text + " is not an integer from " + std::to_string(low) + " to " +
+                         std::to_string(high),
+                     hint);
+  return static_cast<int>(value);
+}
+
+const char* kLaunchHint =
+    "launch the ranks with torchrun, `trainer launch --nproc-per-node N -- ...`, or set RANK, WORLD_SIZE, "
+    "MASTER_ADDR and MASTER_PORT for every process (docs/distributed.md)";
+
+}  // namespace
+
+std::optional<Environment> environment_from_variables(const Getenv& getenv_) {
+  const Getenv get = or_getenv(getenv_);
+  const char* world = get("WORLD_SIZE");
+  const char* rank = get("RANK");
+  if ((!world || !*world) && (!rank || !*rank)) return std::nullopt;
+  if (!world || !*world) throw UsageError("RANK is set but WORLD_SIZE is not", kLaunchHint);
+  Environment e;
+  e.world_size = integer_variable(get, "WORLD_SIZE", 1, 1 << 20, kLaunchHint);
+  if (!rank || !*rank) {
+    if (e.world_size == 1) return std::nullopt;
+    throw UsageError("WORLD_SIZE=" + std::string(world) + " is set but RANK is not", kLaunchHint);
+  }
+  e.rank = integer_variable(get, "RANK", 0, e.world_size - 1, "RANK must be below WORLD_SIZE");
+  if (e.world_size == 1) return std::nullopt;
+  const char* local = get("LOCAL_RANK");
+  e.local_world_size = e.world_size;
+  if (const char* lws = get("LOCAL_WORLD_SIZE"); lws && *lws)
+    e.local_world_size = integer_variable(get, "LOCAL_WORLD_SIZE", 1, e.world_size, "at most WORLD_SIZE");
+  e.local_rank = local && *local ? integer_variable(get, "LOCAL_RANK", 0, e.local_world_size - 1,
+                                                    "LOCAL_RANK must be below LOCAL_WORLD_SIZE (or WORLD_SIZE)")
+                                 : e.rank % e.local_world_size;
+  const char* addr = get("MASTER_ADDR");
+  if (!addr || !*addr) throw UsageError("MASTER_ADDR is not set (WORLD_SIZE=" + std::to_string(e.world_size) + ")",
+                                        kLaunchHint);
+  e.master_addr = addr;
+  e.master_port = integer_variable(get, "MASTER_PORT", 1, 65535, kLaunchHint);
+  const char* agent = get("TORCHELASTIC_USE_AGENT_STORE");
+  e.agent_store = agent && std::string(agent) == "True";
+  if (const char* restarts = get("TORCHELASTIC_RESTART_COUNT"); restarts && *restarts) e.restart_count = restarts;
+  return e;
+}
+
+struct Communicator::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  c10::Device device{c10::kCPU};
+  std::string name;
+};
+
+Communicator::Communicator(Environment environment, std::unique_ptr<Impl> impl)
+    : environment_(std::move(environment)), impl_(std::move(impl)) {}
+
+Communicator::~Communicator() = default;
+
+std::unique_ptr<Communicator> Communicator::connect(const Environment& e, const c10::Device& device,
+                                                    std::chrono::seconds timeout) {
+  auto impl = std::make_unique<Impl>();
+  impl->device = device;
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(e.master_port);
+  options.numWorkers = static_cast<std::size_t>(e.world_size);
+  options.isServer = e.rank == 0 && !e.agent_store;
+  options.waitWorkers = !e.agent_store;
+  options.multiTenant = true;
+  options.timeout = timeout;
+  const std::string where = e.master_addr + ":" + std::to_string(e.master_port);
+  try {
+    impl->store = c10::make_intrusive<c10d::TCPStore>(e.master_addr, options);
+  } catch (const c10::Error& error) {
+    const std::string what = error.what_without_backtrace();
+    if (options.isServer && (what.find("in use") != std::string::npos || what.find("EADDRINUSE") != std::string::npos))
+      throw UsageError("MASTER_PORT=" + std::to_string(e.master_port) + ": rank 0 cannot serve the rendezvous on " +
+                           where + ", the port is in use: " + what.substr(0, 300),
+                       "pick a free port (trainer launch --master-port P, torchrun --master-port P)");
+    throw UsageError("rank " + std::to_string(e.rank) + " of " + std::to_string(e.world_size) +
+                         ": the rendezvous at MASTER_ADDR:MASTER_PORT=" + where + " failed within " +
+                         std::to_string(timeout.count()) + " s (distributed.timeout_s): " + what.substr(0, 300),
+                     "start every rank with the same MASTER_ADDR and MASTER_PORT, and rank 0 among them");
+  }
+  impl->store = c10::make_intrusive<c10d::PrefixStore>("trainer/" + e.restart_count, impl->store);
+  try {
+    if (device.is_cuda()) {
+#if TRAINER_WITH_NCCL
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = timeout;
+      impl->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(impl->store, e.rank, e.world_size, nccl_options);
+      impl->name = "nccl";
+#else
+      throw UsageError("distributed training on " + device.str() + " needs NCCL, and this build of trainer has none",
+                       "build trainer against a CUDA LibTorch with NCCL (TRAINER_WITH_NCCL), or run on the CPU");
+#endif
+    } else {
+      auto gloo_options = c10d::ProcessGroupGloo::Options::create_default(timeout);
+      impl->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, e.rank, e.world_size, gloo_options);
+      impl->name = "gloo";
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& error) {  // c10::Error, or Gloo's own exceptions
+    throw CommunicationError("rank " + std::to_string(e.rank) + ": the " + (device.is_cuda() ? "NCCL" : "Gloo") +
+                                 " backend could not connect the ranks: " + std::string(error.what()).substr(0, 400),
+                             "on one machine set GLOO_SOCKET_IFNAME=lo; across machines the interface that reaches "
+                             "MASTER_ADDR (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)");
+  }
+  return std::unique_ptr<Communicator>(new Communicator(e, std::move(impl)));
+}
+
+std::string Communicator::backend_name() const { return impl_->name; }
+
+CommunicationError Communicator::collective_failed(const char* what, const std::string& cause) const {
+  return CommunicationError("rank " + std::to_string(rank()) + ": " + what + " across " +
+                                std::to_string(world_size()) +
+                                " ranks failed: another rank died, hung past distributed.timeout_s, or runs "
+                                "something else: " + cause.substr(0, 400),
+                            "the first error of the other ranks names the cause; a resume continues from the last "
+                            "complete checkpoint");
+}
+
+template <class F>
+void Communicator::timed(const char* what, F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    f();
+  } catch (const Error&) {
+    throw;
+  } catch (const c10::Error& error) {
+    throw collective_failed(what, error.what_without_backtrace());
+  } catch (const std::exception& error) {  // Gloo's own (gloo::IoException: a peer closed its connection)
+    throw collective_failed(what, error.what());
+  }
+  communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void Communicator::broadcast(std::vector<at::Tensor>& tensors) {
+  timed("broadcasting the parameters from rank 0", [&] {
+    for (auto& tensor : tensors) {
+      std::vector<at::Tensor> one{tensor};
+      impl_->backend->broadcast(one, c10d::BroadcastOptions{})->wait();
+    }
+  });
+}
+
+void Communicator::all_reduce_sum(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes) {
+  timed("all-reducing the gradients", [&] {
+    // Buckets of consecutive tensors of one dtype, each flattened into one buffer: few large messages.
+    std::size_t begin = 0;
+    while (begin < tensors.size()) {
+      std::size_t end = begin;
+      int64_t bytes = 0;
+      while (end < tensors.size() && tensors[end].scalar_type() == tensors[begin].scalar_type() &&
+             (end == begin || bytes + static_cast<int64_t>(tensors[end].nbytes()) <= bucket_bytes)) {
+        bytes += static_cast<int64_t>(tensors[end].nbytes());
+        ++end;
+      }
+      std::vector<at::Tensor> flat_parts;
+      for (std::size_t i = begin; i < end; ++i) flat_parts.push_back(tensors[i].reshape({-1}));
+      std::vector<at::Tensor> bucket{at::cat(flat_parts)};
+      impl_->backend->allreduce(bucket, c10d::AllreduceOptions{})->wait();
+      int64_t offset = 0;
+      for (std::size_t i = begin; i < end; ++i) {
+        const int64_t n = tensors[i].numel();
+        tensors[i].copy_(bucket[0].narrow(0, offset, n).view(tensors[i].sizes()));
+        offset += n;
+      }
+      begin = end;
+    }
+  });
+}
+
+std::vector<int64_t> Communicator::all_reduce_max(const std::vector<int64_t>& values) {
+  std::vector<at::Tensor> t{at::tensor(values, at::kLong).to(impl_->device)};
+  timed("agreeing on the step's outcome", [&] {
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    impl_->backend->allreduce(t, options)->wait();
+  });
+  const at::Tensor cpu = t[0].cpu();
+  return {cpu.data_ptr<int64_t>(), cpu.data_ptr<int64_t>() + cpu.numel()};
+}
+
+double Communicator::all_reduce_sum(double value) {
+  std::vector<at::Tensor> t{at::tensor({value}, at::kDouble).to(impl_->device)};
+  timed("summing the loss", [&] { impl_->backend->allreduce(t, c10d::AllreduceOptions{})->wait(); });
+  return t[0].cpu().item<double>();
+}
+
+void Communicator::barrier() {
+  timed("waiting for every rank (barrier)", [&] { impl_->backend->barrier(c10d::BarrierOptions{})->wait(); });
+}
+
+void Communicator::check_same_config(const std::string& config_json, const std::vector<std::string>& ignored) {
+  const std::string key = "config/" + std::to_string(rank());
+  std::string differences;
+  timed("comparing the configs", [&] {
+    impl_->store->set(key, std::vector<uint8_t>(config_json.begin(), config_json.end()));
+    const auto first = impl_->store->get("config/0");
+    const std::string reference(first.begin(), first.end());
+    for (int r = 1; r < world_size(); ++r) {
+      const auto other = impl_->store->get("config/" + std::to_string(r));
+      const auto keys = differing_keys(reference, std::string(other.begin(), other.end()), ignored);
+      if (keys.empty()) continue;
+      std::string list;
+      for (const auto& k : keys) list += (list.empty() ? "" : ", ") + k;
+      differences += "\n  rank " + std::to_string(r) + " differs from rank 0 in: " + list;
+    }
+    // Nobody leaves (rank 0 hosts the store) before every rank has read what it compares.
+    impl_->backend->barrier(c10d::BarrierOptions{})->wait();
+  });
+  if (!differences.empty())
+    throw UsageError("the ranks were started with different configurations:" + differences,
+                     "start every rank with the same --config and --set options (per-machine keys that may "
+                     "differ: memory.limit, device.*)");
+}
+
+std::vector<std::string> differing_keys(const std::string& a_json, const std::string& b_json,
+                                        const std::vector<std::string>& ignored) {
+  const auto a = nlohmann::json::parse(a_json).flatten();
+  const auto b = nlohmann::json::parse(b_json).flatten();
+  std::set<std::string> keys;
+  auto name = [](const std::string& pointer) {  // "/training/batch_size" -> "training.batch_size"
+    std::string out = pointer.substr(1);
+    for (auto& c : out)
+      if (c == '/') c = '.';
+    const auto dot = out.find('.');
+    const auto second = dot == std::string::npos ? std::string::npos : out.find('.', dot + 1);
+    return second == std::string::npos ? out : out.substr(0, second);  // list items name their key
+  };
+  auto is_ignored = [&](const std::string& key) {
+    for (const auto& i : ignored)
+      if (key == i || (i.ends_with(".*") && key.starts_with(i.substr(0, i.size() - 1)))) return true;
+    return false;
+  };
+  for (const auto& [pointer, value] : a.items())
+    if (!b.contains(pointer) || b[pointer] != value) keys.insert(name(pointer));
+  for (const auto& [pointer, value] : b.items())
+    if (!a.contains(pointer)) keys.insert(name(pointer));
+  std::vector<std::string> out;
+  for (const auto& key : keys)
+    if (!is_ignored(key)) out.push_back(key);
+  return out;
+}
+
+int share_cpu_threads(int local_ranks) {
+  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && *omp) return 0;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = std::max(1, cores / std::max(1, local_ranks));
+  at::set_num_threads(threads);
+  return threads;
+}
+
+}  // namespace trainer::distributed

@@ -1,0 +1,97 @@
+// Data parallelism's connection between the ranks of a run: which rank this process is (from the environment that
+// torchrun, Slurm/Kubernetes or `trainer launch` set), the c10d rendezvous (TCPStore) and the collective backend
+// (Gloo on the CPU; NCCL in CUDA builds). Without those variables trainer is a single process and none of this
+// exists: no store, no threads. The c10d headers stay inside process_group.cpp.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "trainer/errors.h"
+
+namespace trainer::distributed {
+
+// What the launcher said about this process.
+struct Environment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;  // ranks on this machine (LOCAL_WORLD_SIZE; else WORLD_SIZE)
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool agent_store = false;       // torchrun's agent already serves the store on MASTER_PORT
+  std::string restart_count = "0";  // TORCHELASTIC_RESTART_COUNT: each restart rendezvouses under its own prefix
+};
+
+// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE and
+// TORCHELASTIC_RESTART_COUNT through `get` (std::getenv by default). Nothing when neither RANK nor WORLD_SIZE is
+// set, or WORLD_SIZE is 1: a single process. Throws UsageError naming the variable for a missing or bad value.
+using Getenv = std::function<const char*(const char*)>;
+std::optional<Environment> environment_from_variables(const Getenv& get = {});
+
+// A collective that failed or timed out (a rank died, hung or ran another program): exit 1 with the rank's view.
+class CommunicationError : public Error {
+ public:
+  using Error::Error;
+};
+
+class Communicator {
+ public:
+  // The rendezvous and the backend for `device` (Gloo for the CPU; NCCL for CUDA in CUDA builds); every collective
+  // and the rendezvous itself give up after `timeout`. Throws UsageError naming MASTER_PORT when the port is taken.
+  static std::unique_ptr<Communicator> connect(const Environment& environment, const c10::Device& device,
+                                               std::chrono::seconds timeout);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return environment_.rank; }
+  int world_size() const { return environment_.world_size; }
+  const Environment& environment() const { return environment_; }
+  std::string backend_name() const;
+
+  // Rank 0's values into every rank's tensors, in place.
+  void broadcast(std::vector<at::Tensor>& tensors);
+  // Element-wise sum over the ranks, in place, `bucket_bytes` at a time (tensors of one dtype are flattened together).
+  void all_reduce_sum(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes);
+  // Element-wise maximum of a small vector over the ranks.
+  std::vector<int64_t> all_reduce_max(const std::vector<int64_t>& values);
+  double all_reduce_sum(double value);
+  void barrier();
+
+  // Every rank publishes its resolved config (JSON); a rank whose config differs from rank 0's makes every rank
+  // throw UsageError naming the keys and ranks. Keys in `ignored` (per-machine settings) may differ.
+  void check_same_config(const std::string& config_json, const std::vector<std::string>& ignored);
+
+  // Seconds spent inside collectives so far (waiting on the slowest rank included).
+  double communication_seconds() const { return communication_seconds_; }
+
+ private:
+  struct Impl;
+  Communicator(Environment environment, std::unique_ptr<Impl> impl);
+  template <class F>
+  void timed(const char* what, F&& f);
+  CommunicationError collective_failed(const char* what, const std::string& cause) const;
+
+  Environment environment_;
+  std::unique_ptr<Impl> impl_;
+  double communication_seconds_ = 0;
+};
+
+// The keys of two JSON configs (flattened "section.key") whose values differ, without those in `ignored`.
+std::vector<std::string> differing_keys(const std::string& a_json, const std::string& b_json,
+                                        const std::vector<std::string>& ignored);
+
+// LibTorch's intra-op threads for one of `local_ranks` processes on this machine: the cores shared out, unless
+// OMP_NUM_THREADS says otherwise. Returns what it set (0: left alone).
+int share_cpu_threads(int local_ranks);
+
+}  // namespace trainer::distributed

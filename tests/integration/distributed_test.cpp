@@ -1,0 +1,347 @@
+// Data parallelism through the real binary: N Gloo ranks on 127.0.0.1 (started with the torchrun environment)
+// reach the weights one process reaches, with accumulation, LoRA and token-budget micro-batches; out of memory on
+// one rank is decided by all; bad launches fail with exit 2 naming the variable or key. Every process runs under
+// `timeout`, so a hang ends the test instead of blocking it (CTest label `distributed`).
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "support/metrics.h"
+#include "support/process.h"
+#include "support/temp_dir.h"
+#include "trainer/safetensors.h"
+
+namespace trainer::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A TCP port nobody listens on now (the kernel's choice for port 0).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  const int port = ntohs(address.sin_port);
+  ::close(fd);
+  return port;
+}
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& extra) {
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+// Runs `world` ranks of trainer at once (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun sets
+// them), each under `timeout`; rank r gets args + extra[r]. Returns every rank's exit code and output.
+std::vector<ProcessResult> run_ranks(int world, const std::vector<std::string>& args,
+                                     const std::vector<std::vector<std::string>>& extra = {}, int port = 0,
+                                     const std::string& environment = "") {
+  if (port == 0) port = free_port();
+  TempDir logs;
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " && ";
+  for (int r = 0; r < world; ++r) {
+    command += "( RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
+               " LOCAL_RANK=" + std::to_string(r) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
+               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+               " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " + environment + " timeout -k 5 300 " +
+               shell_quote(trainer_binary());
+    auto all = args;
+    if (r < static_cast<int>(extra.size())) all.insert(all.end(), extra[r].begin(), extra[r].end());
+    for (const auto& a : all) command += " " + shell_quote(a);
+    const std::string base = logs.file("rank" + std::to_string(r));
+    command += " </dev/null >" + shell_quote(base + ".out") + " 2>" + shell_quote(base + ".err") + "; echo $? >" +
+               shell_quote(base + ".rc") + " ) & ";
+  }
+  command += "wait";
+  EXPECT_EQ(std::system(command.c_str()), 0);
+  std::vector<ProcessResult> results(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    const std::string base = logs.file("rank" + std::to_string(r));
+    auto& result = results[static_cast<std::size_t>(r)];
+    result.exit_code = std::stoi(read_text(base + ".rc"));
+    result.out = read_text(base + ".out");
+    result.err = read_text(base + ".err");
+  }
+  return results;
+}
+
+// The largest absolute difference between the tensors of two safetensors files with the same names.
+double max_difference(const fs::path& a_path, const fs::path& b_path) {
+  const auto a = SafetensorsFile::open(a_path.string());
+  const auto b = SafetensorsFile::open(b_path.string());
+  EXPECT_EQ(a.tensors().size(), b.tensors().size());
+  double largest = 0;
+  for (const auto& t : a.tensors()) {
+    if (!b.find(t.name)) {
+      ADD_FAILURE() << t.name << " missing in " << b_path;
+      continue;
+    }
+    const auto x = a.load(t.name, at::kFloat), y = b.load(t.name, at::kFloat);
+    largest = std::max(largest, (x - y).abs().max().item<double>());
+  }
+  return largest;
+}
+
+std::string all_errors(const std::vector<ProcessResult>& results) {
+  std::string text;
+  for (std::size_t r = 0; r < results.size(); ++r)
+    text += "---- rank " + std::to_string(r) + " (exit " + std::to_string(results[r].exit_code) + ")\n" +
+            results[r].err;
+  return text;
+}
+
+// A short run of a tiny config into `dir`: `steps` optimizer steps of 8 examples, micro-batches of 2 (so the
+// gradient accumulates over micro-batches on every rank), no evaluation, the final model saved.
+std::vector<std::string> short_run(const std::string& config, const fs::path& dir, int steps = 3) {
+  return {"--config", config, "--set", "training.batch_size=8", "--set", "training.micro_batch_size=2", "--set",
+          "training.max_steps=" + std::to_string(steps), "--set", "evaluation.every_steps=0", "--set",
+          "evaluation.sample_prompts=[]", "--set", "checkpoint.every_steps=0", "--set", "logging.every_steps=1",
+          "--set", "checkpoint.output_dir=" + dir.string()};
+}
+
+// Trains `args` in one process and on `world` ranks; the saved weights (`file` in final/) must agree to 1e-5.
+void expect_same_weights(const std::vector<std::string>& args_for_dir_one, const std::vector<std::string>& args_for_dir_n,
+                         const fs::path& one, const fs::path& n, int world, const std::string& file) {
+  const auto single = run_trainer(args_for_dir_one, "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(world, args_for_dir_n);
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_LE(max_difference(one / "final" / file, n / "final" / file), 1e-5);
+  // The same losses too: rank 0 reports the whole effective batch's loss.
+  const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(n / "metrics.jsonl", "loss");
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << "step " << i + 1;
+}
+
+}  // namespace
+
+TEST(IntegrationDistributed, TwoRanksTrainTheWeightsOfOneProcessT5) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  expect_same_weights(short_run("configs/tiny-t5.json", one), short_run("configs/tiny-t5.json", two), one, two, 2,
+                      "model.safetensors");
+  // Rank 0 alone wrote the run's files; the other rank printed no progress.
+  EXPECT_TRUE(fs::exists(two / "checkpoint-3" / "COMPLETE"));
+}
+
+TEST(IntegrationDistributed, ThreeRanksTrainTheWeightsOfOneProcessQwen2) {
+  TempDir dir;
+  const auto one = dir.path() / "one", three = dir.path() / "three";
+  // 8 examples over 3 ranks: shares of 3, 3 and 2.
+  expect_same_weights(short_run("configs/tiny-qwen2.json", one), short_run("configs/tiny-qwen2.json", three), one,
+                      three, 3, "model.safetensors");
+}
+
+TEST(IntegrationDistributed, LoraOnThreeRanksTrainsTheAdapterOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", three = dir.path() / "three";
+  const std::vector<std::string> lora = {"--set", "lora.enabled=true", "--set", "lora.r=8", "--set",
+                                         "optimizer.lr=1e-2"};
+  expect_same_weights(with(short_run("configs/tiny-qwen2.json", one), lora),
+                      with(short_run("configs/tiny-qwen2.json", three), lora), one, three, 3,
+                      "adapter_model.safetensors");
+}
+
+TEST(IntegrationDistributed, TokenBudgetMicroBatchesOnTwoRanksTrainTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> tokens = {"--set", "training.micro_batch_size=auto", "--set",
+                                           "training.micro_batch_tokens=400"};
+  expect_same_weights(with(short_run("configs/tiny-t5.json", one), tokens),
+                      with(short_run("configs/tiny-t5.json", two), tokens), one, two, 2, "model.safetensors");
+}
+
+// Only rank 1 has a memory budget, too small for its micro-batch of 4: both ranks shrink together (the same
+// adaptation in rank 0's log), and the weights are those of the unconstrained single process.
+TEST(IntegrationDistributed, OutOfMemoryOnOneRankShrinksEveryRankAndKeepsTheWeights) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> micro4 = {"--set", "training.micro_batch_size=4", "--set", "memory.limit=2GiB"};
+  const auto single = run_trainer(with(short_run("configs/tiny-qwen2.json", one), micro4), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, with(short_run("configs/tiny-qwen2.json", two), micro4),
+                               {{}, {"--set", "memory.limit=6MiB"}});
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_NE(ranks[0].err.find("out of memory"), std::string::npos) << all_errors(ranks);
+  const auto micro = metric_values(two / "metrics.jsonl", "micro_batch");
+  ASSERT_FALSE(micro.empty());
+  EXPECT_LT(micro.back(), 4) << all_errors(ranks);
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+// Checkpoints do not depend on the world size: 2 ranks train 2 steps, one process resumes for 2 more, and the weights
+// are those of 4 steps in one process.
+TEST(IntegrationDistributed, ACheckpointOfTwoRanksResumesInOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const auto single = run_trainer(short_run("configs/tiny-qwen2.json", one, 4), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, short_run("configs/tiny-qwen2.json", two, 2));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  const auto resumed = run_trainer(with(short_run("configs/tiny-qwen2.json", two, 4), {"--resume"}), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("at step 2"), std::string::npos) << resumed.err;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+TEST(IntegrationDistributed, BadLaunchEnvironmentsFailWithExitTwoNamingTheVariable) {
+  TempDir dir;
+  const auto args = short_run("configs/tiny-t5.json", dir.path() / "run", 1);
+  auto r = run_trainer(args, "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("WORLD_SIZE=2 is set but RANK is not"), std::string::npos) << r.err;
+  r = run_trainer(args, "RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("RANK=2 is not an integer from 0 to 1"), std::string::npos) << r.err;
+  r = run_trainer(args, "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=http");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("MASTER_PORT=http"), std::string::npos) << r.err;
+}
+
+// Rank 0 cannot serve the rendezvous on a port another program holds: exit 2 naming MASTER_PORT. A rank that finds
+// no rendezvous gives up after distributed.timeout_s, naming MASTER_ADDR:MASTER_PORT.
+TEST(IntegrationDistributed, APortInUseIsAnErrorNamingMasterPort) {
+  TempDir dir;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);
+  address.sin_port = 0;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  const int port = ntohs(address.sin_port);
+  const auto args = with(short_run("configs/tiny-t5.json", dir.path() / "run", 1), {"--set", "distributed.timeout_s=5"});
+  const std::string launch = "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+                             " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout -k 5 120";
+  const auto rank0 = run_trainer(args, launch);
+  ::close(fd);
+  EXPECT_EQ(rank0.exit_code, 2) << rank0.err;
+  EXPECT_NE(rank0.err.find("MASTER_PORT=" + std::to_string(port)), std::string::npos) << rank0.err;
+  EXPECT_NE(rank0.err.find("the port is in use"), std::string::npos) << rank0.err;
+
+  // Nobody serves the rendezvous: rank 1 gives up after distributed.timeout_s (not killed by `timeout`: exit 2).
+  const auto rank1 = run_trainer(args, "RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                                           std::to_string(free_port()) +
+                                           " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout -k 5 120");
+  EXPECT_EQ(rank1.exit_code, 2) << rank1.err;
+  EXPECT_NE(rank1.err.find("[rank 1] error: rank 1 of 2: the rendezvous at MASTER_ADDR:MASTER_PORT=127.0.0.1:"),
+            std::string::npos)
+      << rank1.err;
+}
+
+TEST(IntegrationDistributed, RanksWithDifferentConfigsFailOnEveryRankNamingTheKey) {
+  TempDir dir;
+  const auto ranks = run_ranks(2, short_run("configs/tiny-t5.json", dir.path() / "run", 1),
+                               {{}, {"--set", "optimizer.lr=0.5"}});
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_EQ(ranks[r].exit_code, 2) << all_errors(ranks);
+    EXPECT_NE(ranks[r].err.find("rank 1 differs from rank 0 in: optimizer.lr"), std::string::npos)
+        << all_errors(ranks);
+  }
+  EXPECT_NE(ranks[1].err.find("[rank 1] error:"), std::string::npos) << ranks[1].err;
+}
+
+// `trainer launch` starts the ranks itself (no Python): the same weights as one process.
+TEST(IntegrationDistributed, LaunchStartsTheRanksAndTrainsTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const auto single = run_trainer(short_run("configs/tiny-t5.json", one), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto launched = run_trainer(with({"launch", "--nproc-per-node", "2", "--"}, short_run("configs/tiny-t5.json", two)),
+                                    "GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout -k 5 300");
+  ASSERT_EQ(launched.exit_code, 0) << launched.err;
+  // Rank 0 alone prints the summary.
+  const auto done = launched.out.find("Done: 3 steps");
+  EXPECT_NE(done, std::string::npos) << launched.out;
+  EXPECT_EQ(launched.out.find("Done: 3 steps", done + 1), std::string::npos) << launched.out;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+// Runs `trainer launch` in the background, waits until training has begun, does `action` to it (a shell snippet
+// with $L = the launcher's pid and $C = its children's pids), and returns the launcher's exit code and log, and
+// whether every process it started has ended.
+struct LaunchOutcome {
+  int exit_code = -1;
+  std::string log;
+  bool all_ended = false;
+};
+LaunchOutcome launch_and(const fs::path& dir, const std::string& action) {
+  const auto args = with({"launch", "--nproc-per-node", "2", "--"},
+                         with(short_run("configs/tiny-t5.json", dir / "run", 100000), {"--set", "distributed.timeout_s=30"}));
+  // `cd` on its own line: `cd && cmd &` would put a subshell, not the launcher, behind $!.
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1\nGLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " +
+                        shell_quote(trainer_binary());
+  for (const auto& a : args) command += " " + shell_quote(a);
+  const std::string log = (dir / "log").string(), rc = (dir / "rc").string(), ended = (dir / "ended").string();
+  command += " </dev/null >" + shell_quote(log) + " 2>&1 & L=$!; ";
+  command += "for i in $(seq 1 1500); do [ -s " + shell_quote((dir / "run" / "metrics.jsonl").string()) +
+             " ] && break; sleep 0.2; done; C=$(pgrep -P $L); " + action + "; wait $L; echo $? >" + shell_quote(rc) +
+             "; sleep 1; n=0; for p in $C; do kill -0 $p 2>/dev/null && n=$((n+1)); done; echo $n >" +
+             shell_quote(ended);
+  // The whole script is bounded in time: a hang ends the test.
+  EXPECT_EQ(std::system(("timeout -k 5 400 bash -c " + shell_quote(command)).c_str()), 0);
+  LaunchOutcome outcome;
+  outcome.exit_code = std::stoi(read_text(rc));
+  outcome.log = read_text(log);
+  outcome.all_ended = std::stoi(read_text(ended)) == 0;
+  return outcome;
+}
+
+// SIGTERM to the launcher reaches every rank: they stop after the same step, rank 0 writes one checkpoint, exit 0.
+TEST(IntegrationDistributed, LaunchForwardsSigtermAndTheRanksStopTogetherWithOneCheckpoint) {
+  TempDir dir;
+  const auto outcome = launch_and(dir.path(), "kill -TERM $L");
+  EXPECT_EQ(outcome.exit_code, 0) << outcome.log;
+  EXPECT_TRUE(outcome.all_ended) << outcome.log;
+  int complete = 0;
+  for (const auto& entry : fs::directory_iterator(dir.path() / "run"))
+    if (entry.path().filename().string().starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
+      ++complete;
+  EXPECT_EQ(complete, 1) << outcome.log;
+}
+
+// A rank killed with SIGKILL: the launcher ends the other and exits with the dead rank's code (128 + 9).
+TEST(IntegrationDistributed, LaunchEndsTheOtherRanksWhenOneDiesAndExitsWithItsCode) {
+  TempDir dir;
+  const auto outcome = launch_and(dir.path(), "kill -KILL $(echo $C | cut -d' ' -f2)");
+  EXPECT_EQ(outcome.exit_code, 137) << outcome.log;
+  EXPECT_TRUE(outcome.all_ended) << outcome.log;
+  EXPECT_NE(outcome.log.find("exited with code 137; stopping the other ranks"), std::string::npos) << outcome.log;
+}
+
+// torchrun (its agent serves the store: TORCHELASTIC_USE_AGENT_STORE) starts trainer as it starts Python scripts.
+TEST(IntegrationDistributed, TorchrunStartsTheRanksAndTrainsTheWeightsOfOneProcess) {
+  const fs::path torchrun = fs::path(TRAINER_SOURCE_DIR) / ".venv" / "bin" / "torchrun";
+  if (!fs::exists(torchrun)) GTEST_SKIP() << "no torchrun in .venv";
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const auto single = run_trainer(short_run("configs/tiny-t5.json", one), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " && GLOO_SOCKET_IFNAME=lo timeout -k 5 300 " +
+                        shell_quote(torchrun.string()) + " --nproc-per-node 2 --master-port " +
+                        std::to_string(free_port()) + " --no-python " + shell_quote(trainer_binary());
+  for (const auto& a : short_run("configs/tiny-t5.json", two)) command += " " + shell_quote(a);
+  command += " </dev/null >" + shell_quote((dir.path() / "log").string()) + " 2>&1";
+  const int status = std::system(command.c_str());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(dir.path() / "log");
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+}  // namespace trainer::test

@@ -1,0 +1,137 @@
+// The pure parts of data parallelism: the launch environment, each rank's share of an effective batch, and the
+// config comparison across ranks. (The collectives themselves run in tests/integration/distributed_test.cpp.)
+#include <map>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "distributed/data_parallel.h"
+#include "distributed/process_group.h"
+
+namespace trainer::distributed {
+namespace {
+
+Getenv from(const std::map<std::string, std::string>& values) {
+  return [values](const char* name) -> const char* {
+    const auto it = values.find(name);
+    return it == values.end() ? nullptr : it->second.c_str();
+  };
+}
+
+std::string usage_error(const std::map<std::string, std::string>& values) {
+  try {
+    environment_from_variables(from(values));
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(DistributedEnvironment, NoVariablesOrOneRankIsASingleProcess) {
+  EXPECT_FALSE(environment_from_variables(from({})).has_value());
+  EXPECT_FALSE(environment_from_variables(from({{"WORLD_SIZE", "1"}, {"RANK", "0"}})).has_value());
+  EXPECT_FALSE(environment_from_variables(from({{"WORLD_SIZE", "1"}})).has_value());
+}
+
+TEST(DistributedEnvironment, ReadsTorchrunsVariables) {
+  const auto e = environment_from_variables(from({{"WORLD_SIZE", "4"}, {"RANK", "3"}, {"LOCAL_RANK", "1"},
+                                                  {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "node0"},
+                                                  {"MASTER_PORT", "29400"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                                  {"TORCHELASTIC_RESTART_COUNT", "2"}}));
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->rank, 3);
+  EXPECT_EQ(e->world_size, 4);
+  EXPECT_EQ(e->local_rank, 1);
+  EXPECT_EQ(e->local_world_size, 2);
+  EXPECT_EQ(e->master_addr, "node0");
+  EXPECT_EQ(e->master_port, 29400);
+  EXPECT_TRUE(e->agent_store);
+  EXPECT_EQ(e->restart_count, "2");
+  // Without LOCAL_*: every rank on this machine.
+  const auto plain = environment_from_variables(
+      from({{"WORLD_SIZE", "2"}, {"RANK", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1234"}}));
+  ASSERT_TRUE(plain.has_value());
+  EXPECT_EQ(plain->local_rank, 1);
+  EXPECT_EQ(plain->local_world_size, 2);
+  EXPECT_FALSE(plain->agent_store);
+}
+
+TEST(DistributedEnvironment, BadValuesNameTheVariable) {
+  const std::map<std::string, std::string> ok = {
+      {"WORLD_SIZE", "2"}, {"RANK", "0"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  auto but = [&](const std::string& key, const char* value) {
+    auto values = ok;
+    if (value) values[key] = value;
+    else values.erase(key);
+    return usage_error(values);
+  };
+  EXPECT_NE(but("RANK", nullptr).find("WORLD_SIZE=2 is set but RANK is not"), std::string::npos);
+  EXPECT_NE(usage_error({{"RANK", "0"}}).find("RANK is set but WORLD_SIZE is not"), std::string::npos);
+  EXPECT_NE(but("RANK", "2").find("RANK=2 is not an integer from 0 to 1"), std::string::npos);
+  EXPECT_NE(but("RANK", "one").find("RANK=one"), std::string::npos);
+  EXPECT_NE(but("WORLD_SIZE", "0").find("WORLD_SIZE=0"), std::string::npos);
+  EXPECT_NE(but("MASTER_PORT", "70000").find("MASTER_PORT=70000"), std::string::npos);
+  EXPECT_NE(but("MASTER_PORT", nullptr).find("MASTER_PORT is not set"), std::string::npos);
+  EXPECT_NE(but("MASTER_ADDR", nullptr).find("MASTER_ADDR is not set"), std::string::npos);
+  EXPECT_NE(but("LOCAL_RANK", "5").find("LOCAL_RANK=5"), std::string::npos);
+}
+
+std::vector<Example> examples_of_lengths(const std::vector<int>& lengths) {
+  std::vector<Example> out;
+  for (int n : lengths) {
+    Example e;
+    e.input_ids.assign(static_cast<std::size_t>(n), 7);
+    e.labels.assign(static_cast<std::size_t>(n), 7);
+    out.push_back(e);
+  }
+  return out;
+}
+
+// The shares of every rank, in order: contiguous, disjoint and covering the batch.
+void expect_partition(const std::vector<Example>& examples, int world, bool by_tokens) {
+  int64_t next = 0;
+  for (int r = 0; r < world; ++r) {
+    const auto [begin, count] = share_of(examples, r, world, by_tokens);
+    EXPECT_EQ(begin, next) << "rank " << r;
+    EXPECT_GE(count, 0);
+    next = begin + count;
+  }
+  EXPECT_EQ(next, static_cast<int64_t>(examples.size()));
+}
+
+TEST(DistributedShare, ByExamplesGivesEqualCountsAndTheRemainderToTheFirstRanks) {
+  const auto eight = examples_of_lengths(std::vector<int>(8, 5));
+  EXPECT_EQ(share_of(eight, 0, 3, false), (std::pair<int64_t, int64_t>{0, 3}));
+  EXPECT_EQ(share_of(eight, 1, 3, false), (std::pair<int64_t, int64_t>{3, 3}));
+  EXPECT_EQ(share_of(eight, 2, 3, false), (std::pair<int64_t, int64_t>{6, 2}));
+  for (int world : {1, 2, 3, 5, 9, 16}) expect_partition(eight, world, false);
+  // A last batch smaller than the world: some ranks train nothing this step.
+  const auto two = examples_of_lengths({4, 4});
+  EXPECT_EQ(share_of(two, 2, 3, false).second, 0);
+  expect_partition(two, 3, false);
+}
+
+TEST(DistributedShare, ByTokensBalancesTheLengths) {
+  // One long example and many short ones: the long one is a rank's share by itself.
+  const auto examples = examples_of_lengths({100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10});
+  EXPECT_EQ(share_of(examples, 0, 2, true), (std::pair<int64_t, int64_t>{0, 1}));
+  EXPECT_EQ(share_of(examples, 1, 2, true), (std::pair<int64_t, int64_t>{1, 10}));
+  for (int world : {1, 2, 3, 4, 11, 12}) expect_partition(examples, world, true);
+  const auto equal = examples_of_lengths(std::vector<int>(6, 8));
+  EXPECT_EQ(share_of(equal, 1, 3, true), (std::pair<int64_t, int64_t>{2, 2}));
+}
+
+TEST(DistributedConfig, DifferingKeysNameTheKeyAndSkipPerRankOnes) {
+  const std::string a = R"({"training": {"batch_size": 8, "seed": 1}, "memory": {"limit": "1GiB"},
+                            "data": {"train_files": ["a.jsonl"]}, "device": {"type": "cpu"}})";
+  const std::string b = R"({"training": {"batch_size": 16, "seed": 1}, "memory": {"limit": "2GiB"},
+                            "data": {"train_files": ["a.jsonl", "b.jsonl"]}, "device": {"type": "cuda:1"}})";
+  EXPECT_EQ(differing_keys(a, a, {}), std::vector<std::string>{});
+  EXPECT_EQ(differing_keys(a, b, {"memory.limit", "device.*"}),
+            (std::vector<std::string>{"data.train_files", "training.batch_size"}));
+  EXPECT_EQ(differing_keys(a, b, {}),
+            (std::vector<std::string>{"data.train_files", "device.type", "memory.limit", "training.batch_size"}));
+}
+
+}  // namespace
+}  // namespace trainer::distributed
