@@ -88,7 +88,7 @@ class TrainStep {
   // Packed rows of `examples` (this rank's share of the effective batch, starting at `first_example` in it: an
   // example's place in the effective batch keys its dropout masks at `step`).
   double forward_backward_packed(std::span<const Example> examples, std::span<const PackedRow> rows, int64_t step,
-                                 double normaliser, int64_t first_example);
+                                 double normaliser, int64_t first_example = 0);
   // The rows this step packs an effective batch into at the policy's current micro-batch.
   std::vector<PackedRow> pack(std::span<const Example> examples) const;
 
