@@ -410,6 +410,17 @@ class BpeTokenizer final : public Tokenizer {
     }
   }
 
+  // A {"Regex": ...} or {"String": ...} pattern of a Replace normalizer or a Split pre-tokenizer (`what`).
+  std::unique_ptr<Regex> read_pattern(const json& pattern, const std::string& what) const {
+    try {
+      if (pattern.contains("Regex")) return std::make_unique<Regex>(pattern["Regex"].get<std::string>(), false);
+      if (pattern.contains("String")) return std::make_unique<Regex>(pattern["String"].get<std::string>(), true);
+    } catch (const std::invalid_argument& error) {
+      invalid(what + " pattern: " + error.what());
+    }
+    invalid(what + " without a {\"Regex\": ...} or {\"String\": ...} pattern");
+  }
+
   void read_normalizer(const json& normalizer) {
     if (normalizer.is_null()) return;
     const std::string type = normalizer.value("type", std::string());
@@ -433,14 +444,7 @@ class BpeTokenizer final : public Tokenizer {
     }
     if (type == "Replace") {
       step.kind = NormalizerStep::Kind::kReplace;
-      const json pattern = normalizer.value("pattern", json());
-      try {
-        if (pattern.contains("Regex")) step.pattern = std::make_unique<Regex>(pattern["Regex"].get<std::string>(), false);
-        else if (pattern.contains("String")) step.pattern = std::make_unique<Regex>(pattern["String"].get<std::string>(), true);
-        else invalid("Replace normalizer without a {\"Regex\": ...} or {\"String\": ...} pattern");
-      } catch (const std::invalid_argument& error) {
-        invalid(std::string("Replace pattern: ") + error.what());
-      }
+      step.pattern = read_pattern(normalizer.value("pattern", json()), "Replace normalizer");
       step.content = normalizer.value("content", std::string());
       normalizers_.push_back(std::move(step));
       return;
@@ -486,14 +490,7 @@ class BpeTokenizer final : public Tokenizer {
       pre_steps_.push_back(std::move(step));
     } else if (type == "Split") {
       PreTokenizerStep step;
-      const json pattern = pre_tokenizer.value("pattern", json());
-      try {
-        if (pattern.contains("Regex")) step.regex = std::make_unique<Regex>(pattern["Regex"].get<std::string>(), false);
-        else if (pattern.contains("String")) step.regex = std::make_unique<Regex>(pattern["String"].get<std::string>(), true);
-        else invalid("Split pre-tokenizer without a {\"Regex\": ...} or {\"String\": ...} pattern");
-      } catch (const std::invalid_argument& error) {
-        invalid(std::string("Split pattern: ") + error.what());
-      }
+      step.regex = read_pattern(pre_tokenizer.value("pattern", json()), "Split pre-tokenizer");
       static const std::pair<const char*, SplitBehavior> kBehaviors[] = {
           {"Removed", SplitBehavior::kRemoved},
           {"Isolated", SplitBehavior::kIsolated},

@@ -53,7 +53,9 @@ std::vector<ProcessResult> run_ranks(int world, const std::vector<std::string>& 
                                      const std::string& environment = "") {
   if (port == 0) port = free_port();
   TempDir logs;
-  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " && ";
+  // Every rank in the source directory (the configs' relative paths): `cd X && (a) & (b)` would leave b where
+  // ctest runs the test.
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1; ";
   for (int r = 0; r < world; ++r) {
     command += "( RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
                " LOCAL_RANK=" + std::to_string(r) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
@@ -168,6 +170,17 @@ TEST(IntegrationDistributed, TokenBudgetMicroBatchesOnTwoRanksTrainTheWeightsOfO
 
 // Only rank 1 has a memory budget, too small for its micro-batch of 4: both ranks shrink together (the same
 // adaptation in rank 0's log), and the weights are those of the unconstrained single process.
+// Packing on every rank: each rank packs its share into rows, and each packed example keeps the dropout masks of
+// its place in the whole effective batch (the tiny T5 has dropout_rate 0.1), so two ranks of packed rows train
+// the weights of one process with padded rows.
+TEST(IntegrationDistributed, PackedRowsOnTwoRanksTrainThePaddedWeightsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  expect_same_weights(short_run("configs/tiny-t5.json", one),
+                      with(short_run("configs/tiny-t5.json", two), {"--set", "data.packing=true"}), one, two, 2,
+                      "model.safetensors");
+}
+
 TEST(IntegrationDistributed, OutOfMemoryOnOneRankShrinksEveryRankAndKeepsTheWeights) {
   TempDir dir;
   const auto one = dir.path() / "one", two = dir.path() / "two";

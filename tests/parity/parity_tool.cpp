@@ -172,6 +172,23 @@ int activations(const std::string& model_dir, int64_t b, int64_t t, int64_t l) {
   return 0;
 }
 
+// A batch of b random sequences of t tokens (seq2seq: targets of the first l of them), the same every call.
+trainer::EffectiveBatch random_batch(const trainer::LanguageModel& model, int64_t b, int64_t t, int64_t l) {
+  using namespace trainer;
+  const bool seq2seq = model.family() == ModelFamily::kSeq2Seq;
+  EffectiveBatch batch;
+  at::manual_seed(3);
+  for (int64_t i = 0; i < b; ++i) {
+    Example e;
+    const at::Tensor ids = at::randint(3, std::min<int64_t>(model.vocab_size(), 30000), {t}, at::kInt);
+    e.input_ids.assign(ids.data_ptr<int32_t>(), ids.data_ptr<int32_t>() + t);
+    e.labels = seq2seq ? std::vector<int32_t>(e.input_ids.begin(), e.input_ids.begin() + std::min(t, l)) : e.input_ids;
+    batch.target_tokens += target_tokens(e, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal);
+    batch.examples.push_back(std::move(e));
+  }
+  return batch;
+}
+
 int dropout_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, int64_t rounds, double lora_dropout) {
   using namespace trainer;
   auto model = load_model(model_dir, ModelInit::kRandom, at::TensorOptions().dtype(at::kFloat), 1);
@@ -197,17 +214,7 @@ int dropout_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, 
   StepOptions options;
   options.seed = 42;
   TrainStep step(*model, optimizer, policy, options);
-  const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
-  EffectiveBatch batch;
-  at::manual_seed(3);
-  for (int64_t i = 0; i < b; ++i) {
-    Example e;
-    const at::Tensor ids = at::randint(3, std::min<int64_t>(model->vocab_size(), 30000), {t}, at::kInt);
-    e.input_ids.assign(ids.data_ptr<int32_t>(), ids.data_ptr<int32_t>() + t);
-    e.labels = seq2seq ? std::vector<int32_t>(e.input_ids.begin(), e.input_ids.begin() + std::min(t, l)) : e.input_ids;
-    batch.target_tokens += target_tokens(e, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal);
-    batch.examples.push_back(std::move(e));
-  }
+  const EffectiveBatch batch = random_batch(*model, b, t, l);
   std::vector<double> keyed, generator;
   for (int64_t r = 0; r < rounds; ++r) {
     for (int side = 0; side < 2; ++side) {
@@ -240,17 +247,7 @@ int adamw_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, in
   StepOptions options;
   options.seed = 42;
   TrainStep fused_step(*model, fused, fused_policy, options), chunked_step(*model, chunked, chunked_policy, options);
-  const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
-  EffectiveBatch batch;
-  at::manual_seed(3);
-  for (int64_t i = 0; i < b; ++i) {
-    Example e;
-    const at::Tensor ids = at::randint(3, std::min<int64_t>(model->vocab_size(), 30000), {t}, at::kInt);
-    e.input_ids.assign(ids.data_ptr<int32_t>(), ids.data_ptr<int32_t>() + t);
-    e.labels = seq2seq ? std::vector<int32_t>(e.input_ids.begin(), e.input_ids.begin() + std::min(t, l)) : e.input_ids;
-    batch.target_tokens += target_tokens(e, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal);
-    batch.examples.push_back(std::move(e));
-  }
+  const EffectiveBatch batch = random_batch(*model, b, t, l);
   std::map<std::string, std::vector<double>> seconds;
   const auto timed = [](const auto& f) {
     const auto start = std::chrono::steady_clock::now();
