@@ -44,6 +44,11 @@ def test_compose_reserves_a_gpu_and_sets_memory_and_environment():
     service = compose()
     devices = service["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    # One data-parallel rank per reserved GPU, both from GPUS (docker/.env), through trainer launch.
+    command = service["command"]
+    assert command[:2] == ["launch", "--nproc-per-node"] and command[3] == "--", command
+    assert command[2] == devices[0]["count"] == "${GPUS:-1}", (command, devices)
+    assert re.search(r"^GPUS=\d+$", (DOCKER / ".env.example").read_text(), re.MULTILINE)
     assert service["shm_size"] and service["mem_limit"]
     assert "PYTORCH_ALLOC_CONF" in service["environment"]
     assert service["env_file"][0]["path"] == ".env"
