@@ -3,6 +3,8 @@
 #include "train/signals.h"
 
 #include <csignal>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <unistd.h>
 
@@ -19,10 +21,20 @@ long monotonic_ms() {
   return now.tv_sec * 1000L + now.tv_nsec / 1000000L;
 }
 
-void say(const char* text) {
+// "[rank r] " for data-parallel ranks other than 0 (as main's error lines), filled before the handler is installed.
+char rank_prefix[32] = "";
+
+void write_all(const char* text) {
   std::size_t length = 0;
   while (text[length] != '\0') ++length;
   [[maybe_unused]] const auto written = write(STDERR_FILENO, text, length);
+}
+
+// One line on a line of its own (async-signal-safe: write(2) only).
+void say(const char* line) {
+  write_all("\n");
+  write_all(rank_prefix);
+  write_all(line);
 }
 
 extern "C" void on_stop_signal(int signal) {
@@ -34,19 +46,26 @@ extern "C" void on_stop_signal(int signal) {
   if (requested != 0) {
     const long since = (now - first_ms) & 0x3fffffffL;
     if (since < kSameRequestMs) return;
-    say("\ntrainer: second stop signal: exiting now; the newest complete checkpoint is kept\n");
+    say("trainer: second stop signal: exiting now; the newest complete checkpoint is kept\n");
     _exit(128 + signal);
   }
   requested = signal;
   first_ms = static_cast<std::sig_atomic_t>(now);
   say(signal == SIGINT
-          ? "\ntrainer: SIGINT: finishing this step, then writing a checkpoint (Ctrl-C again to stop now)\n"
-          : "\ntrainer: SIGTERM: finishing this step, then writing a checkpoint (signal again to stop now)\n");
+          ? "trainer: SIGINT: finishing this step, then writing a checkpoint (Ctrl-C again to stop now)\n"
+          : "trainer: SIGTERM: finishing this step, then writing a checkpoint (signal again to stop now)\n");
 }
 
 }  // namespace
 
 void install_stop_handlers() {
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank && world && std::strcmp(rank, "0") != 0 && std::strcmp(world, "1") != 0 && std::strlen(rank) < 16) {
+    std::strcpy(rank_prefix, "[rank ");
+    std::strcat(rank_prefix, rank);
+    std::strcat(rank_prefix, "] ");
+  }
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);

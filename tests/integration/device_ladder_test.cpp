@@ -71,7 +71,7 @@ struct Runs {
 
 void expect_moved_at_step(const ProcessResult& r, int step) {
   const std::string at = "step " + std::to_string(step) + " does not fit on cpu even at the micro-batch floor";
-  for (const std::string text : {std::string("!!! MOVING THE RUN (move_to_cpu)"), at, std::string("the CPU without memory.limit"),
+  for (const std::string& text : {std::string("!!! MOVING THE RUN (move_to_cpu)"), at, std::string("the CPU without memory.limit"),
                                  std::string("of optimizer state from cpu to cpu"),
                                  std::string("escalate: move_to_cpu (cpu -> cpu)")})
     EXPECT_TRUE(contains(r.err + r.out, text)) << text << "\n" << r.err << r.out;

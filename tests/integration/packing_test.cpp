@@ -59,7 +59,7 @@ TEST_P(IntegrationPacking, PackedRunMatchesThePaddedRunAndResumesExactly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, IntegrationPacking, ::testing::Values("t5", "qwen2"),
-                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+                         [](const ::testing::TestParamInfo<std::string>& test_info) { return test_info.param; });
 
 // Pre-tokenized records of 6, 4, 3 and 3 tokens, rows of 10: two rows (6 + 4, 3 + 3), 16 real tokens of 20.
 TEST(IntegrationPackingData, DataCommandReportsPackingEfficiency) {

@@ -128,7 +128,7 @@ TEST(IntegrationPretokenized, WhatNeedsATokenizerSaysWhy) {
     SCOPED_TRACE(args[0]);
     const auto r = run_trainer(args);
     EXPECT_EQ(r.exit_code, 2) << r.err;
-    for (const std::string part : {"encoding text needs a tokenizer, and " + bare.string() + " has no tokenizer files",
+    for (const std::string& part : {"encoding text needs a tokenizer, and " + bare.string() + " has no tokenizer files",
                                    std::string("hint: set tokenizer.path to the model's tokenizer")})
       EXPECT_TRUE(contains(r.err, part)) << part << "\n" << r.err;
   }

@@ -302,8 +302,11 @@ TEST(ConfigTable, ShowsTheChangedKeysWithTheirDefaultAndOrigin) {
   ASSERT_TRUE(rows.contains("model.path")) << table;
   EXPECT_TRUE(rows["model.path"].ends_with("test.json")) << "from the file";
   // Keys at their default are left out: they are what --print-config and --help-config are for.
-  for (const auto& key : config_keys())
-    if (!rows.contains(key.path)) EXPECT_FALSE(contains(table, key.path + " ")) << key.path;
+  for (const auto& key : config_keys()) {
+    if (!rows.contains(key.path)) {
+      EXPECT_FALSE(contains(table, key.path + " ")) << key.path;
+    }
+  }
   EXPECT_FALSE(rows.contains("memory.shrink_factor")) << table;
   EXPECT_EQ(format_config_table(Config{}), "(every key at its default)\n");
 }

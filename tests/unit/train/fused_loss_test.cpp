@@ -193,8 +193,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelCase{"tiny-t5", {{"tie_word_embeddings", false}}, false, PrecisionMode::kFp32},
                       ModelCase{"tiny-t5", {}, true, PrecisionMode::kFp32},
                       ModelCase{"tiny-t5", {{"tie_word_embeddings", false}}, false, PrecisionMode::kBf16Mixed}),
-    [](const auto& info) {
-      const auto& c = info.param;
+    [](const auto& test_info) {
+      const auto& c = test_info.param;
       std::string name = c.name == "tiny-t5" ? "T5" : "Qwen2";
       if (c.patch.contains("tie_word_embeddings")) name += "Untied";
       if (c.patch.contains("scale_decoder_outputs")) name += "TiedRescaled";
