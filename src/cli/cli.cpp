@@ -1,4 +1,7 @@
 // CLI11 front end. `train` is the default subcommand, so `trainer --config x.json` trains.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <iomanip>
 #include <ostream>
 #include <string>
@@ -166,6 +169,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   plan_cmd->add_option("--set", plan_overrides, "Override one key: --set data.max_length=1024 (repeatable)")
       ->type_name("SECTION.KEY=VALUE")
       ->allow_extra_args(false);
+  int64_t plan_world_size = 0;
+  plan_cmd->add_option("--world-size", plan_world_size,
+                       "Plan per rank for N data-parallel ranks (default: WORLD_SIZE from the environment, else 1)")
+      ->check(CLI::PositiveNumber);
   plan_cmd->footer(kExitCodeHelp);
 
   InspectOptions inspect_options;
@@ -295,7 +302,13 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     configure_logging(config.logging);
     return run_data(config, out);
   }
-  if (plan_cmd->parsed()) return run_plan(load_config(plan_config_path, plan_overrides), out);
+  if (plan_cmd->parsed()) {
+    if (plan_world_size == 0) {
+      const char* world = std::getenv("WORLD_SIZE");
+      plan_world_size = world && std::strlen(world) > 0 ? std::max<int64_t>(1, std::atoll(world)) : 1;
+    }
+    return run_plan(load_config(plan_config_path, plan_overrides), out, plan_world_size);
+  }
   if (inspect->parsed()) {
     inspect_model(inspect_dir, inspect_options, out);
     return kExitOk;

@@ -440,7 +440,7 @@ void print_optimizer_choices(const Config& config, const nlohmann::json& hf_conf
         << ")\n";
 }
 
-int run_plan(const Config& config, std::ostream& out) {
+int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
   DeviceConfig device_config = config.device;
   device_config.wait_for_device = false;
   device_config.allow_cpu_fallback = true;
@@ -460,8 +460,20 @@ int run_plan(const Config& config, std::ostream& out) {
   }
   inspect_model_dir(config.model.path, /*need_weights=*/false);  // a clear error for a wrong model.path
   const auto hf_config = read_json_file(config.model.path + "/config.json");
-  const auto plan = plan_memory(config, hf_config, resolved.device, capacity, source);
+  auto plan = plan_memory(config, hf_config, resolved.device, capacity, source);
   out << "model " << config.model.path << " on " << resolved.description << "\n";
+  if (world_size > 1) {
+    // Each rank trains a share of the effective batch (docs/distributed.md): the rows and the accumulation
+    // below are the share's.
+    const int64_t share = (config.training.batch_size + world_size - 1) / world_size;
+    out << "data parallelism: " << world_size << " ranks (backend " << (resolved.device.is_cuda() ? "nccl" : "gloo")
+        << "); each rank trains "
+        << (config.training.micro_batch_tokens > 0 ? "a token-balanced share (about " : "about ") << share << " of the "
+        << config.training.batch_size << " examples" << (config.training.micro_batch_tokens > 0 ? ")" : "")
+        << " of every effective batch and holds the whole model, its gradients and the optimizer state (no "
+           "sharding yet): every figure below is per rank\n";
+    plan.batch_size = share;
+  }
   print_plan(plan, config, out);
   print_optimizer_choices(config, hf_config, resolved.device, capacity, source, out);
   return kExitOk;

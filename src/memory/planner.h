@@ -67,6 +67,8 @@ void print_optimizer_choices(const Config& config, const nlohmann::json& hf_conf
                              double capacity, const std::string& capacity_source, std::ostream& out);
 
 // `trainer plan --config FILE`: resolves the device (without waiting), reads model.path/config.json, prints.
-int run_plan(const Config& config, std::ostream& out);
+// With `world_size` > 1 (data parallelism) the figures are per rank: each rank trains its share of every
+// effective batch and holds the whole model, its gradients and the optimizer state.
+int run_plan(const Config& config, std::ostream& out, int64_t world_size = 1);
 
 }  // namespace trainer

@@ -248,6 +248,13 @@ TEST(IntegrationModels, PlanPrintsTheBudgetAndARecommendation) {
   EXPECT_NE(r.out.find("optimizer state (AdamW)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("activations per example"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("recommendation: micro_batch_size "), std::string::npos) << r.out;
+  // Per rank for data parallelism: the share of the batch of 16 that each of 4 ranks trains.
+  auto ranks = run_trainer({"plan", "--config", "configs/tiny-t5.json", "--set", "memory.limit=12MiB", "--world-size", "4"});
+  EXPECT_EQ(ranks.exit_code, 0) << ranks.err;
+  EXPECT_NE(ranks.out.find("data parallelism: 4 ranks (backend gloo); each rank trains about 4 of the 16 examples"),
+            std::string::npos) << ranks.out;
+  EXPECT_NE(ranks.out.find("accumulation steps for batch_size 4"), std::string::npos) << ranks.out;
+  EXPECT_EQ(r.out.find("data parallelism"), std::string::npos) << r.out;
   auto missing = run_trainer({"plan", "--config", "configs/tiny-t5.json", "--set", "model.path=configs/models/nothing"});
   EXPECT_EQ(missing.exit_code, 3) << missing.err;
   EXPECT_NE(missing.err.find("configs/models/nothing"), std::string::npos) << missing.err;
