@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string_view>
 
 // clang-format off: jpeglib.h needs <cstdio> first
@@ -131,21 +132,16 @@ RgbImage decode_jpeg(std::span<const std::uint8_t> bytes, const std::string& nam
   info.err = jpeg_std_error(&error.manager);
   error.manager.error_exit = jpeg_fatal;
   error.manager.emit_message = jpeg_warning;
+  // libjpeg's state is released on every way out (jpeg_destroy on a never-created struct does nothing).
+  const std::unique_ptr<jpeg_decompress_struct, decltype(&jpeg_destroy_decompress)> release(&info,
+                                                                                          &jpeg_destroy_decompress);
   JpegHeader header{};
-  if (!jpeg_read_header_safe(&info, &error, bytes.data(), bytes.size(), &header)) {
-    jpeg_destroy_decompress(&info);
+  if (!jpeg_read_header_safe(&info, &error, bytes.data(), bytes.size(), &header))
     fail(name, std::string("not a readable JPEG image (") + error.message + ")");
-  }
-  try {
-    check_size(name, header.width, header.height, max_pixels);
-  } catch (...) {
-    jpeg_destroy_decompress(&info);
-    throw;
-  }
+  check_size(name, header.width, header.height, max_pixels);
   std::vector<std::uint8_t> pixels(static_cast<std::size_t>(header.width) * header.height * 4);
   int components = 0;
   const bool ok = jpeg_read_pixels_safe(&info, &error, pixels.data(), &components);
-  jpeg_destroy_decompress(&info);
   if (!ok) fail(name, std::string("corrupt JPEG image (") + error.message + ")");
   if (error.truncated) fail(name, "the JPEG image is truncated (the file ends before the image data does)");
 
@@ -249,22 +245,21 @@ RgbImage decode_png(std::span<const std::uint8_t> bytes, const std::string& name
     png_destroy_read_struct(&png, &info, nullptr);
     throw std::bad_alloc();
   }
+  // libpng's state is released on every way out.
+  struct Release {
+    png_structp& png;
+    png_infop& info;
+    ~Release() { png_destroy_read_struct(&png, &info, nullptr); }
+  } release{png, info};
   PngHeader header{};
   if (!png_read_header_safe(png, info, &source, &header)) {
-    png_destroy_read_struct(&png, &info, nullptr);
     if (source.truncated) fail(name, "the PNG image is truncated (the file ends inside its header)");
     fail(name, std::string("not a readable PNG image (") + source.message + ")");
   }
-  try {
-    check_size(name, header.width, header.height, max_pixels);
-  } catch (...) {
-    png_destroy_read_struct(&png, &info, nullptr);
-    throw;
-  }
+  check_size(name, header.width, header.height, max_pixels);
   const std::size_t stride = static_cast<std::size_t>(header.width) * header.channels;
   std::vector<std::uint8_t> pixels(stride * header.height);
   const bool ok = png_read_pixels_safe(png, info, &source, pixels.data(), stride, header.height);
-  png_destroy_read_struct(&png, &info, nullptr);
   if (!ok && source.truncated) fail(name, "the PNG image is truncated (the file ends before the image data does)");
   if (!ok) fail(name, std::string("corrupt PNG image (") + source.message + ")");
 

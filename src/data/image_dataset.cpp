@@ -200,7 +200,7 @@ DecodedImages decode_images(const ImageDataset& dataset, const std::vector<std::
       } catch (const DataError& e) {
         problems[i] = e.what();
         errors[i] = std::current_exception();
-      } catch (...) {
+      } catch (...) {  // anything else (bad_alloc, ...) is carried to the calling thread and rethrown there
         errors[i] = std::current_exception();
       }
     }

@@ -1,26 +1,17 @@
 // A tokenizer without a vocabulary, for pre-tokenized records and a model directory without tokenizer files (see
 // ids_only_tokenizer in trainer/tokenizer.h): the ids the data pipeline needs come from the model's config files.
 #include <filesystem>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "tokenizer/tokenizer_files.h"
 #include "trainer/errors.h"
 #include "trainer/tokenizer.h"
 
 namespace trainer {
 namespace fs = std::filesystem;
 namespace {
-
-nlohmann::json read_object(const fs::path& path) {
-  if (!fs::exists(path)) return nullptr;
-  std::ifstream in(path);
-  nlohmann::json json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false, /*ignore_comments=*/true);
-  if (json.is_discarded() || !json.is_object())
-    throw DataError(path.string() + " is not a JSON object", "restore the file from the model's repository");
-  return json;
-}
 
 // `key` from the first of `files` that has a non-null value: an id, or a list of ids (its first). The file's name
 // goes into `from`.
@@ -73,12 +64,12 @@ class IdsOnlyTokenizer final : public Tokenizer {
 std::unique_ptr<Tokenizer> ids_only_tokenizer(const std::string& model_dir) {
   const fs::path dir(model_dir);
   const fs::path config_path = dir / "config.json", generation_path = dir / "generation_config.json";
-  const nlohmann::json config = read_object(config_path);
+  const nlohmann::json config = tokenizer_detail::read_json_if_present(config_path.string());
   if (!config.is_object())
     throw DataError(model_dir + " has neither tokenizer files nor a config.json",
                     "point model.path at a Hugging Face model directory");
   const std::vector<std::pair<fs::path, nlohmann::json>> files = {{config_path, config},
-                                                                  {generation_path, read_object(generation_path)}};
+                                                                  {generation_path, tokenizer_detail::read_json_if_present(generation_path.string())}};
   std::string vocab_from, eos_from, pad_from;
   const auto vocab = token_id(files, "vocab_size", vocab_from);
   if (!vocab)

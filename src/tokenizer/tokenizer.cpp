@@ -12,25 +12,22 @@ namespace trainer {
 namespace fs = std::filesystem;
 
 namespace tokenizer_detail {
-namespace {
 
-nlohmann::json read_json_if_present(const fs::path& path) {
+nlohmann::json read_json_if_present(const std::string& path) {
   if (!fs::exists(path)) return nullptr;
   std::ifstream in(path);
   nlohmann::json json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false, /*ignore_comments=*/true);
   if (json.is_discarded() || !json.is_object())
-    throw DataError(path.string() + " is not a JSON object", "restore the file from the model's repository");
+    throw DataError(path + " is not a JSON object", "restore the file from the model's repository");
   return json;
 }
-
-}  // namespace
 
 SideFiles read_side_files(const std::string& tokenizer_file) {
   const fs::path dir = fs::path(tokenizer_file).parent_path();
   SideFiles side;
   side.tokenizer_config_path = (dir / "tokenizer_config.json").string();
-  side.tokenizer_config = read_json_if_present(dir / "tokenizer_config.json");
-  side.model_config = read_json_if_present(dir / "config.json");
+  side.tokenizer_config = read_json_if_present((dir / "tokenizer_config.json").string());
+  side.model_config = read_json_if_present((dir / "config.json").string());
   return side;
 }
 

@@ -19,6 +19,9 @@ struct SideFiles {
   nlohmann::json model_config;      // config.json
 };
 SideFiles read_side_files(const std::string& tokenizer_file);
+// A JSON object file next to a model or tokenizer; null when the file does not exist, a DataError when it is not
+// a JSON object.
+nlohmann::json read_json_if_present(const std::string& path);
 
 // A special token named in tokenizer_config.json ("eos_token": "</s>" or {"content": "</s>", ...}).
 std::optional<std::string> config_token(const SideFiles& side, const char* key);
