@@ -12,7 +12,7 @@
 
 #include "data/image.h"
 #include "data/image_preprocess.h"
-#include "models/vit.h"
+#include "models/image_model.h"
 #include "trainer/errors.h"
 
 namespace trainer {
@@ -20,7 +20,7 @@ namespace trainer {
 int run_predict(const PredictOptions& options, std::ostream& out) {
   if (options.images.empty()) throw UsageError("predict needs at least one --image FILE");
   if (options.top_k < 1) throw UsageError("--top-k must be at least 1, got " + std::to_string(options.top_k));
-  auto model = load_vit(options.model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  auto model = load_image_classifier(options.model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
   model->train(false);
   auto spec = data::read_image_processor(options.model_dir, "ViTImageProcessor");
   if (!std::filesystem::exists(std::filesystem::path(options.model_dir) / "preprocessor_config.json")) {

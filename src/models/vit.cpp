@@ -296,7 +296,7 @@ at::Tensor VitForImageClassification::features(const at::Tensor& pixel_values) {
   at::Tensor x = vit_->embeddings->forward(pixel_values.to(vit_->embeddings->cls_token.scalar_type()), training);
   for (const auto& layer : vit_->encoder->layer->items) {
     BlockFn block = [layer, training](const std::vector<at::Tensor>& in) { return layer->forward(in[0], training); };
-    x = block_runner_ ? block_runner_(block, {x}) : block({x});
+    x = run_block(block, {x});
   }
   // Only the class token is read; LayerNorm is per position, so normalising it alone is the same numbers.
   return vit_->layernorm->forward(x.select(1, 0), vit_->hyper.eps);  // (B, D)
@@ -306,7 +306,10 @@ at::Tensor VitForImageClassification::head(const at::Tensor& features) const {
   return at::linear(features, classifier_weight_, classifier_bias_);
 }
 
-at::Tensor VitForImageClassification::forward(const at::Tensor& pixel_values) { return head(features(pixel_values)); }
+const std::string& VitForImageClassification::model_type() const {
+  static const std::string type = "vit";
+  return type;
+}
 
 void VitForImageClassification::init_weights(bool head_only) {
   at::NoGradGuard no_grad;

@@ -15,6 +15,7 @@
 #include <c10/core/TensorOptions.h>
 #include <nlohmann/json.hpp>
 
+#include "models/image_model.h"
 #include "models/model.h"
 #include "models/module.h"
 #include "trainer/config.h"
@@ -23,29 +24,22 @@ namespace trainer {
 
 class VitBody;
 
-class VitForImageClassification : public Module {
+class VitForImageClassification : public ImageClassifier {
  public:
   // config: a ViT config.json (model_type "vit"); the classes from id2label (or num_labels), at least 2.
   VitForImageClassification(const nlohmann::json& config, const c10::TensorOptions& options);
 
-  // pixel_values (B, C, H, W), H and W multiples of patch_size -> logits (B, num_labels).
-  at::Tensor forward(const at::Tensor& pixel_values);
-  // The class token's final hidden state (B, D), what the head reads (a linear probe may cache it).
-  at::Tensor features(const at::Tensor& pixel_values);
-  at::Tensor head(const at::Tensor& features) const;
-
-  // HF's initialisation (truncated normal of initializer_range, zero biases, unit LayerNorms) from the global
-  // generator; head_only re-initialises just the classifier (a new head on a pretrained backbone).
-  void init_weights(bool head_only = false);
-
-  void set_block_runner(BlockRunner runner) { block_runner_ = std::move(runner); }
-  const nlohmann::json& hf_config() const { return config_; }
-  int64_t num_labels() const { return num_labels_; }
-  int64_t image_size() const { return image_size_; }
-  // Class names by id (config.json's id2label; "LABEL_i" where it has none).
-  const std::vector<std::string>& labels() const { return labels_; }
-  // Sets the classes (id2label/label2id in config.json) and rebuilds the head for their number.
-  void set_labels(const std::vector<std::string>& labels, const c10::TensorOptions& options);
+  const std::string& model_type() const override;
+  const nlohmann::json& hf_config() const override { return config_; }
+  // pixel_values (B, C, H, W), H and W multiples of patch_size. features: the class token's final hidden state.
+  at::Tensor features(const at::Tensor& pixel_values) override;
+  at::Tensor head(const at::Tensor& features) const override;
+  std::string head_prefix() const override { return "classifier."; }
+  void init_weights(bool head_only = false) override;
+  int64_t num_labels() const override { return num_labels_; }
+  int64_t image_size() const override { return image_size_; }
+  const std::vector<std::string>& labels() const override { return labels_; }
+  void set_labels(const std::vector<std::string>& labels, const c10::TensorOptions& options) override;
 
  private:
   nlohmann::json config_;
@@ -53,7 +47,6 @@ class VitForImageClassification : public Module {
   std::vector<std::string> labels_;
   std::shared_ptr<VitBody> vit_;
   at::Tensor classifier_weight_, classifier_bias_;
-  BlockRunner block_runner_;
 };
 
 // Reads dir/config.json and the weights. A checkpoint without the head (a ViTModel, or a classifier for other
