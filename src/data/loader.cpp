@@ -46,16 +46,17 @@ class JsonlLoader final : public DataLoader {
       if (options_.epochs >= 0 && cursor_.epoch >= options_.epochs) return std::nullopt;
       if (dataset_->size() == 0) return std::nullopt;
       if (cursor_.position >= dataset_->size()) {
-        start_next_epoch();
+        end_epoch();
         continue;
       }
+      if (cursor_.position == 0 && !pipeline_ && group_.empty()) examples_at_epoch_start_ = stats_.examples;
       auto batch = options_.group_by_length ? next_grouped() : next_plain();
       if (batch) {
         batch->epoch = cursor_.epoch;
         for (const auto& example : batch->examples) batch->target_tokens += target_tokens(example, spec_.family);
         return batch;
       }
-      start_next_epoch();  // the rest of the epoch held no usable example
+      end_epoch();  // the rest of the epoch held no usable example
     }
   }
 
@@ -71,6 +72,23 @@ class JsonlLoader final : public DataLoader {
   std::uint64_t examples_per_epoch() const override { return dataset_->size(); }
 
  private:
+  // Without an epoch limit (a run by steps), a whole epoch read from its start without one usable example would
+  // repeat forever: stop with what was wrong instead. (With a limit, the epochs end and the run says it had none.)
+  void end_epoch() {
+    if (options_.epochs < 0 && examples_at_epoch_start_ && stats_.examples == *examples_at_epoch_start_ &&
+        stats_.records_read > 0) {
+      std::string first = stats_.first_problems.empty() ? "" : "; the first: " + stats_.first_problems.front();
+      throw DataError("no usable example in a whole epoch of the training data: " +
+                          std::to_string(stats_.records_read) + " records read, " +
+                          std::to_string(stats_.bad_records_skipped) + " bad records skipped, " +
+                          std::to_string(stats_.overlength_skipped) + " over-length records skipped" + first,
+                      stats_.overlength_skipped > 0 ? "raise data.max_length: these records do not fit it"
+                                                    : "fix the records, or point data.train_files at other files");
+    }
+    examples_at_epoch_start_.reset();
+    start_next_epoch();
+  }
+
   void start_next_epoch() {
     pipeline_.reset();
     group_.clear();
@@ -208,6 +226,7 @@ class JsonlLoader final : public DataLoader {
   LoaderOptions options_;
   const Tokenizer& tokenizer_;
   data::MappingSpec spec_;
+  std::optional<std::int64_t> examples_at_epoch_start_;  // stats_.examples when this epoch began at its first slot
   LoaderCursor cursor_;
   DataStats stats_;
   std::unique_ptr<data::Pipeline> pipeline_;

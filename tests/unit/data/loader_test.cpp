@@ -83,6 +83,28 @@ TEST(LoaderLengths, TruncatedAndSkippedAreCounted) {
   EXPECT_EQ(loader->stats().examples, 14 - truncated.truncated);
 }
 
+// A run by steps has no epoch limit: an epoch without one usable example would repeat forever (it did, ignoring
+// SIGTERM). It stops with the counts and the first problem instead.
+TEST(LoaderLengths, AnEpochWithoutOneUsableExampleStopsInsteadOfRepeating) {
+  TempDir dir;
+  const std::string path = dir.file("train.jsonl");
+  write_file(path, seq2seq_lines(6));
+  Config config = seq2seq_config({path}, 2);
+  config.data.max_input_length = 2;
+  config.data.on_overlength = OverlengthPolicy::kSkip;
+  config.training.max_steps = 10;  // epochs without end
+  auto loader = make_train_loader(config, t5_tokenizer(), DataFamily::kSeq2Seq);
+  try {
+    loader->next();
+    FAIL() << "no DataError";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("no usable example in a whole epoch"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("6 over-length records skipped; the first: " + path), std::string::npos)
+        << e.what();
+    EXPECT_NE(e.hint().find("data.max_length"), std::string::npos);
+  }
+}
+
 TEST(LoaderDeterminism, SameBatchesForAnyNumberOfWorkers) {
   TempDir dir;
   write_file(dir.file("a.jsonl"), seq2seq_lines(300));
