@@ -13,22 +13,33 @@
 //   trainer_clip_parity classify-step MODEL_DIR BATCH.safetensors OUT_DIR LR [LABEL,LABEL,...]
 //       loads the classifier (a new head for the given classes, if any), one SGD step, save_image_classifier to
 //       OUT_DIR, and OUT_DIR/logits.safetensors: the logits of the same batch after the step
+//   trainer_clip_parity bench BATCH MICRO REPEATS
+//       scripts/bench/clip_negatives.py: a small random CLIP (64 px images, 32-token captions), one step's
+//       forward and backward over an effective batch of BATCH pairs as one autograd graph, with gradient caching
+//       in micro-batches of MICRO, and with micro-batch negatives; the sides alternate REPEATS times. Prints one
+//       JSON line per side: the median seconds and the peak CPU tensor bytes above the weights (budget allocator)
 //   trainer_clip_parity text MODEL_DIR TOKENIZER_DIR OUT.safetensors TEXT [TEXT ...]
 //       our tokenizer's ids with the special tokens, padded to the longest (input_ids, attention_mask), and the
 //       text features (get_text_features) of the model for them
 //
 // BATCH holds pixel_values (float32, B x C x H x W) and input_ids (int64, B x T), optionally attention_mask
 // (int64, B x T) and labels (int64, B).
+#include <algorithm>
+#include <chrono>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <nlohmann/json.hpp>
 
 #include "models/clip.h"
 #include "models/image_model.h"
+#include "memory/cpu_budget.h"
+#include "train/contrastive.h"
 #include "train/checkpointing_runner.h"
 #include "trainer/errors.h"
 #include "trainer/safetensors.h"
@@ -173,11 +184,71 @@ int text(const std::string& model_dir, const std::string& tokenizer_dir, const s
   return 0;
 }
 
+int bench(int64_t batch, int64_t micro, int repeats) {
+  const nlohmann::json config = {
+      {"model_type", "clip"},
+      {"projection_dim", 128},
+      {"text_config",
+       {{"hidden_size", 256}, {"intermediate_size", 1024}, {"num_attention_heads", 4}, {"num_hidden_layers", 4},
+        {"vocab_size", 1000}, {"max_position_embeddings", 32}, {"eos_token_id", 999}}},
+      {"vision_config",
+       {{"hidden_size", 256}, {"intermediate_size", 1024}, {"num_attention_heads", 4}, {"num_hidden_layers", 4},
+        {"image_size", 64}, {"patch_size", 8}}}};
+  trainer::ClipModel model(config, at::TensorOptions().dtype(at::kFloat));
+  at::manual_seed(0);
+  model.init_weights();
+  model.train(true);
+  require_grad(model);
+  const at::Tensor pixels = at::randn({batch, 3, 64, 64});
+  at::Tensor ids = at::randint(2, 999, {batch, 32}, at::kLong);
+  ids.select(1, 31).fill_(999);
+  std::vector<trainer::ContrastiveMicroBatch> micro_batches;
+  for (int64_t first = 0; first < batch; first += micro) {
+    trainer::ContrastiveMicroBatch mb;
+    mb.pixel_values = pixels.slice(0, first, std::min(batch, first + micro));
+    mb.input_ids = ids.slice(0, first, std::min(batch, first + micro));
+    mb.first_example = first;
+    micro_batches.push_back(mb);
+  }
+  const std::vector<std::string> sides = {"full batch, one graph", "gradient caching (batch negatives)",
+                                          "micro-batch negatives"};
+  std::map<std::string, std::vector<double>> seconds;
+  std::map<std::string, int64_t> peak;
+  for (int r = 0; r < repeats; ++r) {
+    for (const auto& side : sides) {
+      model.for_each_parameter([](const std::string&, at::Tensor& p) { p.mutable_grad() = at::Tensor(); });
+      const int64_t base = trainer::cpu_memory_stats().allocated;
+      trainer::reset_cpu_peak();
+      const auto start = std::chrono::steady_clock::now();
+      if (side == sides[0]) {
+        model.forward(pixels, ids, {}, true).loss.backward();
+      } else {
+        trainer::ContrastiveOptions options;
+        options.negatives = side == sides[1] ? trainer::ContrastiveNegatives::kBatch : trainer::ContrastiveNegatives::kMicroBatch;
+        trainer::contrastive_forward_backward(model, micro_batches, options);
+      }
+      seconds[side].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      peak[side] = std::max(peak[side], trainer::cpu_memory_stats().peak - base);
+    }
+  }
+  for (const auto& side : sides) {
+    auto& s = seconds[side];
+    std::sort(s.begin(), s.end());
+    std::cout << nlohmann::json{{"side", side}, {"batch", batch}, {"micro_batch", side == sides[0] ? batch : micro},
+                                {"seconds", s[s.size() / 2]}, {"peak_bytes", peak[side]}}
+                     .dump()
+              << "\n";
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  trainer::install_cpu_budget();  // before any tensor: peak statistics for `bench`
   const std::vector<std::string> args(argv + 1, argv + argc);
   try {
+    if (args.size() == 4 && args[0] == "bench") return bench(std::stoll(args[1]), std::stoll(args[2]), std::stoi(args[3]));
     if (args.size() >= 4 && args[0] == "forward") {
       bool training = false, checkpointing = false;
       for (std::size_t i = 4; i < args.size(); ++i) {
@@ -195,7 +266,7 @@ int main(int argc, char** argv) {
                            args.size() == 6 ? split_labels(args[5]) : std::vector<std::string>{});
     if (args.size() >= 5 && args[0] == "text")
       return text(args[1], args[2], args[3], std::vector<std::string>(args.begin() + 4, args.end()));
-    std::cerr << "usage: trainer_clip_parity forward|train-step|classify|classify-step|text ... (see the source)\n";
+    std::cerr << "usage: trainer_clip_parity forward|train-step|classify|classify-step|text|bench ... (see the source)\n";
     return 2;
   } catch (const trainer::Error& e) {
     std::cerr << "error: " << e.what() << "\n";

@@ -80,7 +80,8 @@ def make_batch(path, height, width, batch=4, seed=0, eos=VOCAB - 1, num_labels=N
 
 def compare_gradients(ours, model):
     grads = {k[len("grad."):]: v for k, v in ours.items() if k.startswith("grad.")}
-    params = dict(model.named_parameters())
+    # Parameters the output does not depend on (the classifier's post_layernorm) have no gradient on either side.
+    params = {name: p for name, p in model.named_parameters() if p.grad is not None}
     assert set(grads) == set(params), set(grads) ^ set(params)
     for name, grad in grads.items():
         theirs = params[name].grad
@@ -267,3 +268,43 @@ def test_caption_ids_from_our_tokenizer_are_clip_tokenizers_and_give_its_text_fe
         features = model.get_text_features(input_ids=theirs["input_ids"], attention_mask=theirs["attention_mask"])
     features = getattr(features, "pooler_output", features)
     assert torch.allclose(ours["text_features"], features, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("with_processor_file", [True, False])
+def test_predict_with_a_clip_classifier_gives_transformers_probabilities(with_processor_file, tmp_path, run_trainer):
+    """`trainer predict` on a CLIPForImageClassification directory: CLIPImageProcessorPil's preprocessing (short side
+    resized bicubically, centre crop, CLIP's mean and std; its defaults at the model's image size when the
+    directory has no preprocessor_config.json) and the classifier's probabilities."""
+    from PIL import Image
+    from transformers import CLIPForImageClassification
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    torch.manual_seed(9)
+    config = clip_config(vision={"image_size": 32, "patch_size": 8})
+    config.id2label = {0: "cat", 1: "dog", 2: "car"}
+    config.label2id = {"cat": 0, "dog": 1, "car": 2}
+    model = CLIPForImageClassification(config).eval()
+    model.save_pretrained(tmp_path / "model")
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    if with_processor_file:
+        processor = CLIPImageProcessorPil(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32})
+        (tmp_path / "model" / "preprocessor_config.json").write_text(json.dumps(
+            {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 40},
+             "crop_size": {"height": 32, "width": 32}, "do_center_crop": True, "resample": 3,
+             "image_mean": processor.image_mean, "image_std": processor.image_std}))
+    rng = torch.Generator().manual_seed(0)
+    files = []
+    for i, (h, w) in enumerate([(37, 53), (64, 48), (32, 32)]):
+        pixels = torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy()
+        files.append(tmp_path / f"noise{i}.png")
+        Image.fromarray(pixels).save(files[-1])
+    args = ["predict", "--model", tmp_path / "model", "--json", "--top-k", 3]
+    for f in files:
+        args += ["--image", f]
+    lines = run_trainer(*args).stdout.strip().splitlines()
+    assert len(lines) == len(files)
+    for f, line in zip(files, lines):
+        with Image.open(f) as image, torch.no_grad():
+            probabilities = torch.softmax(model(**processor(image.convert("RGB"), return_tensors="pt")).logits[0], -1)
+        for p in json.loads(line)["predictions"]:
+            assert p["label"] == config.id2label[p["id"]]
+            assert abs(p["probability"] - probabilities[p["id"]].item()) < TOLERANCE, f
