@@ -212,22 +212,26 @@ class ClipVisionEmbeddings : public Module {
                        "make the preprocessed size (preprocessor_config.json crop_size) a multiple of patch_size");
     const at::Tensor patches =
         at::conv2d(pixel_values.to(conv.scalar_type()), conv, {}, {h_.patch_size, h_.patch_size}).flatten(2).transpose(1, 2);
-    const at::Tensor x = at::cat({class_embedding.view({1, 1, h_.hidden}).expand({b, 1, h_.hidden}), patches}, 1);
+    // The parameters broadcast over the batch (no view of them), so that their gradients are always reduced into
+    // fresh tensors: with one image a view's gradient would be the incoming gradient itself, and the autograd
+    // engine would keep one buffer as the .grad of both the class and the position embeddings (accumulating a
+    // second micro-batch into one would then corrupt the other).
+    const at::Tensor x = at::cat({class_embedding.expand({b, 1, h_.hidden}), patches}, 1);
     return x + positions(height, width);
   }
 
   // The checkpoint's positions, or its patch grid resized bicubically (align_corners false) as transformers'
-  // interpolate_pos_encoding does for another image size. (1, 1 + patches, D)
+  // interpolate_pos_encoding does for another image size. (1 + patches, D)
   at::Tensor positions(int64_t height, int64_t width) const {
-    const at::Tensor table = position_embedding->weight.unsqueeze(0);
-    const int64_t stored = table.size(1) - 1;
+    const at::Tensor& table = position_embedding->weight;
+    const int64_t stored = table.size(0) - 1;
     const int64_t wanted = (height / h_.patch_size) * (width / h_.patch_size);
     if (wanted == stored && height == width) return table;
     const auto side = static_cast<int64_t>(std::sqrt(static_cast<double>(stored)));
-    const at::Tensor grid = table.slice(1, 1).reshape({1, side, side, h_.hidden}).permute({0, 3, 1, 2});
+    const at::Tensor grid = table.slice(0, 1).reshape({1, side, side, h_.hidden}).permute({0, 3, 1, 2});
     const at::Tensor resized =
         at::upsample_bicubic2d(grid, {height / h_.patch_size, width / h_.patch_size}, /*align_corners=*/false);
-    return at::cat({table.slice(1, 0, 1), resized.permute({0, 2, 3, 1}).reshape({1, -1, h_.hidden})}, 1);
+    return at::cat({table.slice(0, 0, 1), resized.permute({0, 2, 3, 1}).reshape({-1, h_.hidden})}, 0);
   }
 
   at::Tensor class_embedding;
@@ -365,7 +369,7 @@ class ClipTextTower : public Module {
                        "truncate captions to at most " + std::to_string(hyper.max_positions) + " tokens");
     const at::Tensor ids = input_ids.to(at::kLong);
     const at::Tensor x = at::embedding(embeddings->token_embedding->weight, ids) +
-                         embeddings->position_embedding->weight.slice(0, 0, t).unsqueeze(0);
+                         embeddings->position_embedding->weight.slice(0, 0, t);  // (B, T, D)
     const at::Tensor mask = attention_mask.defined() ? attention_mask : at::ones({b, t}, ids.options());
     const at::Tensor allowed = causal_mask(mask.to(ids.device()), t, 0, std::nullopt);  // (B, 1, T, T)
     const at::Tensor last = encoder->forward(x, allowed, training, runner);

@@ -119,8 +119,11 @@ class VitEmbeddings : public Module {
                        " px is not a whole number of " + std::to_string(h_.patch_size) + " px patches",
                        "make the preprocessed size (preprocessor_config.json) a multiple of patch_size");
     const at::Tensor patches = patch_embeddings->forward(pixels);
-    const at::Tensor x = at::cat({cls_token.expand({b, 1, h_.hidden}), patches}, 1);
-    return dropout->forward(x + positions(height, width), training);
+    // Broadcast over the batch from (D) and (1 + patches, D), so that the parameters' gradients are always reduced
+    // into fresh tensors: with one image the incoming gradient itself would become the .grad of both cls_token and
+    // position_embeddings (one buffer), and accumulating a second micro-batch into one would corrupt the other.
+    const at::Tensor x = at::cat({cls_token.squeeze(0).expand({b, 1, h_.hidden}), patches}, 1);
+    return dropout->forward(x + positions(height, width).squeeze(0), training);
   }
 
   // The position embeddings for an image of height x width: the checkpoint's, or its patch grid resized

@@ -1,5 +1,7 @@
 // Gradient caching (train/contrastive.h) on a tiny random CLIP: the gradients of the full batch's contrastive loss,
 // whatever the micro-batch split, dropout on; the micro-batch negatives mode changes the objective.
+#include <algorithm>
+#include <iostream>
 #include <map>
 #include <string>
 #include <vector>
@@ -108,15 +110,25 @@ ContrastiveOptions options_for(ContrastiveNegatives negatives) {
   return options;
 }
 
+// The largest difference over every gradient, each parameter's measured in units of its reference's largest
+// magnitude when that exceeds 1 (fp32 sums of the same terms in another order differ in proportion to their size:
+// the position embeddings' gradients sum over every example and position). The parameter goes to the output.
 double max_difference(const Grads& a, const Grads& b) {
   EXPECT_EQ(a.size(), b.size());
   double worst = 0.0;
+  std::string where;
   for (const auto& [name, grad] : a) {
     const auto it = b.find(name);
     EXPECT_NE(it, b.end()) << name;
     if (it == b.end()) continue;
-    worst = std::max(worst, (grad - it->second).abs().max().item<double>());
+    const double scale = std::max(1.0, it->second.abs().max().item<double>());
+    const double difference = (grad - it->second).abs().max().item<double>() / scale;
+    if (difference > worst) {
+      worst = difference;
+      where = name;
+    }
   }
+  std::cout << "largest gradient difference " << worst << " (relative above magnitude 1) in " << where << "\n";
   return worst;
 }
 
