@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -68,7 +69,8 @@ struct ClipTowerHyper {
 const nlohmann::json& sub_config(const nlohmann::json& config, const char* key) {
   static const nlohmann::json empty = nlohmann::json::object();
   const auto* sub = hf::find(config, key);
-  if (sub != nullptr && !sub->is_object()) throw DataError(std::string("config.json: \"") + key + "\" must be an object");
+  if (sub != nullptr && !sub->is_object())
+    throw DataError(std::string("config.json: \"") + key + "\" must be an object");
   return sub != nullptr ? *sub : empty;
 }
 
@@ -80,7 +82,9 @@ class ClipLayerNorm : public Module {
     register_parameter("weight", &weight);
     register_parameter("bias", &bias);
   }
-  at::Tensor forward(const at::Tensor& x, double eps) const { return at::layer_norm(x, {weight.size(0)}, weight, bias, eps); }
+  at::Tensor forward(const at::Tensor& x, double eps) const {
+    return at::layer_norm(x, {weight.size(0)}, weight, bias, eps);
+  }
   at::Tensor weight, bias;
 };
 
@@ -116,8 +120,8 @@ class ClipAttention : public Module {
       const at::Tensor probabilities = at::softmax(scores.to(at::kFloat), -1).to(q.scalar_type());
       out = at::matmul(dropout->attention(probabilities, true), v);  // (B, H, T, hd)
     } else {
-      out = at::scaled_dot_product_attention(q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
-                                             dropout->sdpa_p(training), false, scale);
+      const std::optional<at::Tensor> mask = allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt;
+      out = at::scaled_dot_product_attention(q, k, v, mask, dropout->sdpa_p(training), false, scale);
     }
     return out_proj->forward(out.transpose(1, 2).reshape({b, t, h_.hidden}));
   }
@@ -199,7 +203,8 @@ class ClipVisionEmbeddings : public Module {
         "patch_embedding",
         std::make_shared<WeightHolder>(std::vector<int64_t>{h.hidden, h.channels, h.patch_size, h.patch_size}, o));
     position_embedding =
-        register_module("position_embedding", std::make_shared<WeightHolder>(std::vector<int64_t>{side * side + 1, h.hidden}, o));
+        register_module("position_embedding",
+                        std::make_shared<WeightHolder>(std::vector<int64_t>{side * side + 1, h.hidden}, o));
   }
 
   // (B, C, H, W) -> (B, 1 + patches, D)
@@ -210,8 +215,9 @@ class ClipVisionEmbeddings : public Module {
       throw UsageError("image of " + std::to_string(width) + " x " + std::to_string(height) +
                            " px is not a whole number of " + std::to_string(h_.patch_size) + " px patches",
                        "make the preprocessed size (preprocessor_config.json crop_size) a multiple of patch_size");
-    const at::Tensor patches =
-        at::conv2d(pixel_values.to(conv.scalar_type()), conv, {}, {h_.patch_size, h_.patch_size}).flatten(2).transpose(1, 2);
+    const at::Tensor patches = at::conv2d(pixel_values.to(conv.scalar_type()), conv, {}, {h_.patch_size, h_.patch_size})
+                                   .flatten(2)
+                                   .transpose(1, 2);  // (B, patches, D), row by row
     // The parameters broadcast over the batch (no view of them), so that their gradients are always reduced into
     // fresh tensors: with one image a view's gradient would be the incoming gradient itself, and the autograd
     // engine would keep one buffer as the .grad of both the class and the position embeddings (accumulating a
@@ -244,9 +250,10 @@ class ClipVisionEmbeddings : public Module {
 class ClipTextEmbeddings : public Module {
  public:
   ClipTextEmbeddings(const ClipTowerHyper& h, const c10::TensorOptions& o) {
-    token_embedding = register_module("token_embedding", std::make_shared<WeightHolder>(std::vector<int64_t>{h.vocab, h.hidden}, o));
-    position_embedding =
-        register_module("position_embedding", std::make_shared<WeightHolder>(std::vector<int64_t>{h.max_positions, h.hidden}, o));
+    token_embedding = register_module("token_embedding",
+                                      std::make_shared<WeightHolder>(std::vector<int64_t>{h.vocab, h.hidden}, o));
+    position_embedding = register_module(
+        "position_embedding", std::make_shared<WeightHolder>(std::vector<int64_t>{h.max_positions, h.hidden}, o));
   }
   std::shared_ptr<WeightHolder> token_embedding, position_embedding;
 };
@@ -262,30 +269,28 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
 
-// transformers' _init_weights for the encoder blocks and norms of one tower (names relative to the tower).
+// transformers' _init_weights for one tower's parameters (names relative to the tower).
 void init_tower_parameter(const std::string& name, at::Tensor& p, const ClipTowerHyper& h) {
   const double f = h.initializer_factor, d = static_cast<double>(h.hidden);
   const double in_proj_std = std::pow(d, -0.5) * std::pow(2.0 * static_cast<double>(h.layers), -0.5) * f;
-  if (ends_with(name, ".bias") && name.find("layer_norm") == std::string::npos &&
-      name.find("layrnorm") == std::string::npos && name.find("layernorm") == std::string::npos) {
-    p = at::zeros_like(p);
-  } else if (name.find("layer_norm") != std::string::npos || name.find("layrnorm") != std::string::npos ||
-             name.find("layernorm") != std::string::npos) {
+  const bool is_norm = name.find("layer_norm") != std::string::npos || name.find("layrnorm") != std::string::npos ||
+                       name.find("layernorm") != std::string::npos;
+  if (is_norm) {
     p = ends_with(name, ".bias") ? at::zeros_like(p) : at::ones_like(p);
+  } else if (ends_with(name, ".bias")) {
+    p = at::zeros_like(p);
   } else if (name.find("self_attn.out_proj.") != std::string::npos) {
     normal_init(p, std::pow(d, -0.5) * f);
-  } else if (name.find("self_attn.") != std::string::npos) {
+  } else if (name.find("self_attn.") != std::string::npos || name.find("mlp.fc2.") != std::string::npos) {
     normal_init(p, in_proj_std);
   } else if (name.find("mlp.fc1.") != std::string::npos) {
     normal_init(p, std::pow(2.0 * d, -0.5) * f);
-  } else if (name.find("mlp.fc2.") != std::string::npos) {
-    normal_init(p, in_proj_std);
   } else if (ends_with(name, "class_embedding")) {
     normal_init(p, std::pow(d, -0.5) * f);
-  } else if (name.find("token_embedding") != std::string::npos || name.find("embeddings.position_embedding") != std::string::npos) {
-    normal_init(p, (h.image_size > 0 ? h.initializer_range : 0.02) * f);
+  } else if (name.find("token_embedding") != std::string::npos || h.image_size == 0) {
+    normal_init(p, 0.02 * f);  // the text tower's embeddings
   } else {
-    normal_init(p, h.initializer_range * f);  // patch_embedding
+    normal_init(p, h.initializer_range * f);  // the vision tower's patch and position embeddings
   }
 }
 
@@ -402,13 +407,16 @@ at::Tensor clip_contrastive_loss(const at::Tensor& image_features, const at::Ten
   const at::Tensor text_embeds = texts / texts.pow(2).sum(-1, true).pow(0.5);
   const at::Tensor logits_per_text = at::matmul(text_embeds, image_embeds.t()) * logit_scale.to(at::kFloat).exp();
   const at::Tensor targets = at::arange(logits_per_text.size(0), logits_per_text.options().dtype(at::kLong));
-  return (at::cross_entropy_loss(logits_per_text, targets) + at::cross_entropy_loss(logits_per_text.t(), targets)) / 2.0;
+  const at::Tensor caption_loss = at::cross_entropy_loss(logits_per_text, targets);
+  const at::Tensor image_loss = at::cross_entropy_loss(logits_per_text.t(), targets);
+  return (caption_loss + image_loss) / 2.0;
 }
 
 ClipModel::ClipModel(const nlohmann::json& config, const c10::TensorOptions& options) : config_(config) {
   projection_dim_ = hf::get_int(config, "projection_dim", 512);
   text_ = register_module("text_model", std::make_shared<ClipTextTower>(sub_config(config, "text_config"), options));
-  vision_ = register_module("vision_model", std::make_shared<ClipVisionTower>(sub_config(config, "vision_config"), options));
+  vision_ = register_module("vision_model",
+                            std::make_shared<ClipVisionTower>(sub_config(config, "vision_config"), options));
   visual_projection_ = at::empty({projection_dim_, vision_->hyper.hidden}, options);
   text_projection_ = at::empty({projection_dim_, text_->hyper.hidden}, options);
   logit_scale_ = at::full({}, hf::get_double(config, "logit_scale_init_value", 2.6592), options);
@@ -464,7 +472,8 @@ nlohmann::json clip_classifier_config(const nlohmann::json& config) {
   const std::string type = hf::get_string(config, "model_type", "");
   if (type == "clip") return config;
   if (type != "clip_vision_model")
-    throw DataError("config.json: model_type \"" + type + "\" is not a CLIP model", "expected clip or clip_vision_model");
+    throw DataError("config.json: model_type \"" + type + "\" is not a CLIP model",
+                    "expected clip or clip_vision_model");
   // A vision tower's config becomes the vision_config of a CLIPConfig; the classes stay at the top level.
   nlohmann::json vision = config, out = nlohmann::json::object();
   out["model_type"] = "clip";
@@ -488,7 +497,8 @@ ClipVisionClassifier::ClipVisionClassifier(const nlohmann::json& config, const c
     throw DataError("config.json: an image classifier needs at least 2 classes, id2label/num_labels gives " +
                         std::to_string(num_labels_),
                     "one label is regression in transformers, which trainer does not train");
-  vision_ = register_module("vision_model", std::make_shared<ClipVisionTower>(sub_config(config, "vision_config"), options));
+  vision_ = register_module("vision_model",
+                            std::make_shared<ClipVisionTower>(sub_config(config, "vision_config"), options));
   classifier_weight_ = at::empty({num_labels_, vision_->hyper.hidden}, options);
   classifier_bias_ = at::zeros({num_labels_}, options);
   register_parameter("classifier.weight", &classifier_weight_);

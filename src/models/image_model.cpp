@@ -13,7 +13,8 @@
 namespace trainer {
 
 namespace {
-constexpr const char* kSupported = "supported image models: vit, clip (CLIPModel, CLIPForImageClassification), clip_vision_model";
+constexpr const char* kSupported =
+    "supported image models: vit, clip (CLIPModel, CLIPForImageClassification), clip_vision_model";
 }
 
 std::vector<std::string> config_labels(const nlohmann::json& c) {

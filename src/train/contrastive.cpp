@@ -22,7 +22,8 @@ namespace {
 class GeneratorReplay {
  public:
   GeneratorReplay(const c10::Device& device, uint64_t seed) : device_(device), saved_(get_rng_state(device)) {
-    at::Generator gen = device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device);
+    at::Generator gen =
+        device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device);
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_current_seed(seed);
   }
@@ -146,7 +147,8 @@ ContrastiveResult micro_batch_negatives(ClipModel& model, const std::vector<Cont
 
 }  // namespace
 
-ContrastiveResult contrastive_forward_backward(ClipModel& model, const std::vector<ContrastiveMicroBatch>& micro_batches,
+ContrastiveResult contrastive_forward_backward(ClipModel& model,
+                                               const std::vector<ContrastiveMicroBatch>& micro_batches,
                                                const ContrastiveOptions& options) {
   const int64_t total = check_batch(micro_batches);
   if (options.negatives == ContrastiveNegatives::kMicroBatch)

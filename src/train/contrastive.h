@@ -67,7 +67,8 @@ struct ContrastiveResult {
 // gradient; one in (c) (or in micro-batch mode) leaves a partial sum in .grad: the caller restores the gradients
 // it had before the call (as the training step does for accumulation), re-splits the same effective batch
 // smaller and calls again.
-ContrastiveResult contrastive_forward_backward(ClipModel& model, const std::vector<ContrastiveMicroBatch>& micro_batches,
+ContrastiveResult contrastive_forward_backward(ClipModel& model,
+                                               const std::vector<ContrastiveMicroBatch>& micro_batches,
                                                const ContrastiveOptions& options);
 
 }  // namespace trainer

@@ -10,7 +10,11 @@
 #include <nlohmann/json.hpp>
 
 #include "models/clip.h"
+#include "models/image_model.h"
 #include "models/vit.h"
+#include "support/temp_dir.h"
+#include "trainer/errors.h"
+#include "trainer/safetensors.h"
 
 namespace trainer {
 namespace {
@@ -85,6 +89,46 @@ TEST(ImageModels, ClipClassifierAndTowersMicroBatchesOfOneAccumulateTheBatchGrad
   at::Tensor ids = at::randint(2, 19, {3, 5}, at::kLong);
   ids.select(1, 4).fill_(19);
   expect_rows_accumulate_the_batch(clip, ids, [&](const at::Tensor& x) { return clip.text_features(x); }, 6);
+}
+
+TEST(ImageModels, ClipDirectoriesLoadSaveAndNameWhatIsWrong) {
+  test::TempDir dir;
+  test::write_file(dir.file("config.json"), clip_config().dump());
+  // init = random needs config.json alone; what save_clip writes loads back the same.
+  auto model = load_clip(dir.path().string(), ModelInit::kRandom, at::TensorOptions().dtype(at::kFloat), 4);
+  save_clip(*model, dir.path().string());
+  auto loaded = load_clip(dir.path().string(), ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  const auto original = model->named_parameters();
+  const auto reloaded = loaded->named_parameters();
+  ASSERT_EQ(original.size(), reloaded.size());
+  for (std::size_t i = 0; i < original.size(); ++i) EXPECT_TRUE(at::equal(original[i].second, reloaded[i].second));
+  // The same directory as an image classifier: its vision tower, a new head for the classes asked for.
+  auto classifier = load_image_classifier(dir.path().string(), ModelInit::kPretrained,
+                                          at::TensorOptions().dtype(at::kFloat), 1, {"a", "b", "c", "d"});
+  EXPECT_EQ(classifier->model_type(), "clip");
+  EXPECT_EQ(classifier->num_labels(), 4);
+  EXPECT_EQ(classifier->image_processor_type(), "CLIPImageProcessor");
+  // A tensor missing from the checkpoint: one DataError naming it and the directory.
+  NamedTensors without_scale;
+  for (const auto& [name, tensor] : original)
+    if (name != "logit_scale") without_scale.emplace_back(name, tensor.detach());
+  write_safetensors(dir.file("model.safetensors"), without_scale, {{"format", "pt"}});
+  try {
+    load_clip(dir.path().string(), ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+    FAIL() << "no error";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("logit_scale"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(dir.path().string()), std::string::npos) << e.what();
+  }
+  // Not an image model: the error names the file and what is supported.
+  test::write_file(dir.file("config.json"), R"({"model_type": "clip_text_model"})");
+  try {
+    load_image_classifier(dir.path().string(), ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+    FAIL() << "no error";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("config.json"), std::string::npos) << e.what();
+    EXPECT_NE(e.hint().find("clip_vision_model"), std::string::npos) << e.hint();
+  }
 }
 
 }  // namespace
