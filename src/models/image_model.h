@@ -40,6 +40,8 @@ class ImageClassifier : public Module {
   virtual int64_t num_labels() const = 0;
   // The image size of config.json (positions are interpolated for other sizes).
   virtual int64_t image_size() const = 0;
+  // The transformers image processor whose defaults apply when the directory has no preprocessor_config.json.
+  virtual std::string image_processor_type() const { return "ViTImageProcessor"; }
   // Class names by id (config.json's id2label; "LABEL_i" where it has none).
   virtual const std::vector<std::string>& labels() const = 0;
   // Sets the classes (id2label/label2id in config.json) and rebuilds the head for their number.
@@ -57,6 +59,11 @@ class ImageClassifier : public Module {
  private:
   BlockRunner block_runner_;
 };
+
+// A classifier config's class names: id2label by id, or LABEL_i for num_labels (transformers' default: 2).
+std::vector<std::string> config_labels(const nlohmann::json& config);
+// Writes id2label/label2id for `labels` into a config (and drops num_labels, which they imply).
+void write_label_maps(nlohmann::json& config, const std::vector<std::string>& labels);
 
 // Whether dir/config.json (or a parsed config) describes an image classifier this build knows.
 bool is_image_model_config(const nlohmann::json& config);

@@ -53,14 +53,15 @@ at::Tensor activation(const at::Tensor& x, const std::string& name) {
   if (name == "gelu") return at::gelu(x);
   if (name == "gelu_new" || name == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
   if (name == "silu" || name == "swish") return at::silu(x);
+  if (name == "quick_gelu") return x * at::sigmoid(1.702 * x);  // CLIP's approximation
   throw DataError("unsupported activation '" + name + "'");
 }
 
 void check_activation(const std::string& name, const std::string& where) {
-  for (const char* known : {"relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish"})
+  for (const char* known : {"relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish", "quick_gelu"})
     if (name == known) return;
   throw DataError(where + ": unsupported activation '" + name + "'",
-                  "supported: relu, gelu, gelu_new, gelu_pytorch_tanh, silu");
+                  "supported: relu, gelu, gelu_new, gelu_pytorch_tanh, silu, quick_gelu");
 }
 
 at::Tensor additive_mask(const at::Tensor& allowed, c10::ScalarType dtype) {

@@ -51,7 +51,7 @@ class NormWeight : public Module {
   at::Tensor weight;
 };
 
-// Activation by its transformers name: relu, gelu, gelu_new, gelu_pytorch_tanh, silu/swish.
+// Activation by its transformers name: relu, gelu, gelu_new, gelu_pytorch_tanh, silu/swish, quick_gelu.
 at::Tensor activation(const at::Tensor& x, const std::string& name);
 // Throws DataError for a name activation() does not know.
 void check_activation(const std::string& name, const std::string& where);

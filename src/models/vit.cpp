@@ -119,8 +119,11 @@ class VitEmbeddings : public Module {
                        " px is not a whole number of " + std::to_string(h_.patch_size) + " px patches",
                        "make the preprocessed size (preprocessor_config.json) a multiple of patch_size");
     const at::Tensor patches = patch_embeddings->forward(pixels);
-    const at::Tensor x = at::cat({cls_token.expand({b, 1, h_.hidden}), patches}, 1);
-    return dropout->forward(x + positions(height, width), training);
+    // Broadcast over the batch from (D) and (1 + patches, D), so that the parameters' gradients are always reduced
+    // into fresh tensors: with one image the incoming gradient itself would become the .grad of both cls_token and
+    // position_embeddings (one buffer), and accumulating a second micro-batch into one would corrupt the other.
+    const at::Tensor x = at::cat({cls_token.squeeze(0).expand({b, 1, h_.hidden}), patches}, 1);
+    return dropout->forward(x + positions(height, width).squeeze(0), training);
   }
 
   // The position embeddings for an image of height x width: the checkpoint's, or its patch grid resized
@@ -227,29 +230,6 @@ class VitEncoder : public Module {
   std::shared_ptr<VitLayers> layer;
 };
 
-// A ViT config's class names: id2label by id, or LABEL_i for num_labels (transformers' default: 2).
-std::vector<std::string> config_labels(const nlohmann::json& c) {
-  std::vector<std::string> labels;
-  if (const auto* id2label = hf::find(c, "id2label"); id2label && id2label->is_object() && !id2label->empty()) {
-    labels.resize(id2label->size());
-    for (const auto& [key, value] : id2label->items()) {
-      std::size_t id = 0;
-      try {
-        id = std::stoul(key);
-      } catch (const std::exception&) {
-        throw DataError("config.json: id2label key \"" + key + "\" is not a class number");
-      }
-      if (id >= labels.size() || !value.is_string())
-        throw DataError("config.json: id2label must map 0..N-1 to class names; got \"" + key + "\": " + value.dump());
-      labels[id] = value.get<std::string>();
-    }
-    return labels;
-  }
-  const int64_t n = hf::get_int(c, "num_labels", 2);
-  for (int64_t i = 0; i < n; ++i) labels.push_back("LABEL_" + std::to_string(i));
-  return labels;
-}
-
 void trunc_normal(at::Tensor& t, double std) {
   // HF's trunc_normal_(mean 0, std, a=-2, b=2): with std 0.02 the cut at +-2 (absolute) never binds in practice;
   // drawn in fp32 and converted, as HF upcasts.
@@ -338,14 +318,7 @@ void VitForImageClassification::set_labels(const std::vector<std::string>& label
   num_labels_ = static_cast<int64_t>(labels.size());
   classifier_weight_ = at::empty({num_labels_, vit_->hyper.hidden}, options);
   classifier_bias_ = at::zeros({num_labels_}, options);
-  nlohmann::json id2label = nlohmann::json::object(), label2id = nlohmann::json::object();
-  for (std::size_t i = 0; i < labels.size(); ++i) {
-    id2label[std::to_string(i)] = labels[i];
-    label2id[labels[i]] = i;
-  }
-  config_["id2label"] = id2label;
-  config_["label2id"] = label2id;
-  config_.erase("num_labels");
+  write_label_maps(config_, labels);
 }
 
 namespace fs = std::filesystem;
@@ -438,15 +411,7 @@ void save_vit(VitForImageClassification& model, const std::string& dir) {
   save_state_dict(dir, tensors, /*max_shard_bytes=*/uint64_t{5} << 30);
   nlohmann::json config = model.hf_config();
   config["architectures"] = {"ViTForImageClassification"};
-  if (!config.contains("id2label")) {
-    nlohmann::json id2label = nlohmann::json::object(), label2id = nlohmann::json::object();
-    for (std::size_t i = 0; i < model.labels().size(); ++i) {
-      id2label[std::to_string(i)] = model.labels()[i];
-      label2id[model.labels()[i]] = i;
-    }
-    config["id2label"] = id2label;
-    config["label2id"] = label2id;
-  }
+  if (!config.contains("id2label")) write_label_maps(config, model.labels());
   write_text_file((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
 }
 

@@ -1,0 +1,74 @@
+// Contrastive (CLIP) training over an effective batch split into micro-batches. A contrastive loss is not a sum
+// over examples: every image is scored against every caption of the batch, so plain accumulation over
+// micro-batches changes the objective. Two modes (docs/clip.md):
+//
+//   negatives = batch (gradient caching, Gao et al. 2021 "Scaling Deep Contrastive Learning Batch Size under
+//     Memory Limited Setup"): (a) embed every micro-batch without autograd, (b) compute the symmetric InfoNCE loss
+//     of the whole effective batch and its gradient with respect to the concatenated image and text embeddings
+//     (and logit_scale, whose gradient lands in its .grad here), (c) re-run each micro-batch with autograd and
+//     back-propagate its slice of the embedding gradients. The parameter gradients equal a full-batch autograd
+//     run's, for any split; memory: one micro-batch of activations plus the batch's embeddings; cost: one more
+//     forward of each tower.
+//   negatives = micro-batch (the common approximation): each micro-batch's own loss (its examples are each
+//     other's only negatives), weighted by its share of the batch and back-propagated at once. One forward; a
+//     different, easier objective that depends on the split.
+//
+// Randomness replays exactly in the second pass: each micro-batch's forwards run under the keyed-dropout context of
+// its examples (DropoutScope: seed, step, index in the effective batch), and with LibTorch's default generator
+// seeded from the micro-batch's rng_seed (its state around the call is left as it was), so dropout, and anything a
+// forward draws from the generator, is the same in (a) and (c). Augmentations belong to the pixels the caller
+// passes (seeded by (seed, epoch, index) in the loader): both passes read the same tensors.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace trainer {
+
+class ClipModel;
+
+enum class ContrastiveNegatives { kBatch, kMicroBatch };
+
+// One micro-batch of matching image-text pairs (row i of each is pair i).
+struct ContrastiveMicroBatch {
+  at::Tensor pixel_values;    // (b, C, H, W), on the model's device
+  at::Tensor input_ids;       // (b, T)
+  at::Tensor attention_mask;  // (b, T) of 0/1, or undefined (no padding)
+  int64_t first_example = 0;  // index of row 0 in the effective batch: the key of its dropout masks
+  uint64_t rng_seed = 0;      // seeds LibTorch's default generator around this micro-batch's forwards, both passes
+};
+
+struct ContrastiveOptions {
+  ContrastiveNegatives negatives = ContrastiveNegatives::kBatch;
+  // Keyed dropout context of the step (DropoutScope(dropout_seed, step, first_example, b, device)).
+  uint64_t dropout_seed = 0;
+  int64_t step = 0;
+  // The gradients are those of loss * loss_scale (fp16 loss scaling; divide by it before the optimizer step).
+  double loss_scale = 1.0;
+  // A frozen tower (LiT locks the image tower): its forward runs once, without autograd, and never again.
+  bool image_tower_trainable = true;
+  bool text_tower_trainable = true;
+};
+
+struct ContrastiveResult {
+  double loss = 0.0;            // the objective's value, unscaled: the batch's loss, or the weighted micro-batch sum
+  int64_t examples = 0;         // pairs in the effective batch
+  int64_t tower_forwards = 0;   // tower forward passes run (image and text counted separately)
+};
+
+// Accumulates into the .grad of the model's parameters (those that require grad, logit_scale included) the gradient
+// of the chosen objective over the effective batch `micro_batches` (in order; sizes may differ). The model's
+// training flag decides whether dropout is on. Throws UsageError when a micro-batch's images and texts differ in
+// number or the batch is empty.
+//
+// Out of memory: c10::OutOfMemoryError propagates from either pass. An error in (a) or (b) has changed no
+// gradient; one in (c) (or in micro-batch mode) leaves a partial sum in .grad: the caller restores the gradients
+// it had before the call (as the training step does for accumulation), re-splits the same effective batch
+// smaller and calls again.
+ContrastiveResult contrastive_forward_backward(ClipModel& model,
+                                               const std::vector<ContrastiveMicroBatch>& micro_batches,
+                                               const ContrastiveOptions& options);
+
+}  // namespace trainer
