@@ -19,6 +19,7 @@
 #include "memory/cpu_budget.h"
 #include "memory/cuda_extras.h"
 #include "memory/policy.h"
+#include "models/image_lora.h"
 #include "models/image_model.h"
 #include "train/checkpointing_runner.h"
 #include "train/image_step.h"
@@ -146,6 +147,8 @@ class ImageTrainingRun {
 
  private:
   void build_model();
+  void apply_lora_to_model();
+  void save_trained(const fs::path& dir);
   void restore_or_probe();
   bool train_one_step();
   void evaluate();
@@ -161,6 +164,8 @@ class ImageTrainingRun {
   nlohmann::json resume_state_;
   std::shared_ptr<const data::ImageDataset> dataset_;
   std::unique_ptr<ImageClassifier> model_;
+  std::unique_ptr<ImageLoraAdapters> lora_;
+  std::string lora_base_;  // the adapter's base_model_name_or_path
   data::ImageProcessorSpec spec_;
   std::unique_ptr<ImageLoader> loader_;
   std::unique_ptr<Optimizer> optimizer_;
@@ -174,9 +179,9 @@ class ImageTrainingRun {
 };
 
 void ImageTrainingRun::set_up() {
-  if (config_.lora.enabled)
-    throw UsageError("lora.enabled=true is not implemented for image classifiers yet",
-                     "train the whole model, or set training.linear_probe=true to train only the head");
+  if (config_.lora.enabled && config_.training.linear_probe)
+    throw UsageError("lora.enabled=true and training.linear_probe=true both choose what trains",
+                     "pick one: LoRA adapters plus the head, or the head alone");
   if (config_.training.micro_batch_tokens > 0 || config_.data.packing)
     throw UsageError("training.micro_batch_tokens and data.packing count tokens; an image classifier's micro-batch "
                      "counts images",
@@ -204,7 +209,8 @@ void ImageTrainingRun::set_up() {
                                                static_cast<uint64_t>(config_.training.batch_size) - 1) /
                                               static_cast<uint64_t>(config_.training.batch_size));
   total_steps_ = config_.training.max_steps > 0 ? config_.training.max_steps : per_epoch * config_.training.epochs;
-  optimizer_ = make_optimizer(*model_, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
+  Module& trainable = lora_ ? static_cast<Module&>(*lora_) : *model_;
+  optimizer_ = make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
   policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
   ImageStepOptions step_options;
   step_options.device = device_;
@@ -238,12 +244,18 @@ void ImageTrainingRun::build_model() {
   const auto options = at::TensorOptions()
                            .dtype(config_.precision.mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat)
                            .device(device_);
-  model_ = resume_dir_ ? load_image_classifier(resume_dir_->string(), ModelInit::kPretrained, options,
+  // With LoRA the base always comes from model.path (a checkpoint holds the adapter and the head).
+  model_ = resume_dir_ && !config_.lora.enabled
+                       ? load_image_classifier(resume_dir_->string(), ModelInit::kPretrained, options,
                                                static_cast<uint64_t>(config_.training.seed), dataset_->classes)
                        : load_image_classifier(config_.model.path, config_.model.init, options,
                                                static_cast<uint64_t>(config_.training.seed), dataset_->classes);
   spec_ = training_spec(config_.model.path, *model_);
   model_->train(true);
+  if (config_.lora.enabled) {
+    apply_lora_to_model();
+    return;
+  }
   const std::string head = model_->head_prefix();
   int64_t trainable = 0;
   model_->for_each_parameter([&](const std::string& name, at::Tensor& p) {
@@ -259,6 +271,37 @@ void ImageTrainingRun::build_model() {
                config_.training.linear_probe ? fmt::format("linear probe: the backbone is frozen, {} parameters of "
                                                            "the head ({}) train", trainable, head)
                                              : std::string("full fine-tune"));
+}
+
+// LoRA adapters on the frozen backbone, the head trained in full; saved as a PEFT adapter. A randomly initialised
+// base (the demo) is saved to output_dir/base first (a resume recreates the same one from training.seed), so the
+// adapter has a base to be loaded onto.
+void ImageTrainingRun::apply_lora_to_model() {
+  lora_base_ = fs::absolute(config_.model.path).lexically_normal().string();
+  if (config_.model.init == ModelInit::kRandom) {
+    const fs::path saved = fs::absolute(output_dir_ / "base").lexically_normal();
+    if (!fs::exists(saved / "model.safetensors")) save_classifier_dir(*model_, spec_, saved);
+    lora_base_ = saved.string();
+  }
+  lora_ = apply_image_lora(*model_, config_.lora, static_cast<uint64_t>(config_.training.seed));
+  if (resume_dir_) load_image_adapter(resume_dir_->string(), *lora_, *model_);
+  if (config_.training.activation_checkpointing) model_->set_block_runner(activation_checkpointing_runner());
+  std::string targets;
+  for (const auto& t : lora_->config().target_modules) targets += (targets.empty() ? "" : ",") + t;
+  spdlog::info("{} classes; {} images for training, each {} x {} pixels; LoRA r={} alpha={} on {} layers ({}) and "
+               "the head ({}) in full; base frozen", dataset_->classes.size(), dataset_->records.size(),
+               spec_.output_size().second, spec_.output_size().first, lora_->config().r, lora_->config().alpha,
+               lora_->layers().size(), targets, lora_->head_module());
+}
+
+// What checkpoints and the final save hold: the model with its preprocessing, or with LoRA the PEFT adapter.
+void ImageTrainingRun::save_trained(const fs::path& dir) {
+  if (lora_) {
+    write_image_adapter(dir.string(), *lora_, *model_, lora_base_);
+    write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec_));
+  } else {
+    save_classifier_dir(*model_, spec_, dir);
+  }
 }
 
 void ImageTrainingRun::restore_or_probe() {
@@ -279,7 +322,7 @@ void ImageTrainingRun::restore_or_probe() {
   if (!config_.training.micro_batch_size.is_auto) return;
   // micro_batch_size=auto: the largest micro-batch whose forward and backward fit and leave the safety margin
   // (doubling, then bisecting), as for text; images have one size, so any pixels are the worst case.
-  const auto [height, width] = spec_.output_size();
+  const int64_t height = spec_.output_size().first, width = spec_.output_size().second;
   const int64_t batch_size = config_.training.batch_size;
   const int64_t capacity = config_.memory.limit.bytes > 0 ? static_cast<int64_t>(config_.memory.limit.bytes)
                            : device_.is_cpu()           ? 0
@@ -383,7 +426,7 @@ std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohm
   if (on_disk_step_ == step_index_ && fs::exists(final_dir / "COMPLETE")) return final_dir.string();
   const fs::path temp_dir = output_dir_ / (".checkpoint-" + std::to_string(step_index_) + ".tmp");
   fs::remove_all(temp_dir);
-  save_classifier_dir(*model_, spec_, temp_dir);
+  save_trained(temp_dir);
   write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer_->state_tensors(), {});
   const nlohmann::json state = {{"version", kImageCheckpointVersion},
                                 {"task", "image"},
@@ -410,7 +453,7 @@ std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohm
 
 int ImageTrainingRun::finish() {
   checkpoint(loader_->cursor(), policy_->state());
-  if (config_.checkpoint.save_final) save_classifier_dir(*model_, spec_, output_dir_ / "final");
+  if (config_.checkpoint.save_final) save_trained(output_dir_ / "final");
   RunSummary summary;
   summary.steps = step_index_;
   summary.tokens_seen = images_seen_;
@@ -419,6 +462,7 @@ int ImageTrainingRun::finish() {
   summary.adaptations = policy_->adaptations();
   summary.escalations = policy_->escalations();
   if (config_.checkpoint.save_final) summary.model_dir = (output_dir_ / "final").string();
+  summary.model_is_adapter = lora_ != nullptr;
   if (const auto& best = retention_->best()) {
     summary.best_checkpoint = best->path.string();
     summary.best_eval_loss = best->eval_loss;

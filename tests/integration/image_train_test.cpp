@@ -77,6 +77,44 @@ TEST(IntegrationImages, TinyVitTrainsAndReportsAccuracy) {
   fs::remove_all(dir);
 }
 
+// training.linear_probe=true: between two checkpoints only the head's tensors change.
+TEST(IntegrationImages, LinearProbeTrainsOnlyTheHead) {
+  const auto dir = fs::temp_directory_path() / "trainer-images-probe";
+  fs::remove_all(dir);
+  auto run = run_trainer(image_args(dir, {"--set", "training.linear_probe=true", "--set", "training.max_steps=3",
+                                          "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=5", "--set",
+                                          "evaluation.every_steps=0"}));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_TRUE(contains(run.err, "linear probe")) << run.err;
+  const auto a = tensors_of(dir / "checkpoint-1" / "model.safetensors");
+  const auto b = tensors_of(dir / "checkpoint-3" / "model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  int changed = 0;
+  for (const auto& [name, t] : a) {
+    const bool same = at::equal(t, b.at(name));
+    EXPECT_EQ(same, !name.starts_with("classifier.")) << name;
+    changed += !same;
+  }
+  EXPECT_EQ(changed, 2);  // classifier.weight, classifier.bias
+  fs::remove_all(dir);
+}
+
+// inspect and plan know image classifiers: parameters, fixed memory by mode, activations per image, what fits.
+TEST(IntegrationImages, InspectAndPlanDescribeAnImageClassifier) {
+  auto inspect = run_trainer({"inspect", "configs/models/tiny-vit"});
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.err;
+  for (const char* text : {"image classifier", "32 x 32 pixels, 17 tokens per image", "parameters", "head",
+                           "linear probe", "Activations per image"})
+    EXPECT_TRUE(contains(inspect.out, text)) << text << "\n" << inspect.out;
+  auto plan = run_trainer({"plan", "--config", "configs/tiny-vit.json"});
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  for (const char* text : {"full fine-tune", "activations per image", "largest micro-batch"})
+    EXPECT_TRUE(contains(plan.out, text)) << text << "\n" << plan.out;
+  auto probe = run_trainer({"plan", "--config", "configs/tiny-vit.json", "--set", "training.linear_probe=true"});
+  ASSERT_EQ(probe.exit_code, 0) << probe.err;
+  EXPECT_TRUE(contains(probe.out, "linear probe")) << probe.out;
+}
+
 // Six steps at micro-batch 16, once without a limit and once under a CPU budget that fits 8 images per
 // micro-batch but not 16, with regrowth after 2 steps: the micro-batch falls at step 1, grows back and falls again
 // mid-run. Both reach the same weights (fp32, dropout on: masks are keyed by image, not by split; lr 1e-4 keeps

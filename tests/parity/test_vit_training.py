@@ -86,3 +86,39 @@ def test_evaluation_metrics_are_what_transformers_computes(trained):
     assert abs(last["eval_top5"] - top5) < 1e-6
     assert top1 > 0.4, f"top-1 {top1} after training: chance is {1 / len(classes)}"
     assert "top-1" in result.stderr + result.stdout
+
+
+def test_lora_adapter_with_the_head_in_modules_to_save_loads_in_peft(tmp_path, trainer_binary):
+    """lora.enabled=true: adapters on query/value and the head trained in full, saved as a PEFT adapter whose head
+    is in modules_to_save. peft.PeftModel.from_pretrained on transformers' classifier (the saved random base) loads
+    it, and its loss and accuracy on the validation images are the last evaluation's (on the final weights); the
+    adapter changed the base's predictions."""
+    from peft import PeftModel
+    from transformers import ViTForImageClassification, ViTImageProcessor
+    out = tmp_path / "lora"
+    result = subprocess.run([str(trainer_binary), "--config", "configs/tiny-vit.json", "--set",
+                             f"checkpoint.output_dir={out}", "--set", "training.epochs=3", "--set",
+                             "checkpoint.every_steps=0", "--set", "lora.enabled=true", "--set", "lora.r=4",
+                             "--set", "lora.target_modules=[\"query\",\"value\",\"output.dense\"]",
+                             "--set", "optimizer.lr=5e-3"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["classifier"]
+    assert sorted(config["target_modules"]) == ["fc2", "o_proj", "q_proj", "v_proj"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "eval_top1" in r][-1]
+    classes, images, labels = validation_images()
+    processor = ViTImageProcessor.from_pretrained(out / "final")
+    pixels = processor(images, return_tensors="pt")["pixel_values"]
+    base = ViTForImageClassification.from_pretrained(out / "base").eval()
+    with torch.no_grad():
+        base_logits = base(pixel_values=pixels).logits.clone()
+    model = PeftModel.from_pretrained(base, out / "final").eval()
+    with torch.no_grad():
+        logits = model(pixel_values=pixels).logits
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    top1 = (logits.argmax(1) == labels).float().mean().item()
+    assert abs(last["eval_loss"] - loss) < 1e-3, (last, loss)
+    assert abs(last["eval_top1"] - top1) < 1e-6
+    assert not torch.allclose(base_logits, logits, atol=1e-3), "the adapter changed nothing"

@@ -8,11 +8,14 @@
 
 #include "memory/cpu_budget.h"
 #include "memory/policy.h"
+#include "models/image_lora.h"
 #include "models/image_model.h"
 #include "support/paths.h"
+#include "support/temp_dir.h"
 #include "train/checkpointing_runner.h"
 #include "train/image_step.h"
 #include "train/optimizer.h"
+#include "trainer/errors.h"
 
 namespace trainer {
 namespace {
@@ -164,6 +167,51 @@ TEST(ImageTrainStep, LinearProbeTrainsTheHeadAlone) {
   // The probe's gradient equals a full model's head gradient on the same images.
   const auto full = Trainee(8).grads_of(batch);
   for (const auto& [name, grad] : grads) EXPECT_TRUE(at::allclose(grad, full.at(name), 1e-5, 1e-5)) << name;
+}
+
+// LoRA on an image classifier: the adapters start as the identity (B = 0), only they and the head train, and a
+// saved adapter loads back into a fresh model with the same logits.
+TEST(ImageLora, AdaptersAndHeadTrainAndRoundTripThroughTheAdapterFiles) {
+  const auto batch = make_images(8, 4);
+  const at::Tensor pixels = at::from_blob(const_cast<float*>(batch.pixels.data()), {8, 3, 32, 32});
+  Trainee t(8);
+  t.model->train(false);
+  const at::Tensor before = image_logits(*t.model, pixels, c10::kCPU, PrecisionMode::kFp32);
+  LoraConfig config;
+  config.r = 4;
+  config.target_modules = {"query", "value", "intermediate.dense"};
+  auto lora = apply_image_lora(*t.model, config, 1);
+  EXPECT_EQ(lora->layers().size(), 6u);  // 2 layers x 3 targets
+  EXPECT_TRUE(at::allclose(before, image_logits(*t.model, pixels, c10::kCPU, PrecisionMode::kFp32), 1e-6, 1e-6));
+  std::vector<std::string> trainable;
+  lora->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    if (p.requires_grad()) trainable.push_back(name);
+  });
+  EXPECT_EQ(trainable.size(), 6u * 2 + 2);  // A and B per layer, the head's weight and bias
+  t.model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    EXPECT_EQ(p.requires_grad(), name.starts_with("classifier.")) << name;
+  });
+  t.model->train(true);
+  OptimizerConfig adam;
+  adam.lr = 1e-2;
+  auto optimizer = make_optimizer(*lora, adam, 0);
+  ImageTrainStep step(*t.model, *optimizer, *t.policy, ImageStepOptions{});
+  step.run(batch, 1, 1e-2);
+  step.run(batch, 2, 1e-2);
+  t.model->train(false);
+  const at::Tensor after = image_logits(*t.model, pixels, c10::kCPU, PrecisionMode::kFp32);
+  EXPECT_FALSE(at::allclose(before, after, 1e-4, 1e-4));
+
+  test::TempDir dir;
+  write_image_adapter(dir.path().string(), *lora, *t.model, "base");
+  Trainee fresh(8);
+  auto loaded = apply_image_lora(*fresh.model, config, 99);
+  load_image_adapter(dir.path().string(), *loaded, *fresh.model);
+  fresh.model->train(false);
+  EXPECT_TRUE(at::allclose(after, image_logits(*fresh.model, pixels, c10::kCPU, PrecisionMode::kFp32), 1e-6, 1e-6));
+  LoraConfig wrong;
+  wrong.target_modules = {"nonexistent"};
+  EXPECT_THROW(apply_image_lora(*Trainee(8).model, wrong, 0), UsageError);
 }
 
 }  // namespace trainer
