@@ -21,7 +21,9 @@ double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tens
   at::Tensor loss_sum;
   {
     AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
-    const at::Tensor input = pixels.to(options_.device);
+    // bf16 weights (precision.mode=bf16) take bf16 pixels; autocast handles bf16-mixed.
+    const at::Tensor input =
+        pixels.to(options_.device, options_.precision == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat);
     at::Tensor logits;
     if (options_.linear_probe) {
       at::Tensor features;
@@ -120,7 +122,8 @@ at::Tensor image_logits(ImageClassifier& model, const at::Tensor& pixels, const 
                         PrecisionMode precision) {
   at::NoGradGuard no_grad;
   AutocastScope autocast(precision == PrecisionMode::kBf16Mixed, device.type());
-  return model.forward(pixels.to(device)).to(at::kFloat);
+  return model.forward(pixels.to(device, precision == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat))
+      .to(at::kFloat);
 }
 
 }  // namespace trainer

@@ -53,7 +53,7 @@ class ImageTrainStep {
   ImageStepOptions options_;
 };
 
-// Logits of host pixels (B, 3, H, W) without autograd, in micro-batches of `micro` (for evaluation and tests).
+// Logits (fp32) of host pixels (B, 3, H, W) without autograd, on `device` (for evaluation and tests).
 at::Tensor image_logits(ImageClassifier& model, const at::Tensor& pixels, const c10::Device& device,
                         PrecisionMode precision);
 
