@@ -77,6 +77,39 @@ TEST(IntegrationImages, TinyVitTrainsAndReportsAccuracy) {
   fs::remove_all(dir);
 }
 
+// A bad image in the training data stops with `file: what` (exit 3), or with data.on_bad_record=skip is counted,
+// named in the summary, and left out.
+TEST(IntegrationImages, BadImagesStopOrAreSkippedAndCounted) {
+  const auto dir = fs::temp_directory_path() / "trainer-images-bad";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "bad.jpg") << "not an image";
+  {
+    std::ofstream listing(dir / "train.jsonl");
+    const std::string root = std::string(TRAINER_SOURCE_DIR) + "/data/demo/images/";
+    std::ifstream demo(root + "train.jsonl");
+    for (std::string line; std::getline(demo, line);) {
+      auto record = nlohmann::json::parse(line);
+      record["image"] = root + record["image"].get<std::string>();
+      listing << record.dump() << "\n";
+    }
+    listing << nlohmann::json{{"image", "bad.jpg"}, {"label", "circle-red"}}.dump() << "\n";
+  }
+  const std::vector<std::string> common = {"--set", "data.train_files=[\"" + (dir / "train.jsonl").string() + "\"]",
+                                           "--set", "data.shuffle=false", "--set", "training.epochs=1",
+                                           "--set", "evaluation.every_steps=0"};
+  auto stop = run_trainer(image_args(dir / "run-error", common));
+  EXPECT_EQ(stop.exit_code, 3) << stop.err;
+  EXPECT_TRUE(contains(stop.err, (dir / "bad.jpg").string() + ": not a JPEG, PNG or WebP image")) << stop.err;
+  auto with_skip = common;
+  with_skip.insert(with_skip.end(), {"--set", "data.on_bad_record=skip"});
+  auto skip = run_trainer(image_args(dir / "run-skip", with_skip));
+  ASSERT_EQ(skip.exit_code, 0) << skip.err;
+  EXPECT_TRUE(contains(skip.out, "bad records skipped 1")) << skip.out;
+  EXPECT_TRUE(contains(skip.out, "bad.jpg: not a JPEG")) << skip.out;
+  fs::remove_all(dir);
+}
+
 // training.linear_probe=true: between two checkpoints only the head's tensors change.
 TEST(IntegrationImages, LinearProbeTrainsOnlyTheHead) {
   const auto dir = fs::temp_directory_path() / "trainer-images-probe";
