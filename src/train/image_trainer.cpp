@@ -24,6 +24,7 @@
 #include "train/checkpointing_runner.h"
 #include "train/image_step.h"
 #include "train/optimizer.h"
+#include "train/resume_check.h"
 #include "train/retention.h"
 #include "train/signals.h"
 #include "trainer/errors.h"
@@ -202,6 +203,8 @@ void ImageTrainingRun::set_up() {
     if (resume_state_.value("version", 0) != kImageCheckpointVersion || resume_state_.value("task", "") != "image")
       throw DataError(resume_dir_->string() + " is not an image-classification checkpoint of this trainer",
                       "resume from a checkpoint this image run wrote");
+    // The settings that would make it another run are refused (unless --allow-config-change), as for text.
+    check_resume_config(resume_state_.at("config"), config_, resume_dir_->string(), options_.allow_config_change);
   }
   build_model();
   loader_ = make_image_train_loader(config_, dataset_, spec_);

@@ -214,6 +214,13 @@ TEST(IntegrationImages, ResumeContinuesExactly) {
   ASSERT_EQ(a.size(), 12u);
   ASSERT_EQ(b.size(), 6u);
   for (std::size_t i = 0; i < 6; ++i) EXPECT_EQ(a[6 + i], b[i]) << "loss of step " << 7 + i;
+  // A setting that would make it another run (the shuffle order and augmentation come from the seed) is refused.
+  auto other = image_args(fs::temp_directory_path() / "trainer-images-other-seed", common);
+  other.insert(other.end(), {"--set", "training.seed=2", "--resume-from", (straight / "checkpoint-6").string()});
+  auto refused = run_trainer(other);
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "training.seed")) << refused.err;
+  fs::remove_all(fs::temp_directory_path() / "trainer-images-other-seed");
   fs::remove_all(straight);
   fs::remove_all(resumed);
 }
