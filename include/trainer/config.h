@@ -178,6 +178,7 @@ struct DataConfig {
   bool shuffle = true;
   bool group_by_length = false;
   bool packing = false;
+  bool augment = false;
   std::int64_t num_workers = 2;
 
   template <class V>
@@ -200,7 +201,10 @@ struct DataConfig {
     v("packing", packing,
       "training packs several examples into each row up to the maximum lengths (attention and positions stay per "
       "example, the same weights as padded rows; the micro-batch counts rows); docs/packing.md");
-    v("num_workers", num_workers, "tokenizer worker threads");
+    v("augment", augment,
+      "images: random resized crop and horizontal flip of training images, seeded by (training.seed, epoch, index); "
+      "docs/images.md");
+    v("num_workers", num_workers, "tokenizer (images: decoding) worker threads");
   }
   bool operator==(const DataConfig&) const = default;
 };
@@ -223,6 +227,7 @@ struct TrainingConfig {
   bool activation_checkpointing = false;
   bool chunked_loss = false;
   std::int64_t loss_chunk_size = 1024;
+  bool linear_probe = false;
 
   template <class V>
   void visit(V& v) {
@@ -244,6 +249,8 @@ struct TrainingConfig {
     v("loss_chunk_size", loss_chunk_size,
       "trained tokens per chunk of the chunked loss (memory: chunk x vocabulary fp32 logits); the "
       "smaller_loss_chunks escalation halves it down to 128");
+    v("linear_probe", linear_probe,
+      "image classifiers: train only the classification head, the backbone frozen (docs/images.md)");
   }
   bool operator==(const TrainingConfig&) const = default;
 };

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <exception>
@@ -14,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/permutation.h"
 #include "trainer/errors.h"
 
 namespace trainer::data {
@@ -183,8 +185,77 @@ ImageDataset open_image_dataset(const std::vector<std::string>& sources, const s
   return out;
 }
 
+namespace {
+
+// Uniform in [0, 1) from the top 53 bits of a counter-based draw.
+double uniform01(std::uint64_t bits) { return static_cast<double>(bits >> 11) * 0x1.0p-53; }
+
+}  // namespace
+
+AugmentDraw draw_augment(const ImageAugment& augment, std::size_t index, int image_width, int image_height) {
+  constexpr std::uint64_t kAugmentSalt = 0xA0C5E11D2B7F4A93ull;
+  const std::uint64_t key = mix_seed(augment.seed ^ kAugmentSalt, static_cast<std::uint64_t>(augment.epoch), index);
+  std::uint64_t counter = 0;
+  auto next = [&] { return mix64(key + 0x9E3779B97F4A7C15ull * ++counter); };
+  AugmentDraw draw;
+  const double area = static_cast<double>(image_width) * image_height;
+  const double log_low = std::log(3.0 / 4.0), log_high = std::log(4.0 / 3.0);
+  bool found = false;
+  for (int attempt = 0; attempt < 10 && !found; ++attempt) {
+    const double target = area * (0.08 + (1.0 - 0.08) * uniform01(next()));
+    const double ratio = std::exp(log_low + (log_high - log_low) * uniform01(next()));
+    const int w = static_cast<int>(std::lround(std::sqrt(target * ratio)));
+    const int h = static_cast<int>(std::lround(std::sqrt(target / ratio)));
+    if (w > 0 && h > 0 && w <= image_width && h <= image_height) {
+      draw.width = w;
+      draw.height = h;
+      draw.top = static_cast<int>(next() % static_cast<std::uint64_t>(image_height - h + 1));
+      draw.left = static_cast<int>(next() % static_cast<std::uint64_t>(image_width - w + 1));
+      found = true;
+    }
+  }
+  if (!found) {  // torchvision's fallback: the whole image, cut to the nearest allowed aspect ratio, centred
+    const double in_ratio = static_cast<double>(image_width) / image_height;
+    draw.width = image_width;
+    draw.height = image_height;
+    if (in_ratio < 3.0 / 4.0) draw.height = static_cast<int>(std::lround(image_width / (3.0 / 4.0)));
+    else if (in_ratio > 4.0 / 3.0) draw.width = static_cast<int>(std::lround(image_height * (4.0 / 3.0)));
+    draw.width = std::clamp(draw.width, 1, image_width);
+    draw.height = std::clamp(draw.height, 1, image_height);
+    draw.top = (image_height - draw.height) / 2;
+    draw.left = (image_width - draw.width) / 2;
+  }
+  draw.flip = (next() >> 63) != 0;
+  return draw;
+}
+
+void augment_image(const RgbImage& image, const ImageProcessorSpec& spec, const AugmentDraw& draw, float* out) {
+  RgbImage crop;
+  crop.width = draw.width;
+  crop.height = draw.height;
+  crop.rgb.resize(static_cast<std::size_t>(draw.width) * draw.height * 3);
+  for (int y = 0; y < draw.height; ++y)
+    for (int x = 0; x < draw.width; ++x) {
+      const int sx = draw.flip ? draw.left + draw.width - 1 - x : draw.left + x;
+      const std::uint8_t* src = &image.rgb[(static_cast<std::size_t>(draw.top + y) * image.width + sx) * 3];
+      std::uint8_t* dst = &crop.rgb[(static_cast<std::size_t>(y) * draw.width + x) * 3];
+      dst[0] = src[0];
+      dst[1] = src[1];
+      dst[2] = src[2];
+    }
+  // The crop is resized straight to the output size (no second crop), then rescaled and normalised as usual.
+  ImageProcessorSpec direct = spec;
+  const auto [height, width] = spec.output_size();
+  direct.do_resize = true;
+  direct.shortest_edge = 0;
+  direct.resize_height = height;
+  direct.resize_width = width;
+  direct.do_center_crop = false;
+  preprocess_image(crop, direct, out);
+}
+
 DecodedImages decode_images(const ImageDataset& dataset, const std::vector<std::size_t>& indices,
-                            const ImageProcessorSpec& spec, int threads, bool skip_bad) {
+                            const ImageProcessorSpec& spec, int threads, bool skip_bad, const ImageAugment* augment) {
   const auto [height, width] = spec.output_size();
   const std::size_t plane = static_cast<std::size_t>(3) * height * width;
   std::vector<float> pixels(indices.size() * plane);
@@ -196,7 +267,11 @@ DecodedImages decode_images(const ImageDataset& dataset, const std::vector<std::
       const ImageRecord& record = dataset.records.at(indices[i]);
       try {
         const RgbImage image = load_image_file(record.path);
-        preprocess_image(image, spec, pixels.data() + i * plane);
+        if (augment)
+          augment_image(image, spec, draw_augment(*augment, indices[i], image.width, image.height),
+                        pixels.data() + i * plane);
+        else
+          preprocess_image(image, spec, pixels.data() + i * plane);
       } catch (const DataError& e) {
         problems[i] = e.what();
         errors[i] = std::current_exception();

@@ -46,10 +46,31 @@ struct DecodedImages {
   std::vector<std::string> problems;  // "file: what", one per skipped image
 };
 
+// Training augmentation (data.augment): a random resized crop (torchvision's RandomResizedCrop: 8%-100% of the
+// area, aspect ratio 3/4-4/3, 10 tries, then the largest centred crop within those ratios) resized to the spec's
+// output size with its resampling filter, and a horizontal flip with probability 1/2. Every choice is drawn from
+// (seed, epoch, record index) alone, so the thread, the batch split and a resume never change an image.
+struct ImageAugment {
+  std::uint64_t seed = 0;
+  std::int64_t epoch = 0;
+};
+
+// The crop window (left, top, width, height) and flip of record `index` (exposed for tests).
+struct AugmentDraw {
+  int left = 0, top = 0, width = 0, height = 0;
+  bool flip = false;
+};
+AugmentDraw draw_augment(const ImageAugment& augment, std::size_t index, int image_width, int image_height);
+
+// Preprocesses one image with augmentation: crop, flip, resize to spec.output_size(), rescale, normalise.
+void augment_image(const RgbImage& image, const ImageProcessorSpec& spec, const AugmentDraw& draw, float* out);
+
 // Decodes and preprocesses records `indices` of `dataset` on `threads` worker threads (each image independent,
 // results in index order whatever the thread count). A bad image throws its DataError (the first in index order),
-// or with skip_bad is left out and described in `problems`.
+// or with skip_bad is left out and described in `problems`. With `augment`, training augmentation replaces the
+// spec's resize and crop (ImageAugment).
 DecodedImages decode_images(const ImageDataset& dataset, const std::vector<std::size_t>& indices,
-                            const ImageProcessorSpec& spec, int threads, bool skip_bad);
+                            const ImageProcessorSpec& spec, int threads, bool skip_bad,
+                            const ImageAugment* augment = nullptr);
 
 }  // namespace trainer::data

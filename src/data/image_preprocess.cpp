@@ -205,6 +205,23 @@ ImageProcessorSpec default_image_processor(const std::string& type) {
   return spec;
 }
 
+std::string image_processor_json(const ImageProcessorSpec& spec) {
+  nlohmann::json j;
+  j["image_processor_type"] = spec.type;
+  j["do_resize"] = spec.do_resize;
+  if (spec.shortest_edge > 0) j["size"] = {{"shortest_edge", spec.shortest_edge}};
+  else j["size"] = {{"height", spec.resize_height}, {"width", spec.resize_width}};
+  j["resample"] = static_cast<int>(spec.resample);
+  j["do_center_crop"] = spec.do_center_crop;
+  if (spec.do_center_crop) j["crop_size"] = {{"height", spec.crop_height}, {"width", spec.crop_width}};
+  j["do_rescale"] = spec.do_rescale;
+  j["rescale_factor"] = spec.rescale_factor;
+  j["do_normalize"] = spec.do_normalize;
+  j["image_mean"] = spec.image_mean;
+  j["image_std"] = spec.image_std;
+  return j.dump(2) + "\n";
+}
+
 ImageProcessorSpec read_image_processor(const std::string& model_dir, const std::string& fallback_type) {
   const std::string file = (std::filesystem::path(model_dir) / "preprocessor_config.json").string();
   std::ifstream in(file);

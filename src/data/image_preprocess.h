@@ -39,6 +39,8 @@ struct ImageProcessorSpec {
 // ("ViTImageProcessor" or "CLIPImageProcessor"). Throws DataError naming the file and key for bad values.
 ImageProcessorSpec read_image_processor(const std::string& model_dir,
                                         const std::string& fallback_type = "ViTImageProcessor");
+// preprocessor_config.json for `spec` (what read_image_processor reads back), as transformers writes it.
+std::string image_processor_json(const ImageProcessorSpec& spec);
 // The defaults transformers' processor class of that name has.
 ImageProcessorSpec default_image_processor(const std::string& type);
 

@@ -65,7 +65,10 @@ std::vector<ScalarName> scalar_names() {
           {"memory_peak", "memory/peak_bytes"},
           {"eval_loss", "eval/loss"},
           {"eval_perplexity", "eval/perplexity"},
-          {"eval_tokens", "eval/tokens"}};
+          {"eval_tokens", "eval/tokens"},
+          {"eval_top1", "eval/top1"},
+          {"eval_top5", "eval/top5"},
+          {"eval_images", "eval/images"}};
 }
 
 std::string format_summary(const RunSummary& s) {
@@ -197,6 +200,13 @@ void Reporter::on_eval(int64_t step, double loss, int64_t tokens) {
   eval_loss_ = loss;
   spdlog::info("eval step {}: loss {:.4f} perplexity {:.2f} ({} tokens)", step, loss, std::exp(loss), tokens);
   write_metrics({{"step", step}, {"eval_loss", loss}, {"eval_perplexity", std::exp(loss)}, {"eval_tokens", tokens}});
+}
+
+void Reporter::on_eval_accuracy(int64_t step, double loss, double top1, double top5, int64_t images) {
+  eval_loss_ = loss;
+  spdlog::info("eval step {}: loss {:.4f} top-1 {:.2f}% top-5 {:.2f}% ({} images)", step, loss, 100 * top1,
+               100 * top5, images);
+  write_metrics({{"step", step}, {"eval_loss", loss}, {"eval_top1", top1}, {"eval_top5", top5}, {"eval_images", images}});
 }
 
 void Reporter::on_sample(int64_t step, std::size_t index, const std::string& prompt, const std::string& generation) {

@@ -100,6 +100,8 @@ class Reporter {
   void on_start(const RunStart& start);
   void on_step(const StepMetrics& metrics);
   void on_eval(int64_t step, double loss, int64_t tokens);
+  // Image classification: mean cross-entropy per image, top-1 and top-5 accuracy over `images`.
+  void on_eval_accuracy(int64_t step, double loss, double top1, double top5, int64_t images);
   void on_sample(int64_t step, std::size_t index, const std::string& prompt, const std::string& generation);
   void on_checkpoint(int64_t step, const std::string& path);
   // A SIGINT or SIGTERM stopped the run after `step` with a checkpoint in `path`.

@@ -12,6 +12,7 @@
 #include "memory/planner.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <iomanip>
 #include <set>
 #include <ostream>
@@ -24,6 +25,8 @@
 
 #include "memory/cpu_budget.h"
 #include "models/hf_config.h"
+#include "models/image_model.h"
+#include "models/inspect.h"
 #include "models/lora.h"
 #include "models/model.h"
 #include "train/optimizer.h"
@@ -457,6 +460,26 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
     source = "CPU without memory.limit; this machine has " +
              human_bytes(static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE))) +
              " of RAM";
+  }
+  if (const std::string path = config.model.path + "/config.json"; std::filesystem::exists(path) &&
+                                                                     is_image_model_config(read_json_file(path))) {
+    // An image classifier: fixed memory of the mode, activations per image at its size, what fits.
+    const auto e = estimate_image_memory(config.model.path);
+    const bool probe = config.training.linear_probe;
+    const double fixed = probe ? e.probe_fixed : e.full_fixed;
+    const double per_image = probe ? 0.0 : e.activations_per_image;
+    out << "model " << config.model.path << " on " << resolved.description << " (image classifier, " << e.image_size
+        << " x " << e.image_size << " pixels, " << e.tokens << " tokens per image)\n";
+    out << "  mode                      " << (probe ? "linear probe (backbone frozen)" : "full fine-tune") << "\n";
+    out << "  weights + grads + AdamW   " << human_bytes(fixed) << "\n";
+    out << "  activations per image     " << human_bytes(per_image) << " (fp32 estimate)\n";
+    out << "  memory                    " << (capacity > 0 ? human_bytes(capacity) : std::string("no limit")) << " ("
+        << source << ")\n";
+    if (capacity > 0 && per_image > 0)
+      out << "  largest micro-batch       about "
+          << std::max<int64_t>(0, static_cast<int64_t>((capacity - fixed) / per_image)) << " images (the run "
+          << "measures it with training.micro_batch_size=auto)\n";
+    return kExitOk;
   }
   inspect_model_dir(config.model.path, /*need_weights=*/false);  // a clear error for a wrong model.path
   const auto hf_config = read_json_file(config.model.path + "/config.json");

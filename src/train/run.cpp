@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -19,6 +20,8 @@
 #include "trainer/version.h"
 #include "train/run_lock.h"
 #include "train/trainer.h"
+#include "train/image_trainer.h"
+#include "models/image_model.h"
 
 namespace trainer {
 namespace {
@@ -60,6 +63,42 @@ DeviceConfig prepare_rank(const Config& config, const distributed::Environment& 
 // The keys that may differ between ranks: what one machine has (its memory, its device).
 const std::vector<std::string> kPerRankKeys = {"memory.limit", "device.*"};
 
+// An image classifier's run (train/image_trainer.h): its own plan lines, then the image training loop.
+int run_image_train(const Config& config, const TrainOptions& options, std::ostream& out,
+                    const std::string& allocator_conf) {
+  const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
+  const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
+  std::optional<RunLock> lock;
+  if (!options.dry_run) lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
+  const auto device = resolve_device(config.device);
+  const auto& t = config.training;
+  out << "Plan:\n";
+  out << "  model        " << config.model.path << " (image classifier; "
+      << (config.model.init == ModelInit::kRandom ? "random initialisation from config.json" : "pretrained weights")
+      << "; " << (t.linear_probe ? "linear probe: only the head trains" : "full fine-tune") << ")\n";
+  out << "  data         " << train_files.size() << " training source(s), " << validation_files.size()
+      << " validation source(s) (image folders or JSONL listings)" << (config.data.augment ? "; augmented" : "")
+      << "\n";
+  out << "  device       " << device.description << "; accelerators built in: " << accelerator_summary() << "\n";
+  out << "  batch        " << t.batch_size << " images per optimizer step; "
+      << (t.micro_batch_size.is_auto ? std::string("micro-batch auto (probed against memory)")
+                                     : "micro-batch " + std::to_string(t.micro_batch_size.value))
+      << "\n";
+  out << "  length       "
+      << (t.max_steps > 0 ? std::to_string(t.max_steps) + " optimizer steps" : std::to_string(t.epochs) + " epoch(s)")
+      << "\n";
+  out << "  memory       "
+      << (config.memory.limit.bytes ? "limit " + format_byte_size(config.memory.limit) : std::string("no limit"))
+      << ", on out-of-memory: " << enum_name(config.memory.on_oom)
+      << (allocator_conf.empty() ? "" : "; " + allocator_conf) << "\n";
+  out << "  output       " << config.checkpoint.output_dir << "\n\n";
+  if (options.dry_run) {
+    out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
+    return kExitOk;
+  }
+  return train_image_classifier(config, device, options, out);
+}
+
 }  // namespace
 
 int run_train(const Config& config, const TrainOptions& options, std::ostream& stdout_stream) {
@@ -73,6 +112,13 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
       << format_config_table(config, options.config_file, options.overrides) << "\n";
 
   const std::string allocator_conf = export_allocator_conf(config.memory);
+  if (const auto config_json = std::filesystem::path(config.model.path) / "config.json";
+      std::filesystem::exists(config_json) && is_image_model_config(read_json_file(config_json.string()))) {
+    if (environment)
+      throw UsageError("data parallelism is not implemented for image classifiers yet",
+                       "run one process (without torchrun / trainer launch)");
+    return run_image_train(config, options, out, allocator_conf);
+  }
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");

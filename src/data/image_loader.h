@@ -1,0 +1,72 @@
+// The image-classification loader: the training (or validation) records in a seeded order per epoch, grouped into
+// effective batches of training.batch_size images, decoded and preprocessed (augmented for training with
+// data.augment) on data.num_workers threads. Its position is the same LoaderCursor the text loader has, so a
+// resume continues with the next unseen image and the same augmentation.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "data/image_dataset.h"
+#include "data/image_preprocess.h"
+#include "trainer/config.h"
+#include "trainer/data.h"
+
+namespace trainer {
+
+// One effective batch of images: kept.size() x 3 x H x W float32 pixels (channel-first), a label per image, and
+// per image its index in the epoch's order (what its dropout masks and augmentation are keyed by does not change
+// with the split).
+struct ImageBatch {
+  std::vector<float> pixels;
+  std::vector<int64_t> labels;
+  int64_t height = 0, width = 0;
+  int64_t epoch = 0;
+  int64_t size() const { return static_cast<int64_t>(labels.size()); }
+};
+
+struct ImageLoaderOptions {
+  int64_t batch_size = 1;
+  bool shuffle = false;
+  int64_t epochs = 1;  // < 0: without end
+  int workers = 0;
+  uint64_t seed = 0;
+  bool skip_bad = false;
+  bool augment = false;
+};
+
+class ImageLoader {
+ public:
+  ImageLoader(std::shared_ptr<const data::ImageDataset> dataset, data::ImageProcessorSpec spec,
+              ImageLoaderOptions options);
+  // The next effective batch (images that fail to decode are counted and left out with skip_bad); nothing when
+  // the configured epochs are done.
+  std::optional<ImageBatch> next();
+  LoaderCursor cursor() const { return cursor_; }
+  void restore(const LoaderCursor& cursor) { cursor_ = cursor; }
+  DataStats stats() const { return stats_; }
+  uint64_t examples_per_epoch() const { return dataset_->records.size(); }
+  const data::ImageDataset& dataset() const { return *dataset_; }
+
+ private:
+  std::shared_ptr<const data::ImageDataset> dataset_;
+  data::ImageProcessorSpec spec_;
+  ImageLoaderOptions options_;
+  LoaderCursor cursor_;
+  DataStats stats_;
+};
+
+// Training and validation images of the config (data.train_files / validation_files: image folders or JSONL
+// listings). The classes come from `classes` (a pretrained classifier's labels) or from the training data.
+std::shared_ptr<const data::ImageDataset> open_training_images(const Config& config,
+                                                               const std::vector<std::string>& classes);
+std::unique_ptr<ImageLoader> make_image_train_loader(const Config& config,
+                                                     std::shared_ptr<const data::ImageDataset> dataset,
+                                                     const data::ImageProcessorSpec& spec);
+// One pass in file order, no augmentation; nothing when data.validation_files is empty.
+std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, const std::vector<std::string>& classes,
+                                                          const data::ImageProcessorSpec& spec, int64_t batch_size);
+
+}  // namespace trainer

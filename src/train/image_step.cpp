@@ -1,0 +1,129 @@
+// The memory-adaptive image-classification step (see image_step.h).
+#include "train/image_step.h"
+
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <spdlog/spdlog.h>
+
+#include "models/dropout.h"
+#include "train/checkpointing_runner.h"
+#include "train/precision.h"
+
+namespace trainer {
+
+double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tensor& labels, int64_t first_image,
+                                        int64_t step, double normaliser) {
+  const int64_t count = labels.size(0);
+  const DropoutScope dropout(options_.seed, step, first_image, count, options_.device);
+  at::Tensor loss_sum;
+  {
+    AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
+    // bf16 weights (precision.mode=bf16) take bf16 pixels; autocast handles bf16-mixed.
+    const at::Tensor input =
+        pixels.to(options_.device, options_.precision == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat);
+    at::Tensor logits;
+    if (options_.linear_probe) {
+      at::Tensor features;
+      {
+        at::NoGradGuard no_grad;  // the frozen backbone keeps no activations
+        features = model_.features(input);
+      }
+      logits = model_.head(features);
+    } else {
+      logits = model_.forward(input);
+    }
+    loss_sum = at::cross_entropy_loss(logits.to(at::kFloat), labels.to(options_.device), {}, at::Reduction::Sum);
+  }
+  (loss_sum / normaliser).backward();
+  return loss_sum.item<double>();
+}
+
+bool ImageTrainStep::escalate(int64_t step) {
+  // Only activation checkpointing applies to a classifier (its loss is over a handful of classes: nothing to chunk).
+  for (std::string escalation = policy_.next_escalation(step); !escalation.empty();
+       escalation = policy_.next_escalation(step)) {
+    if (escalation == "activation_checkpointing" && !model_.has_block_runner() && !options_.linear_probe) {
+      model_.set_block_runner(activation_checkpointing_runner());
+      return true;
+    }
+  }
+  return false;
+}
+
+StepResult ImageTrainStep::run(const ImageBatch& batch, int64_t step, double lr) {
+  const int64_t images = batch.size();
+  const at::Tensor pixels =
+      at::from_blob(const_cast<float*>(batch.pixels.data()), {images, 3, batch.height, batch.width}, at::kFloat);
+  const at::Tensor labels = at::from_blob(const_cast<int64_t*>(batch.labels.data()), {images}, at::kLong);
+  const double normaliser = static_cast<double>(std::max<int64_t>(1, images));
+  StepResult result;
+  bool optimizer_retried = false;
+  for (int64_t attempt = 0;; ++attempt) {
+    optimizer_.zero_grad();
+    double loss_sum = 0;
+    std::vector<std::pair<int64_t, int64_t>> parts;
+    std::optional<std::string> out_of_memory;
+    try {
+      parts = split_counts(images, policy_.micro_batch());
+      for (const auto& [begin, count] : parts)
+        loss_sum += forward_backward(pixels.narrow(0, begin, count), labels.narrow(0, begin, count), begin, step,
+                                     normaliser);
+    } catch (const c10::OutOfMemoryError& e) {
+      out_of_memory = e.what_without_backtrace();
+    }
+    int64_t largest = 0;
+    for (const auto& part : parts) largest = std::max(largest, part.second);
+    if (out_of_memory) {
+      optimizer_.zero_grad();
+      release_cached_memory();
+      spdlog::debug("out of memory in forward/backward: {}", *out_of_memory);
+      if (attempt + 1 > options_.max_retries)
+        throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
+                                     std::to_string(attempt + 1) + " attempts (memory.max_retries)",
+                                 "raise memory.max_retries or memory.limit");
+      if (policy_.shrink(step, "forward/backward", largest <= 1)) continue;
+      if (escalate(step)) continue;
+      throw OutOfMemoryAtFloor("out of memory in forward/backward at step " + std::to_string(step) +
+                                   " with micro-batch " + std::to_string(policy_.micro_batch()) +
+                                   " and every escalation used: " + out_of_memory->substr(0, 300),
+                               "a smaller image size, training.activation_checkpointing=true, "
+                               "training.linear_probe=true or lora.enabled=true, or a larger memory.limit");
+    }
+    try {
+      result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
+      optimizer_.step(lr);
+    } catch (const c10::OutOfMemoryError& e) {
+      optimizer_.zero_grad();
+      release_cached_memory();
+      if (!optimizer_retried) {
+        optimizer_retried = true;
+        spdlog::warn("memory: step {}: out of memory in the optimizer step; retrying once at micro-batch {}", step,
+                     policy_.micro_batch());
+        continue;
+      }
+      throw OutOfMemoryAtFloor("out of memory in the optimizer step at step " + std::to_string(step) +
+                                   ": the weights, their gradients and the optimizer state do not fit together",
+                               "");
+    }
+    result.loss = loss_sum / normaliser;
+    result.micro_batch = largest;
+    result.micro_steps = static_cast<int64_t>(parts.size());
+    result.retries = attempt;
+    result.target_tokens = images;
+    policy_.step_succeeded(step, images);
+    return result;
+  }
+}
+
+at::Tensor image_logits(ImageClassifier& model, const at::Tensor& pixels, const c10::Device& device,
+                        PrecisionMode precision) {
+  at::NoGradGuard no_grad;
+  AutocastScope autocast(precision == PrecisionMode::kBf16Mixed, device.type());
+  return model.forward(pixels.to(device, precision == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat))
+      .to(at::kFloat);
+}
+
+}  // namespace trainer

@@ -1,0 +1,60 @@
+// The memory-adaptive training step for image classification: one effective batch of images, split into
+// micro-batches by the memory policy, cross-entropy summed per micro-batch and normalised by the effective batch's
+// image count (so any split gives the same gradient), then clipping and the optimizer update. On
+// c10::OutOfMemoryError the attempt's gradients are dropped, the policy shrinks (at the floor: activation
+// checkpointing), and the same effective batch runs again: the step a run without the error would have taken.
+// Dropout masks are keyed by (seed, step, the image's index in the effective batch), as for text (dropout.h).
+#pragma once
+
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "data/image_loader.h"
+#include "memory/policy.h"
+#include "models/image_model.h"
+#include "train/optimizer.h"
+#include "train/step.h"
+#include "trainer/config.h"
+
+namespace trainer {
+
+struct ImageStepOptions {
+  c10::Device device{c10::kCPU};
+  PrecisionMode precision = PrecisionMode::kFp32;
+  double max_grad_norm = 1.0;
+  int64_t max_retries = 8;
+  uint64_t seed = 0;
+  bool linear_probe = false;  // the backbone is frozen: features run without autograd, only the head trains
+};
+
+class ImageTrainStep {
+ public:
+  ImageTrainStep(ImageClassifier& model, Optimizer& optimizer, MemoryPolicy& policy, ImageStepOptions options)
+      : model_(model), optimizer_(optimizer), policy_(policy), options_(options) {}
+
+  // StepResult::target_tokens counts the images of the step; loss is the mean cross-entropy per image.
+  StepResult run(const ImageBatch& batch, int64_t step, double lr);
+
+  // The summed cross-entropy of `labels.size(0)` images whose pixels (B, 3, H, W) are on the host, images
+  // first_image.. of the effective batch, with gradients scaled by 1/normaliser accumulated into the parameters.
+  double forward_backward(const at::Tensor& pixels, const at::Tensor& labels, int64_t first_image, int64_t step,
+                          double normaliser);
+
+  void set_device(const c10::Device& device) { options_.device = device; }
+
+ private:
+  bool escalate(int64_t step);
+
+  ImageClassifier& model_;
+  Optimizer& optimizer_;
+  MemoryPolicy& policy_;
+  ImageStepOptions options_;
+};
+
+// Logits (fp32) of host pixels (B, 3, H, W) without autograd, on `device` (for evaluation and tests).
+at::Tensor image_logits(ImageClassifier& model, const at::Tensor& pixels, const c10::Device& device,
+                        PrecisionMode precision);
+
+}  // namespace trainer
