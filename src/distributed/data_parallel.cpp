@@ -56,17 +56,41 @@ StepSync::Outcome DataParallel::agree(bool fit, int64_t largest_part) {
   return outcome;
 }
 
+void DataParallel::prepare() {
+  at::NoGradGuard no_grad;
+  // A rank whose share left a parameter unused (or that had no examples) contributes zeros.
+  for (auto& p : parameters_)
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+}
+
 double DataParallel::reduce(double loss_sum) {
   at::NoGradGuard no_grad;
+  prepare();
   std::vector<at::Tensor> grads;
   grads.reserve(parameters_.size());
-  for (auto& p : parameters_) {
-    // A rank whose share left a parameter unused (or that had no examples) contributes zeros.
-    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-    grads.push_back(p.grad());
+  for (auto& p : parameters_) grads.push_back(p.grad());
+  if (owners_.empty()) {
+    communicator_.all_reduce_sum(grads, bucket_bytes_);
+  } else {
+    // ZeRO-1: each parameter's sum goes to its owner alone (a c10d reduce per bucket of one owner's gradients:
+    // whole parameters make this the natural collective; Gloo's reduce_scatter would need equal flat ranges).
+    // The other ranks free that gradient: neither their norm nor their update reads it.
+    communicator_.reduce_sum_to(grads, owners_, bucket_bytes_);
+    for (std::size_t i = 0; i < parameters_.size(); ++i)
+      if (owners_[i] != communicator_.rank()) parameters_[i].mutable_grad() = at::Tensor();
   }
-  communicator_.all_reduce_sum(grads, bucket_bytes_);
   return communicator_.all_reduce_sum(loss_sum);
+}
+
+double DataParallel::global_squared_norm(double local) {
+  // Unsharded, every rank holds every summed gradient; sharded, each holds its own parameters' ones.
+  return owners_.empty() ? local : communicator_.all_reduce_sum(local);
+}
+
+void DataParallel::after_update() {
+  if (owners_.empty()) return;
+  at::NoGradGuard no_grad;
+  communicator_.broadcast_from(parameters_, owners_, bucket_bytes_);
 }
 
 }  // namespace trainer::distributed

@@ -207,6 +207,72 @@ void Communicator::all_reduce_sum(const std::vector<at::Tensor>& tensors, int64_
   });
 }
 
+namespace {
+
+// Runs `collective(bucket, root)` over buckets of `tensors`: those with one root and dtype, in order, up to
+// `bucket_bytes` each (a larger tensor alone). A lone contiguous tensor goes as it is; several are flattened into
+// one buffer and copied back after (a broadcast's and a reduce's result both land in the buffer).
+template <class Collective>
+void by_root_buckets(const std::vector<at::Tensor>& tensors, const std::vector<int>& roots, int64_t bucket_bytes,
+                     int world, Collective&& collective) {
+  for (int root = 0; root < world; ++root) {
+    std::vector<std::size_t> mine;
+    for (std::size_t i = 0; i < tensors.size(); ++i)
+      if (roots[i] == root) mine.push_back(i);
+    std::size_t begin = 0;
+    while (begin < mine.size()) {
+      std::size_t end = begin;
+      int64_t bytes = 0;
+      const auto dtype = tensors[mine[begin]].scalar_type();
+      while (end < mine.size() && tensors[mine[end]].scalar_type() == dtype &&
+             (end == begin || bytes + static_cast<int64_t>(tensors[mine[end]].nbytes()) <= bucket_bytes)) {
+        bytes += static_cast<int64_t>(tensors[mine[end]].nbytes());
+        ++end;
+      }
+      if (end == begin + 1 && tensors[mine[begin]].is_contiguous()) {
+        std::vector<at::Tensor> one{tensors[mine[begin]]};
+        collective(one, root);
+      } else {
+        std::vector<at::Tensor> flat_parts;
+        for (std::size_t k = begin; k < end; ++k) flat_parts.push_back(tensors[mine[k]].reshape({-1}));
+        std::vector<at::Tensor> bucket{at::cat(flat_parts)};
+        collective(bucket, root);
+        int64_t offset = 0;
+        for (std::size_t k = begin; k < end; ++k) {
+          const at::Tensor& t = tensors[mine[k]];
+          const_cast<at::Tensor&>(t).copy_(bucket[0].narrow(0, offset, t.numel()).view(t.sizes()));
+          offset += t.numel();
+        }
+      }
+      begin = end;
+    }
+  }
+}
+
+}  // namespace
+
+void Communicator::reduce_sum_to(const std::vector<at::Tensor>& tensors, const std::vector<int>& roots,
+                                 int64_t bucket_bytes) {
+  timed("summing the gradients to their owners", [&] {
+    by_root_buckets(tensors, roots, bucket_bytes, world_size(), [&](std::vector<at::Tensor>& bucket, int root) {
+      c10d::ReduceOptions options;
+      options.rootRank = root;
+      impl_->backend->reduce(bucket, options)->wait();
+    });
+  });
+}
+
+void Communicator::broadcast_from(const std::vector<at::Tensor>& tensors, const std::vector<int>& roots,
+                                  int64_t bucket_bytes) {
+  timed("broadcasting the updated parameters from their owners", [&] {
+    by_root_buckets(tensors, roots, bucket_bytes, world_size(), [&](std::vector<at::Tensor>& bucket, int root) {
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      impl_->backend->broadcast(bucket, options)->wait();
+    });
+  });
+}
+
 std::vector<int64_t> Communicator::all_reduce_max(const std::vector<int64_t>& values) {
   std::vector<at::Tensor> t{at::tensor(values, at::kLong).to(impl_->device)};
   timed("agreeing on the step's outcome", [&] {
