@@ -42,6 +42,7 @@ class DataParallel : public StepSync {
   std::vector<at::Tensor> parameters_;
   int64_t bucket_bytes_;
   std::vector<int> owners_;
+  at::Tensor scratch_;  // from prepare() to the end of the step's collectives: where buckets are flattened
 };
 
 }  // namespace trainer::distributed

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include "memory/cpu_budget.h"
