@@ -219,7 +219,8 @@ const std::vector<std::string> kSharded = {"--set", "distributed.shard_optimizer
 // The names of a safetensors file's tensors, without the RNG state.
 static std::vector<std::string> state_names(const fs::path& file) {
   std::vector<std::string> names;
-  for (const auto& t : SafetensorsFile::open(file.string()).tensors())
+  const auto opened = SafetensorsFile::open(file.string());  // alive for the loop (C++20 range-for)
+  for (const auto& t : opened.tensors())
     if (!t.name.starts_with("rng.")) names.push_back(t.name);
   std::sort(names.begin(), names.end());
   return names;
