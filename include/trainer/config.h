@@ -475,6 +475,7 @@ struct LoggingConfig {
 struct DistributedConfig {
   double timeout_s = 600.0;
   ByteSize bucket_size{25'000'000};
+  bool shard_optimizer = false;
 
   template <class V>
   void visit(V& v) {
@@ -482,6 +483,10 @@ struct DistributedConfig {
       "data parallelism: how long the rendezvous and every collective wait for the other ranks before the run stops "
       "with an error (a rank that died or hangs)");
     v("bucket_size", bucket_size, "data parallelism: gradients are summed over the ranks in buckets of this size");
+    v("shard_optimizer", shard_optimizer,
+      "data parallelism (ZeRO-1): each rank keeps the optimizer state of about 1/N of the trainable parameters (whole "
+      "parameters) and updates those; gradients are summed to their owner and the updated parameters broadcast. "
+      "Same weights as unsharded; moot in a single process");
   }
   bool operator==(const DistributedConfig&) const = default;
 };

@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
+
 namespace trainer::distributed {
 
 std::pair<int64_t, int64_t> share_of(std::span<const Example> examples, int rank, int world, bool by_tokens) {
@@ -47,6 +49,9 @@ StepSync::Outcome DataParallel::agree(bool fit, int64_t largest_part) {
   values.back() = largest_part;
   const auto agreed = communicator_.all_reduce_max(values);
   Outcome outcome;
+  // Not all fit: the attempt is dropped, and the flattening buffer with it (the retry's forward needs the room).
+  for (int r = 0; r < world; ++r)
+    if (agreed[static_cast<std::size_t>(r)]) scratch_ = at::Tensor();
   outcome.largest_part = agreed.back();
   for (int r = 0; r < world; ++r)
     if (agreed[static_cast<std::size_t>(r)]) {
@@ -56,17 +61,53 @@ StepSync::Outcome DataParallel::agree(bool fit, int64_t largest_part) {
   return outcome;
 }
 
+void DataParallel::prepare() {
+  at::NoGradGuard no_grad;
+  // A rank whose share left a parameter unused (or that had no examples) contributes zeros.
+  for (auto& p : parameters_)
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+  // The buffer buckets are flattened into, allocated here (inside the attempt whose out-of-memory errors the ranks
+  // agree on) rather than inside a collective, where one rank's error would leave the others waiting.
+  if (!scratch_.defined() && !parameters_.empty()) {
+    const auto dtype = parameters_.front().scalar_type();
+    int64_t numel = 0;
+    for (const auto& p : parameters_)
+      if (p.scalar_type() == dtype) numel += p.numel();
+    const int64_t per_bucket = std::max<int64_t>(1, bucket_bytes_ / static_cast<int64_t>(c10::elementSize(dtype)));
+    scratch_ = at::empty({std::min(numel, per_bucket)}, parameters_.front().options());
+  }
+}
+
 double DataParallel::reduce(double loss_sum) {
   at::NoGradGuard no_grad;
+  prepare();
   std::vector<at::Tensor> grads;
   grads.reserve(parameters_.size());
-  for (auto& p : parameters_) {
-    // A rank whose share left a parameter unused (or that had no examples) contributes zeros.
-    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-    grads.push_back(p.grad());
+  for (auto& p : parameters_) grads.push_back(p.grad());
+  if (owners_.empty()) {
+    communicator_.all_reduce_sum(grads, bucket_bytes_, scratch_);
+    scratch_ = at::Tensor();
+  } else {
+    // ZeRO-1: each parameter's sum goes to its owner alone (a c10d reduce per bucket of one owner's gradients:
+    // whole parameters make this the natural collective; Gloo's reduce_scatter would need equal flat ranges).
+    // The other ranks free that gradient: neither their norm nor their update reads it.
+    communicator_.reduce_sum_to(grads, owners_, bucket_bytes_, scratch_);
+    for (std::size_t i = 0; i < parameters_.size(); ++i)
+      if (owners_[i] != communicator_.rank()) parameters_[i].mutable_grad() = at::Tensor();
   }
-  communicator_.all_reduce_sum(grads, bucket_bytes_);
   return communicator_.all_reduce_sum(loss_sum);
+}
+
+double DataParallel::global_squared_norm(double local) {
+  // Unsharded, every rank holds every summed gradient; sharded, each holds its own parameters' ones.
+  return owners_.empty() ? local : communicator_.all_reduce_sum(local);
+}
+
+void DataParallel::after_update() {
+  if (owners_.empty()) return;
+  at::NoGradGuard no_grad;
+  communicator_.broadcast_from(parameters_, owners_, bucket_bytes_, scratch_);
+  scratch_ = at::Tensor();
 }
 
 }  // namespace trainer::distributed

@@ -23,18 +23,26 @@ std::pair<int64_t, int64_t> share_of(std::span<const Example> examples, int rank
 
 class DataParallel : public StepSync {
  public:
-  // `parameters`: the trainable parameters, in the same order on every rank.
-  DataParallel(Communicator& communicator, std::vector<at::Tensor> parameters, int64_t bucket_bytes)
-      : communicator_(communicator), parameters_(std::move(parameters)), bucket_bytes_(bucket_bytes) {}
+  // `parameters`: the trainable parameters, in the same order on every rank (the optimizer's). `owners`: with
+  // sharded optimizer state (ZeRO-1), each parameter's owner rank (Optimizer::owners()); empty when unsharded.
+  DataParallel(Communicator& communicator, std::vector<at::Tensor> parameters, int64_t bucket_bytes,
+               std::vector<int> owners = {})
+      : communicator_(communicator), parameters_(std::move(parameters)), bucket_bytes_(bucket_bytes),
+        owners_(std::move(owners)) {}
 
   std::pair<int64_t, int64_t> share(std::span<const Example> examples, bool by_tokens, bool seq2seq) override;
   Outcome agree(bool fit, int64_t largest_part) override;
+  void prepare() override;
   double reduce(double loss_sum) override;
+  double global_squared_norm(double local) override;
+  void after_update() override;
 
  private:
   Communicator& communicator_;
   std::vector<at::Tensor> parameters_;
   int64_t bucket_bytes_;
+  std::vector<int> owners_;
+  at::Tensor scratch_;  // from prepare() to the end of the step's collectives: where buckets are flattened
 };
 
 }  // namespace trainer::distributed

@@ -180,30 +180,90 @@ void Communicator::broadcast(std::vector<at::Tensor>& tensors) {
   });
 }
 
-void Communicator::all_reduce_sum(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes) {
-  timed("all-reducing the gradients", [&] {
-    // Buckets of consecutive tensors of one dtype, each flattened into one buffer: few large messages.
+namespace {
+
+// `parts` flattened into one 1-D tensor: a slice of `scratch` when it has the dtype and room, else a new tensor.
+at::Tensor flatten_into(const std::vector<at::Tensor>& parts, int64_t numel, const at::Tensor& scratch) {
+  if (scratch.defined() && scratch.scalar_type() == parts.front().scalar_type() && scratch.numel() >= numel) {
+    at::Tensor flat = scratch.narrow(0, 0, numel);
+    at::cat_out(flat, parts);
+    return flat;
+  }
+  return at::cat(parts);
+}
+
+// Runs `collective(bucket, root)` over buckets of `tensors`: those with one root (roots[i]; all 0 when `roots` is
+// empty) and dtype, in order, up to `bucket_bytes` each (a larger tensor alone). A lone contiguous tensor goes as
+// it is; several are flattened into one buffer and copied back after (a broadcast's and a reduce's result both
+// land in the buffer).
+template <class Collective>
+void by_root_buckets(const std::vector<at::Tensor>& tensors, const std::vector<int>& roots, int64_t bucket_bytes,
+                     int world, const at::Tensor& scratch, Collective&& collective) {
+  for (int root = 0; root < (roots.empty() ? 1 : world); ++root) {
+    std::vector<std::size_t> mine;
+    for (std::size_t i = 0; i < tensors.size(); ++i)
+      if (roots.empty() || roots[i] == root) mine.push_back(i);
     std::size_t begin = 0;
-    while (begin < tensors.size()) {
+    while (begin < mine.size()) {
       std::size_t end = begin;
-      int64_t bytes = 0;
-      while (end < tensors.size() && tensors[end].scalar_type() == tensors[begin].scalar_type() &&
-             (end == begin || bytes + static_cast<int64_t>(tensors[end].nbytes()) <= bucket_bytes)) {
-        bytes += static_cast<int64_t>(tensors[end].nbytes());
+      int64_t bytes = 0, numel = 0;
+      const auto dtype = tensors[mine[begin]].scalar_type();
+      while (end < mine.size() && tensors[mine[end]].scalar_type() == dtype &&
+             (end == begin || bytes + static_cast<int64_t>(tensors[mine[end]].nbytes()) <= bucket_bytes)) {
+        bytes += static_cast<int64_t>(tensors[mine[end]].nbytes());
+        numel += tensors[mine[end]].numel();
         ++end;
       }
-      std::vector<at::Tensor> flat_parts;
-      for (std::size_t i = begin; i < end; ++i) flat_parts.push_back(tensors[i].reshape({-1}));
-      std::vector<at::Tensor> bucket{at::cat(flat_parts)};
-      impl_->backend->allreduce(bucket, c10d::AllreduceOptions{})->wait();
-      int64_t offset = 0;
-      for (std::size_t i = begin; i < end; ++i) {
-        const int64_t n = tensors[i].numel();
-        tensors[i].copy_(bucket[0].narrow(0, offset, n).view(tensors[i].sizes()));
-        offset += n;
+      if (end == begin + 1 && tensors[mine[begin]].is_contiguous()) {
+        std::vector<at::Tensor> one{tensors[mine[begin]]};
+        collective(one, root);
+      } else {
+        std::vector<at::Tensor> flat_parts;
+        for (std::size_t k = begin; k < end; ++k) flat_parts.push_back(tensors[mine[k]].reshape({-1}));
+        std::vector<at::Tensor> bucket{flatten_into(flat_parts, numel, scratch)};
+        collective(bucket, root);
+        int64_t offset = 0;
+        for (std::size_t k = begin; k < end; ++k) {
+          at::Tensor t = tensors[mine[k]];  // a handle: copying into it writes the caller's tensor
+          t.copy_(bucket[0].narrow(0, offset, t.numel()).view(t.sizes()));
+          offset += t.numel();
+        }
       }
       begin = end;
     }
+  }
+}
+
+}  // namespace
+
+void Communicator::all_reduce_sum(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes,
+                                  const at::Tensor& scratch) {
+  timed("all-reducing the gradients", [&] {
+    by_root_buckets(tensors, {}, bucket_bytes, world_size(), scratch, [&](std::vector<at::Tensor>& bucket, int) {
+      impl_->backend->allreduce(bucket, c10d::AllreduceOptions{})->wait();
+    });
+  });
+}
+
+void Communicator::reduce_sum_to(const std::vector<at::Tensor>& tensors, const std::vector<int>& roots,
+                                 int64_t bucket_bytes, const at::Tensor& scratch) {
+  timed("summing the gradients to their owners", [&] {
+    by_root_buckets(tensors, roots, bucket_bytes, world_size(), scratch, [&](std::vector<at::Tensor>& bucket, int root) {
+      c10d::ReduceOptions options;
+      options.rootRank = root;
+      impl_->backend->reduce(bucket, options)->wait();
+    });
+  });
+}
+
+void Communicator::broadcast_from(const std::vector<at::Tensor>& tensors, const std::vector<int>& roots,
+                                  int64_t bucket_bytes, const at::Tensor& scratch) {
+  timed("broadcasting the updated parameters from their owners", [&] {
+    by_root_buckets(tensors, roots, bucket_bytes, world_size(), scratch, [&](std::vector<at::Tensor>& bucket, int root) {
+      c10d::BroadcastOptions options;
+      options.rootRank = root;
+      impl_->backend->broadcast(bucket, options)->wait();
+    });
   });
 }
 

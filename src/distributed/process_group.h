@@ -60,8 +60,17 @@ class Communicator {
 
   // Rank 0's values into every rank's tensors, in place.
   void broadcast(std::vector<at::Tensor>& tensors);
-  // Element-wise sum over the ranks, in place, `bucket_bytes` at a time (tensors of one dtype are flattened together).
-  void all_reduce_sum(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes);
+  // Element-wise sum over the ranks, in place, `bucket_bytes` at a time (tensors of one dtype are flattened together;
+  // a lone contiguous tensor goes as it is). `scratch` (1-D, at least bucket_bytes of the tensors' dtype): where
+  // buckets are flattened, so the collective allocates nothing; without it each bucket is a new tensor.
+  void all_reduce_sum(const std::vector<at::Tensor>& tensors, int64_t bucket_bytes, const at::Tensor& scratch = {});
+  // ZeRO-1: tensor i's element-wise sum over the ranks into rank roots[i]'s tensor (the others' are left
+  // undefined in value), and tensor i's value from rank roots[i] into every rank's, in place. Tensors with one root
+  // and dtype travel together, `bucket_bytes` at a time (`scratch` as for all_reduce_sum).
+  void reduce_sum_to(const std::vector<at::Tensor>& tensors, const std::vector<int>& roots, int64_t bucket_bytes,
+                     const at::Tensor& scratch = {});
+  void broadcast_from(const std::vector<at::Tensor>& tensors, const std::vector<int>& roots, int64_t bucket_bytes,
+                      const at::Tensor& scratch = {});
   // Element-wise maximum of a small vector over the ranks.
   std::vector<int64_t> all_reduce_max(const std::vector<int64_t>& values);
   double all_reduce_sum(double value);

@@ -209,14 +209,21 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     plan.parameters += p.numel();
     if (!config.lora.enabled) largest_trainable = std::max(largest_trainable, p.numel());
+    auto trainable = [&](int64_t numel, double state) {
+      optimizer_state += state;
+      plan.trainable_numels.push_back(numel);
+      plan.trainable_state_bytes.push_back(state);
+    };
     if (!config.lora.enabled)
-      optimizer_state += static_cast<double>(
-          optimizer_state_bytes(config.optimizer, p.sizes(), config.precision.mode == PrecisionMode::kBf16));
+      trainable(p.numel(), static_cast<double>(optimizer_state_bytes(config.optimizer, p.sizes(),
+                                                                     config.precision.mode == PrecisionMode::kBf16)));
     if (!adapted.contains(name)) return;
     largest_trainable = std::max({largest_trainable, config.lora.r * p.size(0), config.lora.r * p.size(1)});
     adapter += config.lora.r * (p.size(0) + p.size(1));
-    optimizer_state += static_cast<double>(optimizer_state_bytes(config.optimizer, {config.lora.r, p.size(1)}, false) +
-                                           optimizer_state_bytes(config.optimizer, {p.size(0), config.lora.r}, false));
+    trainable(config.lora.r * p.size(1),
+              static_cast<double>(optimizer_state_bytes(config.optimizer, {config.lora.r, p.size(1)}, false)));
+    trainable(p.size(0) * config.lora.r,
+              static_cast<double>(optimizer_state_bytes(config.optimizer, {p.size(0), config.lora.r}, false)));
     const double per_token =
         static_cast<double>(config.lora.r) +
         (config.lora.dropout > 0 ? (1.0 + dropout_share) * static_cast<double>(p.size(1)) : 0.0);
@@ -493,9 +500,23 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
         << "); each rank trains "
         << (config.training.micro_batch_tokens > 0 ? "a token-balanced share (about " : "about ") << share << " of the "
         << config.training.batch_size << " examples" << (config.training.micro_batch_tokens > 0 ? ")" : "")
-        << " of every effective batch and holds the whole model, its gradients and the optimizer state (no "
-           "sharding yet): every figure below is per rank\n";
+        << " of every effective batch and holds the whole model and its gradients"
+        << (config.distributed.shard_optimizer ? "" : " and the whole optimizer state")
+        << ": every figure below is per rank\n";
     plan.batch_size = share;
+    if (config.distributed.shard_optimizer) {
+      // ZeRO-1: whole parameters shared out as the optimizer does (shard_owners); the plan takes the fullest rank.
+      const auto owners = shard_owners(plan.trainable_numels, static_cast<int>(world_size));
+      std::vector<double> per_rank(static_cast<std::size_t>(world_size), 0.0);
+      for (std::size_t i = 0; i < owners.size(); ++i)
+        per_rank[static_cast<std::size_t>(owners[i])] += plan.trainable_state_bytes[i];
+      out << "sharded optimizer state (distributed.shard_optimizer): " << human_bytes(plan.optimizer_state)
+          << " in all, 1/" << world_size << " = " << human_bytes(plan.optimizer_state / static_cast<double>(world_size))
+          << "; per rank:";
+      for (std::size_t r = 0; r < per_rank.size(); ++r) out << (r ? "," : "") << " " << r << ": " << human_bytes(per_rank[r]);
+      out << "\n";
+      plan.optimizer_state = *std::max_element(per_rank.begin(), per_rank.end());
+    }
   }
   print_plan(plan, config, out);
   print_optimizer_choices(config, hf_config, resolved.device, capacity, source, out);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <iosfwd>
 #include <string>
+#include <vector>
 
 #include <c10/core/Device.h>
 #include <nlohmann/json_fwd.hpp>
@@ -21,6 +22,9 @@ struct MemoryPlan {
   double weights = 0;          // bytes
   double gradients = 0;        // bytes, kept across the micro-batches of a step
   double optimizer_state = 0;  // bytes: optimizer_state_bytes() of every trainable parameter
+  // Per trainable tensor, in the optimizer's order: elements and optimizer-state bytes (for ZeRO-1's shares).
+  std::vector<int64_t> trainable_numels;
+  std::vector<double> trainable_state_bytes;
   // Per example at the maximum lengths: what forward keeps for backward, plus the largest transient of backward.
   double activations_per_example = 0;
   double activations_per_example_checkpointed = 0;

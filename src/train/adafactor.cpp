@@ -32,10 +32,15 @@ double sum_of(at::Tensor& sum, const at::Tensor& x) {
 
 }  // namespace
 
-Adafactor::Adafactor(Module& model, const OptimizerConfig& config, uint64_t seed) : Optimizer(model, config, seed) {
+Adafactor::Adafactor(Module& model, const OptimizerConfig& config, uint64_t seed, OptimizerShard shard)
+    : Optimizer(model, config, seed, shard) {
   int64_t largest = 1, largest_rows = 1, largest_cols = 1;
-  for (const auto& param : params_) {
-    const at::Tensor& p = *param.param;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!owns(i)) {  // ZeRO-1: another rank keeps its statistics
+      state_.emplace_back();
+      continue;
+    }
+    const at::Tensor& p = *params_[i].param;
     const auto fp32 = p.options().dtype(at::kFloat);
     State s;
     const auto sizes = p.sizes();
@@ -99,7 +104,7 @@ void Adafactor::step(double lr) {
   const double beta2t = 1.0 - std::pow(t, config_.decay_rate);
   for (std::size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& p = *params_[i].param;
-    if (!p.grad().defined() || p.numel() == 0) continue;
+    if (!owns(i) || !p.grad().defined() || p.numel() == 0) continue;
     State& s = state_[i];
     at::Tensor param = p.view({-1});
     const at::Tensor grad = p.grad().view({-1});
@@ -212,6 +217,7 @@ void Adafactor::step(double lr) {
 std::vector<std::pair<std::string, at::Tensor>> Adafactor::own_state() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!owns(i)) continue;
     const State& s = state_[i];
     const std::string& name = params_[i].name;
     if (s.factored) {

@@ -27,14 +27,35 @@ bool decays_by_default(const std::string& name) {
            name == "shared.weight" || name.find("relative_attention_bias") != std::string::npos);
 }
 
-Optimizer::Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed) : config_(config), seed_(seed) {
+std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world) {
+  std::vector<int> owners(numels.size(), 0);
+  if (world <= 1) return owners;
+  std::vector<std::size_t> order(numels.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return numels[a] > numels[b]; });
+  std::vector<int64_t> load(static_cast<std::size_t>(world), 0);
+  for (const std::size_t i : order) {
+    const auto least = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owners[i] = static_cast<int>(least);
+    load[least] += numels[i];
+  }
+  return owners;
+}
+
+Optimizer::Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed, OptimizerShard shard)
+    : shard_(shard), config_(config), seed_(seed) {
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) {
     if (!p.requires_grad()) return;
-    at::Tensor compensation;
-    if (config.bf16_update == Bf16Update::kKahan && p.scalar_type() == at::kBFloat16)
-      compensation = at::zeros(p.sizes(), p.options());
-    params_.push_back({name, &p, config.decay_norms_biases_embeddings || decays_by_default(name), compensation});
+    params_.push_back({name, &p, config.decay_norms_biases_embeddings || decays_by_default(name), {}});
   });
+  std::vector<int64_t> numels;
+  for (const auto& param : params_) numels.push_back(param.param->numel());
+  owners_ = shard_owners(numels, std::max(1, shard.world));
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = *params_[i].param;
+    if (owns(i) && config.bf16_update == Bf16Update::kKahan && p.scalar_type() == at::kBFloat16)
+      params_[i].compensation = at::zeros(p.sizes(), p.options());
+  }
 }
 
 void Optimizer::move_to(const c10::Device& device) {
@@ -97,13 +118,13 @@ void Optimizer::store_bf16_state(at::Tensor& dst, const at::Tensor& src, std::si
   stochastic_round_bf16_(dst, src, counter_key({seed_, static_cast<uint64_t>(step_), index, stream}), begin);
 }
 
-double Optimizer::clip_grad_norm(double max_norm) {
+double Optimizer::squared_grad_norm() const {
   at::NoGradGuard no_grad;
   // The norm in fp32 over slices of each gradient: temporaries stay at one slice whatever the tensor (a 152k x 3584
   // embedding's gradient squared would be 2 GiB), so clipping cannot run out of memory where the step fit.
   constexpr int64_t kSlice = int64_t{1} << 18;
   double sum_squares = 0.0;
-  for (auto& param : params_) {
+  for (const auto& param : params_) {
     const at::Tensor& g = param.param->grad();
     if (!g.defined()) continue;
     const at::Tensor flat = g.reshape({-1});
@@ -114,7 +135,11 @@ double Optimizer::clip_grad_norm(double max_norm) {
       sum_squares += norm * norm;
     }
   }
-  const double norm = std::sqrt(sum_squares);
+  return sum_squares;
+}
+
+double Optimizer::clip_to(double norm, double max_norm) {
+  at::NoGradGuard no_grad;
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);  // as torch.nn.utils.clip_grad_norm_
     for (auto& param : params_)
@@ -122,6 +147,8 @@ double Optimizer::clip_grad_norm(double max_norm) {
   }
   return norm;
 }
+
+double Optimizer::clip_grad_norm(double max_norm) { return clip_to(std::sqrt(squared_grad_norm()), max_norm); }
 
 void Optimizer::zero_grad() {
   for (auto& param : params_) param.param->mutable_grad() = at::Tensor();
@@ -185,17 +212,20 @@ bool adamw_uses_fused_kernel(const OptimizerConfig& config, bool bf16_trainable_
   return config.name == OptimizerName::kAdamW && config.state_dtype == StateDtype::kFp32 && !bf16_trainable_parameters;
 }
 
-AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed, bool allow_fused)
-    : Optimizer(model, config, seed) {
+AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed, bool allow_fused, OptimizerShard shard)
+    : Optimizer(model, config, seed, shard) {
   bool bf16_trainable = false;
   for (const auto& param : params_) bf16_trainable = bf16_trainable || param.param->scalar_type() != at::kFloat;
   fused_ = allow_fused && adamw_uses_fused_kernel(config, bf16_trainable);
   int64_t largest = 0;
-  for (const auto& param : params_) {
-    const at::Tensor& p = *param.param;
+  exp_avg_.resize(params_.size());
+  exp_avg_sq_.resize(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!owns(i)) continue;  // ZeRO-1: another rank keeps its moments
+    const at::Tensor& p = *params_[i].param;
     const auto options = p.options().dtype(config.state_dtype == StateDtype::kBf16 ? at::kBFloat16 : at::kFloat);
-    exp_avg_.push_back(at::zeros(p.sizes(), options));
-    exp_avg_sq_.push_back(at::zeros(p.sizes(), options));
+    exp_avg_[i] = at::zeros(p.sizes(), options);
+    exp_avg_sq_[i] = at::zeros(p.sizes(), options);
     largest = std::max(largest, p.numel());
   }
   const auto device = params_.empty() ? at::Device(at::kCPU) : params_.front().param->device();
@@ -227,7 +257,7 @@ void AdamW::fused_step(double lr) {
     std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       at::Tensor& p = *params_[i].param;
-      if (!p.grad().defined() || params_[i].decay != decayed) continue;
+      if (!owns(i) || !p.grad().defined() || params_[i].decay != decayed) continue;
       params.push_back(p);
       grads.push_back(p.grad());
       exp_avgs.push_back(exp_avg_[i]);
@@ -257,7 +287,7 @@ void AdamW::step(double lr) {
   const bool bf16_state = config_.state_dtype == StateDtype::kBf16;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& p = *params_[i].param;
-    if (!p.grad().defined()) continue;
+    if (!owns(i) || !p.grad().defined()) continue;
     at::Tensor param = p.view({-1});
     const at::Tensor grad = p.grad().view({-1});
     const at::Tensor m = exp_avg_[i].view({-1}), v = exp_avg_sq_[i].view({-1});
@@ -289,6 +319,7 @@ void AdamW::step(double lr) {
 std::vector<std::pair<std::string, at::Tensor>> AdamW::own_state() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!owns(i)) continue;
     out.emplace_back("exp_avg." + params_[i].name, exp_avg_[i]);
     out.emplace_back("exp_avg_sq." + params_[i].name, exp_avg_sq_[i]);
   }
@@ -304,14 +335,15 @@ void AdamW::for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) {
 int64_t AdamW::own_state_bytes() const {
   int64_t n = 0;
   for (std::size_t i = 0; i < params_.size(); ++i)
-    n += static_cast<int64_t>(exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes());
+    if (owns(i)) n += static_cast<int64_t>(exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes());
   return n;
 }
 
-std::unique_ptr<Optimizer> make_optimizer(Module& model, const OptimizerConfig& config, uint64_t seed) {
+std::unique_ptr<Optimizer> make_optimizer(Module& model, const OptimizerConfig& config, uint64_t seed,
+                                          OptimizerShard shard) {
   std::unique_ptr<Optimizer> optimizer;
-  if (config.name == OptimizerName::kAdafactor) optimizer = std::make_unique<Adafactor>(model, config, seed);
-  else optimizer = std::make_unique<AdamW>(model, config, seed);
+  if (config.name == OptimizerName::kAdafactor) optimizer = std::make_unique<Adafactor>(model, config, seed, shard);
+  else optimizer = std::make_unique<AdamW>(model, config, seed, /*allow_fused=*/true, shard);
   if (config.bf16_update == Bf16Update::kNearest) {
     bool bf16 = config.name == OptimizerName::kAdamW && config.state_dtype == StateDtype::kBf16;
     model.for_each_parameter([&](const std::string&, at::Tensor& p) {

@@ -30,6 +30,20 @@
 
 namespace trainer {
 
+// ZeRO-1 (distributed.shard_optimizer): this rank keeps optimizer state for, and updates, only the trainable
+// parameters it owns. Whole parameters, not flat ranges: Adafactor's factored statistics and its update RMS are
+// per parameter, stochastic rounding is keyed by (parameter, offset), and checkpoint names stay per parameter, so
+// a sharded step computes exactly the unsharded step's numbers and any world size reads any checkpoint.
+struct OptimizerShard {
+  int rank = 0;
+  int world = 1;
+};
+
+// The owner rank of each parameter (by element count, in the optimizer's order) among `world` ranks: largest first
+// to the least-loaded rank (ties: the lower rank, then the earlier parameter), so each rank holds about 1/world of
+// the elements whenever no single parameter is larger than that. Depends only on the sizes: every rank agrees.
+std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world);
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -42,11 +56,20 @@ class Optimizer {
   // Global L2 norm of all gradients; with max_norm > 0, scales them so the norm is at most max_norm.
   // Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
+  // The two halves of clip_grad_norm, for data parallelism (the squared norms summed over the ranks in between):
+  // the sum of squares of the gradients present (may run out of memory: small temporaries), then the scaling of
+  // those gradients by the clip factor for `norm` (in place, allocates nothing). clip_to returns `norm`.
+  double squared_grad_norm() const;
+  double clip_to(double norm, double max_norm);
   void zero_grad();  // drops the gradients (frees their memory)
 
   int64_t steps() const { return step_; }
+  // ZeRO-1: each trainable parameter's owner rank (all 0 unsharded), and whether this rank owns parameter i.
+  const std::vector<int>& owners() const { return owners_; }
+  bool owns(std::size_t i) const { return owners_[i] == shard_.rank; }
+  const OptimizerShard& shard() const { return shard_; }
   int64_t trainable_parameters() const;
-  // Bytes of optimizer state, Kahan compensation included.
+  // Bytes of optimizer state on this rank (its shard under ZeRO-1), Kahan compensation included.
   int64_t state_bytes() const;
 
   // For checkpoints: the state by tensor name, and the step count. load_state requires every state tensor of
@@ -68,8 +91,9 @@ class Optimizer {
     bool decay;
     at::Tensor compensation;  // bf16_update=kahan, bf16 parameters: what rounding lost (bf16, same shape)
   };
-  // Collects the trainable parameters of `model`; `seed` keys stochastic rounding.
-  Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed);
+  // Collects the trainable parameters of `model`; `seed` keys stochastic rounding; `shard` picks the parameters
+  // this rank keeps state for (derived constructors allocate state only where owns(i)).
+  Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed, OptimizerShard shard);
 
   // The optimizer's own state tensors, as named in checkpoints, in a fixed order.
   virtual std::vector<std::pair<std::string, at::Tensor>> own_state() const = 0;
@@ -91,6 +115,8 @@ class Optimizer {
   void store_bf16_state(at::Tensor& dst, const at::Tensor& src, std::size_t index, uint64_t stream, int64_t begin);
 
   std::vector<Param> params_;
+  OptimizerShard shard_;
+  std::vector<int> owners_;  // per parameter
   at::Tensor compensation_scratch_;  // fp32, defined when some parameter has Kahan compensation
   OptimizerConfig config_;
   uint64_t seed_;
@@ -106,7 +132,8 @@ bool adamw_uses_fused_kernel(const OptimizerConfig& config, bool bf16_trainable_
 class AdamW final : public Optimizer {
  public:
   // `allow_fused` false keeps the chunked update even where the fused kernel applies (for comparisons).
-  AdamW(Module& model, const OptimizerConfig& config, uint64_t seed = 0, bool allow_fused = true);
+  AdamW(Module& model, const OptimizerConfig& config, uint64_t seed = 0, bool allow_fused = true,
+        OptimizerShard shard = {});
   const char* name() const override { return "AdamW"; }
   void step(double lr) override;
   bool fused() const { return fused_; }
@@ -131,7 +158,7 @@ class AdamW final : public Optimizer {
 // first moment (adafactor_beta1, with beta1); scale_parameter, relative_step, warmup_init. Its state is fp32.
 class Adafactor final : public Optimizer {
  public:
-  Adafactor(Module& model, const OptimizerConfig& config, uint64_t seed = 0);
+  Adafactor(Module& model, const OptimizerConfig& config, uint64_t seed = 0, OptimizerShard shard = {});
   const char* name() const override { return "Adafactor"; }
   void step(double lr) override;
 
@@ -160,7 +187,8 @@ class Adafactor final : public Optimizer {
 
 // The optimizer optimizer.name selects, over the trainable parameters of `model`. Logs a warning when
 // optimizer.bf16_update=nearest meets bf16 parameters or moments.
-std::unique_ptr<Optimizer> make_optimizer(Module& model, const OptimizerConfig& config, uint64_t seed);
+std::unique_ptr<Optimizer> make_optimizer(Module& model, const OptimizerConfig& config, uint64_t seed,
+                                          OptimizerShard shard = {});
 
 // Bytes of optimizer state (Kahan compensation included) for one trainable parameter of `sizes` in the dtype given
 // by `bf16_param`: what state_bytes() counts, for the planner before any weight exists.

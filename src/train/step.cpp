@@ -1,6 +1,7 @@
 // The memory-adaptive training step (see step.h).
 #include "train/step.h"
 
+#include <cmath>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -163,6 +164,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
                                        normaliser);
         }
       }
+      if (options_.sync) options_.sync->prepare();
     } catch (const c10::OutOfMemoryError& e) {
       // The attempt's activations were freed while unwinding. No parameter has changed: everything before the
       // update only reads the parameters.
@@ -196,26 +198,58 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
                                "");
     }
     if (options_.sync) loss_sum = options_.sync->reduce(loss_sum);
+    // The optimizer phase. What in it allocates (the gradient norm's temporaries) runs first, and with data
+    // parallelism the ranks agree on its outcome before any rank changes a gradient or a weight, so an
+    // out-of-memory error on one rank is retried (or stops the run) on every rank alike. The update itself
+    // allocates nothing (train/optimizer.h).
+    std::optional<std::string> step_out_of_memory;
+    double sum_squares = 0;
     try {
-      result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
-      optimizer_.step(lr);
+      sum_squares = optimizer_.squared_grad_norm();
     } catch (const c10::OutOfMemoryError& e) {
+      step_out_of_memory = e.what_without_backtrace();
+    }
+    if (options_.sync) {
+      const auto outcome = options_.sync->agree(!step_out_of_memory, 0);
+      if (!outcome.all_fit)
+        step_out_of_memory = "rank(s) " + outcome.failed_ranks + ": " + step_out_of_memory.value_or("out of memory");
+      else
+        sum_squares = options_.sync->global_squared_norm(sum_squares);
+    }
+    if (!step_out_of_memory) {
+      try {
+        result.grad_norm = optimizer_.clip_to(std::sqrt(sum_squares), options_.max_grad_norm);
+        optimizer_.step(lr);
+      } catch (const c10::OutOfMemoryError& e) {
+        // Not expected (the update allocates nothing); with data parallelism a rank that got here cannot be told
+        // apart from one that updated, so the run stops rather than letting the ranks' weights differ.
+        if (options_.sync)
+          throw OutOfMemoryAtFloor(std::string("out of memory inside the optimizer update at step ") +
+                                       std::to_string(step) + ": " + e.what_without_backtrace(),
+                                   "raise memory.limit");
+        step_out_of_memory = e.what_without_backtrace();
+      }
+    }
+    if (step_out_of_memory) {
       optimizer_.zero_grad();
       release_cached_memory();
-      spdlog::debug("out of memory in the optimizer step: {}", e.what_without_backtrace());
+      spdlog::debug("out of memory in the optimizer step: {}", *step_out_of_memory);
       // Weights, gradients and optimizer state alone: a smaller micro-batch changes none of them. Once more at the
       // same size (cached or fragmented memory is released now), then stop with what to change.
       if (!optimizer_retried) {
         optimizer_retried = true;
-        spdlog::warn("memory: step {}: out of memory in the optimizer step; retrying once at micro-batch {}", step,
-                     policy_.micro_batch());
+        spdlog::warn("memory: step {}: out of memory in the optimizer step ({}); retrying once at micro-batch {}",
+                     step, step_out_of_memory->substr(0, 200), policy_.micro_batch());
         continue;
       }
       throw OutOfMemoryAtFloor("out of memory in the optimizer step at step " + std::to_string(step) +
                                    ": the weights, their gradients and the optimizer state do not fit together, "
                                    "and a smaller micro-batch cannot change that",
-                               "");
+                               options_.sync ? "raise memory.limit, or set distributed.shard_optimizer=true (each "
+                                               "rank keeps 1/N of the optimizer state)"
+                                             : "");
     }
+    if (options_.sync) options_.sync->after_update();
     result.loss = loss_sum / normaliser;
     result.micro_batch = largest;
     result.micro_steps = static_cast<int64_t>(parts.size());

@@ -54,9 +54,17 @@ class StepSync {
     std::string failed_ranks;  // "1, 2" when not all fit
   };
   virtual Outcome agree(bool fit, int64_t largest_part) = 0;
+  // At the end of each forward/backward attempt (inside its out-of-memory handling, so what it allocates is agreed
+  // with the attempt): a zero gradient for every trainable parameter this rank's share left without one.
+  virtual void prepare() = 0;
   // Sums the trainable parameters' gradients over the ranks (a missing gradient counts as zero) and returns the
-  // summed loss of the effective batch.
+  // summed loss of the effective batch. Sharded optimizer state (ZeRO-1): each sum reaches only the parameter's
+  // owner, and the other ranks drop that gradient.
   virtual double reduce(double loss_sum) = 0;
+  // The squared gradient norm of the whole model from this rank's sum of squares over the gradients it holds.
+  virtual double global_squared_norm(double local) = 0;
+  // After the optimizer update: sharded, every parameter's new value from its owner.
+  virtual void after_update() = 0;
 };
 
 struct StepOptions {

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <set>
 #include <ostream>
 
 #include <ATen/ATen.h>
@@ -330,10 +332,26 @@ void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config&
   }
 }
 
+// Sharded optimizer state (distributed.shard_optimizer): every rank writes its part of the optimizer state.
+// `files`: the part file of each rank (rank 0's is optimizer.safetensors, with the RNG state). `agree(failed)`:
+// every rank's outcome of writing its part (this one failed or not), once all have tried; returns the files that
+// failed ("" when none), so COMPLETE is written only once every part is on disk.
+struct OptimizerParts {
+  std::vector<std::string> files;
+  std::function<std::string(bool failed)> agree;
+};
+
+// The file rank `rank` of `world` writes its optimizer state to.
+std::string optimizer_part_file(int rank, int world) {
+  return rank == 0 ? "optimizer.safetensors"
+                   : "optimizer-rank-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
+}
+
 void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::Device& device,
                             const TrainedWeights& trained, const Optimizer& optimizer,
                             const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
-                            const Config& config, const nlohmann::json& data_fingerprint);
+                            const Config& config, const nlohmann::json& data_fingerprint,
+                            const OptimizerParts* parts);
 std::optional<fs::path> newest_checkpoint(const fs::path& dir);
 
 // A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
@@ -347,18 +365,28 @@ std::optional<fs::path> newest_checkpoint(const fs::path& dir);
 void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, const c10::Device& device,
                       const TrainedWeights& trained,
                       const Optimizer& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
-                      int64_t tokens_seen, const Config& config, const nlohmann::json& data_fingerprint) {
+                      int64_t tokens_seen, const Config& config, const nlohmann::json& data_fingerprint,
+                      const OptimizerParts* parts = nullptr) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   if (on_disk && fs::exists(final_dir / "COMPLETE")) {
     spdlog::info("checkpoint step {}: {} (already written)", step, final_dir.string());
     return;
   }
   const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
-  fs::remove_all(temp_dir);
+  if (!parts) fs::remove_all(temp_dir);  // with parts the caller prepared it, and the other ranks write into it
+  bool agreed = false;
   try {
     write_checkpoint_files(temp_dir, step, device, trained, optimizer, policy_state, cursor, tokens_seen, config,
-                           data_fingerprint);
+                           data_fingerprint, parts);
+    // COMPLETE only once every rank's part is on disk.
+    if (parts) {
+      agreed = true;
+      if (const std::string missing = parts->agree(false); !missing.empty())
+        throw DataError("the optimizer state part(s) " + missing + " could not be written by their ranks",
+                        "see those ranks' errors");
+    }
   } catch (const Error& e) {
+    if (parts && !agreed) parts->agree(true);  // the other ranks learn that this checkpoint failed
     // A full disk (or any write error): the partial directory goes, the previous checkpoint stays the newest, and
     // the message says what the checkpoint needs against what is free.
     std::error_code ignored;
@@ -392,7 +420,8 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
 void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::Device& device,
                             const TrainedWeights& trained, const Optimizer& optimizer,
                             const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
-                            const Config& config, const nlohmann::json& data_fingerprint) {
+                            const Config& config, const nlohmann::json& data_fingerprint,
+                            const OptimizerParts* parts) {
   save_trained(trained, temp_dir, config);
   auto tensors = optimizer.state_tensors();
   // LibTorch's generator state. Dropout no longer draws from it (its masks are keyed by the step); kept for
@@ -408,6 +437,8 @@ void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::D
                                 {"memory_policy", policy_state},
                                 {"config", nlohmann::json::parse(config_to_json(config))},
                                 {"data_fingerprint", data_fingerprint}};
+  // Sharded: the optimizer state is the union of these files (each rank's parameters); any world size reads it.
+  if (parts) state["optimizer_files"] = parts->files;
   if (trained.lora) state["base_model_config"] = trained.model.hf_config();  // an adapter has no config.json
   write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
 }
@@ -541,6 +572,7 @@ class TrainingRun {
   void restore_or_probe();
   void start_retention();
   std::string checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state);
+  std::string checkpoint_sharded(const LoaderCursor& cursor, const nlohmann::json& policy_state);
   bool train_one_step();
   void evaluate_and_sample();
   int agreed_stop_signal();
@@ -668,8 +700,11 @@ void TrainingRun::build_optimizer_and_step() {
                                ? "the Adafactor state (row and column statistics)"
                                : "the AdamW state (two moments per trainable parameter)";
   Module& trainable = lora_ ? static_cast<Module&>(*lora_) : *model_;
+  // distributed.shard_optimizer (ZeRO-1): this rank's state covers its share of the parameters only.
+  OptimizerShard shard;
+  if (world_ && config_.distributed.shard_optimizer) shard = {world_->rank(), world_->world_size()};
   optimizer_ = fixed_part(config_, device_, state_name, [&] {
-    return make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
+    return make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed), shard);
   });
   policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
   StepOptions options;
@@ -688,11 +723,41 @@ void TrainingRun::build_optimizer_and_step() {
       if (p.requires_grad()) parameters.push_back(p);
     });
     data_parallel_ = std::make_unique<distributed::DataParallel>(
-        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes));
+        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes),
+        shard.world > 1 ? optimizer_->owners() : std::vector<int>{});
     options.sync = data_parallel_.get();
   }
   step_ = std::make_unique<TrainStep>(*model_, *optimizer_, *policy_, options);
   device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
+}
+
+// The optimizer state of `checkpoint` into `optimizer`: from optimizer.safetensors, or the union of the parts a
+// sharded run wrote (train_state.json's optimizer_files), whatever the world size and sharding then and now. Only
+// the tensors this rank's optimizer holds are read. A part that is missing is refused by name before anything
+// changes.
+void load_optimizer_state(const fs::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer) {
+  std::vector<std::string> files = {"optimizer.safetensors"};
+  if (state.contains("optimizer_files")) files = state.at("optimizer_files").get<std::vector<std::string>>();
+  std::string missing;
+  for (const auto& f : files)
+    if (!fs::exists(checkpoint / f)) missing += (missing.empty() ? "" : ", ") + (checkpoint / f).string();
+  if (!missing.empty())
+    throw DataError("checkpoint " + checkpoint.string() + " is incomplete: its optimizer state is in " +
+                        std::to_string(files.size()) + " part(s) (one per rank that wrote it), and " + missing +
+                        " is missing",
+                    "copy the missing part(s) from where the ranks wrote them (checkpoint.output_dir must be one "
+                    "directory for every rank), or resume from an earlier complete checkpoint");
+  std::set<std::string> wanted;
+  for (const auto& [name, tensor] : optimizer.state_tensors()) wanted.insert(name);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& f : files) {
+    const auto file = SafetensorsFile::open((checkpoint / f).string());
+    for (const auto& t : file.tensors())
+      if (wanted.contains(t.name)) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
+  }
+  std::string source = (checkpoint / files.front()).string();
+  if (files.size() > 1) source += " (and " + std::to_string(files.size() - 1) + " other part(s))";
+  optimizer.load_state(tensors, state.at("optimizer_steps").get<int64_t>(), source);
 }
 
 // A resume restores the optimizer, the data position, the policy, the step and the RNG; a fresh run with
@@ -700,12 +765,8 @@ void TrainingRun::build_optimizer_and_step() {
 void TrainingRun::restore_or_probe() {
   if (resume_.dir) {
     const auto& state = resume_.state;
+    load_optimizer_state(*resume_.dir, state, *optimizer_);
     const auto file = SafetensorsFile::open((*resume_.dir / "optimizer.safetensors").string());
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (const auto& t : file.tensors())
-      if (!t.name.starts_with("rng.")) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
-    optimizer_->load_state(tensors, state.at("optimizer_steps").get<int64_t>(),
-                           (*resume_.dir / "optimizer.safetensors").string());
     const LoaderCursor saved_cursor = cursor_from_json(state.at("data_cursor"));
     loader_->restore(resume_.data_changed ? new_epoch_cursor(saved_cursor) : saved_cursor);
     policy_->restore(state.at("memory_policy"));
@@ -752,6 +813,7 @@ void TrainingRun::start_retention() {
 // Rank 0 alone writes it (every rank holds the same weights and optimizer state).
 std::string TrainingRun::checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state) {
   const auto path = (output_dir_ / ("checkpoint-" + std::to_string(step_index_))).string();
+  if (world_ && optimizer_->shard().world > 1) return checkpoint_sharded(cursor, policy_state);
   if (!primary_) return path;
   write_checkpoint(output_dir_, step_index_, on_disk_step_ == step_index_, device_, *trained_, *optimizer_,
                    policy_state, cursor, tokens_seen_, config_, fingerprint_);
@@ -760,6 +822,66 @@ std::string TrainingRun::checkpoint(const LoaderCursor& cursor, const nlohmann::
                             last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
   reporter_.on_checkpoint(step_index_, path);
   return path;
+}
+
+// With sharded optimizer state every rank writes its part (no rank ever holds the whole state): rank 0 prepares
+// the temporary directory, each rank writes optimizer-rank-R-of-N.safetensors into it, and rank 0 writes the model,
+// its own part and train_state.json (listing the parts), then renames it into place and writes COMPLETE once every
+// part is on disk. The output directory must be one directory for all ranks (a shared file system across nodes).
+std::string TrainingRun::checkpoint_sharded(const LoaderCursor& cursor, const nlohmann::json& policy_state) {
+  const auto final_dir = output_dir_ / ("checkpoint-" + std::to_string(step_index_));
+  const int world = world_->world_size();
+  const bool on_disk = on_disk_step_ == step_index_;
+  // The same answer on every rank (one directory): either all write or none does.
+  const bool skip = on_disk && static_cast<bool>(world_->all_reduce_max({fs::exists(final_dir / "COMPLETE") ? 1 : 0})[0]);
+  on_disk_step_ = step_index_;
+  if (skip) {
+    if (primary_) spdlog::info("checkpoint step {}: {} (already written)", step_index_, final_dir.string());
+    return final_dir.string();
+  }
+  const fs::path temp_dir = output_dir_ / (".checkpoint-" + std::to_string(step_index_) + ".tmp");
+  if (primary_) {
+    fs::remove_all(temp_dir);
+    fs::create_directories(temp_dir);
+  }
+  world_->barrier();
+  OptimizerParts parts;
+  for (int r = 0; r < world; ++r) parts.files.push_back(optimizer_part_file(r, world));
+  // Every rank's outcome: 1 where its part could not be written.
+  auto agree_on_parts = [&](bool failed) {
+    std::vector<int64_t> flags(static_cast<std::size_t>(world), 0);
+    flags[static_cast<std::size_t>(world_->rank())] = failed ? 1 : 0;
+    const auto all = world_->all_reduce_max(flags);
+    std::string missing;
+    for (int r = 0; r < world; ++r)
+      if (all[static_cast<std::size_t>(r)]) missing += (missing.empty() ? "" : ", ") + parts.files[static_cast<std::size_t>(r)];
+    return missing;
+  };
+  if (!primary_) {
+    std::string failure;
+    try {
+      write_safetensors((temp_dir / parts.files[static_cast<std::size_t>(world_->rank())]).string(),
+                        optimizer_->state_tensors(), {});
+    } catch (const Error& e) {
+      failure = e.what();
+      spdlog::error("checkpoint step {}: this rank's optimizer state could not be written: {}", step_index_, failure);
+    }
+    const std::string missing = agree_on_parts(!failure.empty());
+    if (!missing.empty())
+      throw DataError("checkpoint step " + std::to_string(step_index_) + " could not be written: the optimizer state "
+                          "part(s) " + missing + " failed" + (failure.empty() ? "" : ": " + failure),
+                      "free space in checkpoint.output_dir, then continue with --resume");
+    world_->barrier();  // rank 0 has renamed it and written COMPLETE
+    return final_dir.string();
+  }
+  parts.agree = agree_on_parts;
+  write_checkpoint(output_dir_, step_index_, on_disk, device_, *trained_, *optimizer_, policy_state, cursor,
+                   tokens_seen_, config_, fingerprint_, &parts);
+  world_->barrier();
+  retention_->on_checkpoint(step_index_,
+                            last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
+  reporter_.on_checkpoint(step_index_, final_dir.string());
+  return final_dir.string();
 }
 
 // A signal on any rank stops every rank after the same step.

@@ -260,6 +260,29 @@ TEST(IntegrationModels, PlanPrintsTheBudgetAndARecommendation) {
   EXPECT_NE(missing.err.find("configs/models/nothing"), std::string::npos) << missing.err;
 }
 
+// With distributed.shard_optimizer the plan holds each rank's part of the optimizer state: every rank listed, and
+// the optimizer-state row (the fullest rank's) smaller than the unsharded plan's.
+TEST(IntegrationModels, PlanWithShardedOptimizerStateShowsEachRanksPart) {
+  const std::vector<std::string> base = {"plan", "--config", "configs/tiny-t5.json", "--set", "memory.limit=12MiB",
+                                         "--world-size", "2"};
+  auto whole = run_trainer(base);
+  auto sharded_args = base;
+  sharded_args.insert(sharded_args.end(), {"--set", "distributed.shard_optimizer=true"});
+  auto sharded = run_trainer(sharded_args);
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.err;
+  EXPECT_NE(sharded.out.find("sharded optimizer state (distributed.shard_optimizer): "), std::string::npos)
+      << sharded.out;
+  EXPECT_NE(sharded.out.find("; per rank: 0: "), std::string::npos) << sharded.out;
+  EXPECT_EQ(whole.out.find("sharded optimizer state"), std::string::npos) << whole.out;
+  auto row = [](const std::string& out) {
+    const auto at = out.find("optimizer state (AdamW)");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+  };
+  ASSERT_FALSE(row(sharded.out).empty()) << sharded.out;
+  EXPECT_NE(row(whole.out), row(sharded.out));
+}
+
 TEST(IntegrationModels, GenerateChecksItsInputs) {
   auto ok = run_trainer({"generate", "--model", "configs/models/tiny-t5", "--random-init", "--ids", "5,6,7",
                          "--max-new-tokens", "4"});

@@ -212,6 +212,91 @@ TEST(IntegrationDistributed, ACheckpointOfTwoRanksResumesInOneProcess) {
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
+// ---- sharded optimizer state (distributed.shard_optimizer, ZeRO-1) ----
+
+const std::vector<std::string> kSharded = {"--set", "distributed.shard_optimizer=true"};
+
+// The names of a safetensors file's tensors, without the RNG state.
+static std::vector<std::string> state_names(const fs::path& file) {
+  std::vector<std::string> names;
+  const auto opened = SafetensorsFile::open(file.string());  // alive for the loop (C++20 range-for)
+  for (const auto& t : opened.tensors())
+    if (!t.name.starts_with("rng.")) names.push_back(t.name);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// Each of 2 ranks keeps the AdamW moments (fused kernel: fp32) of its half of the parameters, sums gradients to
+// their owners, clips by the global norm and broadcasts what it updated: the weights of one process, with
+// accumulation. The checkpoint's optimizer state is in one part per rank, disjoint, together the whole state.
+TEST(IntegrationDistributed, ShardedOptimizerOnTwoRanksTrainsTheWeightsOfOneProcessT5) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  expect_same_weights(short_run("configs/tiny-t5.json", one), with(short_run("configs/tiny-t5.json", two), kSharded),
+                      one, two, 2, "model.safetensors");
+  const auto part0 = state_names(two / "checkpoint-3" / "optimizer.safetensors");
+  const auto part1 = state_names(two / "checkpoint-3" / "optimizer-rank-1-of-2.safetensors");
+  EXPECT_FALSE(part0.empty());
+  EXPECT_FALSE(part1.empty());
+  std::vector<std::string> both = part0;
+  both.insert(both.end(), part1.begin(), part1.end());
+  std::sort(both.begin(), both.end());
+  EXPECT_EQ(both, state_names(one / "checkpoint-3" / "optimizer.safetensors"));
+}
+
+// Three ranks, Qwen2 with Adafactor (per-parameter statistics: whole parameters keep them on one rank).
+TEST(IntegrationDistributed, ShardedAdafactorOnThreeRanksTrainsTheWeightsOfOneProcessQwen2) {
+  TempDir dir;
+  const auto one = dir.path() / "one", three = dir.path() / "three";
+  const std::vector<std::string> adafactor = {"--set", "optimizer.name=adafactor"};
+  expect_same_weights(with(short_run("configs/tiny-qwen2.json", one), adafactor),
+                      with(with(short_run("configs/tiny-qwen2.json", three), adafactor), kSharded), one, three, 3,
+                      "model.safetensors");
+  EXPECT_TRUE(fs::exists(three / "checkpoint-3" / "optimizer-rank-2-of-3.safetensors"));
+}
+
+TEST(IntegrationDistributed, ShardedOptimizerWithLoraOnThreeRanksTrainsTheAdapterOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", three = dir.path() / "three";
+  const std::vector<std::string> lora = {"--set", "lora.enabled=true", "--set", "lora.r=8", "--set",
+                                         "optimizer.lr=1e-2"};
+  expect_same_weights(with(short_run("configs/tiny-qwen2.json", one), lora),
+                      with(with(short_run("configs/tiny-qwen2.json", three), lora), kSharded), one, three, 3,
+                      "adapter_model.safetensors");
+}
+
+// A run moves between world sizes and sharding through its checkpoints: 2 sharded ranks train 2 steps, one process
+// continues to 4, 2 sharded ranks again to 6; the weights are those of 6 uninterrupted steps in one process.
+TEST(IntegrationDistributed, ShardedCheckpointsResumeOnOtherWorldSizesExactly) {
+  TempDir dir;
+  const auto one = dir.path() / "one", run = dir.path() / "run";
+  const auto single = run_trainer(short_run("configs/tiny-qwen2.json", one, 6), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto first = run_ranks(2, with(short_run("configs/tiny-qwen2.json", run, 2), kSharded));
+  for (const auto& r : first) ASSERT_EQ(r.exit_code, 0) << all_errors(first);
+  EXPECT_TRUE(fs::exists(run / "checkpoint-2" / "optimizer-rank-1-of-2.safetensors"));
+  const auto middle =
+      run_trainer(with(short_run("configs/tiny-qwen2.json", run, 4), {"--resume"}), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(middle.exit_code, 0) << middle.err;
+  EXPECT_NE(middle.err.find("at step 2"), std::string::npos) << middle.err;
+  const auto last = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", run, 6), kSharded), {"--resume"}));
+  for (const auto& r : last) ASSERT_EQ(r.exit_code, 0) << all_errors(last);
+  EXPECT_NE(last[0].err.find("at step 4"), std::string::npos) << last[0].err;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", run / "final" / "model.safetensors"), 1e-5);
+}
+
+// A checkpoint with a rank's part missing is refused, naming the file, before anything trains.
+TEST(IntegrationDistributed, ACheckpointWithAMissingOptimizerPartIsRefusedNamingIt) {
+  TempDir dir;
+  const auto run = dir.path() / "run";
+  const auto ranks = run_ranks(2, with(short_run("configs/tiny-t5.json", run, 1), kSharded));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  ASSERT_TRUE(fs::remove(run / "checkpoint-1" / "optimizer-rank-1-of-2.safetensors"));
+  const auto resumed = run_trainer(with(short_run("configs/tiny-t5.json", run, 2), {"--resume"}), "OMP_NUM_THREADS=1");
+  EXPECT_EQ(resumed.exit_code, 3) << resumed.err;
+  EXPECT_NE(resumed.err.find("optimizer-rank-1-of-2.safetensors is missing"), std::string::npos) << resumed.err;
+}
+
 TEST(IntegrationDistributed, BadLaunchEnvironmentsFailWithExitTwoNamingTheVariable) {
   TempDir dir;
   const auto args = short_run("configs/tiny-t5.json", dir.path() / "run", 1);

@@ -1,10 +1,13 @@
 // The optimizers on free-standing tensors: bf16 updates that keep their value (stochastic rounding, Kahan
 // compensation) against round-to-nearest, determinism and exact resume, the allocation-free update, and the state
 // size the planner counts. Adafactor's numerics are compared with transformers in tests/parity/test_adafactor.py.
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <memory>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include "memory/cpu_budget.h"
@@ -315,6 +318,100 @@ TEST(OptimizerConfig, AdafactorAndRoundingKeysAreValidated) {
   const Config config = parse_config(minimal, "test.json");
   EXPECT_EQ(config.optimizer.bf16_update, Bf16Update::kStochastic);
   EXPECT_FALSE(config.optimizer.scale_parameter);  // as transformers' Trainer passes for optim="adafactor"
+}
+
+// ZeRO-1's shares: whole parameters, every one owned by exactly one rank, the elements spread evenly (no rank over
+// 1/N by more than the largest parameter), the same answer on every call (every rank computes it alone).
+TEST(ShardedOptimizer, OwnersShareTheElementsEvenly) {
+  const std::vector<int64_t> numels = {1000, 10, 500, 500, 300, 200, 7, 400, 90, 90, 650};
+  int64_t total = 0, largest = 0;
+  for (const auto n : numels) total += n, largest = std::max(largest, n);
+  EXPECT_EQ(shard_owners(numels, 1), std::vector<int>(numels.size(), 0));
+  for (int world = 2; world <= 4; ++world) {
+    SCOPED_TRACE(world);
+    const auto owners = shard_owners(numels, world);
+    ASSERT_EQ(owners.size(), numels.size());
+    EXPECT_EQ(owners, shard_owners(numels, world));
+    std::vector<int64_t> load(static_cast<std::size_t>(world), 0);
+    for (std::size_t i = 0; i < owners.size(); ++i) {
+      ASSERT_GE(owners[i], 0);
+      ASSERT_LT(owners[i], world);
+      load[static_cast<std::size_t>(owners[i])] += numels[i];
+    }
+    for (const auto l : load) {
+      EXPECT_GT(l, 0);
+      EXPECT_LE(l, total / world + largest);
+    }
+  }
+}
+
+// Ranks that each update only their own parameters reach the unsharded optimizer's weights, for the fused AdamW
+// kernel, the chunked AdamW update (bf16 moments: stochastic rounding keyed by the parameter's index, which sharding
+// keeps) and Adafactor (per-parameter statistics and update RMS); their state together is the unsharded state, in
+// disjoint halves; and a 3-way shard resumed from the unsharded state continues exactly (resume on another world
+// size, as the trainer's checkpoint parts do).
+TEST(ShardedOptimizer, ShardsTogetherUpdateAsTheUnshardedOptimizerAndResumeFromIt) {
+  const auto start = start_tensors(at::kFloat);
+  struct Variant {
+    const char* name;
+    OptimizerConfig config;
+    bool fused;
+  };
+  const std::vector<Variant> variants = {{"AdamW fused", adamw(Bf16Update::kStochastic), true},
+                                         {"AdamW chunked", adamw(Bf16Update::kStochastic), false},
+                                         {"AdamW bf16 moments", adamw(Bf16Update::kStochastic, StateDtype::kBf16), false},
+                                         {"Adafactor", adafactor(Bf16Update::kStochastic), false}};
+  auto make = [](Bag& bag, const Variant& v, OptimizerShard shard) -> std::unique_ptr<Optimizer> {
+    if (v.config.name == OptimizerName::kAdamW) return std::make_unique<AdamW>(bag, v.config, 5, v.fused, shard);
+    return std::make_unique<Adafactor>(bag, v.config, 5, shard);
+  };
+  for (const auto& v : variants) {
+    SCOPED_TRACE(v.name);
+    Bag whole(start), sharded(start);
+    auto unsharded = make(whole, v, {});
+    auto rank0 = make(sharded, v, {0, 2});
+    auto rank1 = make(sharded, v, {1, 2});
+    if (v.config.name == OptimizerName::kAdamW) {
+      EXPECT_EQ(dynamic_cast<AdamW&>(*rank0).fused(), v.fused);
+      EXPECT_EQ(dynamic_cast<AdamW&>(*unsharded).fused(), v.fused);
+    }
+    EXPECT_GT(rank0->state_bytes(), 0);
+    EXPECT_GT(rank1->state_bytes(), 0);
+    EXPECT_EQ(rank0->state_bytes() + rank1->state_bytes(), unsharded->state_bytes());
+    std::map<std::string, int> names;
+    for (const auto& [name, t] : rank0->state_tensors()) ++names[name];
+    for (const auto& [name, t] : rank1->state_tensors()) ++names[name];
+    const auto all = unsharded->state_tensors();
+    EXPECT_EQ(names.size(), all.size());
+    for (const auto& [name, t] : all) EXPECT_EQ(names[name], 1) << name;
+    for (int64_t s = 0; s < 3; ++s) {
+      set_grads(whole, s);
+      unsharded->step(1e-2);
+      set_grads(sharded, s);
+      rank0->step(1e-2);
+      rank1->step(1e-2);
+    }
+    EXPECT_LE(difference(whole, sharded), 1e-7);
+    EXPECT_GT(distance(whole, start), 1e-3);
+    // Three ranks resume the unsharded state (each takes its own tensors from the whole set) and go on alike.
+    Bag resumed(start);
+    for (std::size_t i = 0; i < start.size(); ++i) {
+      at::NoGradGuard no_grad;
+      resumed.tensors()[i].copy_(whole.tensors()[i]);
+    }
+    std::vector<std::unique_ptr<Optimizer>> three;
+    for (int r = 0; r < 3; ++r) {
+      three.push_back(make(resumed, v, {r, 3}));
+      three.back()->load_state(all, unsharded->steps(), "test");
+    }
+    for (int64_t s = 3; s < 5; ++s) {
+      set_grads(whole, s);
+      unsharded->step(1e-2);
+      set_grads(resumed, s);
+      for (auto& o : three) o->step(1e-2);
+    }
+    EXPECT_LE(difference(whole, resumed), 1e-7);
+  }
 }
 
 }  // namespace
