@@ -43,6 +43,8 @@ class Optimizer {
   // Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
   void zero_grad();  // drops the gradients (frees their memory)
+  // The trainable parameters' gradients that exist (views of the parameters' .grad(), for in-place changes).
+  std::vector<at::Tensor> gradients() const;
 
   int64_t steps() const { return step_; }
   int64_t trainable_parameters() const;

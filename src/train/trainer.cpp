@@ -26,6 +26,7 @@
 #include "train/checkpointing.h"
 #include "train/device_move.h"
 #include "train/fixed_memory.h"
+#include "train/grad_scaler.h"
 #include "train/optimizer.h"
 #include "train/resume_check.h"
 #include "train/retention.h"
@@ -333,7 +334,8 @@ void log_samples(LanguageModel& model, const Tokenizer& tokenizer, const Config&
 void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::Device& device,
                             const TrainedWeights& trained, const Optimizer& optimizer,
                             const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
-                            const Config& config, const nlohmann::json& data_fingerprint);
+                            const Config& config, const nlohmann::json& data_fingerprint,
+                            const nlohmann::json& scaler_state);
 std::optional<fs::path> newest_checkpoint(const fs::path& dir);
 
 // A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
@@ -347,7 +349,8 @@ std::optional<fs::path> newest_checkpoint(const fs::path& dir);
 void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, const c10::Device& device,
                       const TrainedWeights& trained,
                       const Optimizer& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
-                      int64_t tokens_seen, const Config& config, const nlohmann::json& data_fingerprint) {
+                      int64_t tokens_seen, const Config& config, const nlohmann::json& data_fingerprint,
+                      const nlohmann::json& scaler_state) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   if (on_disk && fs::exists(final_dir / "COMPLETE")) {
     spdlog::info("checkpoint step {}: {} (already written)", step, final_dir.string());
@@ -357,7 +360,7 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
   fs::remove_all(temp_dir);
   try {
     write_checkpoint_files(temp_dir, step, device, trained, optimizer, policy_state, cursor, tokens_seen, config,
-                           data_fingerprint);
+                           data_fingerprint, scaler_state);
   } catch (const Error& e) {
     // A full disk (or any write error): the partial directory goes, the previous checkpoint stays the newest, and
     // the message says what the checkpoint needs against what is free.
@@ -392,7 +395,8 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
 void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::Device& device,
                             const TrainedWeights& trained, const Optimizer& optimizer,
                             const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
-                            const Config& config, const nlohmann::json& data_fingerprint) {
+                            const Config& config, const nlohmann::json& data_fingerprint,
+                            const nlohmann::json& scaler_state) {
   save_trained(trained, temp_dir, config);
   auto tensors = optimizer.state_tensors();
   // LibTorch's generator state. Dropout no longer draws from it (its masks are keyed by the step); kept for
@@ -409,6 +413,9 @@ void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::D
                                 {"config", nlohmann::json::parse(config_to_json(config))},
                                 {"data_fingerprint", data_fingerprint}};
   if (trained.lora) state["base_model_config"] = trained.model.hf_config();  // an adapter has no config.json
+  // fp16-mixed: the loss scale and its growth tracker, so a resume scales and skips as the uninterrupted run would
+  // (absent in other modes and in older checkpoints, which load as before).
+  if (!scaler_state.is_null()) state["loss_scaler"] = scaler_state;
   write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
 }
 
@@ -568,6 +575,8 @@ class TrainingRun {
   std::unique_ptr<MemoryPolicy> policy_;
   std::unique_ptr<distributed::DataParallel> data_parallel_;
   std::unique_ptr<TrainStep> step_;
+  std::unique_ptr<GradScaler> scaler_;  // precision.mode=fp16-mixed
+  int64_t skipped_at_start_ = 0;        // the scaler's skipped steps when this process started (resume)
   std::unique_ptr<DeviceLadder> device_ladder_;
   int64_t tokens_seen_ = 0;
   int64_t step_index_ = 0;
@@ -633,6 +642,13 @@ void TrainingRun::build_model() {
   const bool bf16_weights =
       config_.precision.mode == PrecisionMode::kBf16 || (config_.lora.enabled && config_.lora.base_in_bf16);
   const auto options = at::TensorOptions().dtype(bf16_weights ? at::kBFloat16 : at::kFloat).device(device_);
+  // fp16-mixed is refused for the T5 family, known from model.path's config.json: before any weight is read.
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
+    const fs::path config_json = fs::path(config_.model.path) / "config.json";
+    if (fs::exists(config_json))
+      check_fp16_supported(read_json_file(config_json.string()).value("model_type", std::string()),
+                           config_json.string());
+  }
   // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
   model_ = fixed_part(config_, device_, "the model's weights", [&] {
     return resume_.dir && !config_.lora.enabled
@@ -640,6 +656,7 @@ void TrainingRun::build_model() {
                : load_model(config_.model.path, config_.model.init, options,
                             static_cast<uint64_t>(config_.training.seed));
   });
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed) check_fp16_supported(model_->model_type(), config_.model.path);
   model_->train(true);
   model_->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
   if (config_.lora.enabled)
@@ -691,6 +708,13 @@ void TrainingRun::build_optimizer_and_step() {
         *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes));
     options.sync = data_parallel_.get();
   }
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
+    GradScalerOptions scaling;
+    scaling.init_scale = config_.precision.initial_loss_scale;
+    scaling.growth_interval = config_.precision.loss_scale_growth_interval;
+    scaler_ = std::make_unique<GradScaler>(scaling);
+    options.scaler = scaler_.get();
+  }
   step_ = std::make_unique<TrainStep>(*model_, *optimizer_, *policy_, options);
   device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
 }
@@ -709,6 +733,13 @@ void TrainingRun::restore_or_probe() {
     const LoaderCursor saved_cursor = cursor_from_json(state.at("data_cursor"));
     loader_->restore(resume_.data_changed ? new_epoch_cursor(saved_cursor) : saved_cursor);
     policy_->restore(state.at("memory_policy"));
+    if (scaler_ && state.contains("loss_scaler")) {
+      scaler_->restore(state.at("loss_scaler"), (*resume_.dir / "train_state.json").string());
+      skipped_at_start_ = scaler_->skipped_steps();
+    } else if (scaler_) {
+      spdlog::info("fp16-mixed: {} holds no loss scale (another precision mode); starting at {:g}",
+                   resume_.dir->string(), scaler_->scale());
+    }
     step_index_ = state.at("step").get<int64_t>();
     tokens_seen_ = state.at("tokens_seen").get<int64_t>();
     if (file.find("rng.cpu")) set_rng_state(at::Device(at::kCPU), file.load("rng.cpu"));
@@ -754,7 +785,8 @@ std::string TrainingRun::checkpoint(const LoaderCursor& cursor, const nlohmann::
   const auto path = (output_dir_ / ("checkpoint-" + std::to_string(step_index_))).string();
   if (!primary_) return path;
   write_checkpoint(output_dir_, step_index_, on_disk_step_ == step_index_, device_, *trained_, *optimizer_,
-                   policy_state, cursor, tokens_seen_, config_, fingerprint_);
+                   policy_state, cursor, tokens_seen_, config_, fingerprint_,
+                   scaler_ ? scaler_->state() : nlohmann::json());
   on_disk_step_ = step_index_;
   retention_->on_checkpoint(step_index_,
                             last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
@@ -832,11 +864,13 @@ bool TrainingRun::train_one_step() {
   if (result.retries > 0) dump_snapshot_once(output_dir_, step_index_);
   tokens_seen_ += result.target_tokens;
   const auto memory = memory_now(device_);
-  reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen_,
-                     result.micro_batch, result.micro_steps, result.retries,
-                     static_cast<int64_t>(policy_->adaptations().size()), device_ladder_->moves(), memory.allocated,
-                     memory.peak,
-                     std::chrono::duration<double>(Clock::now() - step_start).count()});
+  StepMetrics metrics{step_index_, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen_,
+                      result.micro_batch, result.micro_steps, result.retries,
+                      static_cast<int64_t>(policy_->adaptations().size()), device_ladder_->moves(), memory.allocated,
+                      memory.peak,
+                      std::chrono::duration<double>(Clock::now() - step_start).count()};
+  if (scaler_) metrics.loss_scaling = LossScaling{result.loss_scale, result.skipped, scaler_->skipped_steps()};
+  reporter_.on_step(metrics);
   const bool eval_now = config_.evaluation.every_steps > 0 && step_index_ % config_.evaluation.every_steps == 0;
   if (eval_now || step_index_ == total_steps_) evaluate_and_sample();
   if (config_.checkpoint.every_steps > 0 && step_index_ % config_.checkpoint.every_steps == 0 &&
@@ -880,6 +914,9 @@ int TrainingRun::finish() {
   summary.memory_peak = memory_now(device_).peak;
   summary.adaptations = policy_->adaptations();
   summary.escalations = policy_->escalations();
+  if (scaler_)
+    summary.loss_scaling = RunSummary::LossScalingSummary{scaler_->skipped_steps(),
+                                                          scaler_->skipped_steps() - skipped_at_start_, scaler_->scale()};
   if (config_.checkpoint.save_final) summary.model_dir = (output_dir_ / "final").string();
   summary.model_is_adapter = lora_ != nullptr;
   if (train_options_.merge) summary.merged_dir = (output_dir_ / "final-merged").string();
