@@ -225,11 +225,11 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
         options_.scaler->update(/*found_inf=*/true);
         result.skipped = true;
         result.grad_norm = std::numeric_limits<double>::quiet_NaN();
-        spdlog::info("step {}: gradients overflowed fp16 (inf/NaN) at loss scale {:g}: update skipped, loss scale "
-                     "-> {:g}",
+        spdlog::info("step {}: gradients overflowed fp16 (inf/NaN) at loss scale {}: update skipped, loss scale "
+                     "-> {}",
                      step, result.loss_scale, options_.scaler->scale());
         if (options_.scaler->consecutive_skips() == kManySkippedSteps)
-          spdlog::warn("fp16-mixed: {} steps in a row skipped for inf/NaN gradients (loss scale now {:g}): the forward "
+          spdlog::warn("fp16-mixed: {} steps in a row skipped for inf/NaN gradients (loss scale now {}): the forward "
                        "pass itself overflows fp16 or the loss is not finite (loss {:g}), which no loss scale fixes. "
                        "Use precision.mode=fp32 (or bf16-mixed on a GPU with bf16)",
                        kManySkippedSteps, options_.scaler->scale(), result.loss);

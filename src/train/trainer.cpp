@@ -737,7 +737,7 @@ void TrainingRun::restore_or_probe() {
       scaler_->restore(state.at("loss_scaler"), (*resume_.dir / "train_state.json").string());
       skipped_at_start_ = scaler_->skipped_steps();
     } else if (scaler_) {
-      spdlog::info("fp16-mixed: {} holds no loss scale (another precision mode); starting at {:g}",
+      spdlog::info("fp16-mixed: {} holds no loss scale (another precision mode); starting at {}",
                    resume_.dir->string(), scaler_->scale());
     }
     step_index_ = state.at("step").get<int64_t>();
@@ -864,13 +864,12 @@ bool TrainingRun::train_one_step() {
   if (result.retries > 0) dump_snapshot_once(output_dir_, step_index_);
   tokens_seen_ += result.target_tokens;
   const auto memory = memory_now(device_);
-  StepMetrics metrics{step_index_, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen_,
-                      result.micro_batch, result.micro_steps, result.retries,
-                      static_cast<int64_t>(policy_->adaptations().size()), device_ladder_->moves(), memory.allocated,
-                      memory.peak,
-                      std::chrono::duration<double>(Clock::now() - step_start).count()};
-  if (scaler_) metrics.loss_scaling = LossScaling{result.loss_scale, result.skipped, scaler_->skipped_steps()};
-  reporter_.on_step(metrics);
+  reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen_,
+                     result.micro_batch, result.micro_steps, result.retries,
+                     static_cast<int64_t>(policy_->adaptations().size()), device_ladder_->moves(), memory.allocated,
+                     memory.peak, std::chrono::duration<double>(Clock::now() - step_start).count(),
+                     scaler_ ? std::optional(LossScaling{result.loss_scale, result.skipped, scaler_->skipped_steps()})
+                             : std::nullopt});
   const bool eval_now = config_.evaluation.every_steps > 0 && step_index_ % config_.evaluation.every_steps == 0;
   if (eval_now || step_index_ == total_steps_) evaluate_and_sample();
   if (config_.checkpoint.every_steps > 0 && step_index_ % config_.checkpoint.every_steps == 0 &&

@@ -212,14 +212,14 @@ TEST(IntegrationDistributed, ACheckpointOfTwoRanksResumesInOneProcess) {
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
-// fp16-mixed with a loss scale that overflows at the start and, doubling after every clean step, again and again:
-// the overflow check runs on the summed gradients, which every rank holds alike, so the ranks skip the steps one
-// process skips (no extra agreement needed) and reach its weights.
+// fp16-mixed with a loss scale that overflows (2^20 on this model) and, doubling after every clean step, overflows
+// again and again: the overflow check runs on the summed gradients, which every rank holds alike, so the ranks skip
+// the steps one process skips (no extra agreement needed) and reach its weights.
 TEST(IntegrationDistributed, TwoRanksSkipTheFp16OverflowStepsOfOneProcess) {
   TempDir dir;
   const auto one = dir.path() / "one", two = dir.path() / "two";
   const std::vector<std::string> fp16 = {"--set", "precision.mode=fp16-mixed", "--set",
-                                         "precision.initial_loss_scale=17179869184", "--set",
+                                         "precision.initial_loss_scale=1048576", "--set",
                                          "precision.loss_scale_growth_interval=1"};
   expect_same_weights(with(short_run("configs/tiny-qwen2.json", one, 6), fp16),
                       with(short_run("configs/tiny-qwen2.json", two, 6), fp16), one, two, 2, "model.safetensors");

@@ -1,6 +1,9 @@
 // fp16-mixed's dynamic loss scaling: GradScaler's arithmetic (torch.amp.GradScaler's rules), and the training step
 // with it on a tiny Qwen2 under CPU fp16 autocast, with real overflows from a loss scale fp16 cannot hold.
+#include <cmath>
+#include <limits>
 #include <map>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -17,6 +20,13 @@
 namespace trainer {
 namespace {
 
+GradScalerOptions scaling(double init_scale, int64_t growth_interval = 2000) {
+  GradScalerOptions options;
+  options.init_scale = init_scale;
+  options.growth_interval = growth_interval;
+  return options;
+}
+
 TEST(GradScaler, StartsAtTwoToTheSixteenAndUnscalesFiniteGradients) {
   GradScaler scaler;
   EXPECT_EQ(scaler.scale(), 65536.0);
@@ -28,7 +38,7 @@ TEST(GradScaler, StartsAtTwoToTheSixteenAndUnscalesFiniteGradients) {
 }
 
 TEST(GradScaler, FindsInfAndNanInAnyGradientOfAnyDtype) {
-  GradScaler scaler(GradScalerOptions{4.0});
+  GradScaler scaler(scaling(4.0));
   for (const double bad : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
                            std::numeric_limits<double>::quiet_NaN()}) {
     at::Tensor fine = at::ones({4}, at::kFloat), half = at::ones({5}, at::kHalf);
@@ -44,7 +54,7 @@ TEST(GradScaler, FindsInfAndNanInAnyGradientOfAnyDtype) {
 // GradScaler.update's rules: backoff by 0.5 and a reset tracker on an overflow, growth by 2 after growth_interval
 // clean steps in a row; the state round-trips through a checkpoint's JSON.
 TEST(GradScaler, BacksOffOnOverflowAndGrowsAfterTheInterval) {
-  GradScaler scaler(GradScalerOptions{1024.0, 2.0, 0.5, 3});
+  GradScaler scaler(scaling(1024.0, 3));
   scaler.update(true);
   EXPECT_EQ(scaler.scale(), 512.0);
   EXPECT_EQ(scaler.skipped_steps(), 1);
@@ -67,7 +77,7 @@ TEST(GradScaler, BacksOffOnOverflowAndGrowsAfterTheInterval) {
   EXPECT_EQ(scaler.skipped_steps(), 3);
 
   const auto state = scaler.state();
-  GradScaler restored(GradScalerOptions{1.0, 2.0, 0.5, 3});
+  GradScaler restored(scaling(1.0, 3));
   restored.restore(state, "train_state.json");
   EXPECT_EQ(restored.scale(), 256.0);
   EXPECT_EQ(restored.growth_tracker(), 1);
@@ -140,7 +150,7 @@ struct Trainee {
     options.max_grad_norm = 0;  // no clipping: the gradients themselves are compared
     options.chunked_loss = chunked_loss;
     if (init_scale) {
-      scaler = std::make_unique<GradScaler>(GradScalerOptions{*init_scale});
+      scaler = std::make_unique<GradScaler>(scaling(*init_scale));
       options.scaler = scaler.get();
     }
     step = std::make_unique<TrainStep>(*model, *optimizer, *policy, options);
