@@ -197,34 +197,34 @@ void fp16_mixed_step_follows_fp32(bool chunked_loss) {
 TEST(Fp16MixedStep, UpdatesAsFp32WithinFp16Rounding) { fp16_mixed_step_follows_fp32(false); }
 TEST(Fp16MixedStep, UpdatesAsFp32WithinFp16RoundingWithChunkedLoss) { fp16_mixed_step_follows_fp32(true); }
 
-// A loss scale of 2^100 overflows fp16 in backward (a real inf, nothing injected): the step is skipped (weights,
+// A loss scale of 2^60 overflows fp16 in backward (a real inf, nothing injected): the step is skipped (weights,
 // optimizer state and step count untouched), the scale halves, the memory policy keeps its micro-batch, and no
 // attempt counts as an out-of-memory retry. Each further overflow halves it again; once it fits, steps train.
 TEST(Fp16MixedStep, AnOverflowSkipsTheUpdateAndBacksOffWithoutTouchingTheMemoryPolicy) {
   const auto batch = make_batch(4, 5);
-  Trainee t(PrecisionMode::kFp16Mixed, std::ldexp(1.0, 100));
+  Trainee t(PrecisionMode::kFp16Mixed, std::ldexp(1.0, 60));
   const auto before = t.weights();
   const auto result = t.step->run(batch, 1, 1e-3);
   EXPECT_TRUE(result.skipped);
-  EXPECT_EQ(result.loss_scale, std::ldexp(1.0, 100));
+  EXPECT_EQ(result.loss_scale, std::ldexp(1.0, 60));
   EXPECT_TRUE(std::isnan(result.grad_norm));
   EXPECT_TRUE(std::isfinite(result.loss));  // the forward pass was fine: only the scaled backward overflowed
   EXPECT_EQ(result.retries, 0);
   EXPECT_EQ(result.micro_batch, 2);
   EXPECT_EQ(t.policy->micro_batch(), 2);
   EXPECT_TRUE(t.policy->adaptations().empty());
-  EXPECT_EQ(t.scaler->scale(), std::ldexp(1.0, 99));
+  EXPECT_EQ(t.scaler->scale(), std::ldexp(1.0, 59));
   EXPECT_EQ(t.optimizer->steps(), 0);
   EXPECT_TRUE(t.optimizer->gradients().empty());
   EXPECT_EQ(max_difference(before, t.weights()), 0.0);
 
   // Halving until the gradients fit, then training.
   int64_t step = 1, skipped = 1;
-  for (StepResult r = result; r.skipped && step < 200; ++step) {
+  for (StepResult r = result; r.skipped && step < 100; ++step) {
     r = t.step->run(batch, step + 1, 1e-3);
     if (r.skipped) ++skipped;
   }
-  EXPECT_GT(skipped, 60);  // from 2^100 down below 2^40 at least
+  EXPECT_GT(skipped, 30);  // from 2^60 down below 2^30 at least (about 2^19 fits)
   EXPECT_EQ(t.scaler->skipped_steps(), skipped);
   EXPECT_EQ(t.optimizer->steps(), 1);
   EXPECT_GT(max_difference(before, t.weights()), 0.0);
