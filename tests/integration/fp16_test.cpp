@@ -138,8 +138,9 @@ TEST(IntegrationFp16, OverflowsSkipExactlyThoseStepsAndTheRunEqualsOneThatNeverT
     if (skip) scale /= 2;
     EXPECT_EQ(r["skipped_steps"].get<int64_t>(), skipped);
     EXPECT_EQ(r["grad_norm"].is_null(), skip);
-    if (i > 0 && records[static_cast<std::size_t>(i - 1)]["skipped"].get<bool>())  // no update: the same loss again
+    if (i > 0 && records[static_cast<std::size_t>(i - 1)]["skipped"].get<bool>()) {  // no update: the same loss again
       EXPECT_EQ(r["loss"].get<double>(), records[static_cast<std::size_t>(i - 1)]["loss"].get<double>());
+    }
     EXPECT_EQ(r["oom_retries"].get<int64_t>(), 0);  // never taken for an out-of-memory error
     EXPECT_EQ(r["micro_batch"].get<int64_t>(), 4);  // and the memory policy never shrank
     EXPECT_EQ(r["adaptations"].get<int64_t>(), 0);
