@@ -85,9 +85,9 @@ std::string format_summary(const RunSummary& s) {
   for (const auto& a : s.adaptations)
     text += fmt::format("    step {}: {} -> {} ({})\n", a.step, a.old_micro_batch, a.new_micro_batch, a.reason);
   if (s.loss_scaling)
-    text += fmt::format("  fp16 loss scaling: {} steps skipped for inf/NaN gradients ({} in this run); loss scale {}\n",
-                        s.loss_scaling->skipped_steps, s.loss_scaling->skipped_steps_this_run,
-                        s.loss_scaling->final_scale);
+    text += fmt::format("  fp16 loss scaling: {} step{} skipped for inf/NaN gradients ({} in this run); loss scale {}\n",
+                        s.loss_scaling->skipped_steps, s.loss_scaling->skipped_steps == 1 ? "" : "s",
+                        s.loss_scaling->skipped_steps_this_run, s.loss_scaling->final_scale);
   if (!s.escalations.empty()) {
     text += "  turned on at the micro-batch floor:";
     for (const auto& e : s.escalations) text += " " + e;

@@ -260,6 +260,9 @@ TEST(LogReporter, LossScalingInMetricsAndSummary) {
   EXPECT_TRUE(contains(format_summary(s), "fp16 loss scaling: 3 steps skipped for inf/NaN gradients (1 in this run); "
                                           "loss scale 8192"))
       << format_summary(s);
+  s.loss_scaling = RunSummary::LossScalingSummary{1, 0, 65536.0};
+  EXPECT_TRUE(contains(format_summary(s), "fp16 loss scaling: 1 step skipped for inf/NaN gradients (0 in this run)"))
+      << format_summary(s);
   EXPECT_FALSE(contains(format_summary(RunSummary{}), "loss scaling"));
 }
 
