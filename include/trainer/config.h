@@ -91,11 +91,13 @@ inline constexpr EnumName<SchedulerName> kSchedulerNames[] = {{SchedulerName::kC
                                                               {SchedulerName::kCosine, "cosine"}};
 inline std::span<const EnumName<SchedulerName>> enum_names(SchedulerName) { return kSchedulerNames; }
 
-// fp16 is deliberately absent: T5-family activations overflow it, and bf16 covers the same hardware.
-enum class PrecisionMode { kFp32, kBf16Mixed, kBf16 };
+// fp16-mixed (fp32 master weights, fp16 autocast, dynamic loss scaling: train/grad_scaler.h) is for GPUs without
+// bf16 (T4, V100, RTX 20xx); it is refused for the T5 family when the model is loaded. Pure fp16 weights are absent.
+enum class PrecisionMode { kFp32, kBf16Mixed, kBf16, kFp16Mixed };
 inline constexpr EnumName<PrecisionMode> kPrecisionModeNames[] = {{PrecisionMode::kFp32, "fp32"},
                                                                   {PrecisionMode::kBf16Mixed, "bf16-mixed"},
-                                                                  {PrecisionMode::kBf16, "bf16"}};
+                                                                  {PrecisionMode::kBf16, "bf16"},
+                                                                  {PrecisionMode::kFp16Mixed, "fp16-mixed"}};
 inline std::span<const EnumName<PrecisionMode>> enum_names(PrecisionMode) { return kPrecisionModeNames; }
 
 enum class OomPolicy { kAdapt, kFail };
@@ -339,10 +341,19 @@ struct SchedulerConfig {
 
 struct PrecisionConfig {
   PrecisionMode mode = PrecisionMode::kFp32;
+  double initial_loss_scale = 65536.0;
+  std::int64_t loss_scale_growth_interval = 2000;
 
   template <class V>
   void visit(V& v) {
-    v("mode", mode, "fp32; bf16-mixed (fp32 master weights, bf16 autocast); bf16 (bf16 weights)");
+    v("mode", mode,
+      "fp32; bf16-mixed (fp32 master weights, bf16 autocast); bf16 (bf16 weights); fp16-mixed (fp32 master "
+      "weights, fp16 autocast, dynamic loss scaling: for GPUs without bf16; not for T5)");
+    v("initial_loss_scale", initial_loss_scale,
+      "fp16-mixed: the loss scale of the first step (2^16, as torch.amp.GradScaler); halved at every step whose "
+      "gradients overflow (that step is skipped)");
+    v("loss_scale_growth_interval", loss_scale_growth_interval,
+      "fp16-mixed: the loss scale doubles after this many steps in a row without inf/NaN gradients");
   }
   bool operator==(const PrecisionConfig&) const = default;
 };

@@ -131,10 +131,12 @@ std::string refused_value(E, const std::string&) {
   return {};
 }
 std::string refused_value(PrecisionMode, const std::string& text) {
-  if (text != "fp16" && text != "fp16-mixed" && text != "16-mixed" && text != "float16" && text != "half") return {};
-  return "'" + text + "' is refused: T5 / FLAN-T5 activations overflow fp16 (inf, then NaN loss), and fp16 needs "
-         "loss scaling; bf16 has fp32's range on the same GPUs (Ampere and newer) and the CPU. Use 'bf16-mixed' "
-         "(fp32 master weights) or 'bf16'";
+  if (text == "16-mixed" || text == "fp16_mixed" || text == "mixed-fp16")
+    return "'" + text + "' is spelled 'fp16-mixed' here (fp32 master weights, fp16 autocast, dynamic loss scaling)";
+  if (text != "fp16" && text != "float16" && text != "half") return {};
+  return "'" + text + "' is refused: fp16 weights lose small updates and need loss scaling. On GPUs without bf16 "
+         "(T4, V100, RTX 20xx) use 'fp16-mixed' (fp32 master weights, fp16 autocast, dynamic loss scaling; not for "
+         "T5 / FLAN-T5, whose activations overflow fp16); elsewhere 'bf16-mixed' or 'bf16'";
 }
 
 template <class E>

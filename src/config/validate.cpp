@@ -1,6 +1,7 @@
 // Semantic checks of a parsed configuration: ranges and consistency between keys. Pure: no file system access
 // (a config for another machine must validate here), so paths are checked when the run starts.
 #include <algorithm>
+#include <cmath>
 #include <regex>
 #include <string>
 
@@ -131,6 +132,11 @@ std::vector<ConfigProblem> validate(const Config& c) {
   check.require(s.warmup_steps == 0 || s.warmup_ratio == 0.0, "scheduler.warmup_ratio",
                 "give either warmup_steps or warmup_ratio, not both");
   check.in_range(s.min_lr_ratio, 0.0, 1.0, "scheduler.min_lr_ratio");
+
+  const auto& p = c.precision;
+  check.require(p.initial_loss_scale > 0 && std::isfinite(p.initial_loss_scale), "precision.initial_loss_scale",
+                "must be a positive number, e.g. 65536 (2^16)");
+  check.at_least(p.loss_scale_growth_interval, 1, "precision.loss_scale_growth_interval");
 
   const auto& l = c.lora;
   if (l.enabled) {

@@ -59,6 +59,8 @@ std::vector<ScalarName> scalar_names() {
           {"micro_batch", "memory/micro_batch"},
           {"micro_steps", "memory/micro_steps"},
           {"oom_retries", "memory/oom_retries"},
+          {"loss_scale", "train/loss_scale"},
+          {"skipped_steps", "train/skipped_steps"},
           {"adaptations", "memory/adaptations"},
           {"device_moves", "memory/device_moves"},
           {"memory_allocated", "memory/allocated_bytes"},
@@ -85,6 +87,10 @@ std::string format_summary(const RunSummary& s) {
                       s.adaptations.size());
   for (const auto& a : s.adaptations)
     text += fmt::format("    step {}: {} -> {} ({})\n", a.step, a.old_micro_batch, a.new_micro_batch, a.reason);
+  if (s.loss_scaling)
+    text += fmt::format("  fp16 loss scaling: {} step{} skipped for inf/NaN gradients ({} in this run); loss scale {}\n",
+                        s.loss_scaling->skipped_steps, s.loss_scaling->skipped_steps == 1 ? "" : "s",
+                        s.loss_scaling->skipped_steps_this_run, s.loss_scaling->final_scale);
   if (!s.escalations.empty()) {
     text += "  turned on at the micro-batch floor:";
     for (const auto& e : s.escalations) text += " " + e;
@@ -166,19 +172,27 @@ void Reporter::on_step(const StepMetrics& m) {
   const double now = seconds_since_start();
   if (!clock_) clock_.emplace(m.step - 1, m.step, now);  // on_start was skipped (tests)
   clock_->add_step(m.step, m.target_tokens, m.seconds, now);
-  write_metrics({{"step", m.step},
-                 {"loss", m.loss},
-                 {"lr", m.lr},
-                 {"grad_norm", m.grad_norm},
-                 {"tokens", m.tokens_seen},
-                 {"tokens_per_s", m.seconds > 0 ? static_cast<double>(m.target_tokens) / m.seconds : 0.0},
-                 {"micro_batch", m.micro_batch},
-                 {"micro_steps", m.micro_steps},
-                 {"oom_retries", m.oom_retries},
-                 {"adaptations", m.adaptations},
-                 {"device_moves", m.device_moves},
-                 {"memory_allocated", m.memory_allocated},
-                 {"memory_peak", m.memory_peak}});
+  nlohmann::json record = {{"step", m.step},
+                            {"loss", m.loss},
+                            {"lr", m.lr},
+                            {"grad_norm", m.grad_norm},
+                            {"tokens", m.tokens_seen},
+                            {"tokens_per_s", m.seconds > 0 ? static_cast<double>(m.target_tokens) / m.seconds : 0.0},
+                            {"micro_batch", m.micro_batch},
+                            {"micro_steps", m.micro_steps},
+                            {"oom_retries", m.oom_retries},
+                            {"adaptations", m.adaptations},
+                            {"device_moves", m.device_moves},
+                            {"memory_allocated", m.memory_allocated},
+                            {"memory_peak", m.memory_peak}};
+  if (m.loss_scaling) {
+    // A skipped step has no gradient norm (its gradients overflowed): grad_norm is null there.
+    record["loss_scale"] = m.loss_scaling->scale;
+    record["skipped"] = m.loss_scaling->skipped;
+    record["skipped_steps"] = m.loss_scaling->skipped_steps;
+    if (m.loss_scaling->skipped) record["grad_norm"] = nullptr;
+  }
+  write_metrics(record);
   if (console_ == Console::kOff) return;
   const ProgressSnapshot snapshot{m.step, run_.total_steps, m.loss, m.lr, m.grad_norm, clock_->tokens_per_second(),
                                   m.memory_allocated, m.memory_peak, m.micro_batch, m.micro_steps,

@@ -38,6 +38,13 @@ struct RunStart {
   std::string resumed_from;       // the checkpoint directory, when resuming
 };
 
+// fp16-mixed's dynamic loss scaling at one step (train/grad_scaler.h).
+struct LossScaling {
+  double scale = 0;           // the loss scale this step's backward used
+  bool skipped = false;       // its gradients held an inf or NaN: no update
+  int64_t skipped_steps = 0;  // skipped steps of the whole run so far
+};
+
 struct StepMetrics {
   int64_t step = 0;
   double loss = 0;
@@ -53,6 +60,7 @@ struct StepMetrics {
   int64_t memory_allocated = 0;
   int64_t memory_peak = 0;
   double seconds = 0;         // the step itself: batch, forward, backward, update
+  std::optional<LossScaling> loss_scaling;  // precision.mode=fp16-mixed
 };
 
 struct RunSummary {
@@ -74,6 +82,12 @@ struct RunSummary {
   double best_eval_loss = 0;
   std::string metrics_file;     // empty when off
   std::string tensorboard_dir;  // empty when off
+  struct LossScalingSummary {
+    int64_t skipped_steps = 0;           // of the whole run (resumes included)
+    int64_t skipped_steps_this_run = 0;  // since this process started
+    double final_scale = 0;
+  };
+  std::optional<LossScalingSummary> loss_scaling;  // precision.mode=fp16-mixed
 };
 
 // The summary a finished run prints: steps, tokens, wall time, throughput, data problems, memory, every

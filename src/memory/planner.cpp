@@ -29,6 +29,7 @@
 #include "models/inspect.h"
 #include "models/lora.h"
 #include "models/model.h"
+#include "train/grad_scaler.h"
 #include "train/optimizer.h"
 #include "trainer/device.h"
 #include "trainer/model_dir.h"
@@ -242,8 +243,9 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
     plan.gradients = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
   }
   plan.optimizer_state = optimizer_state;
-  // bf16-mixed: autocast keeps a bf16 copy of every weight it casts until backward has used it.
-  if (mode == PrecisionMode::kBf16Mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
+  // bf16-mixed, fp16-mixed: autocast keeps a 16-bit copy of every weight it casts until backward has used it.
+  const bool mixed = mode == PrecisionMode::kBf16Mixed || mode == PrecisionMode::kFp16Mixed;
+  if (mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
   if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
   // The optimizer's update scratch (train/optimizer.cpp): two fp32 buffers (four with bf16 moments) of the largest
   // trainable tensor's size, at most 4M elements each. Tens of MiB; most of a tiny model's step with a large
@@ -285,7 +287,7 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   plan.loss_chunk_bytes_per_token = vocab * logits_bytes;
   plan.loss_rows_per_example = a.targets * hidden_size * compute_bytes;
   const bool head_trained = !config.lora.enabled;
-  plan.loss_fixed = head_trained && mode == PrecisionMode::kBf16Mixed ? vocab * hidden_size * compute_bytes : 0;
+  plan.loss_fixed = head_trained && mixed ? vocab * hidden_size * compute_bytes : 0;
   plan.loss_chunk_size = config.training.loss_chunk_size;
   plan.targets_per_example = static_cast<int64_t>(a.targets);
   plan.activations_per_example = a.saved * compute_bytes;
@@ -490,6 +492,8 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
   }
   inspect_model_dir(config.model.path, /*need_weights=*/false);  // a clear error for a wrong model.path
   const auto hf_config = read_json_file(config.model.path + "/config.json");
+  if (config.precision.mode == PrecisionMode::kFp16Mixed)  // refused as training refuses it
+    check_fp16_supported(hf_config.value("model_type", std::string()), config.model.path + "/config.json");
   auto plan = plan_memory(config, hf_config, resolved.device, capacity, source);
   out << "model " << config.model.path << " on " << resolved.description << "\n";
   if (world_size > 1) {

@@ -154,6 +154,13 @@ void Optimizer::zero_grad() {
   for (auto& param : params_) param.param->mutable_grad() = at::Tensor();
 }
 
+std::vector<at::Tensor> Optimizer::gradients() const {
+  std::vector<at::Tensor> grads;
+  for (const auto& param : params_)
+    if (param.param->grad().defined()) grads.push_back(param.param->grad());
+  return grads;
+}
+
 int64_t Optimizer::trainable_parameters() const {
   int64_t n = 0;
   for (const auto& param : params_) n += param.param->numel();

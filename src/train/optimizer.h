@@ -62,6 +62,8 @@ class Optimizer {
   double squared_grad_norm() const;
   double clip_to(double norm, double max_norm);
   void zero_grad();  // drops the gradients (frees their memory)
+  // The trainable parameters' gradients that exist (views of the parameters' .grad(), for in-place changes).
+  std::vector<at::Tensor> gradients() const;
 
   int64_t steps() const { return step_; }
   // ZeRO-1: each trainable parameter's owner rank (all 0 unsharded), and whether this rank owns parameter i.

@@ -26,6 +26,8 @@ std::string resume_refusal_reason(const std::string& key) {
   // Whole sections first: the model and the tokenizer are what the weights mean; precision is their numerics.
   if (key.starts_with("model.")) return "the checkpoint's weights belong to the model it names";
   if (key.starts_with("tokenizer.")) return "the token ids the model was trained on";
+  // The loss scaler's settings are tuning, as the learning rate is (a resume continues from the saved scale).
+  if (key == "precision.initial_loss_scale" || key == "precision.loss_scale_growth_interval") return {};
   if (key.starts_with("precision.")) return "the numerics of the weights, gradients and optimizer state";
   static const std::map<std::string, std::string> reasons = {
       {"optimizer.name", "the optimizer state in the checkpoint is this optimizer's"},

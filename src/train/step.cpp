@@ -2,6 +2,7 @@
 #include "train/step.h"
 
 #include <cmath>
+#include <limits>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -17,6 +18,10 @@
 
 namespace trainer {
 namespace {
+
+// fp16-mixed: this many skipped steps in a row is no calibration of the loss scale any more (from 2^16 it has
+// fallen below 2^-4): a warning says what else overflows.
+constexpr int64_t kManySkippedSteps = 20;
 
 // Examples in the largest micro-batch of a split (what the progress line and metrics call the micro-batch).
 int64_t largest_part(const std::vector<std::pair<int64_t, int64_t>>& parts) {
@@ -66,24 +71,33 @@ double TrainStep::forward_backward_packed(std::span<const Example> examples, std
   return forward_backward(batch, normaliser);
 }
 
+std::optional<at::ScalarType> TrainStep::autocast_dtype() const {
+  if (options_.precision == PrecisionMode::kBf16Mixed) return at::kBFloat16;
+  if (options_.precision == PrecisionMode::kFp16Mixed) return at::kHalf;
+  return std::nullopt;
+}
+
 double TrainStep::forward_backward(const Batch& batch, double normaliser) {
+  const auto dtype = autocast_dtype();
+  // fp16-mixed: the loss (fp32) times the loss scale, so that small gradients stay above fp16's smallest values;
+  // run() divides the gradients by it again before clipping.
+  const double grad_scale = loss_scale() / normaliser;
   if (!options_.chunked_loss) {
     at::Tensor loss_sum;
     {
-      AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
+      AutocastScope autocast(dtype.has_value(), options_.device.type(), dtype.value_or(at::kBFloat16));
       loss_sum = forward_loss(model_, batch).loss_sum;
     }
-    (loss_sum / normaliser).backward();
+    (options_.scaler ? loss_sum * grad_scale : loss_sum / normaliser).backward();
     return loss_sum.item<double>();
   }
   // Chunked loss: the fused linear cross-entropy (train/fused_loss.h) runs the LM head and the loss over
   // loss_chunk_size trained positions at a time, turning each chunk's logits into their gradient in place and
   // accumulating the head weight's gradient at once, so neither the full (tokens x vocabulary) logits nor their
   // gradient ever exist. The gradient reaches the rest of the model through the hidden states in one backward.
-  const bool autocast = options_.precision == PrecisionMode::kBf16Mixed;
   at::Tensor hidden, targets;
   {
-    AutocastScope scope(autocast, options_.device.type());
+    AutocastScope scope(dtype.has_value(), options_.device.type(), dtype.value_or(at::kBFloat16));
     std::tie(hidden, targets) = model_.hidden_and_targets(batch);
   }
   at::Tensor weight = model_.lm_head_weight();
@@ -92,10 +106,9 @@ double TrainStep::forward_backward(const Batch& batch, double normaliser) {
     if (!weight.grad().defined()) weight.mutable_grad() = at::zeros_like(weight);
     weight_grad = weight.grad();
   }
-  const auto fused = fused_linear_cross_entropy(
-      hidden.detach().reshape({-1, hidden.size(-1)}), targets, weight.detach(), model_.lm_head_scale(),
-      1.0 / normaliser, policy_.loss_chunk_size(),
-      autocast ? std::optional(at::kBFloat16) : std::nullopt, weight_grad);
+  const auto fused = fused_linear_cross_entropy(hidden.detach().reshape({-1, hidden.size(-1)}), targets,
+                                                weight.detach(), model_.lm_head_scale(), grad_scale,
+                                                policy_.loss_chunk_size(), dtype, weight_grad);
   if (hidden.requires_grad()) hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));
   return fused.loss_sum.item<double>();
 }
@@ -198,6 +211,36 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
                                "");
     }
     if (options_.sync) loss_sum = options_.sync->reduce(loss_sum);
+    result.loss = loss_sum / normaliser;
+    result.micro_batch = largest;
+    result.micro_steps = static_cast<int64_t>(parts.size());
+    result.retries = attempt;
+    result.target_tokens = batch.target_tokens;
+    if (options_.scaler) {
+      // fp16-mixed: the gradients back to their true size, then the overflow check, one decision for every rank.
+      // An overflow is no out-of-memory error: the memory policy neither shrinks nor retries; the scale backs off
+      // and the effective batch is not trained.
+      result.loss_scale = options_.scaler->scale();
+      bool overflow = options_.scaler->unscale_and_check(optimizer_.gradients());
+      // With a sharded optimizer each rank holds only its own parameters' summed gradients: the ranks agree.
+      if (options_.sync) overflow = !options_.sync->agree(!overflow, 0).all_fit;
+      if (overflow) {
+        optimizer_.zero_grad();
+        options_.scaler->update(/*found_inf=*/true);
+        result.skipped = true;
+        result.grad_norm = std::numeric_limits<double>::quiet_NaN();
+        spdlog::info("step {}: gradients overflowed fp16 (inf/NaN) at loss scale {}: update skipped, loss scale "
+                     "-> {}",
+                     step, result.loss_scale, options_.scaler->scale());
+        if (options_.scaler->consecutive_skips() == kManySkippedSteps)
+          spdlog::warn("fp16-mixed: {} steps in a row skipped for inf/NaN gradients (loss scale now {}): the forward "
+                       "pass itself overflows fp16 or the loss is not finite (loss {:g}), which no loss scale fixes. "
+                       "Use precision.mode=fp32 (or bf16-mixed on a GPU with bf16)",
+                       kManySkippedSteps, options_.scaler->scale(), result.loss);
+        policy_.step_succeeded(step, static_cast<int64_t>(all.size()));  // it fit: the memory policy's step
+        return result;
+      }
+    }
     // The optimizer phase. What in it allocates (the gradient norm's temporaries) runs first, and with data
     // parallelism the ranks agree on its outcome before any rank changes a gradient or a weight, so an
     // out-of-memory error on one rank is retried (or stops the run) on every rank alike. The update itself
@@ -250,11 +293,7 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
                                              : "");
     }
     if (options_.sync) options_.sync->after_update();
-    result.loss = loss_sum / normaliser;
-    result.micro_batch = largest;
-    result.micro_steps = static_cast<int64_t>(parts.size());
-    result.retries = attempt;
-    result.target_tokens = batch.target_tokens;
+    if (options_.scaler) options_.scaler->update(/*found_inf=*/false);
     policy_.step_succeeded(step, static_cast<int64_t>(all.size()));
     return result;
   }

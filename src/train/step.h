@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "data/packing.h"
 #include "memory/policy.h"
 #include "models/model.h"
+#include "train/grad_scaler.h"
 #include "train/optimizer.h"
 #include "trainer/config.h"
 #include "trainer/data.h"
@@ -37,6 +39,10 @@ struct StepResult {
   int64_t micro_steps = 0; // forward/backward passes of the successful attempt
   int64_t retries = 0;     // attempts lost to out-of-memory errors
   int64_t target_tokens = 0;
+  // fp16-mixed: the loss scale this step's backward used (0 without loss scaling), and whether its gradients held
+  // an inf or NaN, so that the update was skipped (train/grad_scaler.h).
+  double loss_scale = 0;
+  bool skipped = false;
 };
 
 // What data parallelism adds to a step (implemented in src/distributed/); absent in a single process.
@@ -80,6 +86,7 @@ struct StepOptions {
   bool packing = false;
   PackCapacity pack_capacity;
   StepSync* sync = nullptr;  // data parallelism: this rank trains its share, gradients are summed over the ranks
+  GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed: dynamic loss scaling
 };
 
 class TrainStep {
@@ -107,6 +114,10 @@ class TrainStep {
   void set_device(const c10::Device& device) { options_.device = device; }
 
  private:
+  // The autocast dtype of the mixed precision modes (bf16-mixed, fp16-mixed); none otherwise.
+  std::optional<at::ScalarType> autocast_dtype() const;
+  // What the loss is multiplied by before backward: the loss scale with fp16-mixed, else 1.
+  double loss_scale() const { return options_.scaler ? options_.scaler->scale() : 1.0; }
   // At the floor: applies the policy's next escalation that changes something; false when none is left.
   bool escalate(int64_t step);
 

@@ -28,6 +28,7 @@
 #include "train/checkpointing.h"
 #include "train/device_move.h"
 #include "train/fixed_memory.h"
+#include "train/grad_scaler.h"
 #include "train/optimizer.h"
 #include "train/resume_check.h"
 #include "train/retention.h"
@@ -351,7 +352,7 @@ void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::D
                             const TrainedWeights& trained, const Optimizer& optimizer,
                             const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
                             const Config& config, const nlohmann::json& data_fingerprint,
-                            const OptimizerParts* parts);
+                            const nlohmann::json& scaler_state, const OptimizerParts* parts);
 std::optional<fs::path> newest_checkpoint(const fs::path& dir);
 
 // A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
@@ -366,7 +367,7 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
                       const TrainedWeights& trained,
                       const Optimizer& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
                       int64_t tokens_seen, const Config& config, const nlohmann::json& data_fingerprint,
-                      const OptimizerParts* parts = nullptr) {
+                      const nlohmann::json& scaler_state, const OptimizerParts* parts = nullptr) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   if (on_disk && fs::exists(final_dir / "COMPLETE")) {
     spdlog::info("checkpoint step {}: {} (already written)", step, final_dir.string());
@@ -377,7 +378,7 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
   bool agreed = false;
   try {
     write_checkpoint_files(temp_dir, step, device, trained, optimizer, policy_state, cursor, tokens_seen, config,
-                           data_fingerprint, parts);
+                           data_fingerprint, scaler_state, parts);
     // COMPLETE only once every rank's part is on disk.
     if (parts) {
       agreed = true;
@@ -421,7 +422,7 @@ void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::D
                             const TrainedWeights& trained, const Optimizer& optimizer,
                             const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
                             const Config& config, const nlohmann::json& data_fingerprint,
-                            const OptimizerParts* parts) {
+                            const nlohmann::json& scaler_state, const OptimizerParts* parts) {
   save_trained(trained, temp_dir, config);
   auto tensors = optimizer.state_tensors();
   // LibTorch's generator state. Dropout no longer draws from it (its masks are keyed by the step); kept for
@@ -440,6 +441,9 @@ void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::D
   // Sharded: the optimizer state is the union of these files (each rank's parameters); any world size reads it.
   if (parts) state["optimizer_files"] = parts->files;
   if (trained.lora) state["base_model_config"] = trained.model.hf_config();  // an adapter has no config.json
+  // fp16-mixed: the loss scale and its growth tracker, so a resume scales and skips as the uninterrupted run would
+  // (absent in other modes and in older checkpoints, which load as before).
+  if (!scaler_state.is_null()) state["loss_scaler"] = scaler_state;
   write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
 }
 
@@ -600,6 +604,8 @@ class TrainingRun {
   std::unique_ptr<MemoryPolicy> policy_;
   std::unique_ptr<distributed::DataParallel> data_parallel_;
   std::unique_ptr<TrainStep> step_;
+  std::unique_ptr<GradScaler> scaler_;  // precision.mode=fp16-mixed
+  int64_t skipped_at_start_ = 0;        // the scaler's skipped steps when this process started (resume)
   std::unique_ptr<DeviceLadder> device_ladder_;
   int64_t tokens_seen_ = 0;
   int64_t step_index_ = 0;
@@ -665,6 +671,13 @@ void TrainingRun::build_model() {
   const bool bf16_weights =
       config_.precision.mode == PrecisionMode::kBf16 || (config_.lora.enabled && config_.lora.base_in_bf16);
   const auto options = at::TensorOptions().dtype(bf16_weights ? at::kBFloat16 : at::kFloat).device(device_);
+  // fp16-mixed is refused for the T5 family, known from model.path's config.json: before any weight is read.
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
+    const fs::path config_json = fs::path(config_.model.path) / "config.json";
+    if (fs::exists(config_json))
+      check_fp16_supported(read_json_file(config_json.string()).value("model_type", std::string()),
+                           config_json.string());
+  }
   // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
   model_ = fixed_part(config_, device_, "the model's weights", [&] {
     return resume_.dir && !config_.lora.enabled
@@ -672,6 +685,7 @@ void TrainingRun::build_model() {
                : load_model(config_.model.path, config_.model.init, options,
                             static_cast<uint64_t>(config_.training.seed));
   });
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed) check_fp16_supported(model_->model_type(), config_.model.path);
   model_->train(true);
   model_->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
   if (config_.lora.enabled)
@@ -727,6 +741,13 @@ void TrainingRun::build_optimizer_and_step() {
         shard.world > 1 ? optimizer_->owners() : std::vector<int>{});
     options.sync = data_parallel_.get();
   }
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
+    GradScalerOptions scaling;
+    scaling.init_scale = config_.precision.initial_loss_scale;
+    scaling.growth_interval = config_.precision.loss_scale_growth_interval;
+    scaler_ = std::make_unique<GradScaler>(scaling);
+    options.scaler = scaler_.get();
+  }
   step_ = std::make_unique<TrainStep>(*model_, *optimizer_, *policy_, options);
   device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
 }
@@ -770,6 +791,13 @@ void TrainingRun::restore_or_probe() {
     const LoaderCursor saved_cursor = cursor_from_json(state.at("data_cursor"));
     loader_->restore(resume_.data_changed ? new_epoch_cursor(saved_cursor) : saved_cursor);
     policy_->restore(state.at("memory_policy"));
+    if (scaler_ && state.contains("loss_scaler")) {
+      scaler_->restore(state.at("loss_scaler"), (*resume_.dir / "train_state.json").string());
+      skipped_at_start_ = scaler_->skipped_steps();
+    } else if (scaler_) {
+      spdlog::info("fp16-mixed: {} holds no loss scale (another precision mode); starting at {}",
+                   resume_.dir->string(), scaler_->scale());
+    }
     step_index_ = state.at("step").get<int64_t>();
     tokens_seen_ = state.at("tokens_seen").get<int64_t>();
     if (file.find("rng.cpu")) set_rng_state(at::Device(at::kCPU), file.load("rng.cpu"));
@@ -816,7 +844,8 @@ std::string TrainingRun::checkpoint(const LoaderCursor& cursor, const nlohmann::
   if (world_ && optimizer_->shard().world > 1) return checkpoint_sharded(cursor, policy_state);
   if (!primary_) return path;
   write_checkpoint(output_dir_, step_index_, on_disk_step_ == step_index_, device_, *trained_, *optimizer_,
-                   policy_state, cursor, tokens_seen_, config_, fingerprint_);
+                   policy_state, cursor, tokens_seen_, config_, fingerprint_,
+                   scaler_ ? scaler_->state() : nlohmann::json());
   on_disk_step_ = step_index_;
   retention_->on_checkpoint(step_index_,
                             last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
@@ -876,7 +905,7 @@ std::string TrainingRun::checkpoint_sharded(const LoaderCursor& cursor, const nl
   }
   parts.agree = agree_on_parts;
   write_checkpoint(output_dir_, step_index_, on_disk, device_, *trained_, *optimizer_, policy_state, cursor,
-                   tokens_seen_, config_, fingerprint_, &parts);
+                   tokens_seen_, config_, fingerprint_, scaler_ ? scaler_->state() : nlohmann::json(), &parts);
   world_->barrier();
   retention_->on_checkpoint(step_index_,
                             last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
@@ -957,8 +986,9 @@ bool TrainingRun::train_one_step() {
   reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.target_tokens, tokens_seen_,
                      result.micro_batch, result.micro_steps, result.retries,
                      static_cast<int64_t>(policy_->adaptations().size()), device_ladder_->moves(), memory.allocated,
-                     memory.peak,
-                     std::chrono::duration<double>(Clock::now() - step_start).count()});
+                     memory.peak, std::chrono::duration<double>(Clock::now() - step_start).count(),
+                     scaler_ ? std::optional(LossScaling{result.loss_scale, result.skipped, scaler_->skipped_steps()})
+                             : std::nullopt});
   const bool eval_now = config_.evaluation.every_steps > 0 && step_index_ % config_.evaluation.every_steps == 0;
   if (eval_now || step_index_ == total_steps_) evaluate_and_sample();
   if (config_.checkpoint.every_steps > 0 && step_index_ % config_.checkpoint.every_steps == 0 &&
@@ -1002,6 +1032,9 @@ int TrainingRun::finish() {
   summary.memory_peak = memory_now(device_).peak;
   summary.adaptations = policy_->adaptations();
   summary.escalations = policy_->escalations();
+  if (scaler_)
+    summary.loss_scaling = RunSummary::LossScalingSummary{scaler_->skipped_steps(),
+                                                          scaler_->skipped_steps() - skipped_at_start_, scaler_->scale()};
   if (config_.checkpoint.save_final) summary.model_dir = (output_dir_ / "final").string();
   summary.model_is_adapter = lora_ != nullptr;
   if (train_options_.merge) summary.merged_dir = (output_dir_ / "final-merged").string();

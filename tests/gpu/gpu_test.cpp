@@ -125,6 +125,26 @@ TEST(GpuMemory, OutOfMemoryUnderTheLimitAdaptsToTheUncappedWeights) {
   }
 }
 
+// precision.mode=fp16-mixed on the card (what T4 / V100 users run): CUDA's fp16 kernels under autocast, a loss
+// scale of 2^32 that overflows and backs off until it fits, then training; no overflow is taken for an
+// out-of-memory error.
+TEST(GpuNumerics, Fp16MixedBacksOffFromAnOverflowingScaleAndTrains) {
+  SKIP_WITHOUT_GPU();
+  const LongRun run("fp16");
+  const auto result = run.run("fp16", {"--set", "precision.mode=fp16-mixed", "--set",
+                                       "precision.initial_loss_scale=4294967296", "--set", "training.max_steps=24",
+                                       "--set", "logging.every_steps=1"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const auto skipped = metric_values(run.dir / "fp16" / "metrics.jsonl", "skipped_steps");
+  const auto loss = metric_values(run.dir / "fp16" / "metrics.jsonl", "loss");
+  ASSERT_EQ(loss.size(), 24u);
+  EXPECT_GE(skipped.back(), 1) << result.err;
+  EXPECT_LE(skipped.back(), 18) << result.err;
+  EXPECT_EQ(run.sum("fp16", "oom_retries"), 0);
+  EXPECT_EQ(run.sum("fp16", "adaptations"), 0);
+  EXPECT_LT(loss.back(), loss.front()) << result.err;
+}
+
 // memory.snapshot_on_oom: the out-of-memory error leaves memory-snapshot-step-N.pickle, which PyTorch's own
 // memory_viz tooling reads (torch.cuda._memory_viz, the code behind pytorch.org/memory_viz).
 TEST(GpuMemory, SnapshotOnOomWritesAPickleThatTorchMemoryVizReads) {

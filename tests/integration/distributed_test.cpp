@@ -295,6 +295,24 @@ TEST(IntegrationDistributed, ACheckpointWithAMissingOptimizerPartIsRefusedNaming
   const auto resumed = run_trainer(with(short_run("configs/tiny-t5.json", run, 2), {"--resume"}), "OMP_NUM_THREADS=1");
   EXPECT_EQ(resumed.exit_code, 3) << resumed.err;
   EXPECT_NE(resumed.err.find("optimizer-rank-1-of-2.safetensors is missing"), std::string::npos) << resumed.err;
+
+// fp16-mixed with a loss scale that overflows (2^20 on this model) and, doubling after every clean step, overflows
+// again and again: the overflow check runs on the summed gradients, which every rank holds alike, so the ranks skip
+// the steps one process skips (no extra agreement needed) and reach its weights.
+TEST(IntegrationDistributed, TwoRanksSkipTheFp16OverflowStepsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> fp16 = {"--set", "precision.mode=fp16-mixed", "--set",
+                                         "precision.initial_loss_scale=1048576", "--set",
+                                         "precision.loss_scale_growth_interval=1"};
+  expect_same_weights(with(short_run("configs/tiny-qwen2.json", one, 6), fp16),
+                      with(short_run("configs/tiny-qwen2.json", two, 6), fp16), one, two, 2, "model.safetensors");
+  const auto a = metric_values(one / "metrics.jsonl", "skipped_steps");
+  const auto b = metric_values(two / "metrics.jsonl", "skipped_steps");
+  EXPECT_EQ(a, b);
+  ASSERT_FALSE(a.empty());
+  EXPECT_GT(a.back(), 0);
+  EXPECT_EQ(metric_values(one / "metrics.jsonl", "loss_scale"), metric_values(two / "metrics.jsonl", "loss_scale"));
 }
 
 TEST(IntegrationDistributed, BadLaunchEnvironmentsFailWithExitTwoNamingTheVariable) {

@@ -2,6 +2,8 @@
 // webhook payloads for start, checkpoint, stop, finish and failure.
 #include "log/reporter.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -216,6 +218,52 @@ TEST(LogReporter, WebhookPayloadsForEveryEvent) {
   EXPECT_FALSE(contains(bodies[4]["content"].get<std::string>(), "more detail")) << "content is one line";
   EXPECT_EQ(bodies[5]["exit_code"], 4);
   EXPECT_TRUE(contains(bodies[5]["message"].get<std::string>(), "CUDA out of memory")) << bodies[5];
+}
+
+// fp16-mixed: each step record has the loss scale, whether the step was skipped (grad_norm null then) and the run's
+// skipped steps; the numbers are TensorBoard scalars too; the summary counts the skips. Other modes have none.
+TEST(LogReporter, LossScalingInMetricsAndSummary) {
+  test::TempDir dir;
+  test::CapturedLog log("%v");
+  std::ostringstream out;
+  {
+    const auto config = config_in(dir.path());
+    Reporter reporter(config, out);
+    reporter.on_start({"qwen2", 1000, 1000, 3, 4, 0, 0, ""});
+    auto skipped = step_metrics(1);
+    skipped.grad_norm = std::nan("");
+    skipped.loss_scaling = LossScaling{65536.0, true, 1};
+    reporter.on_step(skipped);
+    auto taken = step_metrics(2);
+    taken.loss_scaling = LossScaling{32768.0, false, 1};
+    reporter.on_step(taken);
+    reporter.on_step(step_metrics(3));
+  }
+  const auto records = test::read_jsonl(dir.path() / "metrics.jsonl");
+  ASSERT_EQ(records.size(), 3u);
+  EXPECT_EQ(records[0]["loss_scale"], 65536.0);
+  EXPECT_EQ(records[0]["skipped"], true);
+  EXPECT_EQ(records[0]["skipped_steps"], 1);
+  EXPECT_TRUE(records[0]["grad_norm"].is_null());
+  EXPECT_EQ(records[1]["loss_scale"], 32768.0);
+  EXPECT_EQ(records[1]["skipped"], false);
+  EXPECT_EQ(records[1]["grad_norm"], 0.5);
+  EXPECT_FALSE(records[2].contains("loss_scale"));
+  std::vector<std::string> tags;
+  for (const auto& name : scalar_names()) tags.push_back(name.key);
+  for (const char* key : {"loss_scale", "skipped_steps"})
+    EXPECT_NE(std::find(tags.begin(), tags.end(), key), tags.end()) << key;
+
+  RunSummary s;
+  s.steps = 10;
+  s.loss_scaling = RunSummary::LossScalingSummary{3, 1, 8192.0};
+  EXPECT_TRUE(contains(format_summary(s), "fp16 loss scaling: 3 steps skipped for inf/NaN gradients (1 in this run); "
+                                          "loss scale 8192"))
+      << format_summary(s);
+  s.loss_scaling = RunSummary::LossScalingSummary{1, 0, 65536.0};
+  EXPECT_TRUE(contains(format_summary(s), "fp16 loss scaling: 1 step skipped for inf/NaN gradients (0 in this run)"))
+      << format_summary(s);
+  EXPECT_FALSE(contains(format_summary(RunSummary{}), "loss scaling"));
 }
 
 }  // namespace trainer
