@@ -2,6 +2,7 @@
 #include "train/image_trainer.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <csignal>
 #include <filesystem>
@@ -35,6 +36,28 @@ namespace trainer {
 namespace fs = std::filesystem;
 
 namespace {
+
+// The image data a run trains on, stored as train_state.json's "data_fingerprint": the classes, the number of
+// records and one FNV-1a hash over every record's path, label and file size. A resume compares it, so other data
+// (which would replay another epoch order under the same cursor) is refused.
+nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset) {
+  uint64_t hash = 14695981039346656037ull;
+  const auto mix = [&hash](std::string_view bytes) {
+    for (const unsigned char c : bytes) hash = (hash ^ c) * 1099511628211ull;
+    hash = (hash ^ 0xffu) * 1099511628211ull;  // a separator, so ("ab", "c") and ("a", "bc") differ
+  };
+  for (const auto& record : dataset.records) {
+    std::error_code error;
+    const auto size = fs::file_size(record.path, error);
+    mix(fs::absolute(record.path).lexically_normal().string());
+    mix(std::to_string(record.label));
+    mix(error ? "?" : std::to_string(size));
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(hash));
+  return {{"classes", dataset.classes}, {"records", dataset.records.size()}, {"fnv1a64", hex}};
+}
+
 
 using Clock = std::chrono::steady_clock;
 constexpr int kImageCheckpointVersion = 1;
@@ -164,6 +187,7 @@ class ImageTrainingRun {
   std::optional<fs::path> resume_dir_;
   nlohmann::json resume_state_;
   std::shared_ptr<const data::ImageDataset> dataset_;
+  nlohmann::json fingerprint_;  // image_data_fingerprint of the training data
   std::unique_ptr<ImageClassifier> model_;
   std::unique_ptr<ImageLoraAdapters> lora_;
   std::string lora_base_;  // the adapter's base_model_name_or_path
@@ -183,6 +207,10 @@ void ImageTrainingRun::set_up() {
   if (config_.lora.enabled && config_.training.linear_probe)
     throw UsageError("lora.enabled=true and training.linear_probe=true both choose what trains",
                      "pick one: LoRA adapters plus the head, or the head alone");
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed)
+    throw UsageError("precision.mode=fp16-mixed is not implemented for image classifiers yet (its loss scaling is "
+                     "in the text models' step only)",
+                     "use fp32, or bf16-mixed on a GPU with bf16");
   if (config_.training.micro_batch_tokens > 0 || config_.data.packing)
     throw UsageError("training.micro_batch_tokens and data.packing count tokens; an image classifier's micro-batch "
                      "counts images",
@@ -244,6 +272,25 @@ void ImageTrainingRun::build_model() {
     throw DataError("data.train_files: " + std::to_string(dataset_->classes.size()) +
                         " class(es); a classifier needs at least 2",
                     "an image folder holds one subfolder per class; JSONL records need a \"label\"");
+  fingerprint_ = image_data_fingerprint(*dataset_);
+  if (resume_dir_ && resume_state_.contains("data_fingerprint") && resume_state_.at("data_fingerprint") != fingerprint_) {
+    const auto& saved = resume_state_.at("data_fingerprint");
+    const std::string what = "the training images differ from those " + resume_dir_->string() + " was trained on (" +
+                             saved.at("records").dump() + " records in " +
+                             std::to_string(saved.at("classes").size()) + " classes then, " +
+                             std::to_string(dataset_->records.size()) + " in " +
+                             std::to_string(dataset_->classes.size()) + " now" +
+                             (saved.at("classes") == fingerprint_.at("classes") ? "; same classes" : "; other classes") +
+                             ")";
+    if (!options_.allow_data_change || saved.at("classes") != fingerprint_.at("classes"))
+      throw DataError(what, saved.at("classes") != fingerprint_.at("classes")
+                                ? "restore the data, or start a new run (another checkpoint.output_dir) from the "
+                                  "checkpoint's weights: other classes need another head"
+                                : "restore the data, or pass --allow-data-change to continue on the new images (the "
+                                  "rest of this epoch follows the new order: some images may come twice or not at "
+                                  "all)");
+    spdlog::warn("{}: continuing (--allow-data-change)", what);
+  }
   const auto options = at::TensorOptions()
                            .dtype(config_.precision.mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat)
                            .device(device_);
@@ -438,7 +485,8 @@ std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohm
                                 {"images_seen", images_seen_},
                                 {"data_cursor", cursor_to_json(cursor)},
                                 {"memory_policy", policy_state},
-                                {"config", nlohmann::json::parse(config_to_json(config_))}};
+                                {"config", nlohmann::json::parse(config_to_json(config_))},
+                                {"data_fingerprint", fingerprint_}};
   write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
   const fs::path replaced = output_dir_ / (".checkpoint-" + std::to_string(step_index_) + ".replaced");
   fs::remove_all(replaced);
