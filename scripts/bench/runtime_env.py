@@ -25,13 +25,12 @@ PARTS = {
     "threads": [("1 thread", {"OMP_NUM_THREADS": "1"}),
                 ("2 threads (libgomp default wait)", {"OMP_NUM_THREADS": "2"}),
                 ("2 threads, OMP_WAIT_POLICY=passive", {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "passive"}),
-                ("2 threads, OMP_WAIT_POLICY=active", {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "active"}),
-                ("2 threads, GOMP_SPINCOUNT=10000", {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"})],
+                ("2 threads, OMP_WAIT_POLICY=active", {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "active"})],
 }
 
 
-def one_run(tmp, name, precision, env):
-    spec = MODELS[name]
+def one_run(tmp, name, precision, env, steps=None):
+    spec = dict(MODELS[name], **({"steps": steps} if steps else {}))
     data = ensure_data(spec["form"], max(400, spec["batch"] * (spec["steps"] + 2)))
     out_dir = os.path.join(tmp, "out")
     config = ours_config(os.path.join(tmp, "config.json"), model_dir(name), spec["form"], data, out_dir,
@@ -60,6 +59,7 @@ def main():
     parser.add_argument("--models", nargs="+", default=["tiny-t5", "tiny-qwen2"])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, help="steps per run (default: vs_hf.py's per model; 3 are warm-up)")
     args = parser.parse_args()
     for part in args.parts:
         variants = PARTS[part]
@@ -72,7 +72,7 @@ def main():
                     for r in range(args.repeats):
                         order = variants[r % len(variants):] + variants[:r % len(variants)]
                         for variant, env in order:
-                            speed, loss = one_run(tmp, name, precision, env)
+                            speed, loss = one_run(tmp, name, precision, env, args.steps)
                             speeds[variant].append(speed)
                             losses[variant] = loss
                             log(f"{part} {name} {precision} {variant}: {speed:.0f} tokens/s, final loss {loss}")
