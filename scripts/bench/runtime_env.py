@@ -2,7 +2,7 @@
 """trainer's training throughput under different run-time environments, the variants run alternately (the order
 rotating every repetition) on the same config, data and machine: the fused kernels on and off
 (TRAINER_FUSED_KERNELS=0), and the intra-op thread count and OpenMP wait policy (OMP_NUM_THREADS,
-OMP_WAIT_POLICY, GOMP_SPINCOUNT; the torch wheel's OpenMP is libgomp, so KMP_* variables do nothing). Target
+OMP_WAIT_POLICY; the torch wheel's OpenMP is libgomp, so KMP_* variables do nothing). Target
 tokens/s over the steps after the warm-up, from the moments trainer logs each step (vs_hf.py's measurement),
 medians over the repetitions, and the ratio to the first variant of each group. Prints Markdown tables.
 
@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ensure_data, log, machine_notes, median, table  # noqa: E402
+from common import ROOT, TINY_MODELS, ensure_data, log, machine_notes, median, table  # noqa: E402
 from vs_hf import LENGTHS, MODELS, model_dir, ours_config, run_ours, tokens_per_second  # noqa: E402
 
 MODELS = dict(MODELS, **{"tiny-qwen2": dict(form="causal", batch=16, steps=20, warmup=3)})
@@ -33,7 +33,8 @@ def one_run(tmp, name, precision, env, steps=None):
     spec = dict(MODELS[name], **({"steps": steps} if steps else {}))
     data = ensure_data(spec["form"], max(400, spec["batch"] * (spec["steps"] + 2)))
     out_dir = os.path.join(tmp, "out")
-    config = ours_config(os.path.join(tmp, "config.json"), model_dir(name), spec["form"], data, out_dir,
+    model = os.path.join(ROOT, TINY_MODELS[spec["form"]]) if name.startswith("tiny") else model_dir(name)
+    config = ours_config(os.path.join(tmp, "config.json"), model, spec["form"], data, out_dir,
                          spec["batch"], spec["batch"], spec["steps"], LENGTHS[spec["form"]],
                          precision={"mode": precision})
     saved = {key: os.environ.get(key) for key in ("TRAINER_FUSED_KERNELS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
