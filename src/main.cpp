@@ -10,6 +10,7 @@
 
 #include "log/console.h"
 #include "memory/cpu_budget.h"
+#include "train/threads.h"
 #include "trainer/cli.h"
 #include "trainer/errors.h"
 
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   spdlog::set_default_logger(trainer::make_console_logger());
   try {
+    trainer::apply_num_threads_from_environment();
     return trainer::run_cli(argc, argv, std::cout, std::cerr);
   } catch (const trainer::Error& e) {
     std::cout.flush();

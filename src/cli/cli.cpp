@@ -58,7 +58,9 @@ namespace {
 
 constexpr const char* kTrainEnvironmentHelp =
     "Environment: TRAINER_WEBHOOK_URL=https://... POSTs JSON on start, every checkpoint, finish and failure\n"
-    "(a Discord webhook works as is); the URL is never printed.\n";
+    "(a Discord webhook works as is); the URL is never printed. TRAINER_NUM_THREADS=N sets the intra-op threads\n"
+    "(default: one per core; OMP_WAIT_POLICY=passive on shared machines, docs/benchmarks.md#threads).\n"
+    "TRAINER_FUSED_KERNELS=0 runs ATen's unfused RMSNorm instead of the fused CPU kernel.\n";
 
 constexpr const char* kExitCodeHelp =
     "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include "models/fused_ops.h"
 #include "trainer/errors.h"
 
 namespace trainer {
@@ -36,13 +37,23 @@ NormWeight::NormWeight(int64_t dim, const c10::TensorOptions& options) {
 }
 
 at::Tensor t5_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor fused = fused_rms_norm(x, weight, eps, RmsNormStyle::kT5);
+  return fused.defined() ? fused : t5_rms_norm_unfused(x, weight, eps);
+}
+
+at::Tensor llama_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor fused = fused_rms_norm(x, weight, eps, RmsNormStyle::kLlama);
+  return fused.defined() ? fused : llama_rms_norm_unfused(x, weight, eps);
+}
+
+at::Tensor t5_rms_norm_unfused(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor variance = x.to(at::kFloat).pow(2).mean(-1, /*keepdim=*/true);
   at::Tensor y = x * at::rsqrt(variance + eps);
   if (weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kBFloat16) y = y.to(weight.scalar_type());
   return weight * y;
 }
 
-at::Tensor llama_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor llama_rms_norm_unfused(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor x32 = x.to(at::kFloat);
   const at::Tensor variance = x32.pow(2).mean(-1, /*keepdim=*/true);
   return weight * (x32 * at::rsqrt(variance + eps)).to(x.scalar_type());

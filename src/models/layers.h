@@ -43,6 +43,10 @@ class Embedding : public Module {
 at::Tensor t5_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // LlamaRMSNorm / Qwen2RMSNorm: normalise in fp32, cast back to the input dtype, then multiply.
 at::Tensor llama_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// Both run the fused kernel of models/fused_ops.h where it applies (CPU, fp32/bf16) and otherwise these, the ATen
+// compositions transformers writes (the reference of the fused kernel's tests and benchmark).
+at::Tensor t5_rms_norm_unfused(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor llama_rms_norm_unfused(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // A parameter holder for a norm's weight, named "weight".
 class NormWeight : public Module {

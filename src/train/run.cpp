@@ -43,7 +43,9 @@ std::string export_allocator_conf(const MemoryConfig& memory) {
 // Data parallelism: the device of this rank (LOCAL_RANK's GPU when the config leaves the choice to trainer), its
 // share of the CPU threads, and its log lines marked with the rank.
 DeviceConfig prepare_rank(const Config& config, const distributed::Environment& environment) {
-  const int threads = distributed::share_cpu_threads(environment.local_world_size);
+  // TRAINER_NUM_THREADS (applied in main) is the user's choice per process: the ranks do not divide it.
+  const char* chosen = std::getenv("TRAINER_NUM_THREADS");
+  const int threads = chosen && *chosen ? 0 : distributed::share_cpu_threads(environment.local_world_size);
   if (environment.rank != 0) {
     auto logger = spdlog::default_logger();
     logger->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [rank " + std::to_string(environment.rank) + "] [%l] %v");

@@ -30,6 +30,14 @@
 //       prints the seconds of every step and of its optimizer update alone, per side, as JSON
 //       (scripts/bench/fused_adamw.py)
 //
+//   trainer_parity norm-cost MODEL_DIR B T L ROUNDS PRECISION
+//       the fused RMSNorm (models/fused_ops.h) against the ATen composition, alternating in one process, the order
+//       swapped every round: the norm alone (forward + backward on (B*T, hidden) rows of the model's width, x
+//       and weight in the precision's dtypes) and whole training steps (micro-batch B, sequences of T tokens,
+//       seq2seq targets of L; PRECISION fp32, bf16-mixed or bf16). Seconds are the CPU time of the calling
+//       thread (run with one intra-op thread), so other processes on a shared machine change them little.
+//       Prints JSON (scripts/bench/fused_norm.py).
+//
 //   trainer_parity optimizer IN.safetensors OUT.safetensors OPTIMIZER_JSON
 //       our optimizer (optimizer.* keys of the JSON, e.g. {"name": "adafactor", "weight_decay": 0.1}, plus
 //       "lrs": one learning rate per step) over the tensors param.<name> of IN, stepping with the gradients
@@ -37,6 +45,7 @@
 //
 // BATCH holds input_ids, attention_mask, labels (int64) and optionally decoder_attention_mask.
 #include <chrono>
+#include <ctime>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -49,6 +58,8 @@
 
 #include "memory/cpu_budget.h"
 #include "models/dropout.h"
+#include "models/fused_ops.h"
+#include "models/layers.h"
 #include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
@@ -269,6 +280,67 @@ int adamw_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, in
   return 0;
 }
 
+double thread_seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+int norm_cost(const std::string& model_dir, int64_t b, int64_t t, int64_t l, int64_t rounds, const std::string& precision) {
+  using namespace trainer;
+  const PrecisionMode mode = precision == "bf16" ? PrecisionMode::kBf16
+                             : precision == "bf16-mixed" ? PrecisionMode::kBf16Mixed : PrecisionMode::kFp32;
+  const auto weight_dtype = mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat;
+  auto model = load_model(model_dir, ModelInit::kRandom, at::TensorOptions().dtype(weight_dtype), 1);
+  model->train(true);
+  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
+  OptimizerConfig adam;
+  AdamW optimizer(*model, adam);
+  TrainingConfig training;
+  training.batch_size = b;
+  training.micro_batch_size = MicroBatchSize::fixed(b);
+  MemoryPolicy policy(MemoryConfig{}, training);
+  StepOptions options;
+  options.seed = 42;
+  options.precision = mode;
+  TrainStep step(*model, optimizer, policy, options);
+  const EffectiveBatch batch = random_batch(*model, b, t, l);
+  // The norm alone at the model's width: the residual stream is fp32 under bf16-mixed, bf16 in pure bf16.
+  int64_t width = 0;
+  model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    if (width == 0 && name.find("norm") != std::string::npos) width = p.size(0);
+  });
+  const at::Tensor x = at::randn({b * t, width}).to(weight_dtype).requires_grad_(true);
+  const at::Tensor w = (1.0 + 0.1 * at::randn({width})).to(weight_dtype).requires_grad_(true);
+  const at::Tensor g = at::randn({b * t, width}).to(weight_dtype);
+  std::map<std::string, std::vector<double>> seconds;
+  const auto timed = [](const auto& f) {
+    const double start = thread_seconds();
+    f();
+    return thread_seconds() - start;
+  };
+  for (int64_t r = 0; r < rounds; ++r) {
+    for (int side = 0; side < 2; ++side) {
+      const bool fused = (side == 0) == (r % 2 == 0);
+      set_fused_kernels_enabled(fused);
+      const std::string name = fused ? "fused" : "unfused";
+      seconds[name + "_norm"].push_back(timed([&] {
+        for (int k = 0; k < 10; ++k) {
+          const at::Tensor y = seq2seq ? t5_rms_norm(x, w, 1e-6) : llama_rms_norm(x, w, 1e-6);
+          y.backward(g);
+        }
+      }) / 10);
+      x.mutable_grad() = at::Tensor();
+      w.mutable_grad() = at::Tensor();
+      seconds[name + "_step"].push_back(timed([&] { step.run(batch, r + 1, 1e-5); }));
+    }
+  }
+  set_fused_kernels_enabled(true);
+  std::cout << nlohmann::json(seconds).dump() << "\n";
+  return 0;
+}
+
 // Free-standing tensors as a module's parameters (what the optimizer parity test steps).
 class TensorBag : public trainer::Module {
  public:
@@ -339,6 +411,8 @@ int main(int argc, char** argv) {
     if (args.size() == 4 && args[0] == "optimizer") return optimizer(args[1], args[2], args[3]);
     if (args.size() == 6 && args[0] == "adamw-cost")
       return adamw_cost(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]), std::stoll(args[5]));
+    if (args.size() == 7 && args[0] == "norm-cost")
+      return norm_cost(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]), std::stoll(args[5]), args[6]);
     if (args.size() == 5 && args[0] == "lora-train") return lora_train(args[1], args[2], args[3], args[4]);
   } catch (const trainer::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
@@ -348,6 +422,7 @@ int main(int argc, char** argv) {
   std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR |\n"
                "       activations MODEL_DIR B T L | lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT |\n"
                "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON | dropout-cost MODEL_DIR B T L ROUNDS LORA_DROPOUT |\n"
-               "       optimizer IN OUT OPTIMIZER_JSON | adamw-cost MODEL_DIR B T L ROUNDS\n";
+               "       optimizer IN OUT OPTIMIZER_JSON | adamw-cost MODEL_DIR B T L ROUNDS |\n"
+               "       norm-cost MODEL_DIR B T L ROUNDS PRECISION\n";
   return 2;
 }

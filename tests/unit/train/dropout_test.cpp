@@ -251,8 +251,11 @@ TEST_P(DropoutTraining, AnySplitGivesTheSameWeights) {
   halves.run(data, 0, 3);
   singles.run(data, 0, 3);
   const auto expected = whole.weights();
-  expect_close(expected, halves.weights(), 1e-5);
-  expect_close(expected, singles.weights(), 1e-5);
+  // 2e-5: the float noise of the split's sums (about 6e-6 to 1.1e-5 after AdamW's first update, see Trainee::lr;
+  // 1.06e-5 on T5 with the fused RMSNorm, whose sums round differently from ATen's) stays below it, while a
+  // different mask moves weights by 2e-4 per step (the checks below).
+  expect_close(expected, halves.weights(), 2e-5);
+  expect_close(expected, singles.weights(), 2e-5);
   Trainee other_seed(GetParam(), 8, 43);
   other_seed.run(data, 0, 3);
   EXPECT_GT(max_difference(expected, other_seed.weights()), 1e-4) << "training.seed must change the masks";
