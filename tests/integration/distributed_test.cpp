@@ -295,10 +295,11 @@ TEST(IntegrationDistributed, ACheckpointWithAMissingOptimizerPartIsRefusedNaming
   const auto resumed = run_trainer(with(short_run("configs/tiny-t5.json", run, 2), {"--resume"}), "OMP_NUM_THREADS=1");
   EXPECT_EQ(resumed.exit_code, 3) << resumed.err;
   EXPECT_NE(resumed.err.find("optimizer-rank-1-of-2.safetensors is missing"), std::string::npos) << resumed.err;
+}
 
 // fp16-mixed with a loss scale that overflows (2^20 on this model) and, doubling after every clean step, overflows
-// again and again: the overflow check runs on the summed gradients, which every rank holds alike, so the ranks skip
-// the steps one process skips (no extra agreement needed) and reach its weights.
+// again and again: the ranks take one overflow decision (each checks the summed gradients it holds: all of them,
+// or with a sharded optimizer its own parameters'), skip the steps one process skips and reach its weights.
 TEST(IntegrationDistributed, TwoRanksSkipTheFp16OverflowStepsOfOneProcess) {
   TempDir dir;
   const auto one = dir.path() / "one", two = dir.path() / "two";
@@ -313,6 +314,11 @@ TEST(IntegrationDistributed, TwoRanksSkipTheFp16OverflowStepsOfOneProcess) {
   ASSERT_FALSE(a.empty());
   EXPECT_GT(a.back(), 0);
   EXPECT_EQ(metric_values(one / "metrics.jsonl", "loss_scale"), metric_values(two / "metrics.jsonl", "loss_scale"));
+  const auto sharded = dir.path() / "sharded";
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", sharded, 6), fp16), kSharded));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors"), 1e-5);
+  EXPECT_EQ(a, metric_values(sharded / "metrics.jsonl", "skipped_steps"));
 }
 
 TEST(IntegrationDistributed, BadLaunchEnvironmentsFailWithExitTwoNamingTheVariable) {

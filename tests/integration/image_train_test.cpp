@@ -11,6 +11,8 @@
 
 #include "support/metrics.h"
 #include "support/process.h"
+#include "support/temp_dir.h"
+#include "train/run_lock.h"
 #include "trainer/safetensors.h"
 
 namespace trainer::test {
@@ -252,4 +254,46 @@ TEST(IntegrationImages, KilledAndResumedRunEndsWithTheUninterruptedWeights) {
   fs::remove_all(stopped);
 }
 
+}  // namespace trainer::test
+
+namespace trainer::test {
+namespace {
+
+// The run-safety promises hold for image runs as for text: one run per output directory (this test process holds
+// the directory's lock, as a running job would), and a resume on other training images is refused (exit 3) unless
+// --allow-data-change, which continues when the classes are the same.
+TEST(IntegrationImages, OneRunPerOutputDirectoryAndResumeChecksTheImages) {
+  TempDir dir;
+  const auto images = dir.path() / "images";
+  fs::copy(fs::path(TRAINER_SOURCE_DIR) / "data/demo/images/train", images, fs::copy_options::recursive);
+  const auto run = dir.path() / "run";
+  const std::vector<std::string> common = {"--set", "data.train_files=[\"" + images.string() + "\"]", "--set",
+                                           "training.max_steps=2", "--set", "checkpoint.every_steps=2", "--set",
+                                           "evaluation.every_steps=0"};
+  {
+    const auto held = RunLock::acquire(run.string());
+    const auto refused = run_trainer(image_args(run, common));
+    EXPECT_EQ(refused.exit_code, 2) << refused.err;
+    EXPECT_TRUE(contains(refused.err, "is in use by another training run")) << refused.err;
+  }
+  const auto first = run_trainer(image_args(run, common));
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  // One image fewer: another epoch order under the same cursor.
+  fs::path removed;
+  for (const auto& entry : fs::recursive_directory_iterator(images))
+    if (entry.is_regular_file()) removed = entry.path();
+  fs::remove(removed);
+  auto resume = image_args(run, common);
+  resume.insert(resume.end(), {"--set", "training.max_steps=4", "--resume"});
+  const auto changed = run_trainer(resume);
+  EXPECT_EQ(changed.exit_code, 3) << changed.err;
+  EXPECT_TRUE(contains(changed.err, "the training images differ from those")) << changed.err;
+  EXPECT_TRUE(contains(changed.err, "--allow-data-change")) << changed.err;
+  resume.push_back("--allow-data-change");
+  const auto allowed = run_trainer(resume);
+  EXPECT_EQ(allowed.exit_code, 0) << allowed.err;
+  EXPECT_TRUE(fs::exists(run / "checkpoint-4" / "COMPLETE"));
+}
+
+}  // namespace
 }  // namespace trainer::test

@@ -172,8 +172,11 @@ TEST(IntegrationObserve, OneFileForBothStreamsKeepsTheLinesInOrder) {
   std::istringstream lines(run.out.substr(table, plan - table));
   std::string line;
   std::getline(lines, line);
-  while (std::getline(lines, line))
-    if (!line.empty()) EXPECT_FALSE(contains(line, "[info]") || contains(line, "[warn")) << "a log line in the table: " << line;
+  while (std::getline(lines, line)) {
+    if (!line.empty()) {
+      EXPECT_FALSE(contains(line, "[info]") || contains(line, "[warn")) << "a log line in the table: " << line;
+    }
+  }
   EXPECT_TRUE(contains(run.out.substr(table, plan - table), "training.max_steps")) << "a changed key is listed";
 }
 

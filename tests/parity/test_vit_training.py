@@ -122,3 +122,36 @@ def test_lora_adapter_with_the_head_in_modules_to_save_loads_in_peft(tmp_path, t
     assert abs(last["eval_loss"] - loss) < 1e-3, (last, loss)
     assert abs(last["eval_top1"] - top1) < 1e-6
     assert not torch.allclose(base_logits, logits, atol=1e-3), "the adapter changed nothing"
+
+
+def test_clip_vision_classifier_trains_and_transformers_agrees(tmp_path, trainer_binary):
+    """The CLIP vision tower as an image classifier (issue 20): a CLIPVisionModel directory (what a CLIP checkpoint's
+    vision half is) trains through the same command with a new head for the demo classes; the result loads in
+    transformers' CLIPForImageClassification, whose loss and accuracy on the validation images, preprocessed by
+    CLIPImageProcessor, are the last evaluation's."""
+    from transformers import CLIPForImageClassification, CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+    torch.manual_seed(0)
+    base = tmp_path / "clip-vision"
+    config = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=32, patch_size=8, hidden_act="quick_gelu")
+    CLIPVisionModel(config).save_pretrained(base)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(base)
+    out = tmp_path / "run"
+    result = subprocess.run([str(trainer_binary), "--config", "configs/tiny-vit.json", "--set", f"model.path={base}",
+                             "--set", "model.init=pretrained", "--set", f"checkpoint.output_dir={out}", "--set",
+                             "training.epochs=3", "--set", "checkpoint.every_steps=0"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "eval_top1" in r][-1]
+    classes, images, labels = validation_images()
+    model = CLIPForImageClassification.from_pretrained(out / "final").eval()
+    assert model.config.id2label == {i: c for i, c in enumerate(classes)}
+    processor = CLIPImageProcessor.from_pretrained(out / "final")
+    with torch.no_grad():
+        logits = model(pixel_values=processor(images, return_tensors="pt")["pixel_values"]).logits
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    top1 = (logits.argmax(1) == labels).float().mean().item()
+    assert abs(last["eval_loss"] - loss) < 1e-3, (last, loss)
+    assert abs(last["eval_top1"] - top1) < 1e-6
+    assert top1 > 1 / len(classes), f"top-1 {top1} after training: chance is {1 / len(classes)}"
