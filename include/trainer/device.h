@@ -2,6 +2,7 @@
 // so the same code runs on the CPU build (CI) and the CUDA build (users).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include <c10/core/Device.h>
@@ -22,5 +23,12 @@ std::string accelerator_summary();
 // Applies device.type / min_free_memory / wait_for_device / allow_cpu_fallback.
 // Throws UsageError when the requested device cannot be had and CPU fallback is not allowed.
 ResolvedDevice resolve_device(const DeviceConfig& config);
+
+// Bytes allocated now and at the peak on `device`: the CPU budget allocator's counts on the CPU, the accelerator
+// allocator's statistics elsewhere.
+struct MemoryNow {
+  int64_t allocated = 0, peak = 0;
+};
+MemoryNow memory_now(const c10::Device& device);
 
 }  // namespace trainer

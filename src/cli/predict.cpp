@@ -22,17 +22,7 @@ int run_predict(const PredictOptions& options, std::ostream& out) {
   if (options.top_k < 1) throw UsageError("--top-k must be at least 1, got " + std::to_string(options.top_k));
   auto model = load_image_classifier(options.model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
   model->train(false);
-  auto spec = data::read_image_processor(options.model_dir, model->image_processor_type());
-  if (!std::filesystem::exists(std::filesystem::path(options.model_dir) / "preprocessor_config.json")) {
-    // No processor file: the model's processor defaults at its own image size (not 224): ViT resizes to it, CLIP
-    // resizes the short side to it and crops the centre square.
-    const auto size = static_cast<int>(model->image_size());
-    if (spec.shortest_edge > 0) {
-      spec.shortest_edge = spec.crop_height = spec.crop_width = size;
-    } else {
-      spec.resize_height = spec.resize_width = size;
-    }
-  }
+  const auto spec = image_processor_for(options.model_dir, *model);
   const auto [height, width] = spec.output_size();
   const int64_t k = std::min<int64_t>(options.top_k, model->num_labels());
   constexpr std::size_t kBatch = 16;

@@ -6,6 +6,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <spdlog/spdlog.h>
 
+#include "memory/cpu_budget.h"
 #include "memory/cuda_extras.h"
 #include "trainer/device.h"
 
@@ -93,6 +94,15 @@ ResolvedDevice resolve_device(const DeviceConfig& config) {
                                           : "use device.type=cpu, build against the CUDA build of torch "
                                             "(docs/building.md)") +
                        ", or set device.allow_cpu_fallback=true");
+}
+
+MemoryNow memory_now(const c10::Device& device) {
+  if (device.is_cpu()) {
+    const auto stats = cpu_memory_stats();
+    return {stats.allocated, stats.peak};
+  }
+  const auto stats = at::accelerator::getDeviceStats(device.index());
+  return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};
 }
 
 }  // namespace trainer

@@ -72,4 +72,17 @@ void save_image_classifier(ImageClassifier& model, const std::string& dir) {
   throw std::logic_error("save_image_classifier: no writer for model_type \"" + model.model_type() + "\"");
 }
 
+data::ImageProcessorSpec image_processor_for(const std::string& dir, const ImageClassifier& model) {
+  auto spec = data::read_image_processor(dir, model.image_processor_type());
+  if (!std::filesystem::exists(std::filesystem::path(dir) / "preprocessor_config.json")) {
+    const auto size = static_cast<int>(model.image_size());
+    if (spec.shortest_edge > 0) {
+      spec.shortest_edge = spec.crop_height = spec.crop_width = size;
+    } else {
+      spec.resize_height = spec.resize_width = size;
+    }
+  }
+  return spec;
+}
+
 }  // namespace trainer

@@ -13,6 +13,7 @@
 #include <c10/core/TensorOptions.h>
 #include <nlohmann/json.hpp>
 
+#include "data/image_preprocess.h"
 #include "models/model.h"
 #include "models/module.h"
 #include "trainer/config.h"
@@ -74,6 +75,11 @@ bool is_image_model_config(const nlohmann::json& config);
 std::unique_ptr<ImageClassifier> load_image_classifier(const std::string& dir, ModelInit init,
                                                        const c10::TensorOptions& options, uint64_t seed = 0,
                                                        const std::vector<std::string>& labels = {});
+// The preprocessing of a model directory: its preprocessor_config.json, else the model's processor defaults
+// (image_processor_type()) at the model's own image size, not 224: ViT resizes to it, CLIP resizes the short side to
+// it and crops the centre square.
+data::ImageProcessorSpec image_processor_for(const std::string& dir, const ImageClassifier& model);
+
 // Writes config.json (id2label/label2id, architectures) and model.safetensors so that transformers'
 // from_pretrained loads it.
 void save_image_classifier(ImageClassifier& model, const std::string& dir);

@@ -22,12 +22,14 @@
 #include "memory/policy.h"
 #include "models/image_lora.h"
 #include "models/image_model.h"
+#include "train/checkpoint_dir.h"
 #include "train/checkpointing_runner.h"
 #include "train/image_step.h"
 #include "train/optimizer.h"
 #include "train/resume_check.h"
 #include "train/retention.h"
 #include "train/signals.h"
+#include "trainer/device.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"
 #include "trainer/safetensors.h"
@@ -62,31 +64,10 @@ nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset) {
 using Clock = std::chrono::steady_clock;
 constexpr int kImageCheckpointVersion = 1;
 
-struct MemoryNow {
-  int64_t allocated = 0, peak = 0;
-};
-
-MemoryNow memory_now(const c10::Device& device) {
-  if (device.is_cpu()) {
-    const auto stats = cpu_memory_stats();
-    return {stats.allocated, stats.peak};
-  }
-  const auto stats = at::accelerator::getDeviceStats(device.index());
-  return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};
-}
-
 int64_t count_all(Module& module) {
   int64_t n = 0;
   module.for_each_parameter([&](const std::string&, at::Tensor& p) { n += p.numel(); });
   return n;
-}
-
-// The preprocessing of model.path (preprocessor_config.json), else ViTImageProcessor's at the model's image size.
-data::ImageProcessorSpec training_spec(const std::string& model_dir, const ImageClassifier& model) {
-  auto spec = data::read_image_processor(model_dir, "ViTImageProcessor");
-  if (!fs::exists(fs::path(model_dir) / "preprocessor_config.json"))
-    spec.resize_height = spec.resize_width = static_cast<int>(model.image_size());
-  return spec;
 }
 
 // A directory transformers loads: the model (config.json with the classes) and its preprocessing.
@@ -95,12 +76,6 @@ void save_classifier_dir(ImageClassifier& model, const data::ImageProcessorSpec&
   write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec));
 }
 
-std::optional<fs::path> newest_complete(const fs::path& dir) {
-  const auto all = checkpoint_dirs(dir);
-  for (auto it = all.rbegin(); it != all.rend(); ++it)
-    if (fs::exists(it->second / "COMPLETE")) return it->second;
-  return std::nullopt;
-}
 
 struct Evaluation {
   double loss = 0, top1 = 0, top5 = 0;
@@ -221,7 +196,7 @@ void ImageTrainingRun::set_up() {
       throw DataError(options_.resume_from + " is not a complete checkpoint (no COMPLETE marker)",
                       "resume from a checkpoint-N directory that trainer finished writing");
   } else if (options_.resume) {
-    resume_dir_ = newest_complete(output_dir_);
+    resume_dir_ = newest_complete_checkpoint(output_dir_);
     if (!resume_dir_)
       throw DataError("--resume: no complete checkpoint in " + config_.checkpoint.output_dir,
                       "start without --resume, or point checkpoint.output_dir at the run to continue");
@@ -300,7 +275,7 @@ void ImageTrainingRun::build_model() {
                                                static_cast<uint64_t>(config_.training.seed), dataset_->classes)
                        : load_image_classifier(config_.model.path, config_.model.init, options,
                                                static_cast<uint64_t>(config_.training.seed), dataset_->classes);
-  spec_ = training_spec(config_.model.path, *model_);
+  spec_ = image_processor_for(config_.model.path, *model_);
   model_->train(true);
   if (config_.lora.enabled) {
     apply_lora_to_model();
@@ -451,7 +426,7 @@ bool ImageTrainingRun::train_one_step() {
   reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.target_tokens, images_seen_,
                      result.micro_batch, result.micro_steps, result.retries,
                      static_cast<int64_t>(policy_->adaptations().size()), 0, memory.allocated, memory.peak,
-                     std::chrono::duration<double>(Clock::now() - start).count()});
+                     std::chrono::duration<double>(Clock::now() - start).count(), std::nullopt});
   const bool eval_now = config_.evaluation.every_steps > 0 && step_index_ % config_.evaluation.every_steps == 0;
   if (eval_now || step_index_ == total_steps_) evaluate();
   if (config_.checkpoint.every_steps > 0 && step_index_ % config_.checkpoint.every_steps == 0 &&
@@ -472,29 +447,27 @@ void ImageTrainingRun::evaluate() {
 // checkpoint-N: the model as a Hugging Face directory, the optimizer state and the train state, written to a
 // temporary directory and renamed into place (a crash leaves the previous one whole); COMPLETE is written last.
 std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state) {
-  const fs::path final_dir = output_dir_ / ("checkpoint-" + std::to_string(step_index_));
-  if (on_disk_step_ == step_index_ && fs::exists(final_dir / "COMPLETE")) return final_dir.string();
-  const fs::path temp_dir = output_dir_ / (".checkpoint-" + std::to_string(step_index_) + ".tmp");
-  fs::remove_all(temp_dir);
-  save_trained(temp_dir);
-  write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer_->state_tensors(), {});
-  const nlohmann::json state = {{"version", kImageCheckpointVersion},
-                                {"task", "image"},
-                                {"step", step_index_},
-                                {"optimizer_steps", optimizer_->steps()},
-                                {"images_seen", images_seen_},
-                                {"data_cursor", cursor_to_json(cursor)},
-                                {"memory_policy", policy_state},
-                                {"config", nlohmann::json::parse(config_to_json(config_))},
-                                {"data_fingerprint", fingerprint_}};
-  write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
-  const fs::path replaced = output_dir_ / (".checkpoint-" + std::to_string(step_index_) + ".replaced");
-  fs::remove_all(replaced);
-  if (fs::exists(final_dir)) fs::rename(final_dir, replaced);
-  fs::rename(temp_dir, final_dir);
-  write_text_file((final_dir / "COMPLETE").string(), std::to_string(step_index_) + "\n");
-  fs::remove_all(replaced);
-  spdlog::info("checkpoint step {}: {}", step_index_, final_dir.string());
+  CheckpointWrite write;
+  write.write_files = [&](const fs::path& temp_dir) {
+    save_trained(temp_dir);
+    write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer_->state_tensors(), {});
+    const nlohmann::json state = {{"version", kImageCheckpointVersion},
+                                  {"task", "image"},
+                                  {"step", step_index_},
+                                  {"optimizer_steps", optimizer_->steps()},
+                                  {"images_seen", images_seen_},
+                                  {"data_cursor", cursor_to_json(cursor)},
+                                  {"memory_policy", policy_state},
+                                  {"config", nlohmann::json::parse(config_to_json(config_))},
+                                  {"data_fingerprint", fingerprint_}};
+    write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
+  };
+  Module& trained = lora_ ? static_cast<Module&>(*lora_) : *model_;
+  trained.for_each_parameter(
+      [&](const std::string&, at::Tensor& p) { write.needed_bytes += static_cast<int64_t>(p.nbytes()); });
+  for (const auto& [name, tensor] : optimizer_->state_tensors())
+    write.needed_bytes += static_cast<int64_t>(tensor.nbytes());
+  const fs::path final_dir = write_checkpoint_dir(output_dir_, step_index_, on_disk_step_ == step_index_, write);
   on_disk_step_ = step_index_;
   retention_->on_checkpoint(step_index_,
                             last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);

@@ -119,8 +119,6 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
     if (environment)
       throw UsageError("data parallelism is not implemented for image classifiers yet",
                        "run one process (without torchrun / trainer launch)");
-    std::optional<RunLock> image_lock;  // one run per output directory, as below
-    if (!options.dry_run) image_lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
     return run_image_train(config, options, out, allocator_conf);
   }
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);

@@ -25,6 +25,7 @@
 #include "distributed/process_group.h"
 #include "models/lora.h"
 #include "models/weights.h"
+#include "train/checkpoint_dir.h"
 #include "train/checkpointing.h"
 #include "train/device_move.h"
 #include "train/fixed_memory.h"
@@ -36,6 +37,7 @@
 #include "train/signals.h"
 #include "train/step.h"
 #include "trainer/data.h"
+#include "trainer/device.h"
 #include "trainer/model_dir.h"
 #include "trainer/peft.h"
 #include "trainer/safetensors.h"
@@ -50,19 +52,6 @@ using Clock = std::chrono::steady_clock;
 
 // The layout of checkpoint-N/ (train_state.json, optimizer.safetensors); a resume refuses any other.
 constexpr int kCheckpointVersion = 1;
-
-struct MemoryNow {
-  int64_t allocated = 0, peak = 0;
-};
-
-MemoryNow memory_now(const c10::Device& device) {
-  if (device.is_cpu()) {
-    const auto stats = cpu_memory_stats();
-    return {stats.allocated, stats.peak};
-  }
-  const auto stats = at::accelerator::getDeviceStats(device.index());
-  return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};
-}
 
 // Examples of the longest lengths the config allows: the worst case micro_batch_size=auto must fit.
 std::vector<Example> worst_case_examples(const Config& config, DataFamily family, int64_t count, int32_t token) {
@@ -353,7 +342,6 @@ void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::D
                             const nlohmann::json& policy_state, const LoaderCursor& cursor, int64_t tokens_seen,
                             const Config& config, const nlohmann::json& data_fingerprint,
                             const nlohmann::json& scaler_state, const OptimizerParts* parts);
-std::optional<fs::path> newest_checkpoint(const fs::path& dir);
 
 // A checkpoint: the model in Hugging Face format, the optimizer state, and the train state with the resolved
 // config, written to a temporary directory and renamed into place, so a crash leaves the previous one intact.
@@ -368,15 +356,9 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
                       const Optimizer& optimizer, const nlohmann::json& policy_state, const LoaderCursor& cursor,
                       int64_t tokens_seen, const Config& config, const nlohmann::json& data_fingerprint,
                       const nlohmann::json& scaler_state, const OptimizerParts* parts = nullptr) {
-  const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
-  if (on_disk && fs::exists(final_dir / "COMPLETE")) {
-    spdlog::info("checkpoint step {}: {} (already written)", step, final_dir.string());
-    return;
-  }
-  const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
-  if (!parts) fs::remove_all(temp_dir);  // with parts the caller prepared it, and the other ranks write into it
+  CheckpointWrite write;
   bool agreed = false;
-  try {
+  write.write_files = [&](const fs::path& temp_dir) {
     write_checkpoint_files(temp_dir, step, device, trained, optimizer, policy_state, cursor, tokens_seen, config,
                            data_fingerprint, scaler_state, parts);
     // COMPLETE only once every rank's part is on disk.
@@ -386,35 +368,15 @@ void write_checkpoint(const fs::path& output_dir, int64_t step, bool on_disk, co
         throw DataError("the optimizer state part(s) " + missing + " could not be written by their ranks",
                         "see those ranks' errors");
     }
-  } catch (const Error& e) {
+  };
+  write.on_failure = [&] {
     if (parts && !agreed) parts->agree(true);  // the other ranks learn that this checkpoint failed
-    // A full disk (or any write error): the partial directory goes, the previous checkpoint stays the newest, and
-    // the message says what the checkpoint needs against what is free.
-    std::error_code ignored;
-    fs::remove_all(temp_dir, ignored);
-    int64_t needed = trained.lora ? 4 * trained.lora->trainable_parameters() : parameter_bytes(trained.model);
-    for (const auto& [name, tensor] : optimizer.state_tensors()) needed += static_cast<int64_t>(tensor.nbytes());
-    const auto space = fs::space(output_dir, ignored);
-    const auto previous = newest_checkpoint(output_dir);
-    throw DataError(fmt::format("checkpoint step {} could not be written: {}\n  the checkpoint needs about {} "
-                                "(weights and optimizer state); {} {}\n  {}",
-                                step, e.what(), human_bytes(static_cast<double>(needed)),
-                                ignored ? std::string("free space unknown on")
-                                        : human_bytes(static_cast<double>(space.available)) + " free on",
-                                output_dir.string(),
-                                previous ? "the newest complete checkpoint is still " + previous->string()
-                                         : std::string("no earlier checkpoint of this run exists")),
-                    "free space there (or set checkpoint.output_dir to a disk with room), then continue with "
-                    "--resume");
-  }
-  const fs::path replaced = output_dir / (".checkpoint-" + std::to_string(step) + ".replaced");
-  fs::remove_all(replaced);
-  if (fs::exists(final_dir)) fs::rename(final_dir, replaced);
-  fs::rename(temp_dir, final_dir);
-  // Written last: a checkpoint without it is not trusted.
-  write_text_file((final_dir / "COMPLETE").string(), std::to_string(step) + "\n");
-  fs::remove_all(replaced);
-  spdlog::info("checkpoint step {}: {}", step, final_dir.string());
+  };
+  write.needed_bytes = trained.lora ? 4 * trained.lora->trainable_parameters() : parameter_bytes(trained.model);
+  for (const auto& [name, tensor] : optimizer.state_tensors())
+    write.needed_bytes += static_cast<int64_t>(tensor.nbytes());
+  write.prepared = parts != nullptr;  // with parts the caller prepared it, and the other ranks write into it
+  write_checkpoint_dir(output_dir, step, on_disk, write);
 }
 
 // What checkpoint-N holds, written into `temp_dir` (see write_checkpoint).
@@ -460,13 +422,6 @@ void dump_snapshot_once(const fs::path& output_dir, int64_t step) {
   }
 }
 
-// The newest checkpoint-N in `dir` that was completely written.
-std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
-  const auto all = checkpoint_dirs(dir);
-  for (auto it = all.rbegin(); it != all.rend(); ++it)
-    if (fs::exists(it->second / "COMPLETE")) return it->second;
-  return std::nullopt;
-}
 
 
 // A checkpoint of another architecture cannot continue this run: its config.json (a LoRA checkpoint's base
@@ -529,7 +484,7 @@ std::optional<fs::path> find_resume_dir(const Config& config, const TrainOptions
     return dir;
   }
   if (!train_options.resume) return std::nullopt;
-  auto dir = newest_checkpoint(config.checkpoint.output_dir);
+  auto dir = newest_complete_checkpoint(config.checkpoint.output_dir);
   if (!dir)
     throw DataError("--resume: no complete checkpoint in " + config.checkpoint.output_dir,
                     "start without --resume, or point checkpoint.output_dir at the run to continue");
@@ -824,7 +779,7 @@ void TrainingRun::restore_or_probe() {
 void TrainingRun::start_retention() {
   fs::create_directories(output_dir_);
   if (!resume_.dir && primary_)
-    if (const auto earlier = newest_checkpoint(output_dir_))
+    if (const auto earlier = newest_complete_checkpoint(output_dir_))
       spdlog::warn("{} already holds checkpoints of an earlier run (newest {}); this run starts from step 0 and "
                    "writes its own beside them. To continue that run instead, stop and add --resume",
                    output_dir_.string(), earlier->filename().string());

@@ -1,0 +1,66 @@
+// Writing and finding checkpoint-N directories (see checkpoint_dir.h).
+#include "train/checkpoint_dir.h"
+
+#include <string>
+#include <system_error>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "train/retention.h"
+#include "trainer/config.h"
+#include "trainer/errors.h"
+#include "trainer/safetensors.h"
+
+namespace trainer {
+
+namespace fs = std::filesystem;
+
+std::optional<fs::path> newest_complete_checkpoint(const fs::path& dir) {
+  const auto all = checkpoint_dirs(dir);
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if (fs::exists(it->second / "COMPLETE")) return it->second;
+  return std::nullopt;
+}
+
+fs::path write_checkpoint_dir(const fs::path& output_dir, int64_t step, bool on_disk, const CheckpointWrite& write) {
+  const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
+  if (on_disk && fs::exists(final_dir / "COMPLETE")) {
+    spdlog::info("checkpoint step {}: {} (already written)", step, final_dir.string());
+    return final_dir;
+  }
+  const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
+  if (!write.prepared) fs::remove_all(temp_dir);
+  try {
+    write.write_files(temp_dir);
+  } catch (const Error& e) {
+    if (write.on_failure) write.on_failure();
+    // A full disk (or any write error): the partial directory goes, the previous checkpoint stays the newest, and
+    // the message says what the checkpoint needs against what is free.
+    std::error_code ignored;
+    fs::remove_all(temp_dir, ignored);
+    const auto space = fs::space(output_dir, ignored);
+    const auto previous = newest_complete_checkpoint(output_dir);
+    throw DataError(fmt::format("checkpoint step {} could not be written: {}\n  the checkpoint needs about {} "
+                                "(weights and optimizer state); {} {}\n  {}",
+                                step, e.what(), human_bytes(static_cast<double>(write.needed_bytes)),
+                                ignored ? std::string("free space unknown on")
+                                        : human_bytes(static_cast<double>(space.available)) + " free on",
+                                output_dir.string(),
+                                previous ? "the newest complete checkpoint is still " + previous->string()
+                                         : std::string("no earlier checkpoint of this run exists")),
+                    "free space there (or set checkpoint.output_dir to a disk with room), then continue with "
+                    "--resume");
+  }
+  const fs::path replaced = output_dir / (".checkpoint-" + std::to_string(step) + ".replaced");
+  fs::remove_all(replaced);
+  if (fs::exists(final_dir)) fs::rename(final_dir, replaced);
+  fs::rename(temp_dir, final_dir);
+  // Written last: a checkpoint without it is not trusted.
+  write_text_file((final_dir / "COMPLETE").string(), std::to_string(step) + "\n");
+  fs::remove_all(replaced);
+  spdlog::info("checkpoint step {}: {}", step, final_dir.string());
+  return final_dir;
+}
+
+}  // namespace trainer
