@@ -164,4 +164,8 @@ def test_a_lora_training_run_writes_an_adapter_peft_loads_and_a_merged_model(nam
         ours = merged(**batch).logits
     real = real_positions(config, batch)
     assert (theirs[real] - base_logits[real]).abs().max() > MIN_EFFECT, "training changed nothing"
-    tolerance_close(ours[real], theirs[real])
+    # Both sides run in transformers; they differ only by W + s*B@A summed into one fp32 weight or applied apart.
+    # With this large adapter (lr 0.05, alpha 64) that rounding reaches ~1e-5 of the logits' scale (1.4e-4 on logits
+    # of ~12 was seen): the bound is relative to that scale, far below MIN_EFFECT.
+    scale = theirs[real].abs().max().item()
+    torch.testing.assert_close(ours[real], theirs[real], atol=2e-5 * max(scale, 1.0), rtol=1e-4)
