@@ -77,20 +77,11 @@ StepResult ImageTrainStep::run(const ImageBatch& batch, int64_t step, double lr)
     int64_t largest = 0;
     for (const auto& part : parts) largest = std::max(largest, part.second);
     if (out_of_memory) {
-      optimizer_.zero_grad();
-      release_cached_memory();
-      spdlog::debug("out of memory in forward/backward: {}", *out_of_memory);
-      if (attempt + 1 > options_.max_retries)
-        throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
-                                     std::to_string(attempt + 1) + " attempts (memory.max_retries)",
-                                 "raise memory.max_retries or memory.limit");
-      if (policy_.shrink(step, "forward/backward", largest <= 1)) continue;
-      if (escalate(step)) continue;
-      throw OutOfMemoryAtFloor("out of memory in forward/backward at step " + std::to_string(step) +
-                                   " with micro-batch " + std::to_string(policy_.micro_batch()) +
-                                   " and every escalation used: " + out_of_memory->substr(0, 300),
-                               "a smaller image size, training.activation_checkpointing=true, "
-                               "training.linear_probe=true or lora.enabled=true, or a larger memory.limit");
+      adapt_to_out_of_memory(optimizer_, policy_, step, attempt, options_.max_retries, largest <= 1,
+                             [&] { return escalate(step); }, *out_of_memory,
+                             "a smaller image size, training.activation_checkpointing=true, "
+                             "training.linear_probe=true or lora.enabled=true, or a larger memory.limit");
+      continue;
     }
     try {
       result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);

@@ -36,6 +36,24 @@ void release_cached_memory() {
   if (at::accelerator::getAccelerator(false).has_value()) at::accelerator::emptyCache();
 }
 
+void adapt_to_out_of_memory(Optimizer& optimizer, MemoryPolicy& policy, int64_t step, int64_t attempt,
+                            int64_t max_retries, bool at_floor, const std::function<bool()>& escalate,
+                            const std::string& what, const std::string& floor_hint) {
+  optimizer.zero_grad();
+  release_cached_memory();
+  spdlog::debug("out of memory in forward/backward: {}", what);
+  if (attempt + 1 > max_retries)
+    throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
+                                 std::to_string(attempt + 1) + " attempts (memory.max_retries)",
+                             "raise memory.max_retries or memory.limit");
+  if (policy.shrink(step, "forward/backward", at_floor)) return;
+  if (escalate()) return;
+  throw OutOfMemoryAtFloor("out of memory in forward/backward at step " + std::to_string(step) + " with micro-batch " +
+                               std::to_string(policy.micro_batch()) + " and every escalation used: " +
+                               what.substr(0, 300),
+                           floor_hint);
+}
+
 double TrainStep::forward_backward(std::span<const Example> examples, double normaliser) {
   const CollatedBatch collated = collate(examples, options_.pad_id, options_.device);
   return forward_backward(Batch{collated.input_ids, collated.attention_mask, collated.labels, {}}, normaliser);
@@ -196,19 +214,9 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
       else if (out_of_memory) *out_of_memory = "rank(s) " + outcome.failed_ranks + ": " + *out_of_memory;
     }
     if (out_of_memory) {
-      optimizer_.zero_grad();
-      release_cached_memory();
-      spdlog::debug("out of memory in forward/backward: {}", *out_of_memory);
-      if (attempt + 1 > options_.max_retries)
-        throw OutOfMemoryAtFloor("out of memory at step " + std::to_string(step) + " after " +
-                                     std::to_string(attempt + 1) + " attempts (memory.max_retries)",
-                                 "raise memory.max_retries or memory.limit");
-      if (policy_.shrink(step, "forward/backward", at_floor)) continue;
-      if (escalate(step)) continue;
-      throw OutOfMemoryAtFloor("out of memory in forward/backward at step " + std::to_string(step) +
-                                   " with micro-batch " + std::to_string(policy_.micro_batch()) +
-                                   " and every escalation used: " + out_of_memory->substr(0, 300),
-                               "");
+      adapt_to_out_of_memory(optimizer_, policy_, step, attempt, options_.max_retries, at_floor,
+                             [&] { return escalate(step); }, *out_of_memory, "");
+      continue;
     }
     if (options_.sync) loss_sum = options_.sync->reduce(loss_sum);
     result.loss = loss_sum / normaliser;

@@ -130,4 +130,12 @@ class TrainStep {
 // Releases cached device memory after an out-of-memory error (no-op on the CPU).
 void release_cached_memory();
 
+// After an out-of-memory error in forward/backward (`what`), in any training step: drops the attempt's gradients
+// and cached memory, then shrinks the micro-batch (or, at the floor, takes the next escalation `escalate` applies),
+// so the caller retries the same effective batch. Throws OutOfMemoryAtFloor when memory.max_retries or the ladder
+// is used up; `floor_hint` says what the user can change then.
+void adapt_to_out_of_memory(Optimizer& optimizer, MemoryPolicy& policy, int64_t step, int64_t attempt,
+                            int64_t max_retries, bool at_floor, const std::function<bool()>& escalate,
+                            const std::string& what, const std::string& floor_hint);
+
 }  // namespace trainer
