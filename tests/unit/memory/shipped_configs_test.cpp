@@ -99,7 +99,9 @@ TEST(ShippedConfigs, EveryGpuConfigFitsItsCardByThePlan) {
       const double fixed = config.training.linear_probe ? e.probe_fixed : e.full_fixed;
       const double per_image = config.training.linear_probe ? 0.0 : e.activations_per_image;
       EXPECT_LT(fixed + per_image, card.bytes);
-      if (per_image > 0) EXPECT_GE((card.bytes - fixed) / per_image, 16) << "fewer than 16 images per micro-batch";
+      if (per_image > 0) {
+        EXPECT_GE((card.bytes - fixed) / per_image, 16) << "fewer than 16 images per micro-batch";
+      }
       ++checked;
       continue;
     }
