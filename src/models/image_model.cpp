@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <stdexcept>
 
+#include <ATen/ATen.h>
+
 #include "models/clip.h"
 #include "models/hf_config.h"
 #include "models/vit.h"
@@ -83,6 +85,14 @@ data::ImageProcessorSpec image_processor_for(const std::string& dir, const Image
     }
   }
   return spec;
+}
+
+void initialise_randomly(ImageClassifier& model, const c10::TensorOptions& options, uint64_t seed,
+                         const std::vector<std::string>& labels) {
+  if (!labels.empty() && labels != model.labels()) model.set_labels(labels, options.dtype(at::kFloat));
+  at::manual_seed(seed);
+  model.init_weights();
+  model.for_each_parameter([&](const std::string&, at::Tensor& p) { p = p.to(options); });
 }
 
 }  // namespace trainer

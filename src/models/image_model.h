@@ -69,6 +69,11 @@ void write_label_maps(nlohmann::json& config, const std::vector<std::string>& la
 // Whether dir/config.json (or a parsed config) describes an image classifier this build knows.
 bool is_image_model_config(const nlohmann::json& config);
 
+// A classifier built from config.json alone (fp32, `labels` when given and different): HF's initialisation from
+// `seed`, then every parameter moved to `options` (for the loaders' model.init=random).
+void initialise_randomly(ImageClassifier& model, const c10::TensorOptions& options, uint64_t seed,
+                         const std::vector<std::string>& labels);
+
 // Reads dir/config.json and dispatches on model_type. A checkpoint without a head (or with a head for other classes
 // when `labels` is given and differs) gets a new head from `seed`; init = random initialises everything from
 // `seed`. An unknown model_type is a DataError naming the file and the supported types.

@@ -348,10 +348,7 @@ std::unique_ptr<VitForImageClassification> load_vit(const std::string& dir, Mode
   at::NoGradGuard no_grad;
   if (init == ModelInit::kRandom) {
     auto model = std::make_unique<VitForImageClassification>(config, options.dtype(at::kFloat));
-    if (!labels.empty() && labels != model->labels()) model->set_labels(labels, options.dtype(at::kFloat));
-    at::manual_seed(seed);
-    model->init_weights();
-    model->for_each_parameter([&](const std::string&, at::Tensor& p) { p = p.to(options); });
+    initialise_randomly(*model, options, seed, labels);
     return model;
   }
   auto model = std::make_unique<VitForImageClassification>(config, options.device(at::kMeta));
