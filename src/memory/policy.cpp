@@ -169,4 +169,21 @@ std::vector<std::pair<int64_t, int64_t>> split_counts(int64_t count, int64_t mic
   return parts;
 }
 
+int64_t largest_that_fits(int64_t limit, const std::function<bool(int64_t)>& fits) {
+  int64_t good = 0, bad = limit + 1;
+  for (int64_t n = 1;; n = std::min(2 * n, limit)) {
+    if (!fits(n)) {
+      bad = n;
+      break;
+    }
+    good = n;
+    if (n == limit) break;
+  }
+  while (bad - good > 1) {
+    const int64_t mid = (good + bad) / 2;
+    (fits(mid) ? good : bad) = mid;
+  }
+  return good;
+}
+
 }  // namespace trainer

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -20,6 +21,11 @@ struct Adaptation {
   int64_t new_micro_batch = 0;
   std::string reason;  // "out of memory in backward", "regrow after 200 stable steps", "escalate: ..."
 };
+
+// The largest n in [1, limit] for which `fits(n)` holds, `fits` being monotone (what fits, any smaller size fits):
+// 1, 2, 4, ... up to the first that does not fit, then bisection between. 0 when not even 1 fits. What
+// micro_batch_size=auto runs, for text and images.
+int64_t largest_that_fits(int64_t limit, const std::function<bool(int64_t)>& fits);
 
 class MemoryPolicy {
  public:

@@ -368,19 +368,7 @@ void ImageTrainingRun::restore_or_probe() {
     const auto peak = static_cast<double>(memory_now(device_).peak);
     return capacity == 0 || peak <= allowed;
   };
-  int64_t good = 0, bad = batch_size + 1;
-  for (int64_t n = 1;; n = std::min(2 * n, batch_size)) {
-    if (!fits(n)) {
-      bad = n;
-      break;
-    }
-    good = n;
-    if (n == batch_size) break;
-  }
-  while (bad - good > 1) {
-    const int64_t mid = (good + bad) / 2;
-    (fits(mid) ? good : bad) = mid;
-  }
+  const int64_t good = largest_that_fits(batch_size, fits);
   if (good == 0)
     throw OutOfMemoryAtFloor("not even one image fits for micro_batch_size=auto",
                              "turn on training.activation_checkpointing, use a smaller image size, or raise "

@@ -171,20 +171,7 @@ int64_t probe_micro_batch(TrainStep& step, Optimizer& optimizer, const Config& c
                  ok ? "" : " (inside the safety margin: too close)");
     return ok;
   };
-  int64_t good = 0, bad = batch_size + 1;
-  for (int64_t n = 1;; n = std::min(2 * n, batch_size)) {
-    if (!fits(n)) {
-      bad = n;
-      break;
-    }
-    good = n;
-    if (n == batch_size) break;
-  }
-  while (bad - good > 1) {
-    const int64_t mid = (good + bad) / 2;
-    (fits(mid) ? good : bad) = mid;
-  }
-  return good;
+  return largest_that_fits(batch_size, fits);
 }
 
 // Validation loss with its own micro-batch: an out-of-memory error halves it and retries the same batch,

@@ -1,5 +1,7 @@
 // The memory-adaptive step against real out-of-memory errors from the CPU budget allocator (no faked exceptions).
 #include <map>
+#include <set>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -474,4 +476,27 @@ TEST(Scheduler, WarmupThenDecay) {
   EXPECT_DOUBLE_EQ(scheduled_lr(s, 1.0, 100, 110), 1.0);
 }
 
+}  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// micro_batch_size=auto's search: the largest size that fits, for every threshold and limit, asking each size at
+// most once and never above the limit.
+TEST(MemoryPolicy, LargestThatFitsFindsTheThresholdByDoublingThenBisection) {
+  for (int64_t limit : {1, 2, 7, 16, 33}) {
+    for (int64_t threshold = 0; threshold <= limit + 2; ++threshold) {
+      std::vector<int64_t> asked;
+      const int64_t found = largest_that_fits(limit, [&](int64_t n) {
+        asked.push_back(n);
+        return n <= threshold;
+      });
+      EXPECT_EQ(found, std::min(threshold, limit)) << "limit " << limit << " threshold " << threshold;
+      for (const int64_t n : asked) EXPECT_TRUE(n >= 1 && n <= limit);
+      EXPECT_EQ(std::set<int64_t>(asked.begin(), asked.end()).size(), asked.size()) << "a size asked twice";
+    }
+  }
+}
+
+}  // namespace
 }  // namespace trainer
