@@ -30,5 +30,7 @@ struct MemoryNow {
   int64_t allocated = 0, peak = 0;
 };
 MemoryNow memory_now(const c10::Device& device);
+// Starts the peak of memory_now anew.
+void reset_peak(const c10::Device& device);
 
 }  // namespace trainer

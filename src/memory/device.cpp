@@ -105,4 +105,9 @@ MemoryNow memory_now(const c10::Device& device) {
   return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};
 }
 
+void reset_peak(const c10::Device& device) {
+  if (device.is_cpu()) reset_cpu_peak();
+  else at::accelerator::resetPeakStats(device.index());
+}
+
 }  // namespace trainer

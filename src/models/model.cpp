@@ -42,7 +42,7 @@ LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits)
   return out;
 }
 
-int64_t count_parameters(LanguageModel& model) {
+int64_t count_parameters(Module& model) {
   int64_t total = 0;
   model.for_each_parameter([&](const std::string&, at::Tensor& p) { total += p.numel(); });
   return total;

@@ -108,7 +108,7 @@ LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits 
 std::unique_ptr<LanguageModel> build_model(const nlohmann::json& config, const c10::TensorOptions& options);
 
 // Parameter counts for `inspect` and `plan`.
-int64_t count_parameters(LanguageModel& model);
+int64_t count_parameters(Module& model);
 
 struct GenerateOptions {
   int64_t max_new_tokens = 32;

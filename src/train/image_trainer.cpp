@@ -64,12 +64,6 @@ nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset) {
 using Clock = std::chrono::steady_clock;
 constexpr int kImageCheckpointVersion = 1;
 
-int64_t count_all(Module& module) {
-  int64_t n = 0;
-  module.for_each_parameter([&](const std::string&, at::Tensor& p) { n += p.numel(); });
-  return n;
-}
-
 // A directory transformers loads: the model (config.json with the classes) and its preprocessing.
 void save_classifier_dir(ImageClassifier& model, const data::ImageProcessorSpec& spec, const fs::path& dir) {
   save_image_classifier(model, dir.string());
@@ -354,8 +348,7 @@ void ImageTrainingRun::restore_or_probe() {
                                                         : static_cast<int64_t>(at::accelerator::getMemoryInfo(device_.index()).second);
   const double allowed = static_cast<double>(capacity) * (1.0 - config_.memory.auto_safety_margin);
   auto fits = [&](int64_t n) {
-    if (device_.is_cpu()) reset_cpu_peak();
-    else at::accelerator::resetPeakStats(device_.index());
+    reset_peak(device_);
     try {
       step_->forward_backward(at::zeros({n, 3, height, width}), at::zeros({n}, at::kLong), 0, 0, 1.0);
       optimizer_->zero_grad();
@@ -377,9 +370,9 @@ void ImageTrainingRun::restore_or_probe() {
 }
 
 int ImageTrainingRun::loop() {
-  if (device_.is_cpu()) reset_cpu_peak();
-  reporter_.on_start({model_->model_type(), count_all(*model_), optimizer_->trainable_parameters(), total_steps_,
-                      policy_->micro_batch(), step_index_, images_seen_,
+  reset_peak(device_);
+  reporter_.on_start({model_->model_type(), count_parameters(*model_), optimizer_->trainable_parameters(),
+                      total_steps_, policy_->micro_batch(), step_index_, images_seen_,
                       resume_dir_ ? resume_dir_->string() : ""});
   while (step_index_ < total_steps_) {
     if (const int signal = stop_requested()) {

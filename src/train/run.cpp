@@ -65,6 +65,18 @@ DeviceConfig prepare_rank(const Config& config, const distributed::Environment& 
 // The keys that may differ between ranks: what one machine has (its memory, its device).
 const std::vector<std::string> kPerRankKeys = {"memory.limit", "device.*"};
 
+// The plan's lines on how long the run is and what memory it adapts to (text and image runs alike).
+void print_length_and_memory(const Config& config, const std::string& allocator_conf, std::ostream& out) {
+  const auto& t = config.training;
+  out << "  length       "
+      << (t.max_steps > 0 ? std::to_string(t.max_steps) + " optimizer steps" : std::to_string(t.epochs) + " epoch(s)")
+      << "\n";
+  out << "  memory       "
+      << (config.memory.limit.bytes ? "limit " + format_byte_size(config.memory.limit) : std::string("no limit"))
+      << ", on out-of-memory: " << enum_name(config.memory.on_oom)
+      << (allocator_conf.empty() ? "" : "; " + allocator_conf) << "\n";
+}
+
 // An image classifier's run (train/image_trainer.h): its own plan lines, then the image training loop.
 int run_image_train(const Config& config, const TrainOptions& options, std::ostream& out,
                     const std::string& allocator_conf) {
@@ -86,13 +98,7 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
       << (t.micro_batch_size.is_auto ? std::string("micro-batch auto (probed against memory)")
                                      : "micro-batch " + std::to_string(t.micro_batch_size.value))
       << "\n";
-  out << "  length       "
-      << (t.max_steps > 0 ? std::to_string(t.max_steps) + " optimizer steps" : std::to_string(t.epochs) + " epoch(s)")
-      << "\n";
-  out << "  memory       "
-      << (config.memory.limit.bytes ? "limit " + format_byte_size(config.memory.limit) : std::string("no limit"))
-      << ", on out-of-memory: " << enum_name(config.memory.on_oom)
-      << (allocator_conf.empty() ? "" : "; " + allocator_conf) << "\n";
+  print_length_and_memory(config, allocator_conf, out);
   out << "  output       " << config.checkpoint.output_dir << "\n\n";
   if (options.dry_run) {
     out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
@@ -171,13 +177,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
                                                                     " examples")
         << " of every effective batch\n";
   }
-  out << "  length       "
-      << (t.max_steps > 0 ? std::to_string(t.max_steps) + " optimizer steps" : std::to_string(t.epochs) + " epoch(s)")
-      << "\n";
-  out << "  memory       "
-      << (config.memory.limit.bytes ? "limit " + format_byte_size(config.memory.limit) : std::string("no limit"))
-      << ", on out-of-memory: " << enum_name(config.memory.on_oom)
-      << (allocator_conf.empty() ? "" : "; " + allocator_conf) << "\n";
+  print_length_and_memory(config, allocator_conf, out);
   if (config.lora.enabled) {
     const auto& l = config.lora;
     std::string targets;

@@ -79,11 +79,6 @@ int64_t parameter_bytes(Module& module) {
   return bytes;
 }
 
-void reset_peak(const c10::Device& device) {
-  if (device.is_cpu()) reset_cpu_peak();
-  else at::accelerator::resetPeakStats(device.index());
-}
-
 // What held the memory when a step did not fit even at the floor: the fixed part (weights, gradients, optimizer
 // state), the rest of the run's peak (activations and workspace), and the allocator's own counters.
 std::string memory_report(const Config& config, const c10::Device& device, Module& model, Module* lora,
