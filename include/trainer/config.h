@@ -227,7 +227,7 @@ struct TrainingConfig {
   std::int64_t seed = 42;
   double max_grad_norm = 1.0;
   bool activation_checkpointing = false;
-  bool chunked_loss = false;
+  bool chunked_loss = true;
   std::int64_t loss_chunk_size = 1024;
   bool linear_probe = false;
 
@@ -247,7 +247,8 @@ struct TrainingConfig {
     v("max_grad_norm", max_grad_norm, "clip gradients to this global norm; 0 turns clipping off");
     v("activation_checkpointing", activation_checkpointing, "recompute each block's activations in backward");
     v("chunked_loss", chunked_loss,
-      "fused LM head and loss over chunks of loss_chunk_size trained tokens: no full tokens x vocabulary logits");
+      "fused LM head and loss over chunks of loss_chunk_size trained tokens (trained positions only): no full "
+      "tokens x vocabulary logits; the same loss and gradients as false, faster and smaller (docs/benchmarks.md)");
     v("loss_chunk_size", loss_chunk_size,
       "trained tokens per chunk of the chunked loss (memory: chunk x vocabulary fp32 logits); the "
       "smaller_loss_chunks escalation halves it down to 128");
@@ -387,8 +388,10 @@ struct MemoryConfig {
   double shrink_factor = 0.5;
   std::int64_t min_micro_batch_size = 1;
   std::int64_t max_retries = 8;
-  std::vector<std::string> escalation = {"activation_checkpointing", "chunked_loss", "smaller_loss_chunks",
-                                         "move_to_other_gpu", "move_to_cpu"};
+  // chunked_loss is not in the default ladder: training.chunked_loss is on by default, and smaller_loss_chunks turns
+  // it on (at half the chunk) where a config turned it off. Listed explicitly, it turns it on at the chunk size.
+  std::vector<std::string> escalation = {"activation_checkpointing", "smaller_loss_chunks", "move_to_other_gpu",
+                                         "move_to_cpu"};
   std::int64_t regrow_after_steps = 0;
   double auto_safety_margin = 0.1;
   std::int64_t empty_cache_every = 0;
@@ -403,8 +406,9 @@ struct MemoryConfig {
     v("min_micro_batch_size", min_micro_batch_size, "the floor; below it the policy escalates, then stops");
     v("max_retries", max_retries, "out-of-memory retries of one optimizer step before giving up");
     v("escalation", escalation,
-      "what to turn on at the floor, in order: activation_checkpointing, chunked_loss, smaller_loss_chunks (halve "
-      "training.loss_chunk_size, repeatedly, down to 128; turns chunked_loss on); then, last, the device moves: "
+      "what to turn on at the floor, in order: activation_checkpointing, chunked_loss (only where "
+      "training.chunked_loss=false; not in the default), smaller_loss_chunks (halve training.loss_chunk_size, "
+      "repeatedly, down to 128; turns chunked_loss on); then, last, the device moves: "
       "move_to_other_gpu (device.type=auto: the GPU with the most free memory, if it has more than this one gives "
       "the run) and move_to_cpu (device.allow_cpu_fallback=true), which continue the same step on the new device");
     v("regrow_after_steps", regrow_after_steps, "try a larger micro-batch after N steps without OOM; 0: never");

@@ -64,7 +64,7 @@ def loader(form, path, model, batch_size):
 def train(spec_path):
     """spec: model_dir, form, data, max_input_length/max_target_length (seq2seq) or max_length (causal),
     batch_size, gradient_accumulation_steps, max_steps, lr, seed, output_dir; optional auto_find_batch_size,
-    save_steps, resume, save_final."""
+    save_steps, resume, save_final, bf16 (autocast, as trainer's precision.mode=bf16-mixed)."""
     with open(spec_path) as f:
         spec = json.load(f)
     print("BENCH start", flush=True)
@@ -112,6 +112,8 @@ def train(spec_path):
                      save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
                      save_total_limit=2, report_to="none", disable_tqdm=True, train_sampling_strategy="sequential",
                      auto_find_batch_size=spec.get("auto_find_batch_size", False), dataloader_num_workers=0)
+    if spec.get("bf16"):  # bf16 autocast on the CPU (what bf16=True means there), fp32 master weights
+        arguments.update(bf16=True, use_cpu=True)
     trainer_class, args_class = (Seq2SeqTrainer, Seq2SeqTrainingArguments) if seq2seq else (Trainer, TrainingArguments)
     trainer = trainer_class(model=model, args=args_class(**arguments), train_dataset=ds,
                             data_collator=DataCollatorForSeq2Seq(tok, model=model if seq2seq else None,

@@ -19,6 +19,17 @@ Throughput: target tokens/s over the steps after --warmup, from the moments each
 to first step: from launching the process to the first finished step (imports, model init, data loading, and
 for trainer the index pass). Peak RSS: the process's high-water mark (GNU time). Pairs run alternately, the
 order flipping each repetition; medians are reported.
+
+Precision (--precision fp32 bf16-mixed): fp32 on both sides, or bf16 autocast with fp32 master weights (trainer
+precision.mode=bf16-mixed; HF bf16=True, use_cpu=True).
+
+Utilisation: useful model FLOP/s over the measured steps divided by the GEMM peak of the same dtype (fp32 for fp32,
+bf16 for bf16-mixed) measured in this run, at the start and at the end (the better of the two): torch.matmul of
+2048 x 2048 matrices on 2 threads. Useful FLOPs of a step: 6 x (parameters a token passes through) x (its real,
+unpadded tokens), the LM head (6 x d_model x vocabulary) only at trained positions, plus attention (12 x heads x
+head_dim per query-key pair: causal pairs only, cross-attention every pair). Embedding lookups and T5's relative
+position bias count nothing; T5's cross-attention keys and values count per encoder token. Padding, the LM head at
+untrained positions and recomputation are work but not useful work.
 """
 import argparse
 import json
@@ -89,6 +100,92 @@ def parameter_count(path):
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     with torch.device("meta"):
         return sum(p.numel() for p in auto.from_config(config).parameters())
+
+
+def flop_model(path):
+    """What one token costs, from the model's parameters by name (meta device): per encoder / decoder (causal: per)
+    real token, per encoder token (T5 cross-attention keys and values), per trained position (the LM head), and
+    the attention FLOPs per query-key pair per layer and attention kind."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    m = {"encoder": 0, "decoder": 0, "cross_kv": 0}
+    for name, p in model.named_parameters():  # tied weights appear once
+        if "embed" in name or name.startswith("shared") or "relative_attention_bias" in name or name == "lm_head.weight":
+            continue  # lookups (and the head, counted per trained position below)
+        if config.is_encoder_decoder and name.startswith("encoder."):
+            m["encoder"] += p.numel()
+        elif config.is_encoder_decoder and "EncDecAttention" in name and (".k." in name or ".v." in name):
+            m["cross_kv"] += p.numel()
+        else:
+            m["decoder"] += p.numel()
+    if config.is_encoder_decoder:
+        d, vocab, q_dim = config.d_model, config.vocab_size, config.num_heads * config.d_kv
+        m["layers"], m["decoder_layers"] = config.num_layers, config.num_decoder_layers
+    else:
+        d, vocab = config.hidden_size, config.vocab_size
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q_dim = config.num_attention_heads * head_dim
+        m["layers"] = m["decoder_layers"] = config.num_hidden_layers
+    m.update(head=d * vocab, pair=12 * q_dim, seq2seq=config.is_encoder_decoder)
+    return m
+
+
+def row_flops(m, input_ids, labels):
+    """Useful training FLOPs of one example (forward + backward = 3 x forward, 2 per multiply-add)."""
+    if m["seq2seq"]:
+        n_in, n_out = len(input_ids), len(labels)
+        flops = 6 * (m["encoder"] * n_in + m["cross_kv"] * n_in + m["decoder"] * n_out) + 6 * m["head"] * n_out
+        return flops + m["pair"] * (m["layers"] * n_in * n_in + m["decoder_layers"] * (
+            n_out * (n_out + 1) // 2 + n_out * n_in))
+    n = len(input_ids)
+    trained = sum(1 for x in labels[1:] if x != -100)  # the next-token targets
+    return 6 * m["decoder"] * n + 6 * m["head"] * trained + m["pair"] * m["layers"] * n * (n + 1) // 2
+
+
+def step_flops(path, form, data, lengths, batch, steps):
+    """Useful FLOPs of each step: data in file order, step s trains rows (s-1)*batch .. s*batch-1 (wrapping)."""
+    import datasets
+    from transformers import AutoTokenizer
+    from hf_stack import tokenize_function
+    datasets.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(path)
+    ds = datasets.load_dataset("json", data_files=data, split="train")
+    ds = ds.map(tokenize_function(tok, form, lengths.get("max_input_length"), lengths.get("max_target_length"),
+                                  lengths.get("max_length")), batched=True, remove_columns=ds.column_names)
+    m = flop_model(path)
+    rows = [row_flops(m, ids, labels) for ids, labels in zip(ds["input_ids"], ds["labels"])]
+    return [sum(rows[(s * batch + i) % len(rows)] for i in range(batch)) for s in range(steps)]
+
+
+def gemm_peak(dtype_name, n=2048, threads=2, repeats=12):
+    """FLOP/s of the best of `repeats` torch.matmul calls of n x n matrices (the machine's GEMM peak here)."""
+    import time
+    import torch
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    for _ in range(2):
+        torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(saved)
+    return 2 * n ** 3 / best
+
+
+def measure_peaks(results):
+    for dtype in ("fp32", "bf16"):
+        peak = gemm_peak(dtype)
+        results.setdefault("peak", {})[dtype] = max(peak, results.get("peak", {}).get(dtype, 0))
+        results.setdefault("peak_samples", {}).setdefault(dtype, []).append(peak)
+        log(f"GEMM peak {dtype}: {peak / 1e12:.3f} TFLOP/s (2048^3, 2 threads; load {load_average():.1f})")
 
 
 def long_data(form, records, parts=4):
@@ -193,6 +290,13 @@ def check(run, what):
         sys.exit(f"{what} failed (exit {run.returncode}):\n{tail}")
 
 
+def flops_per_second(steps, warmup, flops):
+    """Useful FLOP/s over the steps after the first `warmup` (flops[i]: step i + 1's)."""
+    if len(steps) <= warmup or warmup < 1:
+        return None
+    return sum(flops[warmup:len(steps)]) / (steps[-1][0] - steps[warmup - 1][0])
+
+
 def tokens_per_second(steps, warmup):
     """Target tokens per second over the steps after the first `warmup`."""
     if len(steps) <= warmup or warmup < 1:
@@ -203,19 +307,21 @@ def tokens_per_second(steps, warmup):
 
 # ---------------------------------------------------------------- 1. throughput, peak RSS, time to first step
 
-def throughput(models, repeats, threads, scale_steps=1.0):
+def throughput(models, repeats, threads, scale_steps=1.0, precisions=("fp32",)):
     rows = []
-    for name in models:
+    for name, precision in [(n, p) for n in models for p in precisions]:
         m = MODELS[name]
         steps = max(m["warmup"] + 2, round(m["steps"] * scale_steps)) + m["warmup"]
         path = model_dir(name)
         data = ensure_data(m["form"], max(4096, steps * m["batch"]))
-        work = fresh_dir(os.path.join(BENCH_DIR, "runs", "throughput", name))
+        work = fresh_dir(os.path.join(BENCH_DIR, "runs", "throughput", f"{name}-{precision}"))
         config = ours_config(os.path.join(work, "ours.json"), path, m["form"], data, os.path.join(work, "ours"),
-                             m["batch"], m["batch"], steps, LENGTHS[m["form"]])
-        spec = hf_spec(path, m["form"], data, os.path.join(work, "hf"), m["batch"], steps, LENGTHS[m["form"]])
-        result = {"model": name, "params": parameter_count(path), "batch": m["batch"], "steps": steps,
-                  "warmup": m["warmup"], "ours": [], "hf": [], "load": []}
+                             m["batch"], m["batch"], steps, LENGTHS[m["form"]], precision={"mode": precision})
+        spec = hf_spec(path, m["form"], data, os.path.join(work, "hf"), m["batch"], steps, LENGTHS[m["form"]],
+                       bf16=precision == "bf16-mixed")
+        result = {"model": name, "precision": precision, "params": parameter_count(path), "batch": m["batch"],
+                  "steps": steps, "warmup": m["warmup"], "ours": [], "hf": [], "load": [],
+                  "flops": step_flops(path, m["form"], data, LENGTHS[m["form"]], m["batch"], steps)}
         for r in range(repeats):
             order = ["ours", "hf"] if r % 2 == 0 else ["hf", "ours"]
             for side in order:
@@ -223,11 +329,13 @@ def throughput(models, repeats, threads, scale_steps=1.0):
                 run, per_step = run_ours(config, threads) if side == "ours" else run_hf(spec, threads)
                 check(run, f"{side} on {name}")
                 first = per_step[0][0] if per_step else None
-                sample = {"tokens_per_s": tokens_per_second(per_step, m["warmup"]), "peak_rss": run.peak_rss,
+                sample = {"tokens_per_s": tokens_per_second(per_step, m["warmup"]),
+                          "flops_per_s": flops_per_second(per_step, m["warmup"], result["flops"]), "peak_rss": run.peak_rss,
                           "first_step_s": first, "wall_s": run.seconds, "tokens": [s[1] for s in per_step],
                           "losses": [s[2] for s in per_step]}
                 result[side].append(sample)
-                log(f"{name} rep {r + 1}/{repeats} {side}: {sample['tokens_per_s']:.0f} tokens/s, "
+                log(f"{name} {precision} rep {r + 1}/{repeats} {side}: {sample['tokens_per_s']:.0f} tokens/s, "
+                    f"{sample['flops_per_s'] / 1e9:.1f} useful GFLOP/s, "
                     f"peak RSS {run.peak_rss / MIB:.0f} MiB, first step {first:.1f} s, "
                     f"loss {sample['losses'][0]:.3f} -> {sample['losses'][-1]:.3f}")
         rows.append(result)
@@ -238,7 +346,8 @@ def summarize_throughput(result):
     s = {}
     for side in ("ours", "hf"):
         samples = result[side]
-        s[side] = {key: median([x[key] for x in samples]) for key in ("tokens_per_s", "peak_rss", "first_step_s")}
+        s[side] = {key: median([x[key] for x in samples])
+                   for key in ("tokens_per_s", "flops_per_s", "peak_rss", "first_step_s")}
         s[side]["loss_first"] = median([x["losses"][0] for x in samples])
         s[side]["loss_last"] = median([x["losses"][-1] for x in samples])
         s[side]["tokens"] = samples[0]["tokens"]
@@ -246,20 +355,29 @@ def summarize_throughput(result):
     return s
 
 
-def throughput_table(results):
+def peak_of(result, peaks):
+    """The GEMM peak a row's utilisation is measured against: bf16 for bf16-mixed, else fp32."""
+    return peaks["bf16" if result["precision"].startswith("bf16") else "fp32"]
+
+
+def throughput_table(results, peaks):
     rows = []
     for result in results:
         s = summarize_throughput(result)
         o, h = s["ours"], s["hf"]
+        peak = peak_of(result, peaks)
         rows.append([
-            f"{result['model']} ({result['params'] / 1e6:.1f}M)", f"{result['batch']} x {result['steps']} "
-            f"({result['warmup']} warm-up)",
+            f"{result['model']} ({result['params'] / 1e6:.1f}M)", result["precision"],
+            f"{result['batch']} x {result['steps']} ({result['warmup']} warm-up)",
             f"{o['tokens_per_s']:,.0f}", f"{h['tokens_per_s']:,.0f}", ratio(o["tokens_per_s"], h["tokens_per_s"]),
+            f"{o['flops_per_s'] / 1e9:,.1f} ({100 * o['flops_per_s'] / peak:.0f}%)",
+            f"{h['flops_per_s'] / 1e9:,.1f} ({100 * h['flops_per_s'] / peak:.0f}%)",
             f"{o['peak_rss'] / MIB:,.0f}", f"{h['peak_rss'] / MIB:,.0f}", ratio(o["peak_rss"], h["peak_rss"]),
             f"{o['first_step_s']:.1f}", f"{h['first_step_s']:.1f}",
             f"{o['loss_first']:.2f} / {h['loss_first']:.2f}", f"{o['loss_last']:.2f} / {h['loss_last']:.2f}",
             "yes" if s["same_tokens"] else "NO"])
-    return table(["model", "batch x steps", "ours tok/s", "HF tok/s", "ratio", "ours RSS MiB", "HF RSS MiB",
+    return table(["model", "precision", "batch x steps", "ours tok/s", "HF tok/s", "ratio",
+                  "ours useful GFLOP/s (of peak)", "HF useful GFLOP/s (of peak)", "ours RSS MiB", "HF RSS MiB",
                   "ratio", "ours 1st step s", "HF 1st step s", "loss step 1 ours / HF", "loss last ours / HF",
                   "same tokens every step"], rows)
 
@@ -505,6 +623,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side and model")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply the measured steps per model")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both sides (default: torch's choice)")
+    parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16-mixed"],
+                        help="throughput rows in each precision (bf16-mixed: HF bf16=True)")
     parser.add_argument("--cap-model", default="t5-60m", choices=list(MODELS))
     parser.add_argument("--cap-gib", type=float, default=3.0)
     parser.add_argument("--cap-length", type=int, default=128)
@@ -527,7 +647,9 @@ def main():
     results = {"machine": machine_notes(), "command": " ".join(["scripts/bench/vs_hf.py", *sys.argv[1:]])}
     log(results["machine"])
     if "throughput" in args.parts:
-        results["throughput"] = throughput(args.models, args.repeats, args.threads, args.steps_scale)
+        measure_peaks(results)
+        results["throughput"] = throughput(args.models, args.repeats, args.threads, args.steps_scale, args.precision)
+        measure_peaks(results)
     if "cap" in args.parts:
         results["cap"] = largest_micro_batch(args)
     if "oom" in args.parts:
@@ -546,11 +668,16 @@ def report(results, args):
            f"Command: `{results['command']}`", ""]
     if "throughput" in results:
         loads = [x for r in results["throughput"] for x in r["load"]]
-        out += ["### Training throughput, peak RSS, time to first step (fp32, CPU)", "",
-                throughput_table(results["throughput"]), "",
+        peaks = results["peak"]
+        samples = "; ".join(f"{d} " + ", ".join(f"{x / 1e12:.3f}" for x in v) for d, v in results["peak_samples"].items())
+        out += ["### Training throughput, utilisation, peak RSS, time to first step (CPU)", "",
+                throughput_table(results["throughput"], peaks), "",
                 f"Medians of {args.repeats} alternating runs per side; 1-minute load average at the start of "
                 f"the runs {min(loads):.1f} to {max(loads):.1f}. tok/s = target tokens per second after the "
-                "warm-up steps; the losses are from random initialisations of the same config.json on each side.", ""]
+                "warm-up steps; the losses are from random initialisations of the same config.json on each side. "
+                f"Useful GFLOP/s as in the script's docstring, of the GEMM peak measured in this run (2048^3, "
+                f"2 threads, best of start and end): fp32 {peaks['fp32'] / 1e12:.3f} TFLOP/s, bf16 "
+                f"{peaks['bf16'] / 1e12:.3f} TFLOP/s (samples in TFLOP/s: {samples}).", ""]
     if "cap" in results:
         c = results["cap"]
         out += ["### Largest micro-batch under a memory cap", "", cap_table(c), "",
@@ -585,7 +712,13 @@ def goals_table(results):
     for r in results.get("throughput", []):
         s = summarize_throughput(r)
         x = s["ours"]["tokens_per_s"] / s["hf"]["tokens_per_s"]
-        rows.append([f"tokens/s, {r['model']}", ">= 1.3x HF", f"{x:.2f}x", verdict(x >= 1.3, f"{x / 1.3:.2f} of goal")])
+        rows.append([f"tokens/s, {r['model']}, {r['precision']}", ">= 1.5x HF as users run it", f"{x:.2f}x",
+                     verdict(x >= 1.5, f"{x / 1.5:.2f} of goal")])
+    for r in results.get("throughput", []):
+        s = summarize_throughput(r)
+        u, goal = s["ours"]["flops_per_s"] / peak_of(r, results["peak"]), 0.5 if r["precision"] != "fp32" else 0.8
+        rows.append([f"utilisation, {r['model']}, {r['precision']}", f">= {goal:.0%} of the GEMM peak", f"{u:.0%}",
+                     verdict(u >= goal, f"{u / goal:.2f} of goal")])
     for r in results.get("throughput", []):
         s = summarize_throughput(r)
         x = s["ours"]["peak_rss"] / s["hf"]["peak_rss"]

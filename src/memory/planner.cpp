@@ -315,25 +315,31 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
   row("workspace", plan.workspace, "optimizer scratch, autocast weight copies, device libraries");
   row("activations per example", plan.activations_per_example, "at the maximum lengths");
   row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
-  row("logits and loss per example", plan.loss_per_example, "full-vocabulary fp32 logits and their gradients");
-  row("  with chunked loss (per micro-batch)", plan.loss_chunked(1),
+  // The chunked loss is the default: its row first; the full logits only with training.chunked_loss=false.
+  row("chunked loss (per micro-batch)", plan.loss_chunked(1),
       "fused, " + std::to_string(std::min(config.training.loss_chunk_size, plan.targets_per_example)) +
-          " tokens at a time (one example)");
+          " tokens at a time (one example)" + (config.training.chunked_loss ? "" : "; off in this config"));
+  row("  plain loss, per example", plan.loss_per_example,
+      std::string("full-vocabulary fp32 logits and their gradients (training.chunked_loss=false") +
+          (config.training.chunked_loss ? ")" : ", this config)"));
   out << "\n";
   out << "  capacity: " << (plan.capacity > 0 ? human_bytes(plan.capacity) : std::string("unknown")) << " ("
       << plan.capacity_source << "), safety margin " << static_cast<int>(plan.safety_margin * 100) << "%\n\n";
 
-  out << "  micro-batch   peak (plain)   peak (checkpointing + chunked loss)\n";
+  const bool checkpointing = config.training.activation_checkpointing;
+  const bool chunked = config.training.chunked_loss;
+  out << "  micro-batch   peak (as configured)   peak (checkpointing + chunked loss)\n";
   std::vector<int64_t> rows;
   for (int64_t m = 1; m < plan.batch_size; m *= 2) rows.push_back(m);
   rows.push_back(plan.batch_size);
   for (const int64_t m : rows)
-    out << "  " << std::setw(11) << m << "   " << std::setw(12) << human_bytes(plan.peak(m, false, false)) << "   "
-        << std::setw(12) << human_bytes(plan.peak(m, true, true)) << "\n";
+    out << "  " << std::setw(11) << m << "   " << std::setw(20) << human_bytes(plan.peak(m, checkpointing, chunked))
+        << "   " << std::setw(12) << human_bytes(plan.peak(m, true, true)) << "\n";
   out << "\n";
-
-  const bool checkpointing = config.training.activation_checkpointing;
-  const bool chunked = config.training.chunked_loss;
+  // The settings the recommendations turn on: only those this config has off.
+  std::string turn_on;
+  if (!checkpointing) turn_on = "training.activation_checkpointing=true";
+  if (!chunked) turn_on += std::string(turn_on.empty() ? "" : " and ") + "training.chunked_loss=true";
   if (plan.capacity <= 0) {
     out << "recommendation: no capacity is known (CPU without memory.limit); the whole batch of " << plan.batch_size
         << " needs " << human_bytes(plan.peak(plan.batch_size, checkpointing, chunked)) << "\n";
@@ -349,22 +355,17 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
     if (chunked)
       out << "  loss chunks of " << std::min(config.training.loss_chunk_size, plan.targets_per_example)
           << " tokens: " << human_bytes(plan.loss_chunked(as_configured)) << " at that micro-batch\n";
-    if (with_everything > as_configured)
-      out << "  with training.activation_checkpointing=true and training.chunked_loss=true: " << with_everything
-          << "\n";
+    if (with_everything > as_configured) out << "  with " << turn_on << ": " << with_everything << "\n";
     if (config.training.micro_batch_tokens > 0)  // the table's examples are all at the maximum lengths
       out << "  token-budget mode: that is training.micro_batch_tokens " << as_configured * plan.longest_example_tokens
           << " (" << plan.longest_example_tokens << " tokens an example at the maximum lengths; configured "
           << config.training.micro_batch_tokens << ")\n";
   } else if (with_everything > 0) {
-    out << "recommendation: turn on training.activation_checkpointing=true and training.chunked_loss=true; then "
-           "micro_batch_size "
-        << with_everything << " fits\n";
+    out << "recommendation: turn on " << turn_on << "; then micro_batch_size " << with_everything << " fits\n";
   } else if (const int64_t chunk = plan.fitting_loss_chunk_size(1); chunk > 0) {
     const int64_t micro = plan.largest_micro_batch(true, true, chunk);
     out << "recommendation: training.loss_chunk_size=" << chunk << " (configured " << config.training.loss_chunk_size
-        << ")" << (checkpointing && chunked ? "" : " with training.activation_checkpointing=true and "
-                                                  "training.chunked_loss=true")
+        << ")" << (turn_on.empty() ? "" : " with " + turn_on)
         << "; then micro_batch_size " << micro << " fits (" << (plan.batch_size + micro - 1) / micro
         << " accumulation steps for batch_size " << plan.batch_size
         << "). The smaller_loss_chunks escalation gets there by itself at the first out-of-memory error\n";

@@ -139,6 +139,7 @@ bool TrainStep::escalate(int64_t step) {
       apply_activation_checkpointing(model_);
       return true;
     }
+    // chunked_loss matters only where the config turned the default off (it is not in the default ladder).
     if (escalation == "chunked_loss" && !options_.chunked_loss) {
       options_.chunked_loss = true;
       return true;

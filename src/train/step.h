@@ -79,7 +79,9 @@ struct StepOptions {
   PrecisionMode precision = PrecisionMode::kFp32;
   double max_grad_norm = 1.0;
   int64_t max_retries = 8;
-  bool chunked_loss = false;  // the chunk size is the policy's (training.loss_chunk_size, lowered by escalation)
+  // The chunk size is the policy's (training.loss_chunk_size, lowered by escalation). The trainer copies
+  // training.chunked_loss (on by default); false here is the plain loss that tests compare it with.
+  bool chunked_loss = false;
   uint64_t seed = 0;  // training.seed: with the step and each example's index, what its dropout masks are drawn for
   // data.packing: examples share rows of this capacity (cut to the token budget in token-budget mode) and the
   // policy's micro-batch counts rows (data/packing.h).

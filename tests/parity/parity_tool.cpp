@@ -3,6 +3,9 @@
 //
 //   trainer_parity forward    MODEL_DIR BATCH.safetensors OUT.safetensors [bf16]
 //       logits, loss (mean over target tokens, as transformers reports it) and grad.<name> of every parameter
+//   trainer_parity chunked-forward MODEL_DIR BATCH.safetensors OUT.safetensors CHUNK
+//       the same loss and grad.<name> through the training step's fused chunked loss (training.chunked_loss, the
+//       default) with chunks of CHUNK trained tokens, as training computes them
 //   trainer_parity train-step MODEL_DIR BATCH.safetensors OUT_DIR LR
 //       one SGD step on the mean loss, then the model saved to OUT_DIR and OUT_DIR/logits.safetensors holding the
 //       logits of the same batch after the step
@@ -96,6 +99,35 @@ int forward(const std::string& model_dir, const std::string& batch_path, const s
     if (p.grad().defined()) out.emplace_back("grad." + name, p.grad().to(at::kFloat));
   });
   trainer::write_safetensors(out_path, out, {});
+  return 0;
+}
+
+int chunked_forward(const std::string& model_dir, const std::string& batch_path, const std::string& out_path,
+                    int64_t chunk) {
+  using namespace trainer;
+  auto model = load_model(model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  model->train(false);
+  model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  const auto batch = read_batch(batch_path);
+  int64_t target_tokens = 0;
+  {
+    at::NoGradGuard no_grad;
+    target_tokens = forward_loss(*model, batch).target_tokens;
+  }
+  AdamW optimizer(*model, OptimizerConfig{});  // unused: the step's forward/backward alone runs
+  TrainingConfig training;
+  training.loss_chunk_size = chunk;
+  MemoryPolicy policy(MemoryConfig{}, training);
+  StepOptions options;
+  options.chunked_loss = true;
+  TrainStep step(*model, optimizer, policy, options);
+  const double normaliser = static_cast<double>(target_tokens);
+  const double loss = step.forward_backward(batch, normaliser) / normaliser;
+  std::vector<std::pair<std::string, at::Tensor>> out = {{"loss", at::full({1}, loss, at::kFloat)}};
+  model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    if (p.grad().defined()) out.emplace_back("grad." + name, p.grad().to(at::kFloat));
+  });
+  write_safetensors(out_path, out, {});
   return 0;
 }
 
@@ -406,6 +438,8 @@ int main(int argc, char** argv) {
       return dropout_cost(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]), std::stoll(args[5]),
                           std::stod(args[6]));
     if (args.size() >= 4 && args[0] == "forward") return forward(args[1], args[2], args[3], args.size() > 4 && args[4] == "bf16");
+    if (args.size() == 5 && args[0] == "chunked-forward")
+      return chunked_forward(args[1], args[2], args[3], std::stoll(args[4]));
     if (args.size() == 5 && args[0] == "train-step") return train_step(args[1], args[2], args[3], std::stod(args[4]));
     if (args.size() == 5 && args[0] == "lora-forward") return lora_forward(args[1], args[2], args[3], args[4]);
     if (args.size() == 4 && args[0] == "optimizer") return optimizer(args[1], args[2], args[3]);
@@ -419,7 +453,8 @@ int main(int argc, char** argv) {
     if (!e.hint().empty()) std::cerr << "hint: " << e.hint() << "\n";
     return e.exit_code();
   }
-  std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | train-step MODEL_DIR BATCH OUT_DIR LR |\n"
+  std::cerr << "usage: trainer_parity forward MODEL_DIR BATCH OUT [bf16] | chunked-forward MODEL_DIR BATCH OUT CHUNK |\n"
+               "       train-step MODEL_DIR BATCH OUT_DIR LR |\n"
                "       activations MODEL_DIR B T L | lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT |\n"
                "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON | dropout-cost MODEL_DIR B T L ROUNDS LORA_DROPOUT |\n"
                "       optimizer IN OUT OPTIMIZER_JSON | adamw-cost MODEL_DIR B T L ROUNDS |\n"

@@ -284,7 +284,7 @@ TEST(TrainStep, AtTheFloorItEscalatesThenStopsWithoutTouchingTheWeights) {
   set_cpu_budget_limit(0);
   EXPECT_EQ(run.policy->micro_batch(), 1);
   EXPECT_EQ(run.policy->escalations(),
-            (std::vector<std::string>{"activation_checkpointing", "chunked_loss", "smaller_loss_chunks"}));
+            (std::vector<std::string>{"activation_checkpointing", "smaller_loss_chunks"}));
   EXPECT_TRUE(run.model->has_block_runner()) << "activation checkpointing was turned on";
   EXPECT_TRUE(run.step->chunked_loss());
   EXPECT_EQ(run.step->loss_chunk_size(), kMinLossChunkSize) << "halved down to its minimum before stopping";
@@ -353,7 +353,7 @@ TEST(TrainStep, AtTheFloorSmallerLossChunksFitAndChangeNoResult) {
   set_cpu_budget_limit(0);
 
   EXPECT_EQ(constrained.policy->escalations(),
-            (std::vector<std::string>{"activation_checkpointing", "chunked_loss", "smaller_loss_chunks"}));
+            (std::vector<std::string>{"activation_checkpointing", "smaller_loss_chunks"}));
   EXPECT_EQ(results[0].retries, 1) << "checkpointing and chunked loss were on already: no retry is spent on them";
   EXPECT_EQ(results[1].retries, 0) << "the second step ran at the learned chunk size at once";
   EXPECT_EQ(constrained.step->loss_chunk_size(), 128);
