@@ -1,4 +1,5 @@
 // `trainer plan`'s estimate against the peak the CPU budget allocator measures in a real training step.
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -106,6 +107,32 @@ TEST(Plan, RecommendsTheLargestMicroBatchUnderTheCapacity) {
   std::ostringstream out;
   print_plan(plan, config, out);
   EXPECT_NE(out.str().find("recommendation: micro_batch_size 5 (13 accumulation steps"), std::string::npos) << out.str();
+}
+
+// The chunked loss is on by default and no longer a rung of the default ladder; the plan's table and
+// recommendation take it as configured and suggest turning on only what the config leaves off.
+TEST(Plan, TakesTheDefaultChunkedLossAsConfiguredAndSuggestsOnlyWhatIsOff) {
+  EXPECT_TRUE(TrainingConfig{}.chunked_loss);
+  const auto ladder = MemoryConfig{}.escalation;
+  EXPECT_EQ(std::find(ladder.begin(), ladder.end(), "chunked_loss"), ladder.end());
+  EXPECT_NE(std::find(ladder.begin(), ladder.end(), "smaller_loss_chunks"), ladder.end());
+
+  Config config = case_config({"configs/tiny-qwen2.json", 4, false, true});
+  config.training.batch_size = 64;
+  const auto hf = read_json_file(config.model.path + "/config.json");
+  const MemoryPlan unlimited = plan_memory(config, hf, at::Device(at::kCPU), 0, "test");
+  const double capacity = unlimited.peak(5, false, true) / (1.0 - config.memory.auto_safety_margin) + 1;
+  const MemoryPlan plan = plan_memory(config, hf, at::Device(at::kCPU), capacity, "test");
+  ASSERT_EQ(plan.largest_micro_batch(false, true), 5);
+  ASSERT_GT(plan.largest_micro_batch(true, true), 5);
+  std::ostringstream out;
+  print_plan(plan, config, out);
+  const std::string text = out.str();
+  EXPECT_NE(text.find("peak (as configured)"), std::string::npos) << text;
+  EXPECT_NE(text.find("recommendation: micro_batch_size 5 (13 accumulation steps"), std::string::npos) << text;
+  EXPECT_NE(text.find("chunked_loss=true\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("  with training.activation_checkpointing=true: "), std::string::npos) << text;
+  EXPECT_EQ(text.find("training.chunked_loss=true"), std::string::npos) << "it is on already\n" << text;
 }
 
 TEST(Plan, LoraCountsOnlyTheAdaptersAsTrainable) {
