@@ -79,6 +79,8 @@ struct Options {
   bool packing = false;
   int64_t tokens = 0;       // token-budget mode
   uint64_t seed = 42;
+  bool chunked_loss = false;  // the fused chunked loss (training.chunked_loss, the trainer's default)
+  int64_t loss_chunk_size = 1024;
 };
 
 struct Trainee {
@@ -114,9 +116,11 @@ struct Trainee {
     training.batch_size = 8;
     training.micro_batch_size = MicroBatchSize::fixed(o.micro);
     training.micro_batch_tokens = o.tokens;
+    training.loss_chunk_size = o.loss_chunk_size;
     policy = std::make_unique<MemoryPolicy>(MemoryConfig{}, training);
     StepOptions options;
     options.seed = o.seed;
+    options.chunked_loss = o.chunked_loss;
     options.packing = o.packing;
     options.pack_capacity = seq2seq(kind) ? PackCapacity{64, 32} : PackCapacity{64, 0};
     step = std::make_unique<TrainStep>(*model, *optimizer, *policy, options);
@@ -189,6 +193,20 @@ TEST_P(PackedTraining, SameWeightsAsPaddedTrainingWithAccumulation) {
     other_seed.run(data, 0, 3);
     EXPECT_GT(max_difference(expected, other_seed.weights()), 1e-4) << "training.seed must change the masks";
   }
+}
+
+// Packed rows with the chunked loss (the default, chunks of 16 trained tokens so that chunks cross examples and
+// rows) in one micro-batch and one row per micro-batch: the weights of padded training with the plain loss.
+TEST_P(PackedTraining, SameWeightsWithTheChunkedLoss) {
+  const Kind kind = GetParam();
+  const auto data = batches(kind, 3, 100);
+  Trainee padded(kind, {8, false}), packed(kind, {8, true, 0, 42, true, 16}), accumulated(kind, {1, true, 0, 42, true, 16});
+  padded.run(data, 0, 3);
+  packed.run(data, 0, 3);
+  EXPECT_GT(accumulated.run(data, 0, 3).micro_steps, 1);
+  const auto expected = padded.weights();
+  expect_close(expected, packed.weights(), 1e-5);
+  expect_close(expected, accumulated.weights(), 1e-5);
 }
 
 // Steps 1-2, then a resume (weights and optimizer state into a fresh model), then steps 3-4: bit for bit the
