@@ -1,15 +1,19 @@
 // `trainer data --config FILE`: streams the configured data once through the real loader (same tokenizer, field
 // mapping, length policy and collation as training) and prints the counts, the first problems and the
-// throughput. For checking a data set before spending GPU time on it, and for the loader benchmark.
+// throughput. For checking a data set before spending GPU time on it, and for the loader benchmark. An image
+// classifier's config streams its images through the image loader (decode, preprocess, augment) instead.
 #include <sys/resource.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <ostream>
 
 #include <fmt/format.h>
 
+#include "data/image_loader.h"
 #include "data/packing.h"
+#include "models/image_model.h"
 #include "trainer/data.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"
@@ -81,9 +85,53 @@ void print_pass(const char* name, const PassResult& r, std::ostream& out) {
   for (const auto& problem : s.first_problems) out << "  problem: " << problem << "\n";
 }
 
+// One pass of an image loader: the images of every effective batch decoded and preprocessed, as training does.
+void stream_images(const char* name, ImageLoader& loader, std::ostream& out) {
+  int64_t batches = 0, images = 0, height = 0, width = 0;
+  const auto start = std::chrono::steady_clock::now();
+  while (auto batch = loader.next()) {
+    ++batches;
+    images += batch->size();
+    height = batch->height;
+    width = batch->width;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const DataStats s = loader.stats();
+  out << fmt::format("{}:\n", name);
+  out << fmt::format("  records read        {}\n", s.records_read);
+  out << fmt::format("  images              {} ({} x {} pixels)\n", images, width, height);
+  out << fmt::format("  bad records skipped {}\n", s.bad_records_skipped);
+  out << fmt::format("  batches             {}\n", batches);
+  out << fmt::format("  time                {:.2f} s: {:.0f} images/s\n", seconds,
+                     static_cast<double>(images) / std::max(seconds, 1e-9));
+  for (const auto& problem : s.first_problems) out << "  problem: " << problem << "\n";
+}
+
+// `trainer data` on an image classifier's config: the training images (augmented when data.augment is on) and the
+// validation images, each once, through data.num_workers decoding threads.
+int run_image_data(const Config& config, std::ostream& out) {
+  Config one_pass = config;
+  one_pass.training.max_steps = 0;
+  one_pass.training.epochs = 1;
+  const auto dataset = open_training_images(one_pass, {});
+  const auto spec = image_processor_for(config.model.path);
+  out << fmt::format("data: image classifier ({} classes), {} worker(s), batch_size {}{}\n", dataset->classes.size(),
+                     config.data.num_workers, config.training.batch_size, config.data.augment ? ", augmented" : "");
+  auto train = make_image_train_loader(one_pass, dataset, spec);
+  out << fmt::format("train: {} records per epoch\n", train->examples_per_epoch());
+  stream_images("train", *train, out);
+  if (auto validation = make_image_validation_loader(one_pass, dataset->classes, spec, config.training.batch_size))
+    stream_images("validation", *validation, out);
+  out << fmt::format("peak RSS {:.1f} MiB\n", static_cast<double>(peak_rss_bytes()) / (1024.0 * 1024.0));
+  return kExitOk;
+}
+
 }  // namespace
 
 int run_data(const Config& config, std::ostream& out) {
+  const auto config_json = std::filesystem::path(config.model.path) / "config.json";
+  if (std::filesystem::exists(config_json) && is_image_model_config(read_json_file(config_json.string())))
+    return run_image_data(config, out);
   const ModelDirInfo model = inspect_model_dir(config.model.path, false);
   const auto tokenizer = load_run_tokenizer(config, /*samples=*/false);
   const DataFamily family = model.family == "seq2seq" ? DataFamily::kSeq2Seq : DataFamily::kCausal;

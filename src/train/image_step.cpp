@@ -13,6 +13,16 @@
 #include "train/precision.h"
 
 namespace trainer {
+namespace {
+
+// The autocast dtype of the mixed precision modes; none otherwise.
+std::optional<at::ScalarType> autocast_dtype(PrecisionMode precision) {
+  if (precision == PrecisionMode::kBf16Mixed) return at::kBFloat16;
+  if (precision == PrecisionMode::kFp16Mixed) return at::kHalf;
+  return std::nullopt;
+}
+
+}  // namespace
 
 double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tensor& labels, int64_t first_image,
                                         int64_t step, double normaliser) {
@@ -20,8 +30,9 @@ double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tens
   const DropoutScope dropout(options_.seed, step, first_image, count, options_.device);
   at::Tensor loss_sum;
   {
-    AutocastScope autocast(options_.precision == PrecisionMode::kBf16Mixed, options_.device.type());
-    // bf16 weights (precision.mode=bf16) take bf16 pixels; autocast handles bf16-mixed.
+    const auto dtype = autocast_dtype(options_.precision);
+    AutocastScope autocast(dtype.has_value(), options_.device.type(), dtype.value_or(at::kBFloat16));
+    // bf16 weights (precision.mode=bf16) take bf16 pixels; autocast handles bf16-mixed and fp16-mixed.
     const at::Tensor input =
         pixels.to(options_.device, options_.precision == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat);
     at::Tensor logits;
@@ -37,7 +48,8 @@ double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tens
     }
     loss_sum = at::cross_entropy_loss(logits.to(at::kFloat), labels.to(options_.device), {}, at::Reduction::Sum);
   }
-  (loss_sum / normaliser).backward();
+  // fp16-mixed: times the loss scale, so small gradients survive fp16; apply_update divides them by it again.
+  (options_.scaler ? loss_sum * (options_.scaler->scale() / normaliser) : loss_sum / normaliser).backward();
   return loss_sum.item<double>();
 }
 
@@ -83,28 +95,13 @@ StepResult ImageTrainStep::run(const ImageBatch& batch, int64_t step, double lr)
                              "training.linear_probe=true or lora.enabled=true, or a larger memory.limit");
       continue;
     }
-    try {
-      result.grad_norm = optimizer_.clip_grad_norm(options_.max_grad_norm);
-      optimizer_.step(lr);
-    } catch (const c10::OutOfMemoryError& e) {
-      optimizer_.zero_grad();
-      release_cached_memory();
-      if (!optimizer_retried) {
-        optimizer_retried = true;
-        spdlog::warn("memory: step {}: out of memory in the optimizer step; retrying once at micro-batch {}", step,
-                     policy_.micro_batch());
-        continue;
-      }
-      throw OutOfMemoryAtFloor("out of memory in the optimizer step at step " + std::to_string(step) +
-                                   ": the weights, their gradients and the optimizer state do not fit together",
-                               "");
-    }
     result.loss = loss_sum / normaliser;
     result.micro_batch = largest;
     result.micro_steps = static_cast<int64_t>(parts.size());
     result.retries = attempt;
     result.target_tokens = images;
-    policy_.step_succeeded(step, images);
+    const UpdatePhase phase{optimizer_, policy_, options_.scaler, nullptr, options_.max_grad_norm, step, lr, images};
+    if (!apply_update(phase, result, optimizer_retried)) continue;
     return result;
   }
 }
@@ -112,7 +109,8 @@ StepResult ImageTrainStep::run(const ImageBatch& batch, int64_t step, double lr)
 at::Tensor image_logits(ImageClassifier& model, const at::Tensor& pixels, const c10::Device& device,
                         PrecisionMode precision) {
   at::NoGradGuard no_grad;
-  AutocastScope autocast(precision == PrecisionMode::kBf16Mixed, device.type());
+  const auto dtype = autocast_dtype(precision);
+  AutocastScope autocast(dtype.has_value(), device.type(), dtype.value_or(at::kBFloat16));
   return model.forward(pixels.to(device, precision == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat))
       .to(at::kFloat);
 }

@@ -3,6 +3,8 @@
 // image count (so any split gives the same gradient), then clipping and the optimizer update. On
 // c10::OutOfMemoryError the attempt's gradients are dropped, the policy shrinks (at the floor: activation
 // checkpointing), and the same effective batch runs again: the step a run without the error would have taken.
+// fp16-mixed scales the loss and skips steps whose gradients overflow, as the text step does (the optimizer phase
+// is the text step's, apply_update in step.h).
 // Dropout masks are keyed by (seed, step, the image's index in the effective batch), as for text (dropout.h).
 #pragma once
 
@@ -14,6 +16,7 @@
 #include "data/image_loader.h"
 #include "memory/policy.h"
 #include "models/image_model.h"
+#include "train/grad_scaler.h"
 #include "train/optimizer.h"
 #include "train/step.h"
 #include "trainer/config.h"
@@ -27,6 +30,7 @@ struct ImageStepOptions {
   int64_t max_retries = 8;
   uint64_t seed = 0;
   bool linear_probe = false;  // the backbone is frozen: features run without autograd, only the head trains
+  GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed: dynamic loss scaling (train/grad_scaler.h)
 };
 
 class ImageTrainStep {
@@ -53,7 +57,8 @@ class ImageTrainStep {
   ImageStepOptions options_;
 };
 
-// Logits (fp32) of host pixels (B, 3, H, W) without autograd, on `device` (for evaluation and tests).
+// Logits (fp32) of host pixels (B, 3, H, W) without autograd, on `device` (for evaluation and tests), under the
+// autocast of the mixed precision modes.
 at::Tensor image_logits(ImageClassifier& model, const at::Tensor& pixels, const c10::Device& device,
                         PrecisionMode precision);
 

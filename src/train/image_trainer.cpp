@@ -24,6 +24,7 @@
 #include "models/image_model.h"
 #include "train/checkpoint_dir.h"
 #include "train/checkpointing_runner.h"
+#include "train/grad_scaler.h"
 #include "train/image_step.h"
 #include "train/optimizer.h"
 #include "train/resume_check.h"
@@ -165,6 +166,8 @@ class ImageTrainingRun {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<MemoryPolicy> policy_;
   std::unique_ptr<ImageTrainStep> step_;
+  std::unique_ptr<GradScaler> scaler_;  // precision.mode=fp16-mixed
+  int64_t skipped_at_start_ = 0;        // the scaler's skipped steps when this process started (resume)
   std::unique_ptr<CheckpointRetention> retention_;
   int64_t total_steps_ = 0, step_index_ = 0, images_seen_ = 0, eval_micro_ = 1;
   double last_eval_ = std::nan("");
@@ -176,10 +179,6 @@ void ImageTrainingRun::set_up() {
   if (config_.lora.enabled && config_.training.linear_probe)
     throw UsageError("lora.enabled=true and training.linear_probe=true both choose what trains",
                      "pick one: LoRA adapters plus the head, or the head alone");
-  if (config_.precision.mode == PrecisionMode::kFp16Mixed)
-    throw UsageError("precision.mode=fp16-mixed is not implemented for image classifiers yet (its loss scaling is "
-                     "in the text models' step only)",
-                     "use fp32, or bf16-mixed on a GPU with bf16");
   if (config_.training.micro_batch_tokens > 0 || config_.data.packing)
     throw UsageError("training.micro_batch_tokens and data.packing count tokens; an image classifier's micro-batch "
                      "counts images",
@@ -219,6 +218,13 @@ void ImageTrainingRun::set_up() {
   step_options.max_retries = config_.memory.max_retries;
   step_options.seed = static_cast<uint64_t>(config_.training.seed);
   step_options.linear_probe = config_.training.linear_probe;
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
+    GradScalerOptions scaling;
+    scaling.init_scale = config_.precision.initial_loss_scale;
+    scaling.growth_interval = config_.precision.loss_scale_growth_interval;
+    scaler_ = std::make_unique<GradScaler>(scaling);
+    step_options.scaler = scaler_.get();
+  }
   step_ = std::make_unique<ImageTrainStep>(*model_, *optimizer_, *policy_, step_options);
   restore_or_probe();
   eval_micro_ = config_.evaluation.micro_batch_size.is_auto ? policy_->micro_batch()
@@ -332,6 +338,14 @@ void ImageTrainingRun::restore_or_probe() {
     optimizer_->load_state(tensors, resume_state_.at("optimizer_steps").get<int64_t>(), path);
     loader_->restore(cursor_from_json(resume_state_.at("data_cursor")));
     policy_->restore(resume_state_.at("memory_policy"));
+    // fp16-mixed: the loss scale and its growth tracker, so the resumed run scales and skips as the uninterrupted one.
+    if (scaler_ && resume_state_.contains("loss_scaler")) {
+      scaler_->restore(resume_state_.at("loss_scaler"), (*resume_dir_ / "train_state.json").string());
+      skipped_at_start_ = scaler_->skipped_steps();
+    } else if (scaler_) {
+      spdlog::info("fp16-mixed: {} holds no loss scale (another precision mode); starting at {}",
+                   resume_dir_->string(), scaler_->scale());
+    }
     step_index_ = resume_state_.at("step").get<int64_t>();
     images_seen_ = resume_state_.at("images_seen").get<int64_t>();
     spdlog::info("resuming from {} at step {} (micro-batch {})", resume_dir_->string(), step_index_,
@@ -407,7 +421,9 @@ bool ImageTrainingRun::train_one_step() {
   reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.target_tokens, images_seen_,
                      result.micro_batch, result.micro_steps, result.retries,
                      static_cast<int64_t>(policy_->adaptations().size()), 0, memory.allocated, memory.peak,
-                     std::chrono::duration<double>(Clock::now() - start).count(), std::nullopt});
+                     std::chrono::duration<double>(Clock::now() - start).count(),
+                     scaler_ ? std::optional(LossScaling{result.loss_scale, result.skipped, scaler_->skipped_steps()})
+                             : std::nullopt});
   const bool eval_now = config_.evaluation.every_steps > 0 && step_index_ % config_.evaluation.every_steps == 0;
   if (eval_now || step_index_ == total_steps_) evaluate();
   if (config_.checkpoint.every_steps > 0 && step_index_ % config_.checkpoint.every_steps == 0 &&
@@ -432,7 +448,7 @@ std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohm
   write.write_files = [&](const fs::path& temp_dir) {
     save_trained(temp_dir);
     write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer_->state_tensors(), {});
-    const nlohmann::json state = {{"version", kImageCheckpointVersion},
+    nlohmann::json state = {{"version", kImageCheckpointVersion},
                                   {"task", "image"},
                                   {"step", step_index_},
                                   {"optimizer_steps", optimizer_->steps()},
@@ -441,6 +457,7 @@ std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohm
                                   {"memory_policy", policy_state},
                                   {"config", nlohmann::json::parse(config_to_json(config_))},
                                   {"data_fingerprint", fingerprint_}};
+    if (scaler_) state["loss_scaler"] = scaler_->state();
     write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
   };
   Module& trained = lora_ ? static_cast<Module&>(*lora_) : *model_;
@@ -466,6 +483,9 @@ int ImageTrainingRun::finish() {
   summary.memory_peak = memory_now(device_).peak;
   summary.adaptations = policy_->adaptations();
   summary.escalations = policy_->escalations();
+  if (scaler_)
+    summary.loss_scaling = RunSummary::LossScalingSummary{scaler_->skipped_steps(),
+                                                          scaler_->skipped_steps() - skipped_at_start_, scaler_->scale()};
   if (config_.checkpoint.save_final) summary.model_dir = (output_dir_ / "final").string();
   summary.model_is_adapter = lora_ != nullptr;
   if (const auto& best = retention_->best()) {

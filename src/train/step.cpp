@@ -54,6 +54,89 @@ void adapt_to_out_of_memory(Optimizer& optimizer, MemoryPolicy& policy, int64_t 
                            floor_hint);
 }
 
+bool apply_update(const UpdatePhase& phase, StepResult& result, bool& optimizer_retried) {
+  Optimizer& optimizer = phase.optimizer;
+  const int64_t step = phase.step;
+  if (phase.scaler) {
+    // fp16-mixed: the gradients back to their true size, then the overflow check, one decision for every rank.
+    // An overflow is no out-of-memory error: the memory policy neither shrinks nor retries; the scale backs off
+    // and the effective batch is not trained.
+    result.loss_scale = phase.scaler->scale();
+    bool overflow = phase.scaler->unscale_and_check(optimizer.gradients());
+    // With a sharded optimizer each rank holds only its own parameters' summed gradients: the ranks agree.
+    if (phase.sync) overflow = !phase.sync->agree(!overflow, 0).all_fit;
+    if (overflow) {
+      optimizer.zero_grad();
+      phase.scaler->update(/*found_inf=*/true);
+      result.skipped = true;
+      result.grad_norm = std::numeric_limits<double>::quiet_NaN();
+      spdlog::info("step {}: gradients overflowed fp16 (inf/NaN) at loss scale {}: update skipped, loss scale -> {}",
+                   step, result.loss_scale, phase.scaler->scale());
+      if (phase.scaler->consecutive_skips() == kManySkippedSteps)
+        spdlog::warn("fp16-mixed: {} steps in a row skipped for inf/NaN gradients (loss scale now {}): the forward "
+                     "pass itself overflows fp16 or the loss is not finite (loss {:g}), which no loss scale fixes. "
+                     "Use precision.mode=fp32 (or bf16-mixed on a GPU with bf16)",
+                     kManySkippedSteps, phase.scaler->scale(), result.loss);
+      phase.policy.step_succeeded(step, phase.examples);  // it fit: the memory policy's step
+      return true;
+    }
+  }
+  // What in the optimizer phase allocates (the gradient norm's temporaries) runs first, and with data parallelism
+  // the ranks agree on its outcome before any rank changes a gradient or a weight, so an out-of-memory error on one
+  // rank is retried (or stops the run) on every rank alike. The update itself allocates nothing (optimizer.h).
+  std::optional<std::string> step_out_of_memory;
+  double sum_squares = 0;
+  try {
+    sum_squares = optimizer.squared_grad_norm();
+  } catch (const c10::OutOfMemoryError& e) {
+    step_out_of_memory = e.what_without_backtrace();
+  }
+  if (phase.sync) {
+    const auto outcome = phase.sync->agree(!step_out_of_memory, 0);
+    if (!outcome.all_fit)
+      step_out_of_memory = "rank(s) " + outcome.failed_ranks + ": " + step_out_of_memory.value_or("out of memory");
+    else
+      sum_squares = phase.sync->global_squared_norm(sum_squares);
+  }
+  if (!step_out_of_memory) {
+    try {
+      result.grad_norm = optimizer.clip_to(std::sqrt(sum_squares), phase.max_grad_norm);
+      optimizer.step(phase.lr);
+    } catch (const c10::OutOfMemoryError& e) {
+      // Not expected (the update allocates nothing); with data parallelism a rank that got here cannot be told
+      // apart from one that updated, so the run stops rather than letting the ranks' weights differ.
+      if (phase.sync)
+        throw OutOfMemoryAtFloor(std::string("out of memory inside the optimizer update at step ") +
+                                     std::to_string(step) + ": " + e.what_without_backtrace(),
+                                 "raise memory.limit");
+      step_out_of_memory = e.what_without_backtrace();
+    }
+  }
+  if (step_out_of_memory) {
+    optimizer.zero_grad();
+    release_cached_memory();
+    spdlog::debug("out of memory in the optimizer step: {}", *step_out_of_memory);
+    // Weights, gradients and optimizer state alone: a smaller micro-batch changes none of them. Once more at the
+    // same size (cached or fragmented memory is released now), then stop with what to change.
+    if (!optimizer_retried) {
+      optimizer_retried = true;
+      spdlog::warn("memory: step {}: out of memory in the optimizer step ({}); retrying once at micro-batch {}", step,
+                   step_out_of_memory->substr(0, 200), phase.policy.micro_batch());
+      return false;
+    }
+    throw OutOfMemoryAtFloor("out of memory in the optimizer step at step " + std::to_string(step) +
+                                 ": the weights, their gradients and the optimizer state do not fit together, "
+                                 "and a smaller micro-batch cannot change that",
+                             phase.sync ? "raise memory.limit, or set distributed.shard_optimizer=true (each "
+                                          "rank keeps 1/N of the optimizer state)"
+                                        : "");
+  }
+  if (phase.sync) phase.sync->after_update();
+  if (phase.scaler) phase.scaler->update(/*found_inf=*/false);
+  phase.policy.step_succeeded(step, phase.examples);
+  return true;
+}
+
 double TrainStep::forward_backward(std::span<const Example> examples, double normaliser) {
   const CollatedBatch collated = collate(examples, options_.pad_id, options_.device);
   return forward_backward(Batch{collated.input_ids, collated.attention_mask, collated.labels, {}}, normaliser);
@@ -225,85 +308,9 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
     result.micro_steps = static_cast<int64_t>(parts.size());
     result.retries = attempt;
     result.target_tokens = batch.target_tokens;
-    if (options_.scaler) {
-      // fp16-mixed: the gradients back to their true size, then the overflow check, one decision for every rank.
-      // An overflow is no out-of-memory error: the memory policy neither shrinks nor retries; the scale backs off
-      // and the effective batch is not trained.
-      result.loss_scale = options_.scaler->scale();
-      bool overflow = options_.scaler->unscale_and_check(optimizer_.gradients());
-      // With a sharded optimizer each rank holds only its own parameters' summed gradients: the ranks agree.
-      if (options_.sync) overflow = !options_.sync->agree(!overflow, 0).all_fit;
-      if (overflow) {
-        optimizer_.zero_grad();
-        options_.scaler->update(/*found_inf=*/true);
-        result.skipped = true;
-        result.grad_norm = std::numeric_limits<double>::quiet_NaN();
-        spdlog::info("step {}: gradients overflowed fp16 (inf/NaN) at loss scale {}: update skipped, loss scale "
-                     "-> {}",
-                     step, result.loss_scale, options_.scaler->scale());
-        if (options_.scaler->consecutive_skips() == kManySkippedSteps)
-          spdlog::warn("fp16-mixed: {} steps in a row skipped for inf/NaN gradients (loss scale now {}): the forward "
-                       "pass itself overflows fp16 or the loss is not finite (loss {:g}), which no loss scale fixes. "
-                       "Use precision.mode=fp32 (or bf16-mixed on a GPU with bf16)",
-                       kManySkippedSteps, options_.scaler->scale(), result.loss);
-        policy_.step_succeeded(step, static_cast<int64_t>(all.size()));  // it fit: the memory policy's step
-        return result;
-      }
-    }
-    // The optimizer phase. What in it allocates (the gradient norm's temporaries) runs first, and with data
-    // parallelism the ranks agree on its outcome before any rank changes a gradient or a weight, so an
-    // out-of-memory error on one rank is retried (or stops the run) on every rank alike. The update itself
-    // allocates nothing (train/optimizer.h).
-    std::optional<std::string> step_out_of_memory;
-    double sum_squares = 0;
-    try {
-      sum_squares = optimizer_.squared_grad_norm();
-    } catch (const c10::OutOfMemoryError& e) {
-      step_out_of_memory = e.what_without_backtrace();
-    }
-    if (options_.sync) {
-      const auto outcome = options_.sync->agree(!step_out_of_memory, 0);
-      if (!outcome.all_fit)
-        step_out_of_memory = "rank(s) " + outcome.failed_ranks + ": " + step_out_of_memory.value_or("out of memory");
-      else
-        sum_squares = options_.sync->global_squared_norm(sum_squares);
-    }
-    if (!step_out_of_memory) {
-      try {
-        result.grad_norm = optimizer_.clip_to(std::sqrt(sum_squares), options_.max_grad_norm);
-        optimizer_.step(lr);
-      } catch (const c10::OutOfMemoryError& e) {
-        // Not expected (the update allocates nothing); with data parallelism a rank that got here cannot be told
-        // apart from one that updated, so the run stops rather than letting the ranks' weights differ.
-        if (options_.sync)
-          throw OutOfMemoryAtFloor(std::string("out of memory inside the optimizer update at step ") +
-                                       std::to_string(step) + ": " + e.what_without_backtrace(),
-                                   "raise memory.limit");
-        step_out_of_memory = e.what_without_backtrace();
-      }
-    }
-    if (step_out_of_memory) {
-      optimizer_.zero_grad();
-      release_cached_memory();
-      spdlog::debug("out of memory in the optimizer step: {}", *step_out_of_memory);
-      // Weights, gradients and optimizer state alone: a smaller micro-batch changes none of them. Once more at the
-      // same size (cached or fragmented memory is released now), then stop with what to change.
-      if (!optimizer_retried) {
-        optimizer_retried = true;
-        spdlog::warn("memory: step {}: out of memory in the optimizer step ({}); retrying once at micro-batch {}",
-                     step, step_out_of_memory->substr(0, 200), policy_.micro_batch());
-        continue;
-      }
-      throw OutOfMemoryAtFloor("out of memory in the optimizer step at step " + std::to_string(step) +
-                                   ": the weights, their gradients and the optimizer state do not fit together, "
-                                   "and a smaller micro-batch cannot change that",
-                               options_.sync ? "raise memory.limit, or set distributed.shard_optimizer=true (each "
-                                               "rank keeps 1/N of the optimizer state)"
-                                             : "");
-    }
-    if (options_.sync) options_.sync->after_update();
-    if (options_.scaler) options_.scaler->update(/*found_inf=*/false);
-    policy_.step_succeeded(step, static_cast<int64_t>(all.size()));
+    const UpdatePhase phase{optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm,
+                            step, lr, static_cast<int64_t>(all.size())};
+    if (!apply_update(phase, result, optimizer_retried)) continue;
     return result;
   }
 }

@@ -132,6 +132,25 @@ class TrainStep {
 // Releases cached device memory after an out-of-memory error (no-op on the CPU).
 void release_cached_memory();
 
+// The optimizer phase of a training step, shared by the text and image steps: what it works on.
+struct UpdatePhase {
+  Optimizer& optimizer;
+  MemoryPolicy& policy;
+  GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed
+  StepSync* sync = nullptr;      // data parallelism
+  double max_grad_norm = 1.0;
+  int64_t step = 0;
+  double lr = 0;
+  int64_t examples = 0;  // of the effective batch (all ranks), for the memory policy
+};
+
+// After a forward/backward attempt that fit, with the effective batch's gradients accumulated and result.loss set:
+// fp16-mixed's unscale and overflow check (an overflow skips the update, backs the scale off and sets
+// result.skipped; it is never an out-of-memory error), then the gradient norm, clipping and the optimizer update.
+// Returns false when the caller must run the same effective batch again: an out-of-memory error in the optimizer
+// step is retried once (`optimizer_retried`), then OutOfMemoryAtFloor is thrown.
+bool apply_update(const UpdatePhase& phase, StepResult& result, bool& optimizer_retried);
+
 // After an out-of-memory error in forward/backward (`what`), in any training step: drops the attempt's gradients
 // and cached memory, then shrinks the micro-batch (or, at the floor, takes the next escalation `escalate` applies),
 // so the caller retries the same effective batch. Throws OutOfMemoryAtFloor when memory.max_retries or the ladder

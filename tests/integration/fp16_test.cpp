@@ -1,6 +1,8 @@
 // precision.mode=fp16-mixed through the real binary on the CPU (fp16 autocast, dynamic loss scaling): a tiny Qwen2
 // trains; real overflows (a loss scale fp16 cannot hold) skip exactly those steps, back the scale off and leave the
-// weights of a run that never took them; a resume continues the scale exactly; T5 is refused with the reason.
+// weights of a run that never took them; a resume continues the scale exactly; T5 is refused with the reason. The
+// image classifier (tiny ViT) takes the same loss scaling: overflows skip steps without touching a weight, and a
+// resume is bit-exact.
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -222,6 +224,116 @@ TEST(IntegrationFp16, AResumeContinuesTheLossScaleExactly) {
   ASSERT_EQ(old.exit_code, 0) << old.err;
   EXPECT_TRUE(contains(old.err, "holds no loss scale")) << old.err;
   EXPECT_EQ(step_records(dir.path() / "old").back()["loss_scale"].get<double>(), 1048576.0);
+}
+
+// tiny-vit in fp16-mixed for `steps` steps of 16 images (micro-batches of 8), a constant learning rate, metrics and
+// a checkpoint every `checkpoint_every` steps (all kept).
+std::vector<std::string> image_fp16_run(const fs::path& dir, int steps, int checkpoint_every,
+                                        const std::vector<std::string>& extra = {}) {
+  return with({"--config", "configs/tiny-vit.json", "--set", "precision.mode=fp16-mixed", "--set",
+               "training.batch_size=16", "--set", "training.micro_batch_size=8", "--set",
+               "training.max_steps=" + std::to_string(steps), "--set", "scheduler.name=constant", "--set",
+               "scheduler.warmup_steps=0", "--set", "evaluation.every_steps=0", "--set", "logging.every_steps=1",
+               "--set", "checkpoint.every_steps=" + std::to_string(checkpoint_every), "--set",
+               "checkpoint.keep_last=100", "--set", "checkpoint.output_dir=" + dir.string()},
+              extra);
+}
+
+// An image classifier in fp16-mixed with a loss scale of 2^28: the cross-entropy's gradient times the scale
+// overflows fp16 in backward (real infs), so the first steps are skipped, each halving the scale, until it fits.
+// A skipped step changes no weight and no optimizer state (the checkpoints of the skipped steps are the same bytes,
+// their optimizer has taken no step), it is counted, and it is never taken for an out-of-memory error.
+TEST(IntegrationFp16, ImageClassifierOverflowsAreSkippedAndChangeNoWeight) {
+  TempDir dir;
+  constexpr int kSteps = 16, kPower = 28;
+  const auto run = run_trainer(
+      image_fp16_run(dir.path() / "vit", kSteps, 1,
+                     {"--set", "precision.initial_loss_scale=" + std::to_string(std::ldexp(1.0, kPower))}),
+      "OMP_NUM_THREADS=1");
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const auto records = step_records(dir.path() / "vit");
+  ASSERT_EQ(records.size(), static_cast<std::size_t>(kSteps));
+  int first_skipped = 0;
+  while (first_skipped < kSteps && records[static_cast<std::size_t>(first_skipped)]["skipped"].get<bool>())
+    ++first_skipped;
+  ASSERT_GE(first_skipped, 3) << run.err;
+  ASSERT_LE(first_skipped, kSteps - 3) << run.err;
+  int skipped = 0;
+  double scale = std::ldexp(1.0, kPower);
+  for (int i = 0; i < kSteps; ++i) {
+    const auto& r = records[static_cast<std::size_t>(i)];
+    SCOPED_TRACE(r.dump());
+    const bool skip = r["skipped"].get<bool>();
+    skipped += skip ? 1 : 0;
+    EXPECT_EQ(r["loss_scale"].get<double>(), scale);  // halved after each skip (no growth within 2000 steps)
+    if (skip) scale /= 2;
+    EXPECT_EQ(r["skipped_steps"].get<int64_t>(), skipped);
+    EXPECT_EQ(r["grad_norm"].is_null(), skip);
+    EXPECT_EQ(r["oom_retries"].get<int64_t>(), 0);  // never taken for an out-of-memory error
+    EXPECT_EQ(r["micro_batch"].get<int64_t>(), 8);  // and the memory policy never shrank
+    EXPECT_EQ(r["adaptations"].get<int64_t>(), 0);
+  }
+  const auto checkpoint = [&](int step) { return dir.path() / "vit" / ("checkpoint-" + std::to_string(step)); };
+  const auto state = [&](int step) {
+    return nlohmann::json::parse(read_text(checkpoint(step) / "train_state.json"));
+  };
+  const std::string untouched = read_text(checkpoint(1) / "model.safetensors");
+  for (int step = 1; step <= first_skipped; ++step) {
+    SCOPED_TRACE("checkpoint-" + std::to_string(step));
+    EXPECT_TRUE(read_text(checkpoint(step) / "model.safetensors") == untouched);
+    EXPECT_EQ(state(step)["optimizer_steps"].get<int64_t>(), 0);
+    EXPECT_EQ(state(step)["loss_scaler"]["skipped_steps"].get<int64_t>(), step);
+    EXPECT_EQ(state(step)["loss_scaler"]["scale"].get<double>(), std::ldexp(1.0, kPower - step));
+  }
+  // The first step taken changes the weights (so the comparison above could fail).
+  EXPECT_FALSE(read_text(checkpoint(first_skipped + 1) / "model.safetensors") == untouched);
+  EXPECT_EQ(state(first_skipped + 1)["optimizer_steps"].get<int64_t>(), 1);
+  EXPECT_TRUE(contains(run.err, "gradients overflowed fp16 (inf/NaN) at loss scale 268435456: update skipped, loss "
+                                "scale -> 134217728"))
+      << run.err;
+  EXPECT_FALSE(contains(run.err, "out of memory")) << run.err;
+  EXPECT_TRUE(contains(run.out, "fp16 loss scaling: " + std::to_string(skipped) + " steps skipped")) << run.out;
+}
+
+// With the scale doubling after every 2 clean steps it climbs into overflows and backs off all through the run.
+// Resumed from the uninterrupted run's checkpoint-6, the image classifier skips the same steps at the same scales
+// and ends with the same weights, bit for bit: the checkpoint holds the scale and its growth tracker.
+TEST(IntegrationFp16, ImageClassifierResumeContinuesTheLossScaleExactly) {
+  TempDir dir;
+  const std::vector<std::string> scaling = {"--set", "precision.initial_loss_scale=262144", "--set",
+                                            "precision.loss_scale_growth_interval=2"};
+  const auto whole = run_trainer(image_fp16_run(dir.path() / "whole", 12, 6, scaling), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const auto state = nlohmann::json::parse(read_text(dir.path() / "whole" / "checkpoint-6" / "train_state.json"));
+  ASSERT_TRUE(state.contains("loss_scaler")) << state.dump(2);
+  fs::create_directories(dir.path() / "resumed");
+  fs::copy(dir.path() / "whole" / "checkpoint-6", dir.path() / "resumed" / "checkpoint-6", fs::copy_options::recursive);
+  const auto resumed =
+      run_trainer(with(image_fp16_run(dir.path() / "resumed", 12, 6, scaling), {"--resume"}), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+
+  const auto a = step_records(dir.path() / "whole"), b = step_records(dir.path() / "resumed");
+  ASSERT_EQ(a.size(), 12u);
+  ASSERT_EQ(b.size(), 6u);
+  int skipped_before = 0, skipped_after = 0;
+  for (std::size_t i = 0; i < 12; ++i) (i < 6 ? skipped_before : skipped_after) += a[i]["skipped"].get<bool>() ? 1 : 0;
+  for (std::size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(a[6 + i]["loss_scale"], b[i]["loss_scale"]) << "step " << i + 7;
+    EXPECT_EQ(a[6 + i]["skipped"], b[i]["skipped"]) << "step " << i + 7;
+    EXPECT_EQ(a[6 + i]["skipped_steps"], b[i]["skipped_steps"]) << "step " << i + 7;
+    EXPECT_EQ(a[6 + i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 7;
+  }
+  EXPECT_GE(skipped_before, 1) << whole.err;
+  EXPECT_GE(skipped_after, 1) << whole.err;  // the scale (and its tracker) mattered after the resume
+  EXPECT_EQ(state["loss_scaler"]["scale"].get<double>(), a[6]["loss_scale"].get<double>());
+  EXPECT_EQ(state["loss_scaler"]["skipped_steps"].get<int64_t>(), skipped_before);
+  EXPECT_TRUE(read_text(dir.path() / "whole" / "final" / "model.safetensors") ==
+              read_text(dir.path() / "resumed" / "final" / "model.safetensors"))
+      << "the resumed run's weights differ from the uninterrupted run's";
+  EXPECT_TRUE(contains(resumed.out, "fp16 loss scaling: " + std::to_string(skipped_before + skipped_after) +
+                                        " steps skipped for inf/NaN gradients (" + std::to_string(skipped_after) +
+                                        " in this run)"))
+      << resumed.out;
 }
 
 // T5-family activations overflow fp16 in the forward pass: fp16-mixed is refused when the model's config.json says
