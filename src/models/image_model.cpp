@@ -75,9 +75,14 @@ void save_image_classifier(ImageClassifier& model, const std::string& dir) {
 }
 
 data::ImageProcessorSpec image_processor_for(const std::string& dir, const ImageClassifier& model) {
-  auto spec = data::read_image_processor(dir, model.image_processor_type());
+  return image_processor_for(dir, model.image_processor_type(), model.image_size());
+}
+
+data::ImageProcessorSpec image_processor_for(const std::string& dir, const std::string& processor_type,
+                                             int64_t image_size) {
+  auto spec = data::read_image_processor(dir, processor_type);
   if (!std::filesystem::exists(std::filesystem::path(dir) / "preprocessor_config.json")) {
-    const auto size = static_cast<int>(model.image_size());
+    const auto size = static_cast<int>(image_size);
     if (spec.shortest_edge > 0) {
       spec.shortest_edge = spec.crop_height = spec.crop_width = size;
     } else {
