@@ -226,14 +226,23 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       ->capture_default_str();
 
   PredictOptions predict_options;
-  auto* predict_cmd = app.add_subcommand("predict", "Classify images with an image classifier (ViT): top-k classes "
-                                                    "and probabilities (docs/images.md)");
-  predict_cmd->add_option("--model", predict_options.model_dir, "Model directory (config.json with id2label, "
-                                                                "weights, preprocessor_config.json)")
+  auto* predict_cmd = app.add_subcommand(
+      "predict", "Classify images with an image classifier (ViT, CLIP classifier): top-k classes and probabilities; "
+                 "or, with a CLIPModel directory and --text, each image's probabilities over the texts (zero-shot, "
+                 "docs/images.md, docs/clip.md)");
+  predict_cmd->add_option("--model", predict_options.model_dir, "Model directory: an image classifier (config.json "
+                                                                "with id2label, weights, preprocessor_config.json) "
+                                                                "or a CLIPModel (with tokenizer.json)")
       ->required();
   predict_cmd->add_option("--image", predict_options.images, "Image file (JPEG, PNG, WebP); repeat for more")
       ->required();
-  predict_cmd->add_option("--top-k", predict_options.top_k, "Classes to show per image")->capture_default_str();
+  predict_cmd->add_option("--text", predict_options.texts,
+                          "CLIPModel directories only: a candidate text, e.g. --text \"a photo of a cat\"; repeat "
+                          "for more (each image's probabilities are a softmax over them)");
+  auto* top_k_option =
+      predict_cmd->add_option("--top-k", predict_options.top_k, "Classes to show per image (with --text: all "
+                                                                "texts unless given)")
+          ->capture_default_str();
   predict_cmd->add_flag("--json", predict_options.json, "One JSON object a line: {image, predictions}");
   predict_cmd->footer(kExitCodeHelp);
   distributed::LaunchOptions launch_options;
@@ -316,7 +325,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     return kExitOk;
   }
   if (generate_cmd->parsed()) return run_generate(generate_command, out);
-  if (predict_cmd->parsed()) return run_predict(predict_options, out);
+  if (predict_cmd->parsed()) {
+    predict_options.top_k_given = top_k_option->count() > 0;
+    return run_predict(predict_options, out);
+  }
   if (launch_cmd->parsed()) return distributed::run_launch(launch_options);
   if (merge_cmd->parsed()) {
     const auto merged = merge_adapter(merge_options);

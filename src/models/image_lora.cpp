@@ -49,6 +49,27 @@ std::string head_module_of(const ImageClassifier& model) {
 
 }  // namespace
 
+std::vector<std::string> default_image_lora_targets(const ImageClassifier& model) {
+  if (model.model_type() == "vit") return {"query", "value"};
+  return {"q_proj", "v_proj"};  // CLIP's names, as PEFT's default for CLIP
+}
+
+void add_lora_layers(LoraAdapters& adapters, const std::vector<std::pair<std::string, Linear*>>& layers,
+                     const LoraConfig& config, uint64_t seed) {
+  const double scaling = lora_scaling(config.alpha, config.r, config.rslora);
+  at::Generator generator = at::detail::createCPUGenerator(seed);
+  at::NoGradGuard no_grad;
+  for (const auto& [path, linear] : layers) {
+    auto layer = std::make_shared<LoraLinear>(*linear, config.r, scaling, config.dropout);
+    // PEFT's reset_lora_parameters: kaiming_uniform_(a=sqrt(5)) on A (bound 1/sqrt(in)), B zero.
+    const double bound = 1.0 / std::sqrt(static_cast<double>(layer->lora_A.size(1)));
+    at::Tensor a = at::empty(layer->lora_A.sizes(), at::TensorOptions().dtype(at::kFloat));
+    a.uniform_(-bound, bound, generator);
+    layer->lora_A.copy_(a);
+    adapters.add(path, std::move(layer));
+  }
+}
+
 ImageLoraAdapters::ImageLoraAdapters(LoraConfig config, ImageClassifier& model)
     : LoraAdapters(std::move(config)), head_module_(head_module_of(model)) {
   const std::string prefix = model.head_prefix();
@@ -60,7 +81,7 @@ ImageLoraAdapters::ImageLoraAdapters(LoraConfig config, ImageClassifier& model)
 std::unique_ptr<ImageLoraAdapters> apply_image_lora(ImageClassifier& model, const LoraConfig& config, uint64_t seed) {
   LoraConfig applied = config;
   applied.enabled = true;
-  if (applied.target_modules.empty()) applied.target_modules = {"query", "value"};
+  if (applied.target_modules.empty()) applied.target_modules = default_image_lora_targets(model);
   const std::string head = model.head_prefix();
   std::vector<std::pair<std::string, Linear*>> selected;
   std::vector<bool> matched(applied.target_modules.size(), false);
@@ -81,25 +102,17 @@ std::unique_ptr<ImageLoraAdapters> apply_image_lora(ImageClassifier& model, cons
   if (!unmatched.empty())
     throw UsageError("lora.target_modules: " + unmatched + " match no linear layer of the " + model.model_type() +
                          " backbone",
-                     "ViT's layers: query, key, value, attention.output.dense, intermediate.dense, output.dense "
-                     "(`trainer inspect MODEL_DIR` lists the parts)");
+                     model.model_type() == "vit"
+                         ? "ViT's layers: query, key, value, attention.output.dense, intermediate.dense, output.dense "
+                           "(`trainer inspect MODEL_DIR` lists the parts)"
+                         : "CLIP's layers: q_proj, k_proj, v_proj, out_proj (attention), fc1, fc2 (MLP) "
+                           "(`trainer inspect MODEL_DIR` lists the parts)");
   {
     at::NoGradGuard no_grad;
     model.for_each_parameter([&](const std::string& name, at::Tensor& p) { p.requires_grad_(name.starts_with(head)); });
   }
   auto adapters = std::make_unique<ImageLoraAdapters>(applied, model);
-  const double scaling = lora_scaling(config.alpha, config.r, config.rslora);
-  at::Generator generator = at::detail::createCPUGenerator(seed);
-  at::NoGradGuard no_grad;
-  for (const auto& [path, linear] : selected) {
-    auto layer = std::make_shared<LoraLinear>(*linear, config.r, scaling, config.dropout);
-    // PEFT's reset_lora_parameters: kaiming_uniform_(a=sqrt(5)) on A (bound 1/sqrt(in)), B zero.
-    const double bound = 1.0 / std::sqrt(static_cast<double>(layer->lora_A.size(1)));
-    at::Tensor a = at::empty(layer->lora_A.sizes(), at::TensorOptions().dtype(at::kFloat));
-    a.uniform_(-bound, bound, generator);
-    layer->lora_A.copy_(a);
-    adapters->add(path, std::move(layer));
-  }
+  add_lora_layers(*adapters, selected, config, seed);
   return adapters;
 }
 

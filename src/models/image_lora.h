@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/image_model.h"
@@ -24,8 +25,17 @@ class ImageLoraAdapters : public LoraAdapters {
   std::string head_module_;
 };
 
+// PEFT's default targets for an image classifier: query, value (ViT); q_proj, v_proj (CLIP).
+std::vector<std::string> default_image_lora_targets(const ImageClassifier& model);
+
+// Adds one adapter per (module path, linear layer) to `adapters` (r, alpha, rslora, dropout from `config`),
+// initialised as PEFT does: A uniform in +-1/sqrt(in) drawn in order from a generator seeded with `seed`, B zero,
+// so the adapted model starts equal to the base. Shared by the image classifiers and CLIP (clip_lora.h).
+void add_lora_layers(LoraAdapters& adapters, const std::vector<std::pair<std::string, Linear*>>& layers,
+                     const LoraConfig& config, uint64_t seed);
+
 // Freezes the backbone, adds adapters to the linear layers named by config.target_modules (last names, e.g.
-// query, value; empty: query, value) with lora_A drawn from `seed`, and leaves the head trainable. A target that
+// query, value; empty: default_image_lora_targets) with lora_A drawn from `seed`, and leaves the head trainable. A target that
 // matches no linear layer is a UsageError naming it.
 std::unique_ptr<ImageLoraAdapters> apply_image_lora(ImageClassifier& model, const LoraConfig& config, uint64_t seed);
 

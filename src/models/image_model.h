@@ -86,6 +86,9 @@ std::unique_ptr<ImageClassifier> load_image_classifier(const std::string& dir, M
 data::ImageProcessorSpec image_processor_for(const std::string& dir, const ImageClassifier& model);
 // The same from dir/config.json alone, without building the model (`trainer data`).
 data::ImageProcessorSpec image_processor_for(const std::string& dir);
+// The same for any image model: `processor_type`'s defaults (e.g. "CLIPImageProcessor") at `image_size`.
+data::ImageProcessorSpec image_processor_for(const std::string& dir, const std::string& processor_type,
+                                             int64_t image_size);
 
 // Writes config.json (id2label/label2id, architectures) and model.safetensors so that transformers'
 // from_pretrained loads it.

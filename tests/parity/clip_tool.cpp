@@ -18,6 +18,10 @@
 //       forward and backward over an effective batch of BATCH pairs as one autograd graph, with gradient caching
 //       in micro-batches of MICRO, and with micro-batch negatives; the sides alternate REPEATS times. Prints one
 //       JSON line per side: the median seconds and the peak CPU tensor bytes above the weights (budget allocator)
+//   trainer_clip_parity lora MODEL_DIR BATCH.safetensors OUT_DIR TOWERS R TARGET[,TARGET...]
+//       apply_clip_lora on TOWERS (vision, text or both) with rank R, alpha 2R, lora_B drawn at random (so the
+//       adapters act), write_clip_adapter to OUT_DIR, and OUT_DIR/out.safetensors: logits_per_image and loss of
+//       CLIPModel(return_loss=True) on the batch, and grad.<PEFT name> of every adapter weight
 //   trainer_clip_parity text MODEL_DIR TOKENIZER_DIR OUT.safetensors TEXT [TEXT ...]
 //       our tokenizer's ids with the special tokens, padded to the longest (input_ids, attention_mask), and the
 //       text features (get_text_features) of the model for them
@@ -37,6 +41,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/clip.h"
+#include "models/clip_lora.h"
 #include "models/image_model.h"
 #include "memory/cpu_budget.h"
 #include "train/contrastive.h"
@@ -184,6 +189,35 @@ int text(const std::string& model_dir, const std::string& tokenizer_dir, const s
   return 0;
 }
 
+int lora(const std::string& model_dir, const std::string& batch_path, const std::string& out_dir,
+         const std::string& towers, int64_t r, const std::vector<std::string>& targets) {
+  auto model = trainer::load_clip(model_dir, trainer::ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  model->train(false);
+  trainer::LoraConfig config;
+  config.r = r;
+  config.alpha = 2.0 * static_cast<double>(r);
+  config.dropout = 0.0;
+  config.target_modules = targets;
+  auto adapters = trainer::apply_clip_lora(*model, config, /*seed=*/3, towers != "text", towers != "vision");
+  {
+    at::NoGradGuard no_grad;
+    at::manual_seed(11);
+    for (const auto& [path, layer] : adapters->layers()) layer->lora_B.normal_(0.0, 0.2);
+  }
+  trainer::write_clip_adapter(out_dir, *adapters, model_dir);
+  const ClipBatch batch = read_batch(batch_path);
+  const trainer::ClipOutput output = model->forward(batch.pixels, batch.input_ids, batch.attention_mask, true);
+  output.loss.backward();
+  trainer::NamedTensors out = {{"logits_per_image", output.logits_per_image.detach().contiguous()},
+                               {"loss", output.loss.detach().reshape({1})}};
+  for (const auto& [path, layer] : adapters->layers()) {
+    out.emplace_back("grad." + path + ".lora_A.weight", layer->lora_A.grad().contiguous());
+    out.emplace_back("grad." + path + ".lora_B.weight", layer->lora_B.grad().contiguous());
+  }
+  trainer::write_safetensors(out_dir + "/out.safetensors", out, {});
+  return 0;
+}
+
 int bench(int64_t batch, int64_t micro, int repeats) {
   const nlohmann::json config = {
       {"model_type", "clip"},
@@ -264,9 +298,11 @@ int main(int argc, char** argv) {
     if ((args.size() == 5 || args.size() == 6) && args[0] == "classify-step")
       return classify_step(args[1], args[2], args[3], std::stod(args[4]),
                            args.size() == 6 ? split_labels(args[5]) : std::vector<std::string>{});
+    if (args.size() == 7 && args[0] == "lora")
+      return lora(args[1], args[2], args[3], args[4], std::stoll(args[5]), split_labels(args[6]));
     if (args.size() >= 5 && args[0] == "text")
       return text(args[1], args[2], args[3], std::vector<std::string>(args.begin() + 4, args.end()));
-    std::cerr << "usage: trainer_clip_parity forward|train-step|classify|classify-step|text|bench ... (see the source)\n";
+    std::cerr << "usage: trainer_clip_parity forward|train-step|classify|classify-step|lora|text|bench ... (see the source)\n";
     return 2;
   } catch (const trainer::Error& e) {
     std::cerr << "error: " << e.what() << "\n";

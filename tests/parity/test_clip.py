@@ -308,3 +308,128 @@ def test_predict_with_a_clip_classifier_gives_transformers_probabilities(with_pr
         for p in json.loads(line)["predictions"]:
             assert p["label"] == config.id2label[p["id"]]
             assert abs(p["probability"] - probabilities[p["id"]].item()) < TOLERANCE, f
+
+
+def noise_images(directory, sizes, seed=0):
+    from PIL import Image
+    rng = torch.Generator().manual_seed(seed)
+    files = []
+    for i, (h, w) in enumerate(sizes):
+        pixels = torch.randint(0, 256, (h, w, 3), generator=rng, dtype=torch.uint8).numpy()
+        files.append(directory / f"noise{i}.png")
+        Image.fromarray(pixels).save(files[-1])
+    return files
+
+
+def tiny_clip_with_tokenizer(directory, seed):
+    """A random CLIPModel of 32 px images with the CLIP-style tokenizer and a preprocessor_config.json that resizes
+    the short side to 40 and crops 32 (so resizing and cropping both act)."""
+    import shutil
+    from transformers import AutoTokenizer, CLIPModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    tokenizer = AutoTokenizer.from_pretrained(CLIP_TOKENIZER)
+    torch.manual_seed(seed)
+    config = clip_config({"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+                          "max_position_embeddings": 32}, {"image_size": 32, "patch_size": 8},
+                         logit_scale_init_value=4.0)
+    model = CLIPModel(config).eval()
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(CLIP_TOKENIZER / name, directory / name)
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32})
+    (directory / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 40},
+         "crop_size": {"height": 32, "width": 32}, "do_center_crop": True, "resample": 3,
+         "image_mean": processor.image_mean, "image_std": processor.image_std}))
+    return model, tokenizer, processor
+
+
+def test_predict_with_texts_gives_clips_zero_shot_probabilities(tmp_path, run_trainer):
+    """`trainer predict --model CLIPModel --image F --text T ...`: for each image, every text's probability is
+    transformers' softmax over the texts of CLIPModel's logits_per_image (CLIPTokenizer's ids, padded;
+    CLIPImageProcessorPil's pixels) within 1e-4, listed from the most to the least probable; --top-k keeps the
+    first k; the table form names each image and text."""
+    from PIL import Image
+    model, tokenizer, processor = tiny_clip_with_tokenizer(tmp_path / "model", seed=12)
+    files = noise_images(tmp_path, [(37, 53), (64, 48), (32, 32)])
+    texts = ["a photo of a red car", "a blue car", "two dogs", "A CAT's toy!", "a photo of a daisy."]
+    args = ["predict", "--model", tmp_path / "model", "--json"]
+    for f in files:
+        args += ["--image", f]
+    for t in texts:
+        args += ["--text", t]
+    lines = run_trainer(*args).stdout.strip().splitlines()
+    assert len(lines) == len(files)
+    encoded = tokenizer(texts, padding=True, return_tensors="pt")
+    for f, line in zip(files, lines):
+        record = json.loads(line)
+        assert record["image"] == str(f)
+        with Image.open(f) as image, torch.no_grad():
+            pixels = processor(image.convert("RGB"), return_tensors="pt")["pixel_values"]
+            logits = model(pixel_values=pixels, input_ids=encoded["input_ids"],
+                           attention_mask=encoded["attention_mask"]).logits_per_image[0]
+        theirs = torch.softmax(logits, -1)
+        predictions = record["predictions"]
+        assert [p["text"] for p in predictions] == [texts[i] for i in theirs.argsort(descending=True).tolist()]
+        for p in predictions:
+            assert p["text"] == texts[p["id"]]
+            assert abs(p["probability"] - theirs[p["id"]].item()) < TOLERANCE, (f, p, theirs)
+        assert theirs.max().item() - theirs.min().item() > 1e-3, "the texts score alike: the test could not fail"
+    top = run_trainer(*args, "--top-k", 2).stdout.strip().splitlines()
+    assert [len(json.loads(line)["predictions"]) for line in top] == [2] * len(files)
+    table = run_trainer(*[a for a in args if a != "--json"]).stdout
+    assert str(files[0]) in table and "a blue car" in table
+
+
+def test_predict_refuses_a_clip_model_without_texts_and_texts_for_a_classifier(tmp_path, run_trainer):
+    from transformers import CLIPForImageClassification
+    tiny_clip_with_tokenizer(tmp_path / "model", seed=13)
+    files = noise_images(tmp_path, [(32, 32)])
+    result = run_trainer("predict", "--model", tmp_path / "model", "--image", files[0], check=False)
+    assert result.returncode == 2, result.stderr
+    assert "CLIPModel" in result.stderr and "--text" in result.stderr
+    config = clip_config(vision={"image_size": 32, "patch_size": 8})
+    config.id2label = {0: "cat", 1: "dog"}
+    config.label2id = {"cat": 0, "dog": 1}
+    CLIPForImageClassification(config).save_pretrained(tmp_path / "classifier")
+    result = run_trainer("predict", "--model", tmp_path / "classifier", "--image", files[0], "--text", "a cat",
+                         check=False)
+    assert result.returncode == 2, result.stderr
+    assert "--text needs a CLIPModel" in result.stderr
+
+
+@pytest.mark.parametrize("towers,targets", [("vision", "q_proj,v_proj"), ("text", "q_proj,out_proj,fc2"),
+                                            ("both", "q_proj,k_proj,v_proj,out_proj,fc1,fc2")])
+def test_clip_lora_adapter_loads_in_peft_with_our_logits_and_gradients(towers, targets, tmp_path, clip_tool):
+    """apply_clip_lora + write_clip_adapter: peft.PeftModel.from_pretrained on transformers' CLIPModel loads the
+    adapter on exactly the same layers (one tower or both), computes our logits_per_image and loss, and the
+    gradients of every adapter weight, within 1e-4."""
+    from peft import PeftModel
+    from transformers import CLIPModel
+    torch.manual_seed(21)
+    model = CLIPModel(clip_config()).eval()
+    model.save_pretrained(tmp_path / "model")
+    batch = make_batch(tmp_path / "batch.safetensors", 12, 12)
+    with torch.no_grad():
+        base_logits = model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
+                            attention_mask=batch["attention_mask"]).logits_per_image.clone()
+    run(clip_tool, "lora", tmp_path / "model", tmp_path / "batch.safetensors", tmp_path / "adapter", towers, 4,
+        targets)
+    ours = load_file(str(tmp_path / "adapter" / "out.safetensors"))
+    peft_model = PeftModel.from_pretrained(model, tmp_path / "adapter", is_trainable=True).eval()
+    output = peft_model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
+                        attention_mask=batch["attention_mask"], return_loss=True)
+    output.loss.backward()
+    assert (ours["logits_per_image"] - output.logits_per_image.detach()).abs().max().item() < TOLERANCE
+    assert abs(ours["loss"].item() - output.loss.item()) < TOLERANCE
+    assert not torch.allclose(base_logits, output.logits_per_image.detach(), atol=1e-3), "the adapter changed nothing"
+    theirs = {name[len("base_model.model."):].replace(".default", ""): p.grad
+              for name, p in peft_model.named_parameters() if "lora_" in name}
+    grads = {k[len("grad."):]: v for k, v in ours.items() if k.startswith("grad.")}
+    assert set(grads) == set(theirs), set(grads) ^ set(theirs)
+    wanted = {"vision": ("vision_model.",), "text": ("text_model.",), "both": ("vision_model.", "text_model.")}[towers]
+    assert all(name.startswith(wanted) for name in grads)
+    assert {name.split(".")[-3] for name in grads} == set(targets.split(","))
+    for name, grad in grads.items():
+        assert theirs[name] is not None, name
+        assert (grad - theirs[name]).abs().max().item() < TOLERANCE, name

@@ -155,3 +155,50 @@ def test_clip_vision_classifier_trains_and_transformers_agrees(tmp_path, trainer
     assert abs(last["eval_loss"] - loss) < 1e-3, (last, loss)
     assert abs(last["eval_top1"] - top1) < 1e-6
     assert top1 > 1 / len(classes), f"top-1 {top1} after training: chance is {1 / len(classes)}"
+
+
+def test_clip_classifier_lora_adapter_loads_in_peft(tmp_path, trainer_binary):
+    """lora.enabled=true on the CLIP vision classifier, from a CLIPModel checkpoint (what CLIP checkpoints are):
+    adapters on CLIP's q_proj/v_proj by default (PEFT's names in CLIPForImageClassification) and the new head
+    trained in full in modules_to_save. peft.PeftModel.from_pretrained on transformers' CLIPForImageClassification
+    of the same base (with the run's classes) loads it, and its loss and accuracy on the validation images,
+    preprocessed by CLIPImageProcessor, are the last evaluation's; the adapter changed the base's logits."""
+    from peft import PeftModel
+    from transformers import CLIPConfig, CLIPForImageClassification, CLIPImageProcessor, CLIPModel
+    torch.manual_seed(0)
+    base = tmp_path / "clip"
+    config = CLIPConfig(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=32, patch_size=8),
+                        text_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=40, eos_token_id=39),
+                        projection_dim=8)
+    CLIPModel(config).save_pretrained(base)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(base)
+    out = tmp_path / "run"
+    result = subprocess.run([str(trainer_binary), "--config", "configs/tiny-vit.json", "--set", f"model.path={base}",
+                             "--set", "model.init=pretrained", "--set", f"checkpoint.output_dir={out}", "--set",
+                             "training.epochs=3", "--set", "checkpoint.every_steps=0", "--set", "lora.enabled=true",
+                             "--set", "lora.r=4", "--set", "optimizer.lr=5e-3"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert adapter["modules_to_save"] == ["classifier"]
+    assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "eval_top1" in r][-1]
+    classes, images, labels = validation_images()
+    processor = CLIPImageProcessor.from_pretrained(out / "final")
+    pixels = processor(images, return_tensors="pt")["pixel_values"]
+    assert adapter["base_model_name_or_path"] == str(base)
+    model = CLIPForImageClassification.from_pretrained(base, id2label=dict(enumerate(classes)),
+                                                       label2id={c: i for i, c in enumerate(classes)}).eval()
+    with torch.no_grad():
+        base_logits = model(pixel_values=pixels).logits.clone()
+    model = PeftModel.from_pretrained(model, out / "final").eval()
+    with torch.no_grad():
+        logits = model(pixel_values=pixels).logits
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    top1 = (logits.argmax(1) == labels).float().mean().item()
+    assert abs(last["eval_loss"] - loss) < 1e-3, (last, loss)
+    assert abs(last["eval_top1"] - top1) < 1e-6
+    assert not torch.allclose(base_logits, logits, atol=1e-3), "the adapter changed nothing"
