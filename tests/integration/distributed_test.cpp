@@ -152,11 +152,14 @@ TEST(IntegrationDistributed, ThreeRanksTrainTheWeightsOfOneProcessQwen2) {
 // Evaluation is sharded: each rank evaluates its share of every validation batch, and the loss sums and token
 // counts are summed, so metrics.jsonl's eval_loss and eval_tokens are the single process's. Rank 0's debug line
 // shows it evaluated only its share (not the whole set, as an unsharded evaluation on rank 0 would). A sample
-// prompt is generated on rank 0 alone while the other ranks go on (no deadlock).
-static void expect_same_evaluation(const std::string& config, int world) {
+// prompt is generated on rank 0 alone while the other ranks go on (no deadlock). `micro`: the evaluation
+// micro-batch, chosen so that the ranks' micro-batches are the single process's (padding to another length changes
+// the float sums in the last digits).
+static void expect_same_evaluation(const std::string& config, int world, int micro) {
   TempDir dir;
   const auto one = dir.path() / "one", n = dir.path() / "n";
-  const std::vector<std::string> eval = {"--set", "evaluation.every_steps=2", "--set", "evaluation.micro_batch_size=3",
+  const std::vector<std::string> eval = {"--set", "evaluation.every_steps=2", "--set",
+                                         "evaluation.micro_batch_size=" + std::to_string(micro),
                                          "--set", "evaluation.max_new_tokens=4", "--set", "logging.level=debug"};
   const auto single = run_trainer(with(short_run(config, one, 4), eval), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
@@ -179,11 +182,11 @@ static void expect_same_evaluation(const std::string& config, int world) {
 }
 
 TEST(IntegrationDistributed, EvaluationIsShardedAndReportsTheLossOfOneProcessT5) {
-  expect_same_evaluation("configs/tiny-t5.json", 2);
+  expect_same_evaluation("configs/tiny-t5.json", 2, 4);  // shares of 4: micro-batches [0,4) [4,8) either way
 }
 
 TEST(IntegrationDistributed, EvaluationIsShardedAndReportsTheLossOfOneProcessQwen2ThreeRanks) {
-  expect_same_evaluation("configs/tiny-qwen2.json", 3);
+  expect_same_evaluation("configs/tiny-qwen2.json", 3, 1);  // shares of 3, 3, 2: one example at a time
 }
 
 TEST(IntegrationDistributed, LoraOnThreeRanksTrainsTheAdapterOfOneProcess) {
