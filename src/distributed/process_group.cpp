@@ -234,9 +234,12 @@ CommunicationError Communicator::collective_failed(const char* what, const std::
   if (!silent.empty()) {
     std::string list;
     for (const int r : silent) list += (list.empty() ? "" : ", ") + std::to_string(r);
-    culprit = (silent.size() == 1 ? "rank " : "ranks ") + list + " died or hangs (no sign of life for " +
-              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kWatch).count()) + " s" +
-              (store_unreachable ? ": the store it serves does not answer" : "") + ")";
+    culprit = (silent.size() == 1 ? "rank " : "ranks ") + list + " died or hangs (" +
+              (store_unreachable ? std::string("the rendezvous store it serves does not answer")
+                                 : "no sign of life for " +
+                                       std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kWatch).count()) +
+                                       " s") +
+              ")";
   } else if (store_unreachable) {
     culprit = "the rendezvous store at " + environment_.master_addr + ":" + std::to_string(environment_.master_port) +
               " does not answer (its host died or hangs)";
