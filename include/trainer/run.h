@@ -13,6 +13,9 @@ struct TrainOptions {
   bool dry_run = false;  // resolve and print the plan, then stop before touching the model weights
   bool resume = false;   // continue from the newest complete checkpoint in checkpoint.output_dir
   std::string resume_from;  // or from this checkpoint directory
+  // With resume: no complete checkpoint yet is a fresh start, not an error (--resume-if-present: one command for a
+  // job's first start and its restarts, e.g. under torchrun --max-restarts).
+  bool resume_if_present = false;
   bool merge = false;       // LoRA: also write output_dir/final-merged, the base with the adapters merged
   std::string config_file;             // where the config came from, and its --set overrides: the start-up
   std::vector<std::string> overrides;  // table says which of them gave each changed value

@@ -135,6 +135,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   train->add_flag("--resume", train_options.resume,
                   "Continue from the newest complete checkpoint in checkpoint.output_dir");
   train->add_option("--resume-from", train_options.resume_from, "Continue from this checkpoint directory");
+  train->add_flag("--resume-if-present", train_options.resume_if_present,
+                  "As --resume when checkpoint.output_dir holds a complete checkpoint, else a fresh start: one "
+                  "command for a job's first start and its restarts (torchrun --max-restarts, Slurm --requeue)");
   train->add_flag("--allow-config-change", train_options.allow_config_change,
                   "Resume although settings that make it another run differ from the checkpoint's (model, "
                   "tokenizer, precision, optimizer name or state dtype, seed, batch size, max lengths, field "

@@ -117,7 +117,10 @@ int run_launch(const LaunchOptions& options) {
             if (running > 0) {
               spdlog::error("trainer launch: rank {} exited with code {}; stopping the other ranks", r, code);
               for (const pid_t pid : pids)
-                if (pid > 0) ::kill(pid, SIGTERM);
+                if (pid > 0) {
+                  ::kill(pid, SIGTERM);
+                  ::kill(pid, SIGCONT);  // a stopped rank (SIGSTOP) must run to act on it
+                }
               kill_pending = true;
               kill_after = std::chrono::steady_clock::now() +
                            std::chrono::milliseconds(static_cast<int64_t>(options.grace_s * 1000));

@@ -3,8 +3,11 @@
 // TRAINER_WITH_NCCL.
 #include "distributed/process_group.h"
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
+#include <mutex>
 #include <set>
 #include <thread>
 
@@ -80,17 +83,68 @@ std::optional<Environment> environment_from_variables(const Getenv& getenv_) {
   return e;
 }
 
+namespace {
+
+// Signs of life: every rank's own thread adds 1 to the store's "alive/<rank>" every kBeat, on its own connection
+// to the store (short timeout), beside whatever the rank's main thread is doing or waiting for. A rank that was
+// killed or stopped (SIGSTOP, a debugger, a swapped-out machine) stops counting; a rank blocked in a collective
+// keeps counting. After a collective fails, the counters that did not move for kWatch name the culprits.
+constexpr auto kBeat = std::chrono::milliseconds(500);
+constexpr auto kWatch = std::chrono::milliseconds(3000);
+constexpr auto kWatchStoreTimeout = std::chrono::milliseconds(5000);
+
+std::string alive_key(int rank) { return "alive/" + std::to_string(rank); }
+
+}  // namespace
+
 struct Communicator::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
   c10::Device device{c10::kCPU};
   std::string name;
+  // The heartbeat's connection to the store (and the diagnosis's after a failure), with a short timeout.
+  c10::intrusive_ptr<c10d::Store> watch_store;
+  std::thread heartbeat;
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stopping = false;
 };
 
 Communicator::Communicator(Environment environment, std::unique_ptr<Impl> impl)
     : environment_(std::move(environment)), impl_(std::move(impl)) {}
 
-Communicator::~Communicator() = default;
+Communicator::~Communicator() {
+  {
+    const std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->stopping = true;
+  }
+  impl_->wake.notify_all();
+  if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
+}
+
+// Starts the heartbeat thread (see kBeat). It ends quietly when the store goes away (its host left at the end).
+void Communicator::start_heartbeat(Impl& impl, const Environment& e) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(e.master_port);
+  options.isServer = false;
+  options.waitWorkers = false;
+  options.timeout = kWatchStoreTimeout;
+  impl.watch_store = c10::make_intrusive<c10d::PrefixStore>(
+      "trainer/" + e.restart_count, c10::make_intrusive<c10d::TCPStore>(e.master_addr, options));
+  impl.heartbeat = std::thread([&impl, key = alive_key(e.rank)] {
+    std::unique_lock<std::mutex> lock(impl.mutex);
+    while (!impl.stopping) {
+      lock.unlock();
+      try {
+        impl.watch_store->add(key, 1);
+      } catch (const std::exception&) {
+        return;  // the store is gone: nobody will ask any more
+      }
+      lock.lock();
+      impl.wake.wait_for(lock, kBeat, [&] { return impl.stopping; });
+    }
+  });
+}
 
 std::unique_ptr<Communicator> Communicator::connect(const Environment& e, const c10::Device& device,
                                                     std::chrono::seconds timeout) {
@@ -142,18 +196,61 @@ std::unique_ptr<Communicator> Communicator::connect(const Environment& e, const 
                              "on one machine set GLOO_SOCKET_IFNAME=lo; across machines the interface that reaches "
                              "MASTER_ADDR (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)");
   }
+  try {
+    start_heartbeat(*impl, e);
+  } catch (const std::exception& error) {
+    throw CommunicationError("rank " + std::to_string(e.rank) + ": cannot open a second connection to the store at " +
+                                 where + ": " + std::string(error.what()).substr(0, 300),
+                             "start every rank with the same MASTER_ADDR and MASTER_PORT");
+  }
   return std::unique_ptr<Communicator>(new Communicator(e, std::move(impl)));
+}
+
+std::vector<int> Communicator::unresponsive_ranks(bool& store_unreachable) const {
+  store_unreachable = false;
+  auto& store = *impl_->watch_store;
+  const int world = world_size();
+  try {
+    std::vector<int64_t> before(static_cast<std::size_t>(world));
+    for (int r = 0; r < world; ++r) before[static_cast<std::size_t>(r)] = store.add(alive_key(r), 0);
+    std::this_thread::sleep_for(kWatch);
+    std::vector<int> silent;
+    for (int r = 0; r < world; ++r)
+      if (r != rank() && store.add(alive_key(r), 0) == before[static_cast<std::size_t>(r)]) silent.push_back(r);
+    return silent;
+  } catch (const std::exception&) {
+    store_unreachable = true;  // the store's host (rank 0, or torchrun's agent) is gone or stopped
+    return environment_.agent_store || rank() == 0 ? std::vector<int>{} : std::vector<int>{0};
+  }
 }
 
 std::string Communicator::backend_name() const { return impl_->name; }
 
 CommunicationError Communicator::collective_failed(const char* what, const std::string& cause) const {
+  // Which rank: those whose heartbeat stopped (killed, stopped, or its machine gone).
+  bool store_unreachable = false;
+  const auto silent = unresponsive_ranks(store_unreachable);
+  std::string culprit;
+  if (!silent.empty()) {
+    std::string list;
+    for (const int r : silent) list += (list.empty() ? "" : ", ") + std::to_string(r);
+    culprit = (silent.size() == 1 ? "rank " : "ranks ") + list + " died or hangs (" +
+              (store_unreachable ? std::string("the rendezvous store it serves does not answer")
+                                 : "no sign of life for " +
+                                       std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kWatch).count()) +
+                                       " s") +
+              ")";
+  } else if (store_unreachable) {
+    culprit = "the rendezvous store at " + environment_.master_addr + ":" + std::to_string(environment_.master_port) +
+              " does not answer (its host died or hangs)";
+  } else {
+    culprit = "another rank failed, hung past distributed.timeout_s, or runs something else";
+  }
   return CommunicationError("rank " + std::to_string(rank()) + ": " + what + " across " +
-                                std::to_string(world_size()) +
-                                " ranks failed: another rank died, hung past distributed.timeout_s, or runs "
-                                "something else: " + cause.substr(0, 400),
+                                std::to_string(world_size()) + " ranks failed: " + culprit + ": " +
+                                cause.substr(0, 400),
                             "the first error of the other ranks names the cause; a resume continues from the last "
-                            "complete checkpoint");
+                            "complete checkpoint (under torchrun --max-restarts, --resume-if-present does it)");
 }
 
 template <class F>
@@ -282,6 +379,13 @@ double Communicator::all_reduce_sum(double value) {
   std::vector<at::Tensor> t{at::tensor({value}, at::kDouble).to(impl_->device)};
   timed("summing the loss", [&] { impl_->backend->allreduce(t, c10d::AllreduceOptions{})->wait(); });
   return t[0].cpu().item<double>();
+}
+
+std::vector<double> Communicator::all_reduce_sum(const std::vector<double>& values, const char* what) {
+  std::vector<at::Tensor> t{at::tensor(values, at::kDouble).to(impl_->device)};
+  timed(what, [&] { impl_->backend->allreduce(t, c10d::AllreduceOptions{})->wait(); });
+  const at::Tensor cpu = t[0].cpu();
+  return {cpu.data_ptr<double>(), cpu.data_ptr<double>() + cpu.numel()};
 }
 
 void Communicator::barrier() {

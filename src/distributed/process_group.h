@@ -74,6 +74,8 @@ class Communicator {
   // Element-wise maximum of a small vector over the ranks.
   std::vector<int64_t> all_reduce_max(const std::vector<int64_t>& values);
   double all_reduce_sum(double value);
+  // Element-wise sum of a small vector of doubles over the ranks, in one collective; `what` names it in errors.
+  std::vector<double> all_reduce_sum(const std::vector<double>& values, const char* what);
   void barrier();
 
   // Every rank publishes its resolved config (JSON); a rank whose config differs from rank 0's makes every rank
@@ -89,6 +91,12 @@ class Communicator {
   template <class F>
   void timed(const char* what, F&& f);
   CommunicationError collective_failed(const char* what, const std::string& cause) const;
+  // The other ranks whose heartbeat did not move for a few seconds (dead or stopped). `store_unreachable`: the
+  // store itself did not answer (then rank 0 is named when it hosts the store).
+  std::vector<int> unresponsive_ranks(bool& store_unreachable) const;
+
+  // Every rank's own thread that shows it is alive (see unresponsive_ranks).
+  static void start_heartbeat(Impl& impl, const Environment& environment);
 
   Environment environment_;
   std::unique_ptr<Impl> impl_;

@@ -188,9 +188,9 @@ void ImageTrainingRun::set_up() {
     if (!fs::exists(*resume_dir_ / "COMPLETE"))
       throw DataError(options_.resume_from + " is not a complete checkpoint (no COMPLETE marker)",
                       "resume from a checkpoint-N directory that trainer finished writing");
-  } else if (options_.resume) {
+  } else if (options_.resume || options_.resume_if_present) {
     resume_dir_ = newest_complete_checkpoint(output_dir_);
-    if (!resume_dir_)
+    if (!resume_dir_ && !options_.resume_if_present)
       throw DataError("--resume: no complete checkpoint in " + config_.checkpoint.output_dir,
                       "start without --resume, or point checkpoint.output_dir at the run to continue");
   }

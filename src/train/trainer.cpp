@@ -199,18 +199,23 @@ std::pair<double, int64_t> evaluation_loss(LanguageModel& model, const Batch& ba
 }  // namespace
 
 EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, const Config& config,
-                    const c10::Device& device, int32_t pad_id, int64_t loss_chunk_size) {
+                    const c10::Device& device, int32_t pad_id, int64_t loss_chunk_size,
+                    distributed::Communicator* world) {
   at::NoGradGuard no_grad;
   model.train(false);
   EvalResult result;
   double loss_sum = 0;
-  int64_t batches = 0;
+  int64_t batches = 0, local_examples = 0;
   while (auto batch = loader.next()) {
     for (;;) {
       try {
         double part_sum = 0;
         int64_t part_tokens = 0;
-        const std::span<const Example> examples(batch->examples);
+        std::span<const Example> examples(batch->examples);
+        if (world) {  // this rank's share: disjoint, and together the whole batch
+          const auto [first, count] = distributed::share_of(examples, world->rank(), world->world_size(), false);
+          examples = examples.subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(count));
+        }
         for (const auto& [begin, count] : split_counts(static_cast<int64_t>(examples.size()), micro)) {
           const auto collated = collate(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
                                         pad_id, device);
@@ -221,6 +226,7 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
         }
         loss_sum += part_sum;
         result.tokens += part_tokens;
+        local_examples += static_cast<int64_t>(examples.size());
         break;
       } catch (const c10::OutOfMemoryError&) {
         release_cached_memory();
@@ -232,6 +238,14 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
     if (config.evaluation.max_batches > 0 && ++batches >= config.evaluation.max_batches) break;
   }
   model.train(true);
+  if (world) {  // the whole validation set's sum and count (exact in doubles up to 2^53 tokens)
+    spdlog::debug("evaluation: rank {} of {} evaluated its share: {} examples, {} target tokens", world->rank(),
+                  world->world_size(), local_examples, result.tokens);
+    const auto sums = world->all_reduce_sum(std::vector<double>{loss_sum, static_cast<double>(result.tokens)},
+                                            "summing the validation loss");
+    loss_sum = sums[0];
+    result.tokens = static_cast<int64_t>(std::llround(sums[1]));
+  }
   result.loss = result.tokens ? loss_sum / static_cast<double>(result.tokens) : 0.0;
   return result;
 }
@@ -465,8 +479,13 @@ std::optional<fs::path> find_resume_dir(const Config& config, const TrainOptions
                       "resume from a checkpoint-N directory that trainer finished writing");
     return dir;
   }
-  if (!train_options.resume) return std::nullopt;
+  if (!train_options.resume && !train_options.resume_if_present) return std::nullopt;
   auto dir = newest_complete_checkpoint(config.checkpoint.output_dir);
+  if (!dir && train_options.resume_if_present) {
+    spdlog::info("--resume-if-present: no complete checkpoint in {} yet; starting from the beginning",
+                 config.checkpoint.output_dir);
+    return std::nullopt;
+  }
   if (!dir)
     throw DataError("--resume: no complete checkpoint in " + config.checkpoint.output_dir,
                     "start without --resume, or point checkpoint.output_dir at the run to continue");
@@ -936,18 +955,19 @@ bool TrainingRun::train_one_step() {
   return true;
 }
 
-// Validation loss and sample generations (rank 0 alone: the other ranks hold the same weights and go on to the
-// next step, where they wait for it).
+// Validation loss, sharded over the ranks (each evaluates its share of every validation batch; the sums are
+// summed), and sample generations (rank 0 alone: the other ranks hold the same weights and go on to the next step,
+// where they wait for it).
 void TrainingRun::evaluate_and_sample() {
-  if (!primary_) return;
   auto validation = make_validation_loader(config_, *tokenizer_, family_, config_.training.batch_size);
   if (validation) {
     const auto eval = evaluate(*model_, *validation, eval_micro_, config_, device_, pad_id_,
-                               step_->chunked_loss() ? step_->loss_chunk_size() : 0);
+                               step_->chunked_loss() ? step_->loss_chunk_size() : 0, world_);
     last_eval_ = eval.loss;
     last_eval_step_ = step_index_;
     reporter_.on_eval(step_index_, eval.loss, eval.tokens);
   }
+  if (!primary_) return;
   log_samples(*model_, *tokenizer_, config_, device_, step_index_, reporter_);
 }
 

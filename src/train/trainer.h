@@ -39,7 +39,11 @@ struct EvalResult {
 // Validation loss with its own micro-batch `micro`: an out-of-memory error halves it (in place) and retries;
 // the training policy is never touched. With `loss_chunk_size` > 0 (training's chunked loss is on) the LM head and
 // the loss run over that many target tokens at a time, so the full logits never exist; the loss is the same.
+// With `world` (data parallelism) each rank evaluates its share of every validation batch (the same equal-count
+// shares training uses) and the loss sums and token counts are summed over the ranks: every rank returns the loss of
+// the whole validation set, the one process's loss. Every rank must call it (a collective at the end).
 EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, const Config& config,
-                    const c10::Device& device, int32_t pad_id, int64_t loss_chunk_size = 0);
+                    const c10::Device& device, int32_t pad_id, int64_t loss_chunk_size = 0,
+                    distributed::Communicator* world = nullptr);
 
 }  // namespace trainer

@@ -149,6 +149,46 @@ TEST(IntegrationDistributed, ThreeRanksTrainTheWeightsOfOneProcessQwen2) {
                       three, 3, "model.safetensors");
 }
 
+// Evaluation is sharded: each rank evaluates its share of every validation batch, and the loss sums and token
+// counts are summed, so metrics.jsonl's eval_loss and eval_tokens are the single process's. Rank 0's debug line
+// shows it evaluated only its share (not the whole set, as an unsharded evaluation on rank 0 would). A sample
+// prompt is generated on rank 0 alone while the other ranks go on (no deadlock). `micro`: the evaluation
+// micro-batch, chosen so that the ranks' micro-batches are the single process's (padding to another length changes
+// the float sums in the last digits).
+static void expect_same_evaluation(const std::string& config, int world, int micro) {
+  TempDir dir;
+  const auto one = dir.path() / "one", n = dir.path() / "n";
+  const std::vector<std::string> eval = {"--set", "evaluation.every_steps=2", "--set",
+                                         "evaluation.micro_batch_size=" + std::to_string(micro),
+                                         "--set", "evaluation.max_new_tokens=4", "--set", "logging.level=debug"};
+  const auto single = run_trainer(with(short_run(config, one, 4), eval), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(world, with(with(short_run(config, n, 4), eval),
+                                           {"--set", "evaluation.sample_prompts=[\"Write the steps\"]"}));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  const auto a = metric_values(one / "metrics.jsonl", "eval_loss"), b = metric_values(n / "metrics.jsonl", "eval_loss");
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-6) << "evaluation " << i + 1;
+  const auto tokens = metric_values(n / "metrics.jsonl", "eval_tokens");
+  EXPECT_EQ(metric_values(one / "metrics.jsonl", "eval_tokens"), tokens);
+  // 40 validation examples in batches of 8: rank 0's share is 3 of each batch of 8 (3 ranks) or 4 (2 ranks).
+  const std::string log = ranks[0].out + ranks[0].err;
+  const std::string share = "evaluation: rank 0 of " + std::to_string(world) + " evaluated its share: " +
+                            std::to_string(world == 2 ? 20 : 15) + " examples, ";
+  const auto at = log.find(share);
+  ASSERT_NE(at, std::string::npos) << log.substr(0, 4000);
+  EXPECT_LT(std::stoll(log.substr(at + share.size())), static_cast<int64_t>(tokens.at(0)));
+}
+
+TEST(IntegrationDistributed, EvaluationIsShardedAndReportsTheLossOfOneProcessT5) {
+  expect_same_evaluation("configs/tiny-t5.json", 2, 4);  // shares of 4: micro-batches [0,4) [4,8) either way
+}
+
+TEST(IntegrationDistributed, EvaluationIsShardedAndReportsTheLossOfOneProcessQwen2ThreeRanks) {
+  expect_same_evaluation("configs/tiny-qwen2.json", 3, 1);  // shares of 3, 3, 2: one example at a time
+}
+
 TEST(IntegrationDistributed, LoraOnThreeRanksTrainsTheAdapterOfOneProcess) {
   TempDir dir;
   const auto one = dir.path() / "one", three = dir.path() / "three";
@@ -404,9 +444,10 @@ struct LaunchOutcome {
   std::string log;
   bool all_ended = false;
 };
-LaunchOutcome launch_and(const fs::path& dir, const std::string& action) {
+LaunchOutcome launch_and(const fs::path& dir, const std::string& action, int timeout_s = 30) {
   const auto args = with({"launch", "--nproc-per-node", "2", "--"},
-                         with(short_run("configs/tiny-t5.json", dir / "run", 100000), {"--set", "distributed.timeout_s=30"}));
+                         with(short_run("configs/tiny-t5.json", dir / "run", 100000),
+                              {"--set", "distributed.timeout_s=" + std::to_string(timeout_s)}));
   // `cd` on its own line: `cd && cmd &` would put a subshell, not the launcher, behind $!.
   std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1\nGLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " +
                         shell_quote(trainer_binary());
@@ -464,6 +505,109 @@ TEST(IntegrationDistributed, TorchrunStartsTheRanksAndTrainsTheWeightsOfOneProce
   const int status = std::system(command.c_str());
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(dir.path() / "log");
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+// Two ranks started by hand (the plain environment), each under `timeout`; once training has begun, `action` is
+// done to rank 1's trainer process ($P1). Returns rank 0's exit code, its stderr and the seconds from the action to
+// rank 0's end; rank 1 is killed after (it may be stopped) and must have ended too.
+struct SurvivorOutcome {
+  int exit_code = -1;
+  std::string err;
+  double seconds = 0;
+  bool all_ended = false;
+};
+static SurvivorOutcome act_on_rank_one(const fs::path& dir, const std::string& action, int timeout_s) {
+  const auto args = with(short_run("configs/tiny-t5.json", dir / "run", 100000),
+                         {"--set", "distributed.timeout_s=" + std::to_string(timeout_s)});
+  const int port = free_port();
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1\n";
+  for (int r = 0; r < 2; ++r) {
+    command += "RANK=" + std::to_string(r) + " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+               " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout -k 5 300 " + shell_quote(trainer_binary());
+    for (const auto& a : args) command += " " + shell_quote(a);
+    command += " </dev/null >/dev/null 2>" + shell_quote((dir / ("err" + std::to_string(r))).string()) + " & T" +
+               std::to_string(r) + "=$!\n";
+  }
+  command += "for i in $(seq 1 1500); do [ -s " + shell_quote((dir / "run" / "metrics.jsonl").string()) +
+             " ] && break; sleep 0.2; done; P0=$(pgrep -P $T0); P1=$(pgrep -P $T1); S=$(date +%s%N); " + action +
+             "; wait $T0; echo $? >" + shell_quote((dir / "rc").string()) + "; E=$(date +%s%N); echo $(((E - S) / 1000000)) >" +
+             shell_quote((dir / "ms").string()) + "; kill -KILL $P1 2>/dev/null; wait $T1; sleep 0.5; n=0; " +
+             "for p in $P0 $P1 $T0 $T1; do kill -0 $p 2>/dev/null && n=$((n+1)); done; echo $n >" +
+             shell_quote((dir / "ended").string());
+  EXPECT_EQ(std::system(("timeout -k 5 400 bash -c " + shell_quote(command)).c_str()), 0);
+  SurvivorOutcome outcome;
+  outcome.exit_code = std::stoi(read_text(dir / "rc"));
+  outcome.err = read_text(dir / "err0");
+  outcome.seconds = std::stod(read_text(dir / "ms")) / 1000.0;
+  outcome.all_ended = std::stoi(read_text(dir / "ended")) == 0;
+  return outcome;
+}
+
+// A rank killed outright: the survivor's next collective fails at once (closed connection); it exits 1 well within
+// distributed.timeout_s, naming the dead rank (its heartbeat stopped).
+TEST(IntegrationDistributed, ARankKilledMidTrainingStopsTheOtherNamingIt) {
+  TempDir dir;
+  const auto outcome = act_on_rank_one(dir.path(), "kill -KILL $P1", 20);
+  EXPECT_EQ(outcome.exit_code, 1) << outcome.err;
+  EXPECT_NE(outcome.err.find("rank 1 died or hangs"), std::string::npos) << outcome.err;
+  // Within the timeout (20 s), plus slack for a loaded machine.
+  EXPECT_LT(outcome.seconds, 20 + 15) << outcome.err;
+  EXPECT_TRUE(outcome.all_ended);
+}
+
+// A rank that hangs (SIGSTOP): the survivor gives up after distributed.timeout_s (+ the few seconds that find the
+// silent rank), exit 1, naming it; nothing waits forever.
+TEST(IntegrationDistributed, AHangingRankStopsTheOtherAfterTheTimeoutNamingIt) {
+  TempDir dir;
+  const auto outcome = act_on_rank_one(dir.path(), "kill -STOP $P1", 10);
+  EXPECT_EQ(outcome.exit_code, 1) << outcome.err;
+  EXPECT_NE(outcome.err.find("rank 1 died or hangs"), std::string::npos) << outcome.err;
+  EXPECT_GE(outcome.seconds, 10 - 1) << outcome.err;  // it waited the timeout, not less
+  EXPECT_LT(outcome.seconds, 10 + 3 + 20) << outcome.err;
+  EXPECT_TRUE(outcome.all_ended);
+}
+
+// Under `trainer launch` a hanging rank: rank 0 gives up after the timeout naming rank 1, and the launcher ends the
+// stopped rank too (SIGTERM with SIGCONT) and exits non-zero.
+TEST(IntegrationDistributed, LaunchEndsAHangingRankAfterTheOthersGiveUp) {
+  TempDir dir;
+  const auto outcome = launch_and(dir.path(), "kill -STOP $(echo $C | cut -d' ' -f2)", 10);
+  EXPECT_EQ(outcome.exit_code, 1) << outcome.log;
+  EXPECT_TRUE(outcome.all_ended) << outcome.log;
+  EXPECT_NE(outcome.log.find("rank 1 died or hangs"), std::string::npos) << outcome.log;
+}
+
+// torchrun --max-restarts 1 with --resume-if-present: the first start finds no checkpoint and starts fresh; a rank
+// killed after a checkpoint makes torchrun restart both ranks, which resume from the newest complete checkpoint
+// and reach the weights of one uninterrupted process.
+TEST(IntegrationDistributed, TorchrunRestartsAKilledRankAndTheRunResumesFromTheLastCheckpoint) {
+  const fs::path torchrun = fs::path(TRAINER_SOURCE_DIR) / ".venv" / "bin" / "torchrun";
+  if (!fs::exists(torchrun)) GTEST_SKIP() << "no torchrun in .venv";
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> cadence = {"--set", "checkpoint.every_steps=2"};
+  const auto single = run_trainer(with(short_run("configs/tiny-t5.json", one, 40), cadence), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1\nGLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " +
+                        shell_quote(torchrun.string()) + " --nproc-per-node 2 --max-restarts 1 --master-port " +
+                        std::to_string(free_port()) + " --no-python " + shell_quote(trainer_binary()) +
+                        " --resume-if-present";
+  for (const auto& a : with(short_run("configs/tiny-t5.json", two, 40), cadence)) command += " " + shell_quote(a);
+  const std::string log = (dir.path() / "log").string();
+  command += " </dev/null >" + shell_quote(log) + " 2>&1 & L=$!; ";
+  command += "for i in $(seq 1 3000); do [ -e " + shell_quote((two / "checkpoint-2" / "COMPLETE").string()) +
+             " ] && break; sleep 0.1; done; C=$(pgrep -P $L -x trainer); kill -KILL $(echo $C | cut -d' ' -f2); "
+             "wait $L; echo $? >" + shell_quote((dir.path() / "rc").string()) +
+             "; sleep 0.5; n=0; for p in $C; do kill -0 $p 2>/dev/null && n=$((n+1)); done; echo $n >" +
+             shell_quote((dir.path() / "ended").string());
+  ASSERT_EQ(std::system(("timeout -k 5 500 bash -c " + shell_quote(command)).c_str()), 0) << read_text(log);
+  const std::string text = read_text(log);
+  EXPECT_EQ(std::stoi(read_text(dir.path() / "rc")), 0) << text;
+  EXPECT_EQ(std::stoi(read_text(dir.path() / "ended")), 0) << text;
+  // The first start: no checkpoint yet; the restart: from a checkpoint (the kill came before the end).
+  EXPECT_NE(text.find("--resume-if-present: no complete checkpoint"), std::string::npos) << text;
+  EXPECT_NE(text.find("resuming from "), std::string::npos) << text;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5) << text;
 }
 
 }  // namespace trainer::test
