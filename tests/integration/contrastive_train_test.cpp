@@ -141,6 +141,29 @@ TEST(IntegrationContrastive, TinyClipTrainsEvaluatesAndResumesExactly) {
   fs::remove_all(resumed);
 }
 
+// contrastive.freeze_image_tower=true (LiT): between two checkpoints the image tower and its projection are
+// unchanged, the text tower and the logit scale train.
+TEST(IntegrationContrastive, LockedImageTowerTrainsOnlyTheText) {
+  const auto dir = fs::temp_directory_path() / "trainer-clip-lit";
+  fs::remove_all(dir);
+  auto run = run_trainer(clip_args(dir, {"--set", "contrastive.freeze_image_tower=true", "--set",
+                                         "training.max_steps=3", "--set", "checkpoint.every_steps=1", "--set",
+                                         "evaluation.every_steps=0", "--set", "training.micro_batch_size=8"}));
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_TRUE(contains(run.err, "(image tower locked)")) << run.err;
+  const auto before = SafetensorsFile::open((dir / "checkpoint-2" / "model.safetensors").string());
+  const auto after = SafetensorsFile::open((dir / "final" / "model.safetensors").string());
+  int64_t image_changed = 0, text_changed = 0;
+  for (const auto& t : before.tensors()) {
+    const bool same = before.load(t.name, at::kFloat).equal(after.load(t.name, at::kFloat));
+    const bool image = t.name.starts_with("vision_model.") || t.name.starts_with("visual_projection.");
+    if (!same) ++(image ? image_changed : text_changed);
+  }
+  EXPECT_EQ(image_changed, 0);
+  EXPECT_GT(text_changed, 10);
+  fs::remove_all(dir);
+}
+
 // A record without a caption stops the run with file:line (exit 3), or is skipped and counted with skip; the
 // objective needs a CLIPModel directory, and contrastive keys need the objective (exit 2).
 TEST(IntegrationContrastive, BadCaptionRecordsAndWrongModels) {
