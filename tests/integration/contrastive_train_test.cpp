@@ -194,6 +194,9 @@ TEST(IntegrationContrastive, BadCaptionRecordsAndWrongModels) {
   ASSERT_EQ(skip.exit_code, 0) << skip.err;
   EXPECT_TRUE(contains(skip.out, "bad records skipped 1")) << skip.out;
 
+  auto plan = run_trainer({"plan", "--config", "configs/tiny-clip.json"});
+  EXPECT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_TRUE(contains(plan.out, "CLIP, contrastive: the estimate covers the image tower only")) << plan.out;
   auto vit = run_trainer(clip_args(dir / "run-vit", {"--set", "model.path=configs/models/tiny-vit", "--dry-run"}));
   EXPECT_EQ(vit.exit_code, 2) << vit.err;
   EXPECT_TRUE(contains(vit.err, "needs a CLIPModel directory")) << vit.err;
