@@ -14,6 +14,11 @@ Layout (both at once, so either form of `data.train_files` can be tried):
     OUT/validation/<class>/...
     OUT/train.jsonl, OUT/validation.jsonl        {"image": "train/<class>/<file>", "label": "<class>"}
                                                  (paths relative to the JSONL file)
+    OUT/train-captions.jsonl, OUT/validation-captions.jsonl
+        image-caption pairs for CLIP (training.objective=contrastive), in the same order:
+        {"image": "...", "caption": "a photo of a large red circle on the left", "label": "red circle"}
+        (the caption names the size and side the shape was drawn at; the label is the class in words, for
+        zero-shot evaluation with evaluation.class_prompts)
 The same --seed gives byte-identical files for a given Pillow/libjpeg; each image depends only on (seed, split,
 class, index), so a larger set extends a smaller one.
 """
@@ -128,6 +133,7 @@ def draw_shape(rng, image, shape, colour):
             draw.ellipse([x - dot, y - dot, x + dot, y + dot], fill=fill)
     else:
         raise ValueError(shape)
+    return cx / width, radius / side
 
 
 def pick_kind(rng):
@@ -187,8 +193,10 @@ def make_image(seed, split, class_index, index, name, min_size, max_size):
     height = rng.randint(min_size, max_size) | 1
     image = background(rng, width, height)
     shape, colour = name.split("-", 1)
-    draw_shape(rng, image, shape, COLOURS[colour])
-    return image, rng
+    where, scale = draw_shape(rng, image, shape, COLOURS[colour])
+    side = "on the left" if where < 1 / 3 else "in the middle" if where < 2 / 3 else "on the right"
+    caption = f"a photo of a {'small' if scale < 0.32 else 'large'} {colour} {shape} {side}"
+    return image, rng, caption
 
 
 def main():
@@ -213,16 +221,21 @@ def main():
             folder = os.path.join(args.out, split, name)
             os.makedirs(folder, exist_ok=True)
             for index in range(per_class):
-                image, rng = make_image(args.seed, split, class_index, index, name, args.min_size, args.max_size)
+                image, rng, caption = make_image(args.seed, split, class_index, index, name, args.min_size, args.max_size)
                 kind = "jpeg" if args.jpeg_only else pick_kind(rng)
                 kinds_written[kind] = kinds_written.get(kind, 0) + 1
                 file = save(image, rng, kind, os.path.join(folder, f"{name}-{index:04d}"))
-                records.append({"image": os.path.relpath(file, args.out), "label": name})
+                records.append({"image": os.path.relpath(file, args.out), "label": name, "caption": caption})
         # Interleave classes in the JSONL (an ImageFolder is read class by class; a JSONL need not be).
         random.Random(f"{args.seed}/{split}/order").shuffle(records)
         with open(os.path.join(args.out, f"{split}.jsonl"), "w", encoding="utf-8") as out:
             for record in records:
-                out.write(json.dumps(record) + "\n")
+                out.write(json.dumps({"image": record["image"], "label": record["label"]}) + "\n")
+        with open(os.path.join(args.out, f"{split}-captions.jsonl"), "w", encoding="utf-8") as out:
+            for record in records:
+                shape, colour = record["label"].split("-", 1)
+                out.write(json.dumps({"image": record["image"], "caption": record["caption"],
+                                      "label": f"{colour} {shape}"}) + "\n")
     total = sum(kinds_written.values())
     print(f"wrote {total} images of {len(names)} classes to {args.out} "
           f"({', '.join(f'{k} {v}' for k, v in sorted(kinds_written.items()))})")

@@ -100,6 +100,21 @@ inline constexpr EnumName<PrecisionMode> kPrecisionModeNames[] = {{PrecisionMode
                                                                   {PrecisionMode::kFp16Mixed, "fp16-mixed"}};
 inline std::span<const EnumName<PrecisionMode>> enum_names(PrecisionMode) { return kPrecisionModeNames; }
 
+// What an image model trains: its classification head (ViT, CLIP vision classifier), or CLIP's image-text
+// contrastive loss (docs/clip.md).
+enum class TrainingObjective { kClassification, kContrastive };
+inline constexpr EnumName<TrainingObjective> kTrainingObjectiveNames[] = {
+    {TrainingObjective::kClassification, "classification"}, {TrainingObjective::kContrastive, "contrastive"}};
+inline std::span<const EnumName<TrainingObjective>> enum_names(TrainingObjective) { return kTrainingObjectiveNames; }
+
+// Contrastive training: which negatives each pair is scored against when the effective batch is split.
+enum class ContrastiveNegativesMode { kBatch, kMicroBatch };
+inline constexpr EnumName<ContrastiveNegativesMode> kContrastiveNegativesNames[] = {
+    {ContrastiveNegativesMode::kBatch, "batch"}, {ContrastiveNegativesMode::kMicroBatch, "micro-batch"}};
+inline std::span<const EnumName<ContrastiveNegativesMode>> enum_names(ContrastiveNegativesMode) {
+  return kContrastiveNegativesNames;
+}
+
 enum class OomPolicy { kAdapt, kFail };
 inline constexpr EnumName<OomPolicy> kOomPolicyNames[] = {{OomPolicy::kAdapt, "adapt"}, {OomPolicy::kFail, "fail"}};
 inline std::span<const EnumName<OomPolicy>> enum_names(OomPolicy) { return kOomPolicyNames; }
@@ -230,6 +245,7 @@ struct TrainingConfig {
   bool chunked_loss = true;
   std::int64_t loss_chunk_size = 1024;
   bool linear_probe = false;
+  TrainingObjective objective = TrainingObjective::kClassification;
 
   template <class V>
   void visit(V& v) {
@@ -254,6 +270,10 @@ struct TrainingConfig {
       "smaller_loss_chunks escalation halves it down to 128");
     v("linear_probe", linear_probe,
       "image classifiers: train only the classification head, the backbone frozen (docs/images.md)");
+    v("objective", objective,
+      "image models: classification (a classifier head over the training classes), or contrastive (CLIP's "
+      "image-text loss on {\"image\", \"caption\"} JSONL records; model.path must be a CLIPModel directory; "
+      "docs/clip.md)");
   }
   bool operator==(const TrainingConfig&) const = default;
 };
@@ -264,6 +284,7 @@ struct EvaluationConfig {
   std::int64_t max_batches = 0;
   std::vector<std::string> sample_prompts;
   std::int64_t max_new_tokens = 64;
+  std::vector<std::string> class_prompts;
 
   template <class V>
   void visit(V& v) {
@@ -272,6 +293,9 @@ struct EvaluationConfig {
     v("max_batches", max_batches, "evaluate on at most N micro-batches; 0: the whole validation set");
     v("sample_prompts", sample_prompts, "prompts whose generations are logged at every evaluation");
     v("max_new_tokens", max_new_tokens, "length limit of the sample generations");
+    v("class_prompts", class_prompts,
+      "contrastive: prompt templates with {} for the class name (e.g. \"a photo of a {}.\"); with labelled "
+      "validation records, evaluation adds zero-shot accuracy over the validation labels (templates averaged)");
   }
   bool operator==(const EvaluationConfig&) const = default;
 };
@@ -507,6 +531,23 @@ struct DistributedConfig {
   bool operator==(const DistributedConfig&) const = default;
 };
 
+// training.objective = contrastive (CLIP; docs/clip.md).
+struct ContrastiveConfig {
+  ContrastiveNegativesMode negatives = ContrastiveNegativesMode::kBatch;
+  bool freeze_image_tower = false;
+
+  template <class V>
+  void visit(V& v) {
+    v("negatives", negatives,
+      "batch: every pair of the effective batch is a negative of every other, whatever the micro-batch (gradient "
+      "caching: one more forward); micro-batch: only the pairs of the same micro-batch (faster, but the objective "
+      "changes with the split)");
+    v("freeze_image_tower", freeze_image_tower,
+      "lock the image tower and its projection (LiT): only the text tower, its projection and the logit scale train");
+  }
+  bool operator==(const ContrastiveConfig&) const = default;
+};
+
 struct Config {
   ModelConfig model;
   TokenizerConfig tokenizer;
@@ -522,6 +563,7 @@ struct Config {
   CheckpointConfig checkpoint;
   LoggingConfig logging;
   DistributedConfig distributed;
+  ContrastiveConfig contrastive;
 
   template <class V>
   void visit(V& v) {
@@ -539,6 +581,7 @@ struct Config {
     v.section("checkpoint", checkpoint, "checkpoints and the saved model");
     v.section("logging", logging, "console, metrics and TensorBoard output");
     v.section("distributed", distributed, "data parallelism over several processes (torchrun, trainer launch)");
+    v.section("contrastive", contrastive, "CLIP image-text training (training.objective = contrastive)");
   }
   bool operator==(const Config&) const = default;
 };

@@ -111,6 +111,25 @@ std::vector<ConfigProblem> validate(const Config& c) {
   if (!e.micro_batch_size.is_auto) check.at_least(e.micro_batch_size.value, 1, "evaluation.micro_batch_size");
   check.at_least(e.max_batches, 0, "evaluation.max_batches");
   check.at_least(e.max_new_tokens, 1, "evaluation.max_new_tokens");
+  for (const auto& prompt : e.class_prompts)
+    check.require(prompt.find("{}") != std::string::npos, "evaluation.class_prompts",
+                  "\"" + prompt + "\" has no {} where the class name goes (e.g. \"a photo of a {}.\")");
+  if (t.objective == TrainingObjective::kContrastive) {
+    check.require(!t.linear_probe, "training.linear_probe",
+                  "is for classifiers; with training.objective=contrastive use contrastive.freeze_image_tower to "
+                  "lock the image tower");
+    check.require(!c.lora.enabled, "lora.enabled",
+                  "LoRA is not implemented for training.objective=contrastive yet: train CLIP in full, or lock the "
+                  "image tower with contrastive.freeze_image_tower=true");
+    check.require(t.micro_batch_tokens == 0 && !c.data.packing, "training.micro_batch_tokens",
+                  "counts tokens; a contrastive run's micro-batch counts image-caption pairs: set "
+                  "training.micro_batch_tokens=0 and data.packing=false");
+    check.require(t.batch_size >= 2, "training.batch_size",
+                  "a contrastive batch needs at least 2 pairs (each pair's negatives are the others)");
+  } else {
+    check.require(c.contrastive == ContrastiveConfig{}, "contrastive",
+                  "applies only with training.objective=contrastive");
+  }
 
   const auto& o = c.optimizer;
   check.require(o.lr > 0 && o.lr < 1, "optimizer.lr", "must be in (0, 1), got " + std::to_string(o.lr));

@@ -185,6 +185,82 @@ ImageDataset open_image_dataset(const std::vector<std::string>& sources, const s
   return out;
 }
 
+ImageDataset open_caption_dataset(const std::vector<std::string>& sources, const std::vector<std::string>& classes,
+                                  bool skip_bad) {
+  struct Item {
+    std::string image, caption, origin, problem;
+    std::optional<std::string> label;
+  };
+  std::vector<Item> items;
+  for (const auto& source : sources) {
+    if (is_image_folder(source))
+      throw DataError(source + ": an image folder has no captions; training.objective=contrastive reads JSONL files "
+                               "of {\"image\": \"path\", \"caption\": \"...\"}",
+                      "list the image-caption pairs in a JSONL file (scripts/make_demo_images.py writes one)");
+    std::ifstream in(source);
+    if (!in) throw DataError(source + ": cannot open (" + std::string(std::strerror(errno)) + ")",
+                             "check the path in data.train_files / data.validation_files");
+    const fs::path base = fs::path(source).parent_path();
+    std::string line;
+    for (std::int64_t number = 1; std::getline(in, line); ++number) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      Item item;
+      item.origin = source + ":" + std::to_string(number);
+      nlohmann::json record;
+      try {
+        record = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception&) {
+        item.problem = "invalid JSON";
+        items.push_back(std::move(item));
+        continue;
+      }
+      if (!record.is_object() || !record.contains("image") || !record["image"].is_string() ||
+          record["image"].get<std::string>().empty()) {
+        item.problem = "needs \"image\": a path (relative to the JSONL file)";
+      } else if (!record.contains("caption") || !record["caption"].is_string() ||
+                 record["caption"].get<std::string>().find_first_not_of(" \t\r\n") == std::string::npos) {
+        item.problem = "needs \"caption\": the text that describes the image (a non-empty string)";
+      } else if (record.contains("label") && !record["label"].is_string()) {
+        item.problem = "\"label\" must be a class name (a string), got " + record["label"].dump();
+      } else {
+        const fs::path image = record["image"].get<std::string>();
+        item.image = (image.is_absolute() ? image : base / image).lexically_normal().string();
+        item.caption = record["caption"].get<std::string>();
+        if (record.contains("label")) item.label = record["label"].get<std::string>();
+      }
+      items.push_back(std::move(item));
+    }
+  }
+  ImageDataset out;
+  out.classes = classes;
+  if (out.classes.empty()) {
+    for (const auto& item : items)
+      if (item.label) out.classes.push_back(*item.label);
+    std::sort(out.classes.begin(), out.classes.end());
+    out.classes.erase(std::unique(out.classes.begin(), out.classes.end()), out.classes.end());
+  }
+  for (auto& item : items) {
+    std::int64_t label = -1;
+    if (item.problem.empty() && item.label) {
+      const auto it = std::find(out.classes.begin(), out.classes.end(), *item.label);
+      if (it == out.classes.end()) {
+        item.problem = "label \"" + *item.label + "\" is not one of the " + std::to_string(out.classes.size()) +
+                       " classes";
+      } else {
+        label = static_cast<std::int64_t>(it - out.classes.begin());
+      }
+    }
+    if (!item.problem.empty()) {
+      if (!skip_bad) throw DataError(item.origin + ": " + item.problem, kSkipHint);
+      ++out.bad_records_skipped;
+      continue;
+    }
+    out.records.push_back({std::move(item.image), label, std::move(item.origin)});
+    out.captions.push_back(std::move(item.caption));
+  }
+  return out;
+}
+
 namespace {
 
 // Uniform in [0, 1) from the top 53 bits of a counter-based draw.

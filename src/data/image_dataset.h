@@ -25,6 +25,8 @@ struct ImageDataset {
   std::int64_t bad_records_skipped = 0;  // JSONL records (and labels) skipped with skip_bad
   std::int64_t other_files = 0;          // files in an image folder that are not .jpg/.jpeg/.png/.webp (counted,
                                          // not read: README.txt, .DS_Store, ...)
+  // Image-caption data (open_caption_dataset): records[i]'s caption; a record without a label has label -1.
+  std::vector<std::string> captions;
 };
 
 // Reads the sources. `classes` fixes the class list (a validation set must use the training set's; a model's
@@ -33,6 +35,14 @@ struct ImageDataset {
 // JSON is a DataError naming file:line (folder: the class folder), or is counted and skipped with skip_bad.
 ImageDataset open_image_dataset(const std::vector<std::string>& sources, const std::vector<std::string>& classes,
                                 bool skip_bad);
+
+// Image-caption pairs for contrastive training: JSONL files of {"image": "path", "caption": "a photo of ...",
+// "label": "optional class name"} (paths relative to the JSONL file). Labels (for zero-shot evaluation) are
+// optional; the classes are the label names sorted (or `classes` when given). A record without an "image" path or a
+// non-empty "caption" string, with a label that is not a string, or invalid JSON is a DataError naming file:line,
+// or is counted and skipped with skip_bad. Image folders are refused: they have no captions.
+ImageDataset open_caption_dataset(const std::vector<std::string>& sources, const std::vector<std::string>& classes,
+                                  bool skip_bad);
 
 // Whether a path names an image folder (a directory) rather than a JSONL file.
 bool is_image_folder(const std::string& source);

@@ -2,10 +2,16 @@
 #include "data/image_loader.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
 
 #include "data/permutation.h"
 
 namespace trainer {
+namespace fs = std::filesystem;
 namespace {
 
 constexpr uint64_t kImageEpochSalt = 0x51A3E7C0D94B2F61ull;
@@ -53,8 +59,28 @@ std::optional<ImageBatch> ImageLoader::next() {
     batch.epoch = cursor_.epoch;
     batch.pixels = std::move(decoded.pixels);
     batch.labels = std::move(decoded.labels);
+    for (const std::size_t k : decoded.kept) batch.records.push_back(indices[k]);
     return batch;
   }
+}
+
+nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset) {
+  uint64_t hash = 14695981039346656037ull;
+  const auto mix = [&hash](std::string_view bytes) {
+    for (const unsigned char c : bytes) hash = (hash ^ c) * 1099511628211ull;
+    hash = (hash ^ 0xffu) * 1099511628211ull;  // a separator, so ("ab", "c") and ("a", "bc") differ
+  };
+  for (const auto& record : dataset.records) {
+    std::error_code error;
+    const auto size = fs::file_size(record.path, error);
+    mix(fs::absolute(record.path).lexically_normal().string());
+    mix(std::to_string(record.label));
+    mix(error ? "?" : std::to_string(size));
+  }
+  for (const auto& caption : dataset.captions) mix(caption);  // image-caption pairs: the captions too
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(hash));
+  return {{"classes", dataset.classes}, {"records", dataset.records.size()}, {"fnv1a64", hex}};
 }
 
 std::shared_ptr<const data::ImageDataset> open_training_images(const Config& config,

@@ -9,6 +9,8 @@
 #include <optional>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "data/image_dataset.h"
 #include "data/image_preprocess.h"
 #include "trainer/config.h"
@@ -22,6 +24,7 @@ namespace trainer {
 struct ImageBatch {
   std::vector<float> pixels;
   std::vector<int64_t> labels;
+  std::vector<std::size_t> records;  // each image's record in the dataset (an image-caption pair's caption)
   int64_t height = 0, width = 0;
   int64_t epoch = 0;
   int64_t size() const { return static_cast<int64_t>(labels.size()); }
@@ -57,6 +60,11 @@ class ImageLoader {
   LoaderCursor cursor_;
   DataStats stats_;
 };
+
+// The image data a run trains on, stored as train_state.json's "data_fingerprint": the classes, the number of
+// records and one FNV-1a hash over every record's path, label and file size (and caption, for image-caption pairs).
+// A resume compares it, so other data (which would replay another epoch order under the same cursor) is refused.
+nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset);
 
 // Training and validation images of the config (data.train_files / validation_files: image folders or JSONL
 // listings). The classes come from `classes` (a pretrained classifier's labels) or from the training data.

@@ -70,7 +70,15 @@ std::vector<ScalarName> scalar_names() {
           {"eval_tokens", "eval/tokens"},
           {"eval_top1", "eval/top1"},
           {"eval_top5", "eval/top5"},
-          {"eval_images", "eval/images"}};
+          {"eval_images", "eval/images"},
+          {"eval_i2t_r1", "eval/image_to_text_recall@1"},
+          {"eval_i2t_r5", "eval/image_to_text_recall@5"},
+          {"eval_i2t_r10", "eval/image_to_text_recall@10"},
+          {"eval_t2i_r1", "eval/text_to_image_recall@1"},
+          {"eval_t2i_r5", "eval/text_to_image_recall@5"},
+          {"eval_t2i_r10", "eval/text_to_image_recall@10"},
+          {"eval_pairs", "eval/pairs"},
+          {"eval_zero_shot_top1", "eval/zero_shot_top1"}};
 }
 
 std::string format_summary(const RunSummary& s) {
@@ -221,6 +229,22 @@ void Reporter::on_eval_accuracy(int64_t step, double loss, double top1, double t
   spdlog::info("eval step {}: loss {:.4f} top-1 {:.2f}% top-5 {:.2f}% ({} images)", step, loss, 100 * top1,
                100 * top5, images);
   write_metrics({{"step", step}, {"eval_loss", loss}, {"eval_top1", top1}, {"eval_top5", top5}, {"eval_images", images}});
+}
+
+void Reporter::on_eval_retrieval(int64_t step, const Retrieval& eval) {
+  eval_loss_ = eval.loss;
+  const auto* i2t = eval.image_to_text;
+  const auto* t2i = eval.text_to_image;
+  spdlog::info("eval step {}: loss {:.4f} image->text R@1/5/10 {:.1f}/{:.1f}/{:.1f}% text->image R@1/5/10 "
+               "{:.1f}/{:.1f}/{:.1f}%{} ({} pairs)",
+               step, eval.loss, 100 * i2t[0], 100 * i2t[1], 100 * i2t[2], 100 * t2i[0], 100 * t2i[1], 100 * t2i[2],
+               eval.zero_shot_top1 ? fmt::format(" zero-shot top-1 {:.2f}%", 100 * *eval.zero_shot_top1) : "",
+               eval.pairs);
+  nlohmann::json record = {{"step", step},          {"eval_loss", eval.loss},    {"eval_i2t_r1", i2t[0]},
+                           {"eval_i2t_r5", i2t[1]}, {"eval_i2t_r10", i2t[2]},    {"eval_t2i_r1", t2i[0]},
+                           {"eval_t2i_r5", t2i[1]}, {"eval_t2i_r10", t2i[2]},    {"eval_pairs", eval.pairs}};
+  if (eval.zero_shot_top1) record["eval_zero_shot_top1"] = *eval.zero_shot_top1;
+  write_metrics(record);
 }
 
 void Reporter::on_sample(int64_t step, std::size_t index, const std::string& prompt, const std::string& generation) {

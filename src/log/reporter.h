@@ -116,6 +116,16 @@ class Reporter {
   void on_eval(int64_t step, double loss, int64_t tokens);
   // Image classification: mean cross-entropy per image, top-1 and top-5 accuracy over `images`.
   void on_eval_accuracy(int64_t step, double loss, double top1, double top5, int64_t images);
+  // Contrastive (CLIP) evaluation: the validation loss, image->text and text->image recall@1/5/10 over the
+  // validation pairs, and zero-shot top-1 accuracy when it was measured.
+  struct Retrieval {
+    double loss = 0;
+    double image_to_text[3] = {0, 0, 0};  // recall@1, @5, @10
+    double text_to_image[3] = {0, 0, 0};
+    int64_t pairs = 0;
+    std::optional<double> zero_shot_top1;
+  };
+  void on_eval_retrieval(int64_t step, const Retrieval& eval);
   void on_sample(int64_t step, std::size_t index, const std::string& prompt, const std::string& generation);
   void on_checkpoint(int64_t step, const std::string& path);
   // A SIGINT or SIGTERM stopped the run after `step` with a checkpoint in `path`.

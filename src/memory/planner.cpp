@@ -478,8 +478,12 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
     const bool probe = config.training.linear_probe;
     const double fixed = probe ? e.probe_fixed : e.full_fixed;
     const double per_image = probe ? 0.0 : e.activations_per_image;
-    out << "model " << config.model.path << " on " << resolved.description << " (image classifier, " << e.image_size
-        << " x " << e.image_size << " pixels, " << e.tokens << " tokens per image)\n";
+    const bool contrastive = config.training.objective == TrainingObjective::kContrastive;
+    out << "model " << config.model.path << " on " << resolved.description
+        << (contrastive ? " (CLIP, contrastive: the estimate covers the image tower only; the text tower, the "
+                          "projections and gradient caching's embeddings come on top, measured by the run, "
+                        : " (image classifier, ")
+        << e.image_size << " x " << e.image_size << " pixels, " << e.tokens << " tokens per image)\n";
     out << "  mode                      " << (probe ? "linear probe (backbone frozen)" : "full fine-tune") << "\n";
     out << "  weights + grads + AdamW   " << human_bytes(fixed) << "\n";
     out << "  activations per image     " << human_bytes(per_image) << " (fp32 estimate)\n";

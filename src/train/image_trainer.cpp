@@ -40,28 +40,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The image data a run trains on, stored as train_state.json's "data_fingerprint": the classes, the number of
-// records and one FNV-1a hash over every record's path, label and file size. A resume compares it, so other data
-// (which would replay another epoch order under the same cursor) is refused.
-nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset) {
-  uint64_t hash = 14695981039346656037ull;
-  const auto mix = [&hash](std::string_view bytes) {
-    for (const unsigned char c : bytes) hash = (hash ^ c) * 1099511628211ull;
-    hash = (hash ^ 0xffu) * 1099511628211ull;  // a separator, so ("ab", "c") and ("a", "bc") differ
-  };
-  for (const auto& record : dataset.records) {
-    std::error_code error;
-    const auto size = fs::file_size(record.path, error);
-    mix(fs::absolute(record.path).lexically_normal().string());
-    mix(std::to_string(record.label));
-    mix(error ? "?" : std::to_string(size));
-  }
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(hash));
-  return {{"classes", dataset.classes}, {"records", dataset.records.size()}, {"fnv1a64", hex}};
-}
-
-
 using Clock = std::chrono::steady_clock;
 constexpr int kImageCheckpointVersion = 1;
 

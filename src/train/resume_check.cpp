@@ -52,6 +52,9 @@ std::string resume_refusal_reason(const std::string& key) {
       {"data.shuffle", "the epoch's order"},
       {"data.group_by_length", "the epoch's order"},
       {"data.validation_fraction", "which records are trained and which held out"},
+      {"training.objective", "what the model is trained for (classification or contrastive)"},
+      {"contrastive.negatives", "the contrastive objective: which negatives each pair is scored against"},
+      {"contrastive.freeze_image_tower", "which parameters train and have optimizer state"},
   };
   const auto it = reasons.find(key);
   return it == reasons.end() ? std::string() : it->second;

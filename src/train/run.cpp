@@ -20,6 +20,7 @@
 #include "trainer/version.h"
 #include "train/run_lock.h"
 #include "train/trainer.h"
+#include "train/contrastive_trainer.h"
 #include "train/image_trainer.h"
 #include "models/image_model.h"
 
@@ -86,15 +87,30 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
   if (!options.dry_run) lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
   const auto device = resolve_device(config.device);
   const auto& t = config.training;
+  const bool contrastive = t.objective == TrainingObjective::kContrastive;
+  const std::string init =
+      config.model.init == ModelInit::kRandom ? "random initialisation from config.json" : "pretrained weights";
   out << "Plan:\n";
-  out << "  model        " << config.model.path << " (image classifier; "
-      << (config.model.init == ModelInit::kRandom ? "random initialisation from config.json" : "pretrained weights")
-      << "; " << (t.linear_probe ? "linear probe: only the head trains" : "full fine-tune") << ")\n";
-  out << "  data         " << train_files.size() << " training source(s), " << validation_files.size()
-      << " validation source(s) (image folders or JSONL listings)" << (config.data.augment ? "; augmented" : "")
-      << "\n";
+  if (contrastive) {
+    out << "  model        " << config.model.path << " (CLIP, contrastive image-text training; " << init << "; "
+        << (config.contrastive.freeze_image_tower ? "image tower locked" : "both towers train") << ")\n";
+    out << "  data         " << train_files.size() << " training file(s), " << validation_files.size()
+        << " validation file(s) of image-caption pairs" << (config.data.augment ? "; augmented" : "") << "\n";
+    out << "  negatives    " << enum_name(config.contrastive.negatives)
+        << (config.contrastive.negatives == ContrastiveNegativesMode::kBatch
+                ? " (every pair of the effective batch, whatever the micro-batch: gradient caching)"
+                : " (only the pairs of the same micro-batch: the objective changes with the split)")
+        << "\n";
+  } else {
+    out << "  model        " << config.model.path << " (image classifier; " << init << "; "
+        << (t.linear_probe ? "linear probe: only the head trains" : "full fine-tune") << ")\n";
+    out << "  data         " << train_files.size() << " training source(s), " << validation_files.size()
+        << " validation source(s) (image folders or JSONL listings)" << (config.data.augment ? "; augmented" : "")
+        << "\n";
+  }
   out << "  device       " << device.description << "; accelerators built in: " << accelerator_summary() << "\n";
-  out << "  batch        " << t.batch_size << " images per optimizer step; "
+  out << "  batch        " << t.batch_size << (contrastive ? " image-caption pairs" : " images")
+      << " per optimizer step; "
       << (t.micro_batch_size.is_auto ? std::string("micro-batch auto (probed against memory)")
                                      : "micro-batch " + std::to_string(t.micro_batch_size.value))
       << "\n";
@@ -104,6 +120,7 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
     out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
     return kExitOk;
   }
+  if (contrastive) return train_contrastive(config, device, options, out);
   return train_image_classifier(config, device, options, out);
 }
 
@@ -120,8 +137,14 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
       << format_config_table(config, options.config_file, options.overrides) << "\n";
 
   const std::string allocator_conf = export_allocator_conf(config.memory);
-  if (const auto config_json = std::filesystem::path(config.model.path) / "config.json";
-      std::filesystem::exists(config_json) && is_image_model_config(read_json_file(config_json.string()))) {
+  const auto config_json = std::filesystem::path(config.model.path) / "config.json";
+  const nlohmann::json model_config =
+      std::filesystem::exists(config_json) ? read_json_file(config_json.string()) : nlohmann::json::object();
+  if (config.training.objective == TrainingObjective::kContrastive && !is_clip_model_config(model_config))
+    throw UsageError("training.objective=contrastive needs a CLIPModel directory (config.json with model_type \"clip\" "
+                     "and a text_config); " + config.model.path + " is not one",
+                     "point model.path at a CLIP model, e.g. configs/models/tiny-clip or openai/clip-vit-base-patch32");
+  if (is_image_model_config(model_config)) {
     if (environment)
       throw UsageError("data parallelism is not implemented for image classifiers yet",
                        "run one process (without torchrun / trainer launch)");
