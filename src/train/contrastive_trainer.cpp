@@ -24,6 +24,7 @@
 #include "memory/cuda_extras.h"
 #include "memory/policy.h"
 #include "models/clip.h"
+#include "models/clip_zero_shot.h"
 #include "train/checkpoint_dir.h"
 #include "train/checkpointing_runner.h"
 #include "train/contrastive.h"
@@ -540,10 +541,8 @@ void ContrastiveRun::evaluate() {
     std::vector<at::Tensor> classes;
     for (const auto& name : dataset->classes) {
       std::vector<std::string> prompts;
-      for (std::string prompt : config_.evaluation.class_prompts) {
-        prompt.replace(prompt.find("{}"), 2, name);
-        prompts.push_back(prompt);
-      }
+      for (const auto& prompt : config_.evaluation.class_prompts)
+        prompts.push_back(zero_shot_class_texts({name}, prompt).front());
       const auto [ids, mask] = (*tokenizer_)(prompts);
       const at::Tensor mean = embed({}, ids, mask, false).mean(0);
       classes.push_back(mean / mean.norm());

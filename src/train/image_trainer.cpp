@@ -277,11 +277,17 @@ void ImageTrainingRun::build_model() {
 }
 
 // LoRA adapters on the frozen backbone, the head trained in full; saved as a PEFT adapter. A randomly initialised
-// base (the demo) is saved to output_dir/base first (a resume recreates the same one from training.seed), so the
-// adapter has a base to be loaded onto.
+// base (the demo) or a CLIPVisionModel tower is saved to output_dir/base first as a classifier (a resume finds it
+// there, or recreates the same one from training.seed), so the adapter has a base that transformers loads.
 void ImageTrainingRun::apply_lora_to_model() {
   lora_base_ = fs::absolute(config_.model.path).lexically_normal().string();
-  if (config_.model.init == ModelInit::kRandom) {
+  // A CLIPVisionModel directory holds the tower alone: CLIPForImageClassification.from_pretrained cannot read its
+  // config, so the adapter gets the classifier as its base, saved like a random one.
+  const bool tower_only =
+      config_.model.init != ModelInit::kRandom &&
+      read_json_file((fs::path(config_.model.path) / "config.json").string()).value("model_type", "") ==
+          "clip_vision_model";
+  if (config_.model.init == ModelInit::kRandom || tower_only) {
     const fs::path saved = fs::absolute(output_dir_ / "base").lexically_normal();
     if (!fs::exists(saved / "model.safetensors")) save_classifier_dir(*model_, spec_, saved);
     lora_base_ = saved.string();

@@ -157,14 +157,16 @@ def test_clip_vision_classifier_trains_and_transformers_agrees(tmp_path, trainer
     assert top1 > 1 / len(classes), f"top-1 {top1} after training: chance is {1 / len(classes)}"
 
 
-def test_clip_classifier_lora_adapter_loads_in_peft(tmp_path, trainer_binary):
-    """lora.enabled=true on the CLIP vision classifier, from a CLIPModel checkpoint (what CLIP checkpoints are):
+@pytest.mark.parametrize("source", ["clip", "clip_vision"])
+def test_clip_classifier_lora_adapter_loads_in_peft(tmp_path, trainer_binary, source):
+    """lora.enabled=true on the CLIP vision classifier, from a CLIPModel checkpoint (what CLIP checkpoints are) or a
+    CLIPVisionModel directory (then the classifier is saved to output_dir/base and the adapter points there):
     adapters on CLIP's q_proj/v_proj by default (PEFT's names in CLIPForImageClassification) and the new head
     trained in full in modules_to_save. peft.PeftModel.from_pretrained on transformers' CLIPForImageClassification
     of the same base (with the run's classes) loads it, and its loss and accuracy on the validation images,
     preprocessed by CLIPImageProcessor, are the last evaluation's; the adapter changed the base's logits."""
     from peft import PeftModel
-    from transformers import CLIPConfig, CLIPForImageClassification, CLIPImageProcessor, CLIPModel
+    from transformers import CLIPConfig, CLIPForImageClassification, CLIPImageProcessor, CLIPModel, CLIPVisionModel
     torch.manual_seed(0)
     base = tmp_path / "clip"
     config = CLIPConfig(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -172,7 +174,10 @@ def test_clip_classifier_lora_adapter_loads_in_peft(tmp_path, trainer_binary):
                         text_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                                          num_attention_heads=2, vocab_size=40, eos_token_id=39),
                         projection_dim=8)
-    CLIPModel(config).save_pretrained(base)
+    if source == "clip":
+        CLIPModel(config).save_pretrained(base)
+    else:
+        CLIPVisionModel(config.vision_config).save_pretrained(base)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(base)
     out = tmp_path / "run"
     result = subprocess.run([str(trainer_binary), "--config", "configs/tiny-vit.json", "--set", f"model.path={base}",
@@ -189,7 +194,11 @@ def test_clip_classifier_lora_adapter_loads_in_peft(tmp_path, trainer_binary):
     classes, images, labels = validation_images()
     processor = CLIPImageProcessor.from_pretrained(out / "final")
     pixels = processor(images, return_tensors="pt")["pixel_values"]
-    assert adapter["base_model_name_or_path"] == str(base)
+    if source == "clip":
+        assert adapter["base_model_name_or_path"] == str(base)
+    else:
+        assert adapter["base_model_name_or_path"] == str(out / "base")
+        base = out / "base"
     model = CLIPForImageClassification.from_pretrained(base, id2label=dict(enumerate(classes)),
                                                        label2id={c: i for i, c in enumerate(classes)}).eval()
     with torch.no_grad():
