@@ -118,9 +118,6 @@ std::vector<ConfigProblem> validate(const Config& c) {
     check.require(!t.linear_probe, "training.linear_probe",
                   "is for classifiers; with training.objective=contrastive use contrastive.freeze_image_tower to "
                   "lock the image tower");
-    check.require(!c.lora.enabled, "lora.enabled",
-                  "LoRA is not implemented for training.objective=contrastive yet: train CLIP in full, or lock the "
-                  "image tower with contrastive.freeze_image_tower=true");
     check.require(t.micro_batch_tokens == 0 && !c.data.packing, "training.micro_batch_tokens",
                   "counts tokens; a contrastive run's micro-batch counts image-caption pairs: set "
                   "training.micro_batch_tokens=0 and data.packing=false");

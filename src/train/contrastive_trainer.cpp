@@ -24,11 +24,14 @@
 #include "memory/cuda_extras.h"
 #include "memory/policy.h"
 #include "models/clip.h"
+#include "models/clip_lora.h"
 #include "models/clip_zero_shot.h"
 #include "train/checkpoint_dir.h"
 #include "train/checkpointing_runner.h"
 #include "train/contrastive.h"
+#include "train/grad_scaler.h"
 #include "train/optimizer.h"
+#include "train/precision.h"
 #include "train/resume_check.h"
 #include "train/retention.h"
 #include "train/signals.h"
@@ -168,6 +171,7 @@ class ContrastiveRun {
  private:
   void open_resume();
   void build_model();
+  int64_t apply_lora_to_model();
   void restore_or_probe();
   bool train_one_step();
   StepResult run_step(const ImageBatch& batch, int64_t step, double lr);
@@ -190,12 +194,16 @@ class ContrastiveRun {
   std::shared_ptr<const data::ImageDataset> dataset_;
   nlohmann::json fingerprint_;
   std::unique_ptr<ClipModel> model_;
+  std::unique_ptr<ClipLoraAdapters> lora_;  // lora.enabled
+  std::string lora_base_;                   // the adapter's base_model_name_or_path
   std::unique_ptr<CaptionTokenizer> tokenizer_;
   data::ImageProcessorSpec spec_;
   std::unique_ptr<ImageLoader> loader_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<MemoryPolicy> policy_;
   std::unique_ptr<CheckpointRetention> retention_;
+  std::unique_ptr<GradScaler> scaler_;  // precision.mode=fp16-mixed
+  int64_t skipped_at_start_ = 0;        // the scaler's skipped steps when this process started (resume)
   bool checkpointing_on_ = false;
   int64_t total_steps_ = 0, step_index_ = 0, pairs_seen_ = 0, eval_micro_ = 1;
   double last_eval_ = std::nan("");
@@ -225,18 +233,28 @@ void ContrastiveRun::open_resume() {
 }
 
 void ContrastiveRun::set_up() {
-  if (config_.precision.mode != PrecisionMode::kFp32)
-    throw UsageError("precision.mode=" + std::string(enum_name(config_.precision.mode)) +
-                         " is not implemented for training.objective=contrastive yet",
-                     "use precision.mode=fp32");
+  if (config_.precision.mode == PrecisionMode::kBf16)
+    throw UsageError("precision.mode=bf16 (bf16 weights) is not implemented for training.objective=contrastive yet",
+                     "use precision.mode=bf16-mixed (fp32 weights, bf16 autocast), fp16-mixed or fp32");
+  if (options_.merge)
+    throw UsageError("--merge is not implemented for CLIP (training.objective=contrastive)",
+                     "drop --merge; PEFT merges the adapter in final/: PeftModel.from_pretrained(CLIPModel."
+                     "from_pretrained(base), \"final\").merge_and_unload()");
   open_resume();
   build_model();
   loader_ = caption_loader(config_, dataset_, spec_, true, config_.training.batch_size);
   const auto batch = static_cast<uint64_t>(config_.training.batch_size);
   const auto per_epoch = static_cast<int64_t>((loader_->examples_per_epoch() + batch - 1) / batch);
   total_steps_ = config_.training.max_steps > 0 ? config_.training.max_steps : per_epoch * config_.training.epochs;
-  optimizer_ = make_optimizer(*model_, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
+  Module& trainable = lora_ ? static_cast<Module&>(*lora_) : *model_;
+  optimizer_ = make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
   policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
+  if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
+    GradScalerOptions scaling;
+    scaling.init_scale = config_.precision.initial_loss_scale;
+    scaling.growth_interval = config_.precision.loss_scale_growth_interval;
+    scaler_ = std::make_unique<GradScaler>(scaling);
+  }
   restore_or_probe();
   eval_micro_ = config_.evaluation.micro_batch_size.is_auto ? policy_->micro_batch()
                                                             : config_.evaluation.micro_batch_size.value;
@@ -275,8 +293,10 @@ void ContrastiveRun::build_model() {
   }
   const auto tensor_options = at::TensorOptions().dtype(at::kFloat).device(device_);
   const auto seed = static_cast<uint64_t>(config_.training.seed);
-  model_ = resume_dir_ ? load_clip(resume_dir_->string(), ModelInit::kPretrained, tensor_options, seed)
-                       : load_clip(config_.model.path, config_.model.init, tensor_options, seed);
+  // A LoRA checkpoint holds the adapters alone: the base is model.path's again (a random one from the same seed).
+  model_ = resume_dir_ && !config_.lora.enabled
+               ? load_clip(resume_dir_->string(), ModelInit::kPretrained, tensor_options, seed)
+               : load_clip(config_.model.path, config_.model.init, tensor_options, seed);
   tokenizer_ = std::make_unique<CaptionTokenizer>(config_, model_->max_text_length());
   spec_ = data::read_image_processor(config_.model.path, "CLIPImageProcessor");
   model_->train(true);
@@ -288,6 +308,7 @@ void ContrastiveRun::build_model() {
     p.requires_grad_(train);
     if (train) trainable += p.numel();
   });
+  if (config_.lora.enabled) trainable = apply_lora_to_model();
   if (config_.training.activation_checkpointing) {
     model_->set_block_runner(activation_checkpointing_runner());
     checkpointing_on_ = true;
@@ -319,6 +340,11 @@ ContrastiveResult ContrastiveRun::forward_backward(const at::Tensor& pixels, con
   options.dropout_seed = static_cast<uint64_t>(config_.training.seed);
   options.step = step;
   options.image_tower_trainable = !config_.contrastive.freeze_image_tower;
+  // fp16-mixed: gradients of the scaled loss (apply_update divides them by the scale again).
+  if (scaler_) options.loss_scale = scaler_->scale();
+  // Mixed precision: both passes under the same autocast, so the second pass re-creates the first's embeddings.
+  const auto dtype = autocast_dtype(config_.precision.mode);
+  AutocastScope autocast(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
   return contrastive_forward_backward(*model_, parts, options);
 }
 
@@ -342,6 +368,7 @@ StepResult ContrastiveRun::run_step(const ImageBatch& batch, int64_t step, doubl
   const auto [ids, mask] = (*tokenizer_)(captions_of(*dataset_, batch));
   const int64_t pairs = batch.size();
   StepResult result;
+  bool optimizer_retried = false;
   for (int64_t attempt = 0;; ++attempt) {
     optimizer_->zero_grad();
     const int64_t micro = std::min(pairs, std::max<int64_t>(1, policy_->micro_batch()));
@@ -355,15 +382,15 @@ StepResult ContrastiveRun::run_step(const ImageBatch& batch, int64_t step, doubl
                              "contrastive.freeze_image_tower=true, or a larger memory.limit");
       continue;
     }
-    result.grad_norm = optimizer_->clip_grad_norm(config_.training.max_grad_norm);
-    optimizer_->step(lr);
-    model_->clamp_logit_scale();
     result.loss = outcome.loss;
     result.micro_batch = micro;
     result.micro_steps = (pairs + micro - 1) / micro;
     result.retries = attempt;
     result.target_tokens = pairs;
-    policy_->step_succeeded(step, pairs);
+    const UpdatePhase phase{*optimizer_, *policy_, scaler_.get(), nullptr, config_.training.max_grad_norm,
+                            step, lr, pairs};
+    if (!apply_update(phase, result, optimizer_retried)) continue;
+    if (!result.skipped) model_->clamp_logit_scale();
     return result;
   }
 }
@@ -377,6 +404,11 @@ void ContrastiveRun::restore_or_probe() {
     optimizer_->load_state(tensors, resume_state_.at("optimizer_steps").get<int64_t>(), path);
     loader_->restore(cursor_from_json(resume_state_.at("data_cursor")));
     policy_->restore(resume_state_.at("memory_policy"));
+    // fp16-mixed: the loss scale and its growth tracker, so the resumed run scales and skips as the uninterrupted one.
+    if (scaler_ && resume_state_.contains("loss_scaler")) {
+      scaler_->restore(resume_state_.at("loss_scaler"), (*resume_dir_ / "train_state.json").string());
+      skipped_at_start_ = scaler_->skipped_steps();
+    }
     step_index_ = resume_state_.at("step").get<int64_t>();
     pairs_seen_ = resume_state_.at("pairs_seen").get<int64_t>();
     spdlog::info("resuming from {} at step {} (micro-batch {})", resume_dir_->string(), step_index_,
@@ -452,7 +484,9 @@ bool ContrastiveRun::train_one_step() {
   reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.target_tokens, pairs_seen_,
                      result.micro_batch, result.micro_steps, result.retries,
                      static_cast<int64_t>(policy_->adaptations().size()), 0, memory.allocated, memory.peak,
-                     std::chrono::duration<double>(Clock::now() - start).count(), std::nullopt});
+                     std::chrono::duration<double>(Clock::now() - start).count(),
+                     scaler_ ? std::optional(LossScaling{result.loss_scale, result.skipped, scaler_->skipped_steps()})
+                             : std::nullopt});
   const bool eval_now = config_.evaluation.every_steps > 0 && step_index_ % config_.evaluation.every_steps == 0;
   if (eval_now || step_index_ == total_steps_) evaluate();
   if (config_.checkpoint.every_steps > 0 && step_index_ % config_.checkpoint.every_steps == 0 &&
@@ -466,6 +500,8 @@ bool ContrastiveRun::train_one_step() {
 at::Tensor ContrastiveRun::embed(const at::Tensor& pixels, const at::Tensor& ids, const at::Tensor& mask,
                                  bool images) {
   const int64_t n = images ? pixels.size(0) : ids.size(0);
+  const auto dtype = autocast_dtype(config_.precision.mode);  // evaluate in the precision training runs in
+  AutocastScope autocast(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
   for (;;) {
     try {
       std::vector<at::Tensor> parts;
@@ -560,7 +596,40 @@ void ContrastiveRun::evaluate() {
 }
 
 // A directory transformers loads with CLIPModel and CLIPProcessor: the model, its preprocessing and tokenizer.
+// LoRA (lora.enabled): adapters on the towers that train (the text tower alone with contrastive.freeze_image_tower),
+// everything else frozen (projections and logit scale too, as PEFT leaves them). A random base (the demo) is saved to
+// output_dir/base first, so the adapter has a base that transformers loads. Returns the trainable parameters.
+int64_t ContrastiveRun::apply_lora_to_model() {
+  lora_base_ = fs::absolute(config_.model.path).lexically_normal().string();
+  if (config_.model.init == ModelInit::kRandom) {
+    const fs::path base = fs::absolute(output_dir_ / "base").lexically_normal();
+    if (!fs::exists(base / "model.safetensors")) {
+      fs::create_directories(base);
+      save_clip(*model_, base.string());
+      write_text_file((base / "preprocessor_config.json").string(), data::image_processor_json(spec_));
+      tokenizer_->copy_files_to(base);
+    }
+    lora_base_ = base.string();
+  }
+  lora_ = apply_clip_lora(*model_, config_.lora, static_cast<uint64_t>(config_.training.seed),
+                          /*vision=*/!config_.contrastive.freeze_image_tower, /*text=*/true);
+  if (resume_dir_) load_clip_adapter(resume_dir_->string(), *lora_);
+  int64_t trainable = 0;
+  lora_->for_each_parameter([&](const std::string&, at::Tensor& p) { trainable += p.numel(); });
+  spdlog::info("LoRA r={} alpha={} on {} layers of the {}; the base frozen", lora_->config().r, lora_->config().alpha,
+               lora_->layers().size(), lora_->vision() ? "image and text towers" : "text tower");
+  return trainable;
+}
+
+// What checkpoints and the final save hold: a CLIPModel directory, or with LoRA the PEFT adapter; both with the
+// preprocessing and the tokenizer, so either is a directory `trainer predict --text` and transformers read.
 void ContrastiveRun::save_model(const fs::path& dir) {
+  if (lora_) {
+    write_clip_adapter(dir.string(), *lora_, lora_base_);
+    write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec_));
+    tokenizer_->copy_files_to(dir);
+    return;
+  }
   save_clip(*model_, dir.string());
   write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec_));
   tokenizer_->copy_files_to(dir);
@@ -571,7 +640,7 @@ std::string ContrastiveRun::checkpoint(const LoaderCursor& cursor, const nlohman
   write.write_files = [&](const fs::path& temp_dir) {
     save_model(temp_dir);
     write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer_->state_tensors(), {});
-    const nlohmann::json state = {{"version", kContrastiveCheckpointVersion},
+    nlohmann::json state = {{"version", kContrastiveCheckpointVersion},
                                   {"task", "contrastive"},
                                   {"step", step_index_},
                                   {"optimizer_steps", optimizer_->steps()},
@@ -580,9 +649,11 @@ std::string ContrastiveRun::checkpoint(const LoaderCursor& cursor, const nlohman
                                   {"memory_policy", policy_state},
                                   {"config", nlohmann::json::parse(config_to_json(config_))},
                                   {"data_fingerprint", fingerprint_}};
+    if (scaler_) state["loss_scaler"] = scaler_->state();
     write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
   };
-  model_->for_each_parameter(
+  Module& trained = lora_ ? static_cast<Module&>(*lora_) : *model_;
+  trained.for_each_parameter(
       [&](const std::string&, at::Tensor& p) { write.needed_bytes += static_cast<int64_t>(p.nbytes()); });
   for (const auto& [name, tensor] : optimizer_->state_tensors())
     write.needed_bytes += static_cast<int64_t>(tensor.nbytes());
@@ -604,7 +675,11 @@ int ContrastiveRun::finish() {
   summary.memory_peak = memory_now(device_).peak;
   summary.adaptations = policy_->adaptations();
   summary.escalations = policy_->escalations();
+  if (scaler_)
+    summary.loss_scaling = RunSummary::LossScalingSummary{scaler_->skipped_steps(),
+                                                          scaler_->skipped_steps() - skipped_at_start_, scaler_->scale()};
   if (config_.checkpoint.save_final) summary.model_dir = (output_dir_ / "final").string();
+  summary.model_is_adapter = lora_ != nullptr;
   if (const auto& best = retention_->best()) {
     summary.best_checkpoint = best->path.string();
     summary.best_eval_loss = best->eval_loss;

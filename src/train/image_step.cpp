@@ -13,16 +13,6 @@
 #include "train/precision.h"
 
 namespace trainer {
-namespace {
-
-// The autocast dtype of the mixed precision modes; none otherwise.
-std::optional<at::ScalarType> autocast_dtype(PrecisionMode precision) {
-  if (precision == PrecisionMode::kBf16Mixed) return at::kBFloat16;
-  if (precision == PrecisionMode::kFp16Mixed) return at::kHalf;
-  return std::nullopt;
-}
-
-}  // namespace
 
 double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tensor& labels, int64_t first_image,
                                         int64_t step, double normaliser) {

@@ -154,6 +154,10 @@ class ImageTrainingRun {
 };
 
 void ImageTrainingRun::set_up() {
+  if (options_.merge)
+    throw UsageError("--merge is not implemented for image classifiers",
+                     "drop --merge; PEFT merges the adapter in final/: PeftModel.from_pretrained(<classifier>."
+                     "from_pretrained(base), \"final\").merge_and_unload()");
   if (config_.lora.enabled && config_.training.linear_probe)
     throw UsageError("lora.enabled=true and training.linear_probe=true both choose what trains",
                      "pick one: LoRA adapters plus the head, or the head alone");

@@ -1,10 +1,17 @@
 // Precision scopes shared by the training step and activation checkpointing.
 #pragma once
 
+#include <optional>
+
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceType.h>
 
 namespace trainer {
+
+enum class PrecisionMode;  // trainer/config.h
+
+// The autocast dtype of the mixed precision modes (bf16-mixed: bf16, fp16-mixed: fp16); none otherwise.
+std::optional<at::ScalarType> autocast_dtype(PrecisionMode precision);
 
 // bf16 autocast on `device` for a scope (bf16-mixed), restoring the previous state however the scope ends.
 class AutocastScope {

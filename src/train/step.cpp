@@ -172,11 +172,13 @@ double TrainStep::forward_backward_packed(std::span<const Example> examples, std
   return forward_backward(batch, normaliser);
 }
 
-std::optional<at::ScalarType> TrainStep::autocast_dtype() const {
-  if (options_.precision == PrecisionMode::kBf16Mixed) return at::kBFloat16;
-  if (options_.precision == PrecisionMode::kFp16Mixed) return at::kHalf;
+std::optional<at::ScalarType> autocast_dtype(PrecisionMode precision) {
+  if (precision == PrecisionMode::kBf16Mixed) return at::kBFloat16;
+  if (precision == PrecisionMode::kFp16Mixed) return at::kHalf;
   return std::nullopt;
 }
+
+std::optional<at::ScalarType> TrainStep::autocast_dtype() const { return trainer::autocast_dtype(options_.precision); }
 
 double TrainStep::forward_backward(const Batch& batch, double normaliser) {
   const auto dtype = autocast_dtype();
