@@ -5,8 +5,11 @@
 #include <system_error>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "models/module.h"
+#include "train/optimizer.h"
 #include "train/retention.h"
 #include "trainer/config.h"
 #include "trainer/errors.h"
@@ -61,6 +64,23 @@ fs::path write_checkpoint_dir(const fs::path& output_dir, int64_t step, bool on_
   fs::remove_all(replaced);
   spdlog::info("checkpoint step {}: {}", step, final_dir.string());
   return final_dir;
+}
+
+std::filesystem::path write_training_checkpoint(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
+                                                const std::function<void(const std::filesystem::path&)>& save_model,
+                                                Module& trained, const Optimizer& optimizer,
+                                                const nlohmann::json& state) {
+  CheckpointWrite write;
+  write.write_files = [&](const std::filesystem::path& temp_dir) {
+    save_model(temp_dir);
+    write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer.state_tensors(), {});
+    write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
+  };
+  trained.for_each_parameter(
+      [&](const std::string&, at::Tensor& p) { write.needed_bytes += static_cast<int64_t>(p.nbytes()); });
+  for (const auto& [name, tensor] : optimizer.state_tensors())
+    write.needed_bytes += static_cast<int64_t>(tensor.nbytes());
+  return write_checkpoint_dir(output_dir, step, on_disk, write);
 }
 
 }  // namespace trainer

@@ -9,7 +9,12 @@
 #include <functional>
 #include <optional>
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace trainer {
+
+class Module;
+class Optimizer;
 
 // The newest checkpoint-N in `dir` that was completely written.
 std::optional<std::filesystem::path> newest_complete_checkpoint(const std::filesystem::path& dir);
@@ -32,5 +37,13 @@ struct CheckpointWrite {
 // Returns the checkpoint's path.
 std::filesystem::path write_checkpoint_dir(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
                                            const CheckpointWrite& write);
+
+// The checkpoint of a run whose whole state is in this process (image and contrastive runs): `save_model` writes the
+// model or adapter files into the temporary directory, then optimizer.safetensors (the optimizer's state tensors) and
+// train_state.json (`state`); the space it needs is the trained parameters' and the optimizer state's bytes.
+std::filesystem::path write_training_checkpoint(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
+                                                const std::function<void(const std::filesystem::path&)>& save_model,
+                                                Module& trained, const Optimizer& optimizer,
+                                                const nlohmann::json& state);
 
 }  // namespace trainer

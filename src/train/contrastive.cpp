@@ -151,7 +151,9 @@ ContrastiveResult contrastive_forward_backward(ClipModel& model,
                                                const std::vector<ContrastiveMicroBatch>& micro_batches,
                                                const ContrastiveOptions& options) {
   const int64_t total = check_batch(micro_batches);
-  if (options.negatives == ContrastiveNegatives::kMicroBatch)
+  // One micro-batch holding the whole batch: its own loss is the batch's, so the direct path gives the same
+  // gradients without gradient caching's second forward.
+  if (options.negatives == ContrastiveNegatives::kMicroBatch || micro_batches.size() == 1)
     return micro_batch_negatives(model, micro_batches, options, total);
   return cached_batch_negatives(model, micro_batches, options, total);
 }

@@ -8,7 +8,8 @@
 //     (and logit_scale, whose gradient lands in its .grad here), (c) re-run each micro-batch with autograd and
 //     back-propagate its slice of the embedding gradients. The parameter gradients equal a full-batch autograd
 //     run's, for any split; memory: one micro-batch of activations plus the batch's embeddings; cost: one more
-//     forward of each tower.
+//     forward of each tower. A batch in one micro-batch takes the direct path below (the same objective, one
+//     forward).
 //   negatives = micro-batch (the common approximation): each micro-batch's own loss (its examples are each
 //     other's only negatives), weighted by its share of the batch and back-propagated at once. One forward; a
 //     different, easier objective that depends on the split.

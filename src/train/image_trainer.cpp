@@ -432,28 +432,20 @@ void ImageTrainingRun::evaluate() {
 // checkpoint-N: the model as a Hugging Face directory, the optimizer state and the train state, written to a
 // temporary directory and renamed into place (a crash leaves the previous one whole); COMPLETE is written last.
 std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state) {
-  CheckpointWrite write;
-  write.write_files = [&](const fs::path& temp_dir) {
-    save_trained(temp_dir);
-    write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer_->state_tensors(), {});
-    nlohmann::json state = {{"version", kImageCheckpointVersion},
-                                  {"task", "image"},
-                                  {"step", step_index_},
-                                  {"optimizer_steps", optimizer_->steps()},
-                                  {"images_seen", images_seen_},
-                                  {"data_cursor", cursor_to_json(cursor)},
-                                  {"memory_policy", policy_state},
-                                  {"config", nlohmann::json::parse(config_to_json(config_))},
-                                  {"data_fingerprint", fingerprint_}};
-    if (scaler_) state["loss_scaler"] = scaler_->state();
-    write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
-  };
+  nlohmann::json state = {{"version", kImageCheckpointVersion},
+                          {"task", "image"},
+                          {"step", step_index_},
+                          {"optimizer_steps", optimizer_->steps()},
+                          {"images_seen", images_seen_},
+                          {"data_cursor", cursor_to_json(cursor)},
+                          {"memory_policy", policy_state},
+                          {"config", nlohmann::json::parse(config_to_json(config_))},
+                          {"data_fingerprint", fingerprint_}};
+  if (scaler_) state["loss_scaler"] = scaler_->state();
   Module& trained = lora_ ? static_cast<Module&>(*lora_) : *model_;
-  trained.for_each_parameter(
-      [&](const std::string&, at::Tensor& p) { write.needed_bytes += static_cast<int64_t>(p.nbytes()); });
-  for (const auto& [name, tensor] : optimizer_->state_tensors())
-    write.needed_bytes += static_cast<int64_t>(tensor.nbytes());
-  const fs::path final_dir = write_checkpoint_dir(output_dir_, step_index_, on_disk_step_ == step_index_, write);
+  const fs::path final_dir = write_training_checkpoint(
+      output_dir_, step_index_, on_disk_step_ == step_index_, [&](const fs::path& dir) { save_trained(dir); }, trained,
+      *optimizer_, state);
   on_disk_step_ = step_index_;
   retention_->on_checkpoint(step_index_,
                             last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);

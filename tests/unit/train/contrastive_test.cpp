@@ -143,7 +143,8 @@ TEST(Contrastive, GradientCachingEqualsTheFullBatchForAnySplitWithDropoutOn) {
     const Grads grads = take_grads(*model);
     EXPECT_NEAR(result.loss, reference_loss, 1e-5) << sizes.size() << " micro-batches";
     EXPECT_EQ(result.examples, kPairs);
-    EXPECT_EQ(result.tower_forwards, 4 * static_cast<int64_t>(sizes.size()));
+    // Two forwards of each tower per micro-batch; a batch in one micro-batch goes the direct way (one each).
+    EXPECT_EQ(result.tower_forwards, sizes.size() == 1 ? 2 : 4 * static_cast<int64_t>(sizes.size()));
     EXPECT_LT(max_difference(grads, reference), 1e-5) << sizes.size() << " micro-batches";
   }
 }
