@@ -3,8 +3,8 @@
 under memory.limit) against a plain transformers/PyTorch loop that holds the whole batch in one autograd graph
 (scripts/bench/hf_clip_loop.py), under the same memory cap, on this machine's CPU. Prints Markdown tables.
 
-    .venv/bin/python scripts/bench/clip_vs_hf.py [--trainer build/trainer]     # defaults: about 10 minutes
-    .venv/bin/python scripts/bench/clip_vs_hf.py --quick                       # a smoke run, about a minute
+    .venv/bin/python scripts/bench/clip_vs_hf.py [--trainer build/trainer]     # defaults: about 7 minutes (2 cores)
+    .venv/bin/python scripts/bench/clip_vs_hf.py --quick                       # a smoke run, under a minute
 
 Same work on both sides: one small random CLIP saved once with transformers' save_pretrained (default: vision and
 text 4 layers of width 256, 4 heads, MLP 1024; 64 px images in 8 px patches; captions up to 32 tokens; projection
@@ -22,6 +22,7 @@ OMP thread count; no evaluation, no augmentation.
    gradients, AdamW moments, the loader's batches, activations). The plain loop's batch B counts when its
    measured peak of live tensor bytes over two steps (the same things, measured with torch.profiler's allocation
    events: hf_clip_loop.py) is at most the cap; it runs without a cap, so it is measured, not stopped.
+   The table also gives trainer's images/s in the last of those steps (one run each, not alternated: rough).
 2. images/s at the largest batch both can run: trainer under the cap (its micro-batch as auto chose it) and the
    plain loop; --rounds rounds, the sides alternating and the order flipping each round; per side the median of
    its per-step images/s after --warmup steps (trainer: metrics.jsonl's tokens_per_s, which counts pairs; the
@@ -213,19 +214,20 @@ def main():
     for batch in sorted(set(hf_rows) | set(ours_rows)):
         h, o = hf_rows.get(batch), ours_rows.get(batch)
         if o is None:
-            ours_cells = ["not run", "", "", ""]
+            ours_cells = ["not run", "", "", "", ""]
         else:
             micro = sorted({r["micro_batch"] for r in o["records"]})
             peak = max((r["memory_peak"] for r in o["records"]), default=0)
             adaptations = o["records"][-1]["adaptations"] if o["records"] else "-"
             ours_cells = ["yes" if o["code"] == 0 else "no (exit 4: out of memory at the floor)",
                           "/".join(map(str, micro)) if micro else "-", adaptations,
-                          f"{peak / MIB:.1f}" if peak else "-"]
+                          f"{peak / MIB:.1f}" if peak else "-",
+                          f"{o['records'][-1]['tokens_per_s']:.1f}" if o["records"] else "-"]
         hf_cells = ["not run", ""] if h is None else \
             [f"{h['peak_bytes'] / MIB:.1f}", "yes" if h["peak_bytes"] <= args.cap else "no (over the cap)"]
         rows.append([batch, *ours_cells, *hf_cells])
     memory_table = table(["effective batch", "trainer completes", "trainer micro-batch", "adaptations",
-                          "trainer peak MiB",
+                          "trainer peak MiB", "trainer images/s (last step)",
                           "plain loop peak MiB", "plain loop fits"], rows)
     ours_note = f"{ours_max}" + (" (the largest tried)" if ours_max == args.max_batch else "")
     ratio_text = (f"{'>= ' if ours_max == args.max_batch else ''}{ours_max / hf_max:.0f}x" if hf_max else "n/a")
