@@ -328,15 +328,16 @@ def tokens_per_second(steps, warmup):
 
 # ---------------------------------------------------------------- 1. throughput, peak RSS, time to first step
 
-def best_options(form, compile_ok):
+def best_options(form, compile_ok, grouped=True):
     """The "best options" row: each side's fastest data path on this stack. HF: group_by_length, and for causal
     models DataCollatorWithFlattening (padding-free rows with position ids; nothing like it exists for
     seq2seq), torch_compile=True when the probe compiled and ran. trainer: data.group_by_length, and for causal
     models data.packing=true (for T5 packing measured slower on CPU, docs/packing.md); the chunked loss is the
-    default on both rows."""
+    default on both rows. grouped=False ("best-file-order"): the same without group_by_length on either side, so
+    that both train the same rows at every step (a short run's length-grouped batches differ per sampler)."""
     causal = form == "causal"
-    ours = {"group_by_length": True, **({"packing": True} if causal else {})}
-    hf = {"group_by_length": True, "flatten": causal, "torch_compile": bool(compile_ok)}
+    ours = {"group_by_length": grouped, **({"packing": True} if causal else {})}
+    hf = {"group_by_length": grouped, "flatten": causal, "torch_compile": bool(compile_ok)}
     return ours, hf
 
 
@@ -365,11 +366,11 @@ def throughput(models, repeats, threads, scale_steps=1.0, precisions=("fp32",), 
         data = ensure_data(m["form"], max(4096, steps * m["batch"]))
         work = fresh_dir(os.path.join(BENCH_DIR, "runs", "throughput", f"{name}-{precision}-{variant}"))
         ours_data, hf_options, compile_note = {}, {}, None
-        if variant == "best":
+        if variant.startswith("best"):
             compile_ok, compile_note = compile_probe(path, m["form"], data, m["batch"], threads, compile_timeout) \
                 if compile_timeout > 0 else (False, "torch_compile not tried (--compile-timeout 0)")
             log(f"{name} {precision}: {compile_note}")
-            ours_data, hf_options = best_options(m["form"], compile_ok)
+            ours_data, hf_options = best_options(m["form"], compile_ok, grouped=variant == "best")
         config = ours_config(os.path.join(work, "ours.json"), path, m["form"], data, os.path.join(work, "ours"),
                              m["batch"], m["batch"], steps, LENGTHS[m["form"]], precision={"mode": precision},
                              data_options=ours_data)
@@ -423,7 +424,7 @@ def variant_label(result):
         return "ours defaults vs HF as users run it (padded)"
     ours = ", ".join(k for k, v in result["ours_options"].items() if v) or "defaults"
     hf = ", ".join(k for k, v in result["hf_options"].items() if v)
-    return f"best: ours {ours} vs HF {hf}"
+    return f"{result['variant']}: ours {ours} vs HF {hf}"
 
 
 def peak_of(result, peaks):
@@ -438,7 +439,7 @@ def throughput_table(results, peaks):
         o, h = s["ours"], s["hf"]
         peak = peak_of(result, peaks)
         same = "yes" if s["same_tokens"] else "NO"
-        if result.get("variant", "users") != "users":  # each side's own length-grouped order
+        if result.get("variant", "users") == "best":  # each side's own length-grouped order
             t = s["total_tokens"]
             same = f"own order ({t['ours']:,.0f} / {t['hf']:,.0f} tokens)"
         rows.append([
@@ -705,10 +706,11 @@ def main():
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both sides (default: torch's choice)")
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16-mixed"],
                         help="throughput rows in each precision (bf16-mixed: HF bf16=True)")
-    parser.add_argument("--hf-variant", nargs="+", default=["users"], choices=["users", "best"],
+    parser.add_argument("--hf-variant", nargs="+", default=["users"], choices=["users", "best", "best-file-order"],
                         help="throughput rows against HF as users run it (padded, file order) and/or with its best "
                              "options (group_by_length; causal: DataCollatorWithFlattening; torch_compile if it "
-                             "runs), trainer then with data.group_by_length (+ data.packing for causal)")
+                             "runs), trainer then with data.group_by_length (+ data.packing for causal); "
+                             "best-file-order: the same without group_by_length (equal rows every step)")
     parser.add_argument("--compile-timeout", type=int, default=300,
                         help="seconds HF's torch_compile probe may take per best-options row (0: do not try)")
     parser.add_argument("--cap-model", default="t5-60m", choices=list(MODELS))
