@@ -26,6 +26,8 @@ block-diagonal mask from them), and torch_compile=True if a 3-step probe compile
 --compile-timeout (else left off and said so under the table); trainer with data.group_by_length and, for causal
 models, data.packing=true. Each side then draws its own length-grouped order, so the target tokens per step
 differ: tokens/s counts each side's own tokens, and the useful FLOPs use the file's average per target token.
+--hf-variant best-file-order: the same options without group_by_length on either side (equal rows every step,
+checked as for the other rows).
 
 Precision (--precision fp32 bf16-mixed): fp32 on both sides, or bf16 autocast with fp32 master weights (trainer
 precision.mode=bf16-mixed; HF bf16=True, use_cpu=True).
