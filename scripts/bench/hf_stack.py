@@ -64,13 +64,15 @@ def loader(form, path, model, batch_size):
 def train(spec_path):
     """spec: model_dir, form, data, max_input_length/max_target_length (seq2seq) or max_length (causal),
     batch_size, gradient_accumulation_steps, max_steps, lr, seed, output_dir; optional auto_find_batch_size,
-    save_steps, resume, save_final, bf16 (autocast, as trainer's precision.mode=bf16-mixed)."""
+    save_steps, resume, save_final, bf16 (autocast, as trainer's precision.mode=bf16-mixed); HF's own speed options
+    (the "best options" side of vs_hf.py): group_by_length (train_sampling_strategy="group_by_length"), flatten
+    (causal: DataCollatorWithFlattening, padding-free rows with position ids), torch_compile."""
     with open(spec_path) as f:
         spec = json.load(f)
     print("BENCH start", flush=True)
     import datasets
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer,
-                              DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer,
+                              DataCollatorForSeq2Seq, DataCollatorWithFlattening, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer,
                               TrainerCallback, TrainingArguments, set_seed)
     datasets.disable_progress_bar()
     seq2seq = spec["form"] == "seq2seq"
@@ -84,6 +86,9 @@ def train(spec_path):
 
     # Benchmark bookkeeping: target tokens of row i, to count each step's tokens without touching the loop.
     row_tokens = [sum(1 for x in labels if x != -100) for labels in ds["labels"]]
+    # With group_by_length the sampler's order is not the file's: the collator's input is counted instead, one
+    # entry per batch in a queue (the data loader may fetch a batch ahead; steps take batches in order).
+    batch_tokens = []
 
     class Report(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -97,10 +102,13 @@ def train(spec_path):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 per_step = trainer._train_batch_size * args.gradient_accumulation_steps
-                first = (state.global_step - 1) * per_step % len(row_tokens)
-                rows = [(first + i) % len(row_tokens) for i in range(per_step)]
+                if spec.get("group_by_length"):
+                    tokens = sum(batch_tokens.pop(0) for _ in range(args.gradient_accumulation_steps))
+                else:
+                    first = (state.global_step - 1) * per_step % len(row_tokens)
+                    tokens = sum(row_tokens[(first + i) % len(row_tokens)] for i in range(per_step))
                 print(f"BENCH step {state.global_step} loss {logs['loss']:.6f} tokens "
-                      f"{sum(row_tokens[r] for r in rows)} micro_batch {trainer._train_batch_size}", flush=True)
+                      f"{tokens} micro_batch {trainer._train_batch_size}", flush=True)
 
         def on_save(self, args, state, control, **kwargs):
             print(f"BENCH saved {state.global_step}", flush=True)
@@ -114,10 +122,22 @@ def train(spec_path):
                      auto_find_batch_size=spec.get("auto_find_batch_size", False), dataloader_num_workers=0)
     if spec.get("bf16"):  # bf16 autocast on the CPU (what bf16=True means there), fp32 master weights
         arguments.update(bf16=True, use_cpu=True)
+    if spec.get("group_by_length"):  # LengthGroupedSampler: mega-batches of 50 batches sorted by length
+        arguments.update(train_sampling_strategy="group_by_length")
+    if spec.get("torch_compile"):
+        arguments.update(torch_compile=True)
+    if spec.get("flatten"):  # padding-free: one row per batch, position ids restart per example (causal only)
+        collator = DataCollatorWithFlattening()
+    else:
+        collator = DataCollatorForSeq2Seq(tok, model=model if seq2seq else None, padding="longest")
+    if spec.get("group_by_length"):
+        user_collator = collator
+
+        def collator(features):
+            batch_tokens.append(sum(1 for f in features for x in f["labels"] if x != -100))
+            return user_collator(features)
     trainer_class, args_class = (Seq2SeqTrainer, Seq2SeqTrainingArguments) if seq2seq else (Trainer, TrainingArguments)
-    trainer = trainer_class(model=model, args=args_class(**arguments), train_dataset=ds,
-                            data_collator=DataCollatorForSeq2Seq(tok, model=model if seq2seq else None,
-                                                                 padding="longest"),
+    trainer = trainer_class(model=model, args=args_class(**arguments), train_dataset=ds, data_collator=collator,
                             processing_class=tok, callbacks=[Report()])
     trainer.train(resume_from_checkpoint=True if spec.get("resume") else None)
     if spec.get("save_final"):
