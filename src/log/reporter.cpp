@@ -84,10 +84,13 @@ std::vector<ScalarName> scalar_names() {
 std::string format_summary(const RunSummary& s) {
   std::string text = fmt::format("\nDone: {} steps", s.steps);
   if (s.start_step > 0) text += fmt::format(" (resumed at step {})", s.start_step);
-  text += fmt::format(", {} target tokens; this run {} in {} ({:.0f} tokens/s)\n", s.tokens_seen, s.tokens_this_run,
+  text += fmt::format(", {} {}; this run {} in {} ({:.0f} {}/s)\n", s.tokens_seen, s.counted, s.tokens_this_run,
                       describe_seconds(s.seconds),
-                      s.seconds > 0 ? static_cast<double>(s.tokens_this_run) / s.seconds : 0.0);
-  if (s.eval_loss) text += fmt::format("  validation loss {:.4f} (perplexity {:.2f})\n", *s.eval_loss, std::exp(*s.eval_loss));
+                      s.seconds > 0 ? static_cast<double>(s.tokens_this_run) / s.seconds : 0.0, s.counted_rate);
+  if (s.eval_loss && s.eval_perplexity)
+    text += fmt::format("  validation loss {:.4f} (perplexity {:.2f})\n", *s.eval_loss, std::exp(*s.eval_loss));
+  else if (s.eval_loss)
+    text += fmt::format("  validation loss {:.4f}\n", *s.eval_loss);
   text += fmt::format("  records {} read, bad records skipped {}, truncated {}, too long and skipped {}\n",
                       s.data.records_read, s.data.bad_records_skipped, s.data.truncated, s.data.overlength_skipped);
   for (const auto& problem : s.data.first_problems) text += "    " + problem + "\n";

@@ -70,6 +70,11 @@ struct RunSummary {
   int64_t tokens_this_run = 0;
   double seconds = 0;
   std::optional<double> eval_loss;  // the last evaluation's
+  // What tokens_seen counts, in the "Done:" line: "target tokens" (text), "images", "image-caption pairs"; and
+  // whether exp(eval_loss) is a perplexity (a language model's loss per token; not for a contrastive loss).
+  std::string counted = "target tokens";
+  std::string counted_rate = "tokens";
+  bool eval_perplexity = true;
   DataStats data;                   // of this run (since the resume)
   int64_t memory_peak = 0;
   std::vector<Adaptation> adaptations;

@@ -661,6 +661,9 @@ int ContrastiveRun::finish() {
   checkpoint(loader_->cursor(), policy_->state());
   if (config_.checkpoint.save_final) save_model(output_dir_ / "final");
   RunSummary summary;
+  summary.counted = "image-caption pairs";
+  summary.counted_rate = "pairs";
+  summary.eval_perplexity = false;  // a contrastive loss is no per-token loss
   summary.steps = step_index_;
   summary.tokens_seen = pairs_seen_;
   summary.data = loader_->stats();

@@ -457,6 +457,8 @@ int ImageTrainingRun::finish() {
   checkpoint(loader_->cursor(), policy_->state());
   if (config_.checkpoint.save_final) save_trained(output_dir_ / "final");
   RunSummary summary;
+  summary.counted = "images";
+  summary.counted_rate = "images";
   summary.steps = step_index_;
   summary.tokens_seen = images_seen_;
   summary.data = loader_->stats();

@@ -119,6 +119,10 @@ TEST(IntegrationContrastive, TinyClipTrainsEvaluatesAndResumesExactly) {
   ASSERT_EQ(first.exit_code, 0) << first.err;
   EXPECT_TRUE(contains(first.err, "image->text R@1/5/10")) << first.err;
   EXPECT_TRUE(contains(first.err, "zero-shot top-1")) << first.err;
+  // The summary counts pairs, and a contrastive loss has no perplexity.
+  EXPECT_TRUE(contains(first.out, "Done: 12 steps, 184 image-caption pairs; this run 184 in")) << first.out;  // 7 x 16, the epoch's last 8, 4 x 16
+  EXPECT_TRUE(contains(first.out, "pairs/s)")) << first.out;
+  EXPECT_FALSE(contains(first.out, "perplexity")) << first.out;
   const auto r10 = metric_values(straight / "metrics.jsonl", "eval_i2t_r10");
   const auto zero_shot = metric_values(straight / "metrics.jsonl", "eval_zero_shot_top1");
   ASSERT_EQ(r10.size(), 2u);
