@@ -507,6 +507,51 @@ TEST(IntegrationDistributed, TorchrunStartsTheRanksAndTrainsTheWeightsOfOneProce
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
+// Two "nodes" on this machine, each a torchrun agent with one rank, the way a two-machine job is started
+// (docs/distributed.md): with a static master (--nnodes 2 --node-rank r --master-addr --master-port) and with the
+// c10d rendezvous (--rdzv-backend c10d --rdzv-endpoint). The output directory stands for a shared filesystem.
+static void expect_two_nodes_train_one_process(const std::vector<std::string>& rendezvous_for_node0,
+                                               const std::vector<std::string>& rendezvous_for_node1) {
+  const fs::path torchrun = fs::path(TRAINER_SOURCE_DIR) / ".venv" / "bin" / "torchrun";
+  if (!fs::exists(torchrun)) GTEST_SKIP() << "no torchrun in .venv";
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const auto single = run_trainer(short_run("configs/tiny-qwen2.json", one), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1; ";
+  for (int node = 0; node < 2; ++node) {
+    command += "( GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout -k 5 300 " + shell_quote(torchrun.string()) +
+               " --nnodes 2 --nproc-per-node 1";
+    for (const auto& a : node == 0 ? rendezvous_for_node0 : rendezvous_for_node1) command += " " + shell_quote(a);
+    command += " --no-python " + shell_quote(trainer_binary());
+    for (const auto& a : short_run("configs/tiny-qwen2.json", two)) command += " " + shell_quote(a);
+    const std::string log = (dir.path() / ("node" + std::to_string(node))).string();
+    command += " </dev/null >" + shell_quote(log + ".log") + " 2>&1; echo $? >" + shell_quote(log + ".rc") + " ) & ";
+  }
+  command += "wait";
+  ASSERT_EQ(std::system(command.c_str()), 0);
+  for (int node = 0; node < 2; ++node) {
+    const auto log = dir.path() / ("node" + std::to_string(node));
+    EXPECT_EQ(std::stoi(read_text(log.string() + ".rc")), 0) << read_text(log.string() + ".log");
+  }
+  // One world of two ranks (with the c10d rendezvous either node may become rank 0).
+  const std::string logs = read_text(dir.path() / "node0.log") + read_text(dir.path() / "node1.log");
+  EXPECT_NE(logs.find("data parallelism: 2 ranks (gloo)"), std::string::npos) << logs;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+TEST(IntegrationDistributed, TwoTorchrunNodesWithAStaticMasterTrainTheWeightsOfOneProcess) {
+  const std::string port = std::to_string(free_port());
+  expect_two_nodes_train_one_process({"--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port},
+                                     {"--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", port});
+}
+
+TEST(IntegrationDistributed, TwoTorchrunNodesWithTheC10dRendezvousTrainTheWeightsOfOneProcess) {
+  const std::vector<std::string> rendezvous = {"--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                               "127.0.0.1:" + std::to_string(free_port()), "--rdzv-id", "test-job"};
+  expect_two_nodes_train_one_process(rendezvous, rendezvous);
+}
+
 // Two ranks started by hand (the plain environment), each under `timeout`; once training has begun, `action` is
 // done to rank 1's trainer process ($P1). Returns rank 0's exit code, its stderr and the seconds from the action to
 // rank 0's end; rank 1 is killed after (it may be stopped) and must have ended too.
