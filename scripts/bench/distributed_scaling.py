@@ -17,7 +17,8 @@ from common import BENCH_DIR, ROOT, TRAINER, ensure_data, fresh_dir, load_averag
 from vs_hf import LENGTHS, MODELS, model_dir, ours_config  # noqa: E402
 
 STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss")
-COMM_LINE = re.compile(r"spent ([\d.]+) s in collectives")
+# The end summary's line for rank 0: "    rank 0: <peak memory>, <seconds in collectives> s".
+COMM_LINE = re.compile(r"^    rank 0: [^,]+, ([\d.]+) s$", re.M)
 
 
 def one_run(config_path, ranks):

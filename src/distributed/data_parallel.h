@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "distributed/process_group.h"
+#include "log/reporter.h"
 #include "train/step.h"
 #include "trainer/data.h"
 
@@ -20,6 +21,10 @@ namespace trainer::distributed {
 // cost (input + labels lengths) crosses rank/world of the total, so token-budget ranks get balanced work. Shares
 // are disjoint, cover every example, and depend only on the batch, never on the memory policy.
 std::pair<int64_t, int64_t> share_of(std::span<const Example> examples, int rank, int world, bool by_tokens);
+
+// Every rank's peak memory (`memory_peak`, this rank's) and seconds in collectives so far, in rank order, for the
+// end summary: one collective, so every rank calls it at the same point.
+std::vector<RunSummary::RankFigures> gather_rank_figures(Communicator& communicator, int64_t memory_peak);
 
 class DataParallel : public StepSync {
  public:

@@ -98,6 +98,27 @@ std::string format_summary(const RunSummary& s) {
                       s.adaptations.size());
   for (const auto& a : s.adaptations)
     text += fmt::format("    step {}: {} -> {} ({})\n", a.step, a.old_micro_batch, a.new_micro_batch, a.reason);
+  if (!s.ranks.empty()) {
+    // Up to 16 ranks one line each; beyond, the extremes (the rank that waited longest is usually the fastest one).
+    text += fmt::format("  data parallelism: {} ranks ({}); peak memory and time in collectives (waiting included):\n",
+                        s.ranks.size(), s.backend);
+    const auto line = [&](std::size_t r) {
+      return fmt::format("    rank {}: {}, {:.1f} s\n", r, human_bytes(static_cast<double>(s.ranks[r].memory_peak)),
+                         s.ranks[r].communication_seconds);
+    };
+    if (s.ranks.size() <= 16) {
+      for (std::size_t r = 0; r < s.ranks.size(); ++r) text += line(r);
+    } else {
+      std::size_t most_memory = 0, most_waiting = 0, least_waiting = 0;
+      for (std::size_t r = 1; r < s.ranks.size(); ++r) {
+        if (s.ranks[r].memory_peak > s.ranks[most_memory].memory_peak) most_memory = r;
+        if (s.ranks[r].communication_seconds > s.ranks[most_waiting].communication_seconds) most_waiting = r;
+        if (s.ranks[r].communication_seconds < s.ranks[least_waiting].communication_seconds) least_waiting = r;
+      }
+      text += line(0) + "    highest peak memory:\n  " + line(most_memory) + "    longest in collectives:\n  " +
+              line(most_waiting) + "    shortest in collectives:\n  " + line(least_waiting);
+    }
+  }
   if (s.loss_scaling)
     text += fmt::format("  fp16 loss scaling: {} step{} skipped for inf/NaN gradients ({} in this run); loss scale {}\n",
                         s.loss_scaling->skipped_steps, s.loss_scaling->skipped_steps == 1 ? "" : "s",
@@ -301,6 +322,11 @@ void Reporter::on_finish(RunSummary summary) {
                          {"last_checkpoint", summary.last_checkpoint}};
   if (summary.eval_loss) body["eval_loss"] = *summary.eval_loss;
   if (!summary.best_checkpoint.empty()) body["best_checkpoint"] = summary.best_checkpoint;
+  if (!summary.ranks.empty()) {
+    body["ranks"] = nlohmann::json::array();
+    for (const auto& r : summary.ranks)
+      body["ranks"].push_back({{"memory_peak", r.memory_peak}, {"communication_seconds", r.communication_seconds}});
+  }
   notify(std::move(body),
          fmt::format("finished {} steps in {} (loss {:.4f}{}){}", summary.steps, describe_seconds(summary.seconds),
                      loss_, summary.eval_loss ? fmt::format(", validation loss {:.4f}", *summary.eval_loss) : "",

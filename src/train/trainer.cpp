@@ -999,9 +999,10 @@ int TrainingRun::finish() {
     summary.best_checkpoint = best->path.string();
     summary.best_eval_loss = best->eval_loss;
   }
-  if (world_)
-    spdlog::info("data parallelism: {} ranks ({}); this rank spent {:.1f} s in collectives (waiting included)",
-                 world_->world_size(), world_->backend_name(), world_->communication_seconds());
+  if (world_) {
+    summary.ranks = distributed::gather_rank_figures(*world_, summary.memory_peak);
+    summary.backend = world_->backend_name();
+  }
   reporter_.on_finish(std::move(summary));
   return kExitOk;
 }

@@ -536,7 +536,10 @@ static void expect_two_nodes_train_one_process(const std::vector<std::string>& r
   }
   // One world of two ranks (with the c10d rendezvous either node may become rank 0).
   const std::string logs = read_text(dir.path() / "node0.log") + read_text(dir.path() / "node1.log");
-  EXPECT_NE(logs.find("data parallelism: 2 ranks (gloo)"), std::string::npos) << logs;
+  // The end summary lists every rank's peak memory and time in collectives.
+  EXPECT_NE(logs.find("data parallelism: 2 ranks (gloo); peak memory and time in collectives"), std::string::npos)
+      << logs;
+  EXPECT_NE(logs.find("    rank 1: "), std::string::npos) << logs;
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 

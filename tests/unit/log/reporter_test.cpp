@@ -266,4 +266,26 @@ TEST(LogReporter, LossScalingInMetricsAndSummary) {
   EXPECT_FALSE(contains(format_summary(RunSummary{}), "loss scaling"));
 }
 
+TEST(LogReporter, SummaryListsEveryRanksPeakMemoryAndTimeInCollectives) {
+  RunSummary s;
+  s.backend = "gloo";
+  s.ranks = {{3 << 20, 1.25}, {5 << 20, 0.5}};
+  const auto text = format_summary(s);
+  for (const char* part : {"data parallelism: 2 ranks (gloo); peak memory and time in collectives",
+                           "    rank 0: 3.00 MiB, 1.2 s", "    rank 1: 5.00 MiB, 0.5 s"})
+    EXPECT_TRUE(contains(text, part)) << part << " missing from:\n" << text;
+  EXPECT_FALSE(contains(format_summary(RunSummary{}), "data parallelism"));
+  // Beyond 16 ranks: rank 0 and the extremes, not a line per rank.
+  s.ranks.assign(20, {1 << 20, 1.0});
+  s.ranks[7] = {9 << 20, 1.0};
+  s.ranks[11] = {1 << 20, 4.0};
+  s.ranks[13] = {1 << 20, 0.25};
+  const auto many = format_summary(s);
+  for (const char* part : {"20 ranks", "highest peak memory:\n      rank 7: 9.00 MiB",
+                           "longest in collectives:\n      rank 11: 1.00 MiB, 4.0 s",
+                           "shortest in collectives:\n      rank 13: 1.00 MiB, 0.2 s"})
+    EXPECT_TRUE(contains(many, part)) << part << " missing from:\n" << many;
+  EXPECT_FALSE(contains(many, "rank 3:")) << many;
+}
+
 }  // namespace trainer
