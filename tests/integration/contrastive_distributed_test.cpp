@@ -2,7 +2,8 @@
 // environment) train the weights one process trains with contrastive.negatives=batch (the embeddings are gathered,
 // so the negatives are the global batch), also when a real CPU budget on one rank shrinks every rank's micro-batch
 // mid-run; sharded evaluation reports one process's loss, recall and zero-shot accuracy; a 2-rank checkpoint resumes
-// in one process; LoRA with a locked image tower and micro-batch negatives are defined. Every process runs under
+// in one process; LoRA with a locked image tower and micro-batch negatives are defined; out of memory at the floor on
+// one rank and SIGTERM to one rank stop every rank with one checkpoint. Every process runs under
 // `timeout` (a hang ends the test). Named IntegrationDistributed* for CTest's `distributed` label.
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -220,6 +221,52 @@ TEST(IntegrationDistributedClip, MicroBatchNegativesOnTwoRanksAreEachRanksMicroB
   EXPECT_NE(ranks[0].out.find("negatives within each rank's micro-batches"), std::string::npos) << ranks[0].out;
   EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
   expect_same_losses(one, two);
+}
+
+// At the floor on one rank (a budget on rank 1 that even one pair with activation checkpointing exceeds), every
+// rank escalates and stops together: exit 4 on both, rank 0 names rank 1, and one checkpoint (rank 0's) of step 0.
+TEST(IntegrationDistributedClip, OutOfMemoryAtTheFloorOnOneRankStopsEveryRankWithOneCheckpoint) {
+  TempDir dir;
+  const auto run = dir.path() / "run";
+  const auto ranks = clip_ranks(2, clip_run(run, 3, 4), {{}, {"--set", "memory.limit=1200KiB"}});
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) EXPECT_EQ(r.exit_code, 4) << errors_of(ranks);
+  EXPECT_NE(ranks[0].err.find("every escalation used: rank(s) 1"), std::string::npos) << errors_of(ranks);
+  int complete = 0;
+  for (const auto& entry : fs::directory_iterator(run))
+    if (entry.path().filename().string().starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
+      ++complete;
+  EXPECT_EQ(complete, 1) << errors_of(ranks);
+  EXPECT_TRUE(fs::exists(run / "checkpoint-0" / "COMPLETE")) << errors_of(ranks);
+}
+
+// SIGTERM to one rank (of `trainer launch`'s two) stops both after the same step: exit 0, every process ended, one
+// complete checkpoint (rank 0's).
+TEST(IntegrationDistributedClip, SigtermToOneRankStopsEveryRankWithOneCheckpoint) {
+  TempDir dir;
+  const auto run = dir.path() / "run";
+  const auto args = plus({"launch", "--nproc-per-node", "2", "--"},
+                         plus(clip_run(run, 100000, 4), {"--set", "distributed.timeout_s=30"}));
+  // `cd` on its own line: `cd && cmd &` would put a subshell, not the launcher, behind $!.
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) +
+                        " || exit 1\nGLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " + shell_quote(trainer_binary());
+  for (const auto& a : args) command += " " + shell_quote(a);
+  const std::string log = (dir.path() / "log").string(), rc = (dir.path() / "rc").string(),
+                    ended = (dir.path() / "ended").string();
+  command += " </dev/null >" + shell_quote(log) + " 2>&1 & L=$!; ";
+  command += "for i in $(seq 1 1500); do [ -s " + shell_quote((run / "metrics.jsonl").string()) +
+             " ] && break; sleep 0.2; done; C=$(pgrep -P $L); kill -TERM $(echo $C | cut -d' ' -f2); wait $L; "
+             "echo $? >" + shell_quote(rc) + "; sleep 1; n=0; for p in $C; do kill -0 $p 2>/dev/null && n=$((n+1)); "
+             "done; echo $n >" + shell_quote(ended);
+  EXPECT_EQ(std::system(("timeout -k 5 300 bash -c " + shell_quote(command)).c_str()), 0);
+  const std::string output = read_text(log);
+  EXPECT_EQ(std::stoi(read_text(rc)), 0) << output;
+  EXPECT_EQ(std::stoi(read_text(ended)), 0) << output;
+  int complete = 0;
+  for (const auto& entry : fs::directory_iterator(run))
+    if (entry.path().filename().string().starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
+      ++complete;
+  EXPECT_EQ(complete, 1) << output;
 }
 
 }  // namespace trainer::test
