@@ -505,20 +505,29 @@ void ContrastiveRun::restore_or_probe() {
     return;
   }
   if (!config_.training.micro_batch_size.is_auto) return;
-  // micro_batch_size=auto: the largest micro-batch whose passes fit (one micro-batch of the batch's size: both
-  // passes at that size), with captions at the longest length, as for images.
+  // micro_batch_size=auto: the largest micro-batch at which a whole step fits, measured as the step runs it: an
+  // effective batch (under data parallelism this rank's largest share) of captions at the longest length, split at
+  // the candidate, through both passes of gradient caching and the batch's loss (or micro-batch negatives), then
+  // the optimizer phase's gradient norm. Measuring one micro-batch's passes alone misses the batch's embeddings and
+  // loss and misjudges gradient caching's second pass (one tower at a time).
   const auto [height, width] = spec_.output_size();
   const int64_t capacity = config_.memory.limit.bytes > 0 ? static_cast<int64_t>(config_.memory.limit.bytes)
                            : device_.is_cpu()           ? 0
                                                         : static_cast<int64_t>(at::accelerator::getMemoryInfo(device_.index()).second);
   const double allowed = static_cast<double>(capacity) * (1.0 - config_.memory.auto_safety_margin);
   const int64_t length = tokenizer_->max_length();
+  const int64_t world = world_ ? world_->world_size() : 1;
+  const int64_t largest_share = (config_.training.batch_size + world - 1) / world;
+  const int64_t pairs = std::max<int64_t>(largest_share, 2);
+  // Pixels outside LibTorch's allocator, as the loader's are (pixels_of), so the probe counts what a step counts.
+  std::vector<float> pixel_buffer(static_cast<std::size_t>(pairs * 3 * height * width), 0.0f);
+  const at::Tensor pixels = at::from_blob(pixel_buffer.data(), {pairs, 3, height, width}, at::kFloat);
+  const at::Tensor ids = at::zeros({pairs, length}, at::kLong), mask = at::ones({pairs, length}, at::kLong);
   auto fits = [&](int64_t n) {
     reset_peak(device_);
-    const int64_t pairs = std::max<int64_t>(n, 2);
     try {
-      forward_backward(at::zeros({pairs, 3, height, width}), at::zeros({pairs, length}, at::kLong),
-                       at::ones({pairs, length}, at::kLong), 0, n, 0, pairs, nullptr);
+      forward_backward(pixels, ids, mask, 0, n, 0, pairs, nullptr);
+      optimizer_->squared_grad_norm();
       optimizer_->zero_grad();
     } catch (const c10::OutOfMemoryError&) {
       optimizer_->zero_grad();
@@ -527,11 +536,13 @@ void ContrastiveRun::restore_or_probe() {
       return false;
     }
     const auto peak = static_cast<double>(memory_now(device_).peak);
-    return capacity == 0 || peak <= allowed;
+    const bool ok = capacity == 0 || peak <= allowed;
+    spdlog::info("micro_batch_size=auto: a step of {} pairs in micro-batches of {} peaks at {}{}", pairs, n,
+                 human_bytes(peak), ok ? "" : " (inside the safety margin: too close)");
+    return ok;
   };
   // Data parallelism: each rank probes up to its largest share; the ranks take what fits on every rank.
-  const int64_t batch = config_.training.batch_size, ranks = world_ ? world_->world_size() : 1;
-  int64_t good = largest_that_fits((batch + ranks - 1) / ranks, fits);
+  int64_t good = largest_that_fits(largest_share, fits);
   if (world_) good = -world_->all_reduce_max({-good})[0];
   if (good == 0)
     throw OutOfMemoryAtFloor("not even one image-caption pair fits for micro_batch_size=auto",
