@@ -105,8 +105,8 @@ TEST(IntegrationContrastive, OutOfMemoryMidRunReachesTheFullBatchWeights) {
 // micro_batch_size=auto measures a whole step (both passes of gradient caching, the batch's loss, the gradient norm)
 // at the longest captions: with every caption cut to data.max_length=8 (so the probe's worst case is the data) and no
 // safety margin, under two real CPU budgets the probed micro-batch n trains without an out-of-memory retry and a
-// fixed n + 1 runs out of memory in step 1. (Probing one micro-batch's passes alone chose a smaller n, at which n + 1
-// still fit.)
+// fixed n + 1 runs out of memory in step 1. (The former probe, one micro-batch's passes alone, fails this: at 1.5 MiB
+// its choice ran out of memory in step 1 and shrank to 2, while 3 fits.)
 TEST(IntegrationContrastive, AutoMicroBatchIsTheLargestAtWhichAWholeStepFits) {
   const auto dir = fs::temp_directory_path() / "trainer-clip-auto";
   for (const std::string budget : {"1500KiB", "2000KiB"}) {
