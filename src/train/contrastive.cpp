@@ -1,7 +1,9 @@
 // Gradient caching and micro-batch negatives for the CLIP objective (see contrastive.h).
 #include "train/contrastive.h"
 
+#include <exception>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -53,8 +55,8 @@ at::Tensor embed_texts(ClipModel& model, const ContrastiveMicroBatch& mb, const 
   return model.text_features(mb.input_ids, mb.attention_mask);
 }
 
-int64_t check_batch(const std::vector<ContrastiveMicroBatch>& micro_batches) {
-  if (micro_batches.empty()) throw UsageError("contrastive step: the effective batch has no micro-batches");
+int64_t check_batch(const std::vector<ContrastiveMicroBatch>& micro_batches, bool share) {
+  if (micro_batches.empty() && !share) throw UsageError("contrastive step: the effective batch has no micro-batches");
   int64_t total = 0;
   for (std::size_t i = 0; i < micro_batches.size(); ++i) {
     const auto& mb = micro_batches[i];
@@ -120,6 +122,88 @@ ContrastiveResult cached_batch_negatives(ClipModel& model, const std::vector<Con
   return result;
 }
 
+// Data parallelism with negatives = batch (ContrastiveRanks in contrastive.h): pass (a) on this rank's share, the
+// ranks' agreement and the gather, then the global batch's loss and its gradient (the same on every rank), and pass
+// (c) on this rank's rows of that gradient.
+ContrastiveResult gathered_batch_negatives(ClipModel& model, const std::vector<ContrastiveMicroBatch>& micro_batches,
+                                           const ContrastiveOptions& options, int64_t local) {
+  const ContrastiveRanks& ranks = *options.ranks;
+  ContrastiveResult result;
+  result.examples = ranks.batch;
+  const c10::Device device = model.logit_scale().device();
+  const int64_t width = ranks.width;
+  if (ranks.offset < 0 || ranks.offset + local > ranks.batch)
+    throw UsageError("contrastive step: this rank's share [" + std::to_string(ranks.offset) + ", " +
+                     std::to_string(ranks.offset + local) + ") lies outside the global batch of " +
+                     std::to_string(ranks.batch) + " pairs");
+  // (a) This rank's embeddings, no autograd, in its rows of the (batch, 2 x width) matrix the ranks sum. The matrix
+  // is allocated here, before the agreement, so that an out-of-memory error is one the ranks agree on.
+  at::Tensor shared;
+  std::exception_ptr out_of_memory;
+  try {
+    at::NoGradGuard no_grad;
+    shared = at::zeros({ranks.batch, 2 * width}, at::TensorOptions().dtype(at::kFloat).device(device));
+    int64_t row = ranks.offset;
+    for (const auto& mb : micro_batches) {
+      const int64_t b = mb.pixel_values.size(0);
+      const at::Tensor images = embed_images(model, mb, options, device);
+      shared.narrow(0, row, b).narrow(1, 0, width).copy_(images);
+      const at::Tensor texts = embed_texts(model, mb, options, device);
+      shared.narrow(0, row, b).narrow(1, width, width).copy_(texts);
+      result.tower_forwards += 2;
+      row += b;
+    }
+  } catch (const c10::OutOfMemoryError&) {
+    shared = at::Tensor();
+    out_of_memory = std::current_exception();
+  }
+  const bool all_fit = ranks.agree(!out_of_memory);
+  if (out_of_memory) std::rethrow_exception(out_of_memory);
+  if (!all_fit) {
+    result.dropped = true;
+    return result;
+  }
+  ranks.sum(shared);
+  // (b) The global batch's loss and its gradient with respect to every rank's embeddings (identical on every rank);
+  // logit_scale's only where this rank counts it.
+  const at::Tensor all_images = shared.narrow(1, 0, width).clone().requires_grad_(options.image_tower_trainable);
+  const at::Tensor all_texts = shared.narrow(1, width, width).clone().requires_grad_(options.text_tower_trainable);
+  shared = at::Tensor();
+  at::Tensor image_grads, text_grads;
+  {
+    at::AutoGradMode grad_on(true);
+    const at::Tensor loss = clip_contrastive_loss(all_images, all_texts, model.logit_scale());
+    result.loss = loss.item<double>();
+    std::vector<at::Tensor> inputs;
+    if (options.image_tower_trainable) inputs.push_back(all_images);
+    if (options.text_tower_trainable) inputs.push_back(all_texts);
+    if (ranks.logit_scale_gradient && model.logit_scale().requires_grad()) inputs.push_back(model.logit_scale());
+    if (loss.requires_grad() && !inputs.empty())
+      torch::autograd::backward({loss * options.loss_scale}, {}, std::nullopt, false, inputs);
+    image_grads = all_images.grad();
+    text_grads = all_texts.grad();
+  }
+  // (c) This rank's micro-batches again, with autograd, each with its rows of the embedding gradients.
+  int64_t offset = ranks.offset;
+  for (const auto& mb : micro_batches) {
+    const int64_t b = mb.pixel_values.size(0);
+    if (options.image_tower_trainable && image_grads.defined()) {
+      const at::Tensor embeds = embed_images(model, mb, options, device);
+      if (embeds.requires_grad())
+        torch::autograd::backward({embeds}, {image_grads.slice(0, offset, offset + b).to(embeds.scalar_type())});
+      ++result.tower_forwards;
+    }
+    if (options.text_tower_trainable && text_grads.defined()) {
+      const at::Tensor embeds = embed_texts(model, mb, options, device);
+      if (embeds.requires_grad())
+        torch::autograd::backward({embeds}, {text_grads.slice(0, offset, offset + b).to(embeds.scalar_type())});
+      ++result.tower_forwards;
+    }
+    offset += b;
+  }
+  return result;
+}
+
 ContrastiveResult micro_batch_negatives(ClipModel& model, const std::vector<ContrastiveMicroBatch>& micro_batches,
                                         const ContrastiveOptions& options, int64_t total) {
   ContrastiveResult result;
@@ -150,7 +234,15 @@ ContrastiveResult micro_batch_negatives(ClipModel& model, const std::vector<Cont
 ContrastiveResult contrastive_forward_backward(ClipModel& model,
                                                const std::vector<ContrastiveMicroBatch>& micro_batches,
                                                const ContrastiveOptions& options) {
-  const int64_t total = check_batch(micro_batches);
+  const int64_t local = check_batch(micro_batches, options.ranks != nullptr);
+  if (options.ranks) {
+    // Data parallelism: negatives over the gathered global batch, or within each micro-batch of this rank's share
+    // (weighted by its share of the global batch).
+    if (options.negatives == ContrastiveNegatives::kBatch)
+      return gathered_batch_negatives(model, micro_batches, options, local);
+    return micro_batch_negatives(model, micro_batches, options, options.ranks->batch);
+  }
+  const int64_t total = local;
   // One micro-batch holding the whole batch: its own loss is the batch's, so the direct path gives the same
   // gradients without gradient caching's second forward.
   if (options.negatives == ContrastiveNegatives::kMicroBatch || micro_batches.size() == 1)

@@ -18,6 +18,8 @@
 #include <spdlog/spdlog.h>
 
 #include "data/image_loader.h"
+#include "distributed/data_parallel.h"
+#include "distributed/process_group.h"
 #include "data/permutation.h"
 #include "log/reporter.h"
 #include "memory/cpu_budget.h"
@@ -160,9 +162,10 @@ double recall_at(const at::Tensor& scores, const std::vector<int64_t>& group, in
 
 class ContrastiveRun {
  public:
-  ContrastiveRun(const Config& config, const c10::Device& device, const TrainOptions& options, Reporter& reporter)
-      : config_(config), device_(device), options_(options), reporter_(reporter),
-        output_dir_(config.checkpoint.output_dir) {}
+  ContrastiveRun(const Config& config, const c10::Device& device, const TrainOptions& options, Reporter& reporter,
+                 distributed::Communicator* world)
+      : config_(config), device_(device), options_(options), reporter_(reporter), world_(world),
+        primary_(!world || world->rank() == 0), output_dir_(config.checkpoint.output_dir) {}
 
   void set_up();
   int loop();
@@ -175,8 +178,17 @@ class ContrastiveRun {
   void restore_or_probe();
   bool train_one_step();
   StepResult run_step(const ImageBatch& batch, int64_t step, double lr);
+  // The pairs [first, first + count) of the effective batch (this rank's share), split into micro-batches of
+  // `micro`; `ranks`: data parallelism's part of the step (none in the probe and in a single process).
   ContrastiveResult forward_backward(const at::Tensor& pixels, const at::Tensor& ids, const at::Tensor& mask,
-                                     int64_t step, int64_t micro);
+                                     int64_t step, int64_t micro, int64_t first, int64_t count,
+                                     const ContrastiveRanks* ranks);
+  // Data parallelism: this rank's share [begin, begin + count) of `pairs` (distributed::share_of by examples).
+  std::pair<int64_t, int64_t> share(int64_t pairs) const;
+  // Rows of every rank's share put together: `rows` (this rank's, `width` columns) into a (pairs, width) matrix on
+  // every rank (zeros elsewhere, summed over the ranks).
+  at::Tensor gather_rows(const at::Tensor& rows, int64_t pairs, int64_t begin);
+  int agreed_stop_signal();
   bool escalate(int64_t step);
   void evaluate();
   at::Tensor embed(const at::Tensor& pixels, const at::Tensor& ids, const at::Tensor& mask, bool images);
@@ -187,7 +199,10 @@ class ContrastiveRun {
   c10::Device device_;
   const TrainOptions& options_;
   Reporter& reporter_;
+  distributed::Communicator* world_;
+  const bool primary_;  // rank 0 (or a single process): reports, writes checkpoints
   const fs::path output_dir_;
+  std::unique_ptr<distributed::DataParallel> data_parallel_;
 
   std::optional<fs::path> resume_dir_;
   nlohmann::json resume_state_;
@@ -240,8 +255,18 @@ void ContrastiveRun::set_up() {
     throw UsageError("--merge is not implemented for CLIP (training.objective=contrastive)",
                      "drop --merge; PEFT merges the adapter in final/: PeftModel.from_pretrained(CLIPModel."
                      "from_pretrained(base), \"final\").merge_and_unload()");
+  if (world_ && config_.distributed.shard_optimizer)
+    throw UsageError("distributed.shard_optimizer=true is not implemented for training.objective=contrastive",
+                     "set distributed.shard_optimizer=false (every rank keeps the whole optimizer state)");
   open_resume();
   build_model();
+  if (world_) {  // every rank starts from rank 0's weights
+    std::vector<at::Tensor> all;
+    model_->for_each_parameter([&](const std::string&, at::Tensor& p) { all.push_back(p); });
+    if (lora_) lora_->for_each_parameter([&](const std::string&, at::Tensor& p) { all.push_back(p); });
+    at::NoGradGuard no_grad;
+    world_->broadcast(all);
+  }
   loader_ = caption_loader(config_, dataset_, spec_, true, config_.training.batch_size);
   const auto batch = static_cast<uint64_t>(config_.training.batch_size);
   const auto per_epoch = static_cast<int64_t>((loader_->examples_per_epoch() + batch - 1) / batch);
@@ -249,6 +274,14 @@ void ContrastiveRun::set_up() {
   Module& trainable = lora_ ? static_cast<Module&>(*lora_) : *model_;
   optimizer_ = make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
   policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
+  if (world_) {
+    std::vector<at::Tensor> parameters;
+    trainable.for_each_parameter([&](const std::string&, at::Tensor& p) {
+      if (p.requires_grad()) parameters.push_back(p);
+    });
+    data_parallel_ = std::make_unique<distributed::DataParallel>(
+        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes));
+  }
   if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
     GradScalerOptions scaling;
     scaling.init_scale = config_.precision.initial_loss_scale;
@@ -261,7 +294,7 @@ void ContrastiveRun::set_up() {
   fs::create_directories(output_dir_);
   retention_ = std::make_unique<CheckpointRetention>(output_dir_, config_.checkpoint.keep_last,
                                                      config_.checkpoint.keep_best);
-  retention_->start(resume_dir_ ? std::optional<int64_t>(step_index_) : std::nullopt);
+  if (primary_) retention_->start(resume_dir_ ? std::optional<int64_t>(step_index_) : std::nullopt);
   std::error_code same_error;
   if (resume_dir_ &&
       fs::equivalent(*resume_dir_, output_dir_ / ("checkpoint-" + std::to_string(step_index_)), same_error))
@@ -321,18 +354,22 @@ void ContrastiveRun::build_model() {
 }
 
 ContrastiveResult ContrastiveRun::forward_backward(const at::Tensor& pixels, const at::Tensor& ids,
-                                                   const at::Tensor& mask, int64_t step, int64_t micro) {
+                                                   const at::Tensor& mask, int64_t step, int64_t micro, int64_t first,
+                                                   int64_t count, const ContrastiveRanks* ranks) {
   std::vector<ContrastiveMicroBatch> parts;
-  for (const auto& [begin, count] : split_counts(pixels.size(0), micro)) {
-    ContrastiveMicroBatch mb;
-    mb.pixel_values = pixels.narrow(0, begin, count).to(device_);
-    mb.input_ids = ids.narrow(0, begin, count).to(device_);
-    mb.attention_mask = mask.narrow(0, begin, count).to(device_);
-    mb.first_example = begin;
-    mb.rng_seed = data::mix_seed(static_cast<uint64_t>(config_.training.seed) ^ kMicroBatchSeedSalt,
-                                 static_cast<uint64_t>(step), static_cast<uint64_t>(begin));
-    parts.push_back(std::move(mb));
-  }
+  if (count > 0)
+    for (const auto& [offset, size] : split_counts(count, micro)) {
+      // Keyed by the pair's place in the effective batch: neither the split nor the ranks change a dropout mask.
+      const int64_t begin = first + offset;
+      ContrastiveMicroBatch mb;
+      mb.pixel_values = pixels.narrow(0, begin, size).to(device_);
+      mb.input_ids = ids.narrow(0, begin, size).to(device_);
+      mb.attention_mask = mask.narrow(0, begin, size).to(device_);
+      mb.first_example = begin;
+      mb.rng_seed = data::mix_seed(static_cast<uint64_t>(config_.training.seed) ^ kMicroBatchSeedSalt,
+                                   static_cast<uint64_t>(step), static_cast<uint64_t>(begin));
+      parts.push_back(std::move(mb));
+    }
   ContrastiveOptions options;
   options.negatives = config_.contrastive.negatives == ContrastiveNegativesMode::kBatch
                           ? ContrastiveNegatives::kBatch
@@ -340,12 +377,34 @@ ContrastiveResult ContrastiveRun::forward_backward(const at::Tensor& pixels, con
   options.dropout_seed = static_cast<uint64_t>(config_.training.seed);
   options.step = step;
   options.image_tower_trainable = !config_.contrastive.freeze_image_tower;
+  options.ranks = ranks;
   // fp16-mixed: gradients of the scaled loss (apply_update divides them by the scale again).
   if (scaler_) options.loss_scale = scaler_->scale();
   // Mixed precision: both passes under the same autocast, so the second pass re-creates the first's embeddings.
   const auto dtype = autocast_dtype(config_.precision.mode);
   AutocastScope autocast(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
   return contrastive_forward_backward(*model_, parts, options);
+}
+
+std::pair<int64_t, int64_t> ContrastiveRun::share(int64_t pairs) const {
+  if (!world_) return {0, pairs};
+  // By examples: a pair's cost does not depend on its caption's length enough to balance by tokens.
+  const std::vector<Example> examples(static_cast<std::size_t>(pairs));
+  return distributed::share_of(examples, world_->rank(), world_->world_size(), false);
+}
+
+at::Tensor ContrastiveRun::gather_rows(const at::Tensor& rows, int64_t pairs, int64_t begin) {
+  at::Tensor all = at::zeros({pairs, rows.size(1)}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  all.narrow(0, begin, rows.size(0)).copy_(rows);
+  world_->all_reduce_sum({all}, static_cast<int64_t>(config_.distributed.bucket_size.bytes));
+  return all;
+}
+
+// A signal on any rank stops every rank after the same step.
+int ContrastiveRun::agreed_stop_signal() {
+  const int signal = stop_requested();
+  if (!world_) return signal;
+  return static_cast<int>(world_->all_reduce_max({signal})[0]);
 }
 
 bool ContrastiveRun::escalate(int64_t step) {
@@ -367,28 +426,58 @@ StepResult ContrastiveRun::run_step(const ImageBatch& batch, int64_t step, doubl
   const at::Tensor pixels = pixels_of(batch);
   const auto [ids, mask] = (*tokenizer_)(captions_of(*dataset_, batch));
   const int64_t pairs = batch.size();
+  // Data parallelism: this rank's share; the negatives (batch mode) are still every pair's, gathered.
+  const auto [first, count] = share(pairs);
+  const bool batch_negatives = config_.contrastive.negatives == ContrastiveNegativesMode::kBatch;
+  ContrastiveRanks ranks;
+  if (world_) {
+    ranks.batch = pairs;
+    ranks.offset = first;
+    ranks.width = model_->projection_dim();
+    ranks.logit_scale_gradient = primary_;
+    ranks.agree = [this](bool fit) { return data_parallel_->agree(fit, 0).all_fit; };
+    ranks.sum = [this](at::Tensor& rows) {
+      world_->all_reduce_sum({rows}, static_cast<int64_t>(config_.distributed.bucket_size.bytes));
+    };
+  }
   StepResult result;
   bool optimizer_retried = false;
   for (int64_t attempt = 0;; ++attempt) {
     optimizer_->zero_grad();
     const int64_t micro = std::min(pairs, std::max<int64_t>(1, policy_->micro_batch()));
     ContrastiveResult outcome;
+    std::optional<std::string> out_of_memory;
     try {
-      outcome = forward_backward(pixels, ids, mask, step, micro);
+      outcome = forward_backward(pixels, ids, mask, step, micro, first, count, world_ ? &ranks : nullptr);
+      if (outcome.dropped) out_of_memory = "another rank ran out of memory";
+      else if (data_parallel_) data_parallel_->prepare();
     } catch (const c10::OutOfMemoryError& e) {
+      out_of_memory = e.what_without_backtrace();
+    }
+    if (data_parallel_) {
+      // Every rank learns whether every rank fit (both passes) before any gradient is summed; all decide alike.
+      const auto agreed = data_parallel_->agree(!out_of_memory, micro);
+      if (!agreed.all_fit)
+        out_of_memory = "rank(s) " + agreed.failed_ranks + ": " + out_of_memory.value_or("out of memory");
+    }
+    if (out_of_memory) {
       adapt_to_out_of_memory(*optimizer_, *policy_, step, attempt, config_.memory.max_retries, micro <= 1,
-                             [&] { return escalate(step); }, e.what_without_backtrace(),
+                             [&] { return escalate(step); }, *out_of_memory,
                              "a smaller image size, training.activation_checkpointing=true, "
                              "contrastive.freeze_image_tower=true, or a larger memory.limit");
       continue;
     }
+    // The summed gradients; the loss: batch mode's is the same on every rank (counted once), micro-batch mode's is
+    // each rank's weighted part.
+    if (data_parallel_)
+      outcome.loss = data_parallel_->reduce(batch_negatives && !primary_ ? 0.0 : outcome.loss);
     result.loss = outcome.loss;
     result.micro_batch = micro;
     result.micro_steps = (pairs + micro - 1) / micro;
     result.retries = attempt;
     result.target_tokens = pairs;
-    const UpdatePhase phase{*optimizer_, *policy_, scaler_.get(), nullptr, config_.training.max_grad_norm,
-                            step, lr, pairs};
+    const UpdatePhase phase{*optimizer_, *policy_, scaler_.get(), data_parallel_.get(),
+                            config_.training.max_grad_norm, step, lr, pairs};
     if (!apply_update(phase, result, optimizer_retried)) continue;
     if (!result.skipped) model_->clamp_logit_scale();
     return result;
@@ -416,20 +505,29 @@ void ContrastiveRun::restore_or_probe() {
     return;
   }
   if (!config_.training.micro_batch_size.is_auto) return;
-  // micro_batch_size=auto: the largest micro-batch whose passes fit (one micro-batch of the batch's size: both
-  // passes at that size), with captions at the longest length, as for images.
+  // micro_batch_size=auto: the largest micro-batch at which a whole step fits, measured as the step runs it: an
+  // effective batch (under data parallelism this rank's largest share) of captions at the longest length, split at
+  // the candidate, through both passes of gradient caching and the batch's loss (or micro-batch negatives), then
+  // the optimizer phase's gradient norm. Measuring one micro-batch's passes alone misses the batch's embeddings and
+  // loss and misjudges gradient caching's second pass (one tower at a time).
   const auto [height, width] = spec_.output_size();
   const int64_t capacity = config_.memory.limit.bytes > 0 ? static_cast<int64_t>(config_.memory.limit.bytes)
                            : device_.is_cpu()           ? 0
                                                         : static_cast<int64_t>(at::accelerator::getMemoryInfo(device_.index()).second);
   const double allowed = static_cast<double>(capacity) * (1.0 - config_.memory.auto_safety_margin);
   const int64_t length = tokenizer_->max_length();
+  const int64_t world = world_ ? world_->world_size() : 1;
+  const int64_t largest_share = (config_.training.batch_size + world - 1) / world;
+  const int64_t pairs = std::max<int64_t>(largest_share, 2);
+  // Pixels outside LibTorch's allocator, as the loader's are (pixels_of), so the probe counts what a step counts.
+  std::vector<float> pixel_buffer(static_cast<std::size_t>(pairs * 3 * height * width), 0.0f);
+  const at::Tensor pixels = at::from_blob(pixel_buffer.data(), {pairs, 3, height, width}, at::kFloat);
+  const at::Tensor ids = at::zeros({pairs, length}, at::kLong), mask = at::ones({pairs, length}, at::kLong);
   auto fits = [&](int64_t n) {
     reset_peak(device_);
-    const int64_t pairs = std::max<int64_t>(n, 2);
     try {
-      forward_backward(at::zeros({pairs, 3, height, width}), at::zeros({pairs, length}, at::kLong),
-                       at::ones({pairs, length}, at::kLong), 0, n);
+      forward_backward(pixels, ids, mask, 0, n, 0, pairs, nullptr);
+      optimizer_->squared_grad_norm();
       optimizer_->zero_grad();
     } catch (const c10::OutOfMemoryError&) {
       optimizer_->zero_grad();
@@ -438,9 +536,14 @@ void ContrastiveRun::restore_or_probe() {
       return false;
     }
     const auto peak = static_cast<double>(memory_now(device_).peak);
-    return capacity == 0 || peak <= allowed;
+    const bool ok = capacity == 0 || peak <= allowed;
+    spdlog::info("micro_batch_size=auto: a step of {} pairs in micro-batches of {} peaks at {}{}", pairs, n,
+                 human_bytes(peak), ok ? "" : " (inside the safety margin: too close)");
+    return ok;
   };
-  const int64_t good = largest_that_fits(config_.training.batch_size, fits);
+  // Data parallelism: each rank probes up to its largest share; the ranks take what fits on every rank.
+  int64_t good = largest_that_fits(largest_share, fits);
+  if (world_) good = -world_->all_reduce_max({-good})[0];
   if (good == 0)
     throw OutOfMemoryAtFloor("not even one image-caption pair fits for micro_batch_size=auto",
                              "turn on training.activation_checkpointing, lock the image tower, or raise memory.limit");
@@ -452,7 +555,7 @@ int ContrastiveRun::loop() {
   reporter_.on_start({"clip", count_parameters(*model_), optimizer_->trainable_parameters(), total_steps_,
                       policy_->micro_batch(), step_index_, pairs_seen_, resume_dir_ ? resume_dir_->string() : ""});
   while (step_index_ < total_steps_) {
-    if (const int signal = stop_requested()) {
+    if (const int signal = agreed_stop_signal()) {
       reporter_.on_stopped(signal, step_index_, checkpoint(loader_->cursor(), policy_->state()));
       return signal == SIGINT ? kExitInterrupted : kExitOk;
     }
@@ -541,8 +644,23 @@ void ContrastiveRun::evaluate() {
   while (auto batch = loader->next()) {
     const auto texts = captions_of(*dataset, *batch);
     const auto [ids, mask] = (*tokenizer_)(texts);
-    image_parts.push_back(embed(pixels_of(*batch), {}, {}, true));
-    text_parts.push_back(embed({}, ids, mask, false));
+    if (world_) {
+      // Each rank embeds its share of the batch; the embeddings are gathered, so every rank scores them all.
+      const int64_t pairs = batch->size();
+      const auto [first, count] = share(pairs);
+      const int64_t width = model_->projection_dim();
+      at::Tensor mine = at::zeros({count, 2 * width});
+      if (count > 0)
+        mine = at::cat({embed(pixels_of(*batch).narrow(0, first, count), {}, {}, true),
+                        embed({}, ids.narrow(0, first, count), mask.narrow(0, first, count), false)},
+                       1);
+      const at::Tensor all = gather_rows(mine.to(device_), pairs, first).cpu();
+      image_parts.push_back(all.narrow(1, 0, width));
+      text_parts.push_back(all.narrow(1, width, width));
+    } else {
+      image_parts.push_back(embed(pixels_of(*batch), {}, {}, true));
+      text_parts.push_back(embed({}, ids, mask, false));
+    }
     captions.insert(captions.end(), texts.begin(), texts.end());
     labels.insert(labels.end(), batch->labels.begin(), batch->labels.end());
     if (config_.evaluation.max_batches > 0 && ++batches >= config_.evaluation.max_batches) break;
@@ -592,7 +710,7 @@ void ContrastiveRun::evaluate() {
   model_->train(true);
   last_eval_ = eval.loss;
   last_eval_step_ = step_index_;
-  reporter_.on_eval_retrieval(step_index_, eval);
+  if (primary_) reporter_.on_eval_retrieval(step_index_, eval);
 }
 
 // A directory transformers loads with CLIPModel and CLIPProcessor: the model, its preprocessing and tokenizer.
@@ -603,7 +721,7 @@ int64_t ContrastiveRun::apply_lora_to_model() {
   lora_base_ = fs::absolute(config_.model.path).lexically_normal().string();
   if (config_.model.init == ModelInit::kRandom) {
     const fs::path base = fs::absolute(output_dir_ / "base").lexically_normal();
-    if (!fs::exists(base / "model.safetensors")) {
+    if (primary_ && !fs::exists(base / "model.safetensors")) {  // every rank's random base is the same
       fs::create_directories(base);
       save_clip(*model_, base.string());
       write_text_file((base / "preprocessor_config.json").string(), data::image_processor_json(spec_));
@@ -635,7 +753,12 @@ void ContrastiveRun::save_model(const fs::path& dir) {
   tokenizer_->copy_files_to(dir);
 }
 
+// Rank 0 alone writes it: every rank holds the same weights and optimizer state.
 std::string ContrastiveRun::checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state) {
+  if (!primary_) {
+    on_disk_step_ = step_index_;
+    return (output_dir_ / ("checkpoint-" + std::to_string(step_index_))).string();
+  }
   nlohmann::json state = {{"version", kContrastiveCheckpointVersion},
                           {"task", "contrastive"},
                           {"step", step_index_},
@@ -659,7 +782,7 @@ std::string ContrastiveRun::checkpoint(const LoaderCursor& cursor, const nlohman
 
 int ContrastiveRun::finish() {
   checkpoint(loader_->cursor(), policy_->state());
-  if (config_.checkpoint.save_final) save_model(output_dir_ / "final");
+  if (config_.checkpoint.save_final && primary_) save_model(output_dir_ / "final");
   RunSummary summary;
   summary.counted = "image-caption pairs";
   summary.counted_rate = "pairs";
@@ -679,6 +802,9 @@ int ContrastiveRun::finish() {
     summary.best_checkpoint = best->path.string();
     summary.best_eval_loss = best->eval_loss;
   }
+  if (world_)
+    spdlog::info("data parallelism: {} ranks ({}); this rank spent {:.1f} s in collectives (waiting included)",
+                 world_->world_size(), world_->backend_name(), world_->communication_seconds());
   reporter_.on_finish(std::move(summary));
   return kExitOk;
 }
@@ -686,18 +812,23 @@ int ContrastiveRun::finish() {
 }  // namespace
 
 int train_contrastive(const Config& config, const ResolvedDevice& resolved, const TrainOptions& options,
-                      std::ostream& out) {
+                      std::ostream& out, distributed::Communicator* world) {
   install_stop_handlers();
   if (config.memory.limit.bytes > 0) {
     if (resolved.device.is_cpu()) set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
     else cap_device_memory(resolved.device, static_cast<int64_t>(config.memory.limit.bytes));
   }
-  Reporter reporter(config, out, true);
+  // Data parallelism: rank 0 alone prints the progress and writes metrics; the others log warnings.
+  std::ostream null_stream(nullptr);
+  const bool primary = !world || world->rank() == 0;
+  Reporter reporter(config, primary ? out : null_stream, primary);
   try {
-    ContrastiveRun run(config, resolved.device, options, reporter);
+    ContrastiveRun run(config, resolved.device, options, reporter, world);
     run.set_up();
-    if (const int stopped = run.loop(); stopped >= 0) return stopped;
-    return run.finish();
+    int code = run.loop();
+    if (code < 0) code = run.finish();
+    if (world) world->barrier();  // rank 0, which hosts the rendezvous, leaves last
+    return code;
   } catch (const std::exception& error) {
     reporter.on_failure(error);
     throw;

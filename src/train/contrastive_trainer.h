@@ -17,12 +17,18 @@
 #include "trainer/run.h"
 
 namespace trainer {
+namespace distributed {
+class Communicator;
+}
 
 // Whether a config.json is a whole CLIP (CLIPModel: model_type "clip" with a text_config), what the contrastive
 // objective trains.
 bool is_clip_model_config(const nlohmann::json& config);
 
+// With `world` (data parallelism, docs/clip.md "Data parallelism"): this rank trains its share of every effective
+// batch, the embeddings are gathered so the negatives are the global batch's, gradients are summed once per step;
+// rank 0 alone reports and writes checkpoints.
 int train_contrastive(const Config& config, const ResolvedDevice& device, const TrainOptions& options,
-                      std::ostream& out);
+                      std::ostream& out, distributed::Communicator* world = nullptr);
 
 }  // namespace trainer

@@ -102,6 +102,38 @@ TEST(IntegrationContrastive, OutOfMemoryMidRunReachesTheFullBatchWeights) {
   fs::remove_all(dir);
 }
 
+// micro_batch_size=auto measures a whole step (both passes of gradient caching, the batch's loss, the gradient norm)
+// at the longest captions: with every caption cut to data.max_length=8 (so the probe's worst case is the data) and no
+// safety margin, under two real CPU budgets the probed micro-batch n trains without an out-of-memory retry and a
+// fixed n + 1 runs out of memory in step 1. (The former probe, one micro-batch's passes alone, fails this: at 1.5 MiB
+// its choice ran out of memory in step 1 and shrank to 2, while 3 fits.)
+TEST(IntegrationContrastive, AutoMicroBatchIsTheLargestAtWhichAWholeStepFits) {
+  const auto dir = fs::temp_directory_path() / "trainer-clip-auto";
+  for (const std::string budget : {"1500KiB", "2000KiB"}) {
+    fs::remove_all(dir);
+    const std::vector<std::string> common = {
+        "--set", "training.max_steps=2", "--set", "evaluation.every_steps=0", "--set", "data.validation_files=[]",
+        "--set", "checkpoint.every_steps=0", "--set", "logging.every_steps=1", "--set", "memory.limit=" + budget,
+        "--set", "data.max_length=8", "--set", "memory.auto_safety_margin=0", "--set", "memory.regrow_after_steps=0"};
+    auto probed = run_trainer(clip_args(dir / "auto", common));
+    ASSERT_EQ(probed.exit_code, 0) << probed.err;
+    EXPECT_TRUE(contains(probed.err, "micro_batch_size=auto: a step of 16 pairs in micro-batches of")) << probed.err;
+    const auto micro = metric_values(dir / "auto" / "metrics.jsonl", "micro_batch");
+    const auto retries = metric_values(dir / "auto" / "metrics.jsonl", "oom_retries");
+    ASSERT_EQ(micro.size(), 2u);
+    for (const double r : retries) EXPECT_EQ(r, 0) << budget << "\n" << probed.err;
+    const auto n = static_cast<int64_t>(micro[0]);
+    ASSERT_LT(n, 16) << budget << ": the budget must not hold the whole batch";
+    auto args = clip_args(dir / "larger", common);
+    args.insert(args.end(), {"--set", "training.micro_batch_size=" + std::to_string(n + 1)});
+    auto larger = run_trainer(args);
+    ASSERT_EQ(larger.exit_code, 0) << larger.err;
+    EXPECT_GE(metric_values(dir / "larger" / "metrics.jsonl", "oom_retries").at(0), 1)
+        << budget << ": micro-batch " << n + 1 << " should not fit\n" << larger.err;
+  }
+  fs::remove_all(dir);
+}
+
 // The demo trains and evaluates (recall both ways, zero-shot accuracy, loss) in the log and metrics.jsonl; a run
 // resumed from its checkpoint-6 ends with the weights of the uninterrupted run, bit for bit, and the same losses.
 TEST(IntegrationContrastive, TinyClipTrainsEvaluatesAndResumesExactly) {

@@ -1,5 +1,6 @@
 // Gradient caching (train/contrastive.h) on a tiny random CLIP: the gradients of the full batch's contrastive loss,
-// whatever the micro-batch split, dropout on; the micro-batch negatives mode changes the objective.
+// whatever the micro-batch split, dropout on, and over ranks that gather their embeddings; the micro-batch negatives
+// mode changes the objective.
 #include <algorithm>
 #include <iostream>
 #include <map>
@@ -147,6 +148,63 @@ TEST(Contrastive, GradientCachingEqualsTheFullBatchForAnySplitWithDropoutOn) {
     EXPECT_EQ(result.tower_forwards, sizes.size() == 1 ? 2 : 4 * static_cast<int64_t>(sizes.size()));
     EXPECT_LT(max_difference(grads, reference), 1e-5) << sizes.size() << " micro-batches";
   }
+}
+
+// Data parallelism simulated in one process: "rank" 0 holds pairs 0..3 (micro-batches 2 + 2), "rank" 1 pairs 4..6
+// (1 + 2), dropout on. Each rank's call sees the other's rows through `sum` (captured from a first call stopped at
+// the gather, which must not have touched a gradient). Every rank reports the full batch's loss, and the two ranks'
+// gradients summed are the full batch's, logit_scale's counted once (rank 0's). When another rank ran out of memory
+// in pass (a) the attempt is dropped before the gather, with no gradient.
+TEST(Contrastive, GatheredEmbeddingsAcrossRanksSumToTheFullBatchGradients) {
+  auto model = tiny_clip();
+  const Pairs pairs = make_pairs(15);
+  const auto [reference_loss, reference] = full_batch(*model, pairs);
+  const auto parts = split(pairs, {2, 2, 1, 2});
+  const std::vector<ContrastiveMicroBatch> shares[2] = {{parts[0], parts[1]}, {parts[2], parts[3]}};
+  auto ranks_for = [&](int r) {
+    ContrastiveRanks ranks;
+    ranks.batch = kPairs;
+    ranks.offset = r == 0 ? 0 : 4;
+    ranks.width = model->projection_dim();
+    ranks.logit_scale_gradient = r == 0;
+    ranks.agree = [](bool fit) { return fit; };
+    return ranks;
+  };
+  struct StopAtGather {};
+  at::Tensor rows[2];
+  for (int r = 0; r < 2; ++r) {
+    ContrastiveRanks ranks = ranks_for(r);
+    ranks.sum = [&rows, r](at::Tensor& matrix) {
+      rows[r] = matrix.clone();
+      throw StopAtGather{};
+    };
+    ContrastiveOptions options = options_for(ContrastiveNegatives::kBatch);
+    options.ranks = &ranks;
+    EXPECT_THROW(contrastive_forward_backward(*model, shares[r], options), StopAtGather);
+  }
+  EXPECT_TRUE(take_grads(*model).empty());
+  Grads total;
+  for (int r = 0; r < 2; ++r) {
+    ContrastiveRanks ranks = ranks_for(r);
+    ranks.sum = [&rows, r](at::Tensor& matrix) { matrix.add_(rows[1 - r]); };
+    ContrastiveOptions options = options_for(ContrastiveNegatives::kBatch);
+    options.ranks = &ranks;
+    const ContrastiveResult result = contrastive_forward_backward(*model, shares[r], options);
+    EXPECT_FALSE(result.dropped);
+    EXPECT_EQ(result.examples, kPairs);
+    EXPECT_NEAR(result.loss, reference_loss, 1e-5) << "rank " << r;
+    for (auto& [name, grad] : take_grads(*model)) total[name] = total.count(name) ? total[name] + grad : grad;
+  }
+  EXPECT_LT(max_difference(total, reference), 1e-5);
+  ContrastiveRanks peer_failed = ranks_for(1);
+  peer_failed.agree = [](bool) { return false; };
+  bool summed = false;
+  peer_failed.sum = [&summed](at::Tensor&) { summed = true; };
+  ContrastiveOptions options = options_for(ContrastiveNegatives::kBatch);
+  options.ranks = &peer_failed;
+  EXPECT_TRUE(contrastive_forward_backward(*model, shares[1], options).dropped);
+  EXPECT_FALSE(summed);
+  EXPECT_TRUE(take_grads(*model).empty());
 }
 
 TEST(Contrastive, DropoutActsAndIsReplayedInTheSecondPass) {

@@ -1,0 +1,272 @@
+// CLIP contrastive training under data parallelism through the real binary: 2 Gloo ranks on 127.0.0.1 (the torchrun
+// environment) train the weights one process trains with contrastive.negatives=batch (the embeddings are gathered,
+// so the negatives are the global batch), also when a real CPU budget on one rank shrinks every rank's micro-batch
+// mid-run; sharded evaluation reports one process's loss, recall and zero-shot accuracy; a 2-rank checkpoint resumes
+// in one process; LoRA with a locked image tower and micro-batch negatives are defined; out of memory at the floor on
+// one rank and SIGTERM to one rank stop every rank with one checkpoint. Every process runs under
+// `timeout` (a hang ends the test). Named IntegrationDistributed* for CTest's `distributed` label.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "support/metrics.h"
+#include "support/process.h"
+#include "support/temp_dir.h"
+#include "trainer/safetensors.h"
+
+namespace trainer::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A TCP port nobody listens on now (the kernel's choice for port 0).
+int unused_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  const int port = ntohs(address.sin_port);
+  ::close(fd);
+  return port;
+}
+
+std::vector<std::string> plus(std::vector<std::string> args, const std::vector<std::string>& extra) {
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+// `world` ranks of trainer at once, as torchrun starts them, each under `timeout`; rank r gets args + extra[r].
+std::vector<ProcessResult> clip_ranks(int world, const std::vector<std::string>& args,
+                                      const std::vector<std::vector<std::string>>& extra = {}) {
+  const int port = unused_port();
+  TempDir logs;
+  // Every rank in the source directory (the config's relative paths).
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1; ";
+  for (int r = 0; r < world; ++r) {
+    command += "( RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
+               " LOCAL_RANK=" + std::to_string(r) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
+               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+               " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout -k 5 300 " + shell_quote(trainer_binary());
+    auto all = args;
+    if (r < static_cast<int>(extra.size())) all.insert(all.end(), extra[r].begin(), extra[r].end());
+    for (const auto& a : all) command += " " + shell_quote(a);
+    const std::string base = logs.file("rank" + std::to_string(r));
+    command += " </dev/null >" + shell_quote(base + ".out") + " 2>" + shell_quote(base + ".err") + "; echo $? >" +
+               shell_quote(base + ".rc") + " ) & ";
+  }
+  command += "wait";
+  EXPECT_EQ(std::system(command.c_str()), 0);
+  std::vector<ProcessResult> results(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    const std::string base = logs.file("rank" + std::to_string(r));
+    auto& result = results[static_cast<std::size_t>(r)];
+    result.exit_code = std::stoi(read_text(base + ".rc"));
+    result.out = read_text(base + ".out");
+    result.err = read_text(base + ".err");
+  }
+  return results;
+}
+
+std::string errors_of(const std::vector<ProcessResult>& results) {
+  std::string text;
+  for (std::size_t r = 0; r < results.size(); ++r)
+    text += "---- rank " + std::to_string(r) + " (exit " + std::to_string(results[r].exit_code) + ")\n" +
+            results[r].err;
+  return text;
+}
+
+// The largest absolute difference between two safetensors files' tensors (infinity when names or shapes differ).
+double largest_difference(const fs::path& a_path, const fs::path& b_path) {
+  const auto a = SafetensorsFile::open(a_path.string()), b = SafetensorsFile::open(b_path.string());
+  if (a.tensors().size() != b.tensors().size()) return INFINITY;
+  double largest = 0;
+  for (const auto& t : a.tensors()) {
+    if (!b.find(t.name)) return INFINITY;
+    const at::Tensor x = a.load(t.name, at::kFloat), y = b.load(t.name, at::kFloat);
+    if (!x.sizes().equals(y.sizes())) return INFINITY;
+    largest = std::max(largest, (x - y).abs().max().item<double>());
+  }
+  return largest;
+}
+
+// tiny-clip (attention dropout 0.1 on) for `steps` steps of 16 pairs, micro-batches of `micro`, into `dir`. lr 1e-4:
+// AdamW at 1e-3 amplifies the summation-order noise of two ranks' gradient sums past 1e-5.
+std::vector<std::string> clip_run(const fs::path& dir, int steps, int micro) {
+  return {"--config", "configs/tiny-clip.json", "--set", "training.max_steps=" + std::to_string(steps), "--set",
+          "training.micro_batch_size=" + std::to_string(micro), "--set", "optimizer.lr=1e-4", "--set",
+          "evaluation.every_steps=0", "--set", "data.validation_files=[]", "--set", "checkpoint.every_steps=0",
+          "--set", "logging.every_steps=1", "--set", "checkpoint.output_dir=" + dir.string()};
+}
+
+// The same loss and gradient norm every step. The norm is what catches a gradient counted on every rank (AdamW's
+// update barely changes when the clipped gradient's direction does not): logit_scale's must count once.
+void expect_same_losses(const fs::path& one, const fs::path& two) {
+  const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(two / "metrics.jsonl", "loss");
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << "step " << i + 1;
+  const auto x = metric_values(one / "metrics.jsonl", "grad_norm"), y = metric_values(two / "metrics.jsonl", "grad_norm");
+  ASSERT_EQ(x.size(), y.size());
+  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(x[i], y[i], 1e-5 * x[i]) << "gradient norm of step " << i + 1;
+}
+
+}  // namespace
+
+// THE promise: 2 ranks with gathered embeddings train one process's weights (negatives = the global batch), even
+// when a CPU budget on rank 1 alone (between the peaks of micro-batches of 2 and 8) makes every rank shrink at step
+// 1, grow back after 2 steps and shrink again mid-run; evaluation, sharded and gathered, reports one process's loss,
+// recall@1/5/10 and zero-shot accuracy. The plan names the world size and each rank's share.
+TEST(IntegrationDistributedClip, TwoRanksWithOutOfMemoryOnOneTrainTheWeightsAndMetricsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  auto peak = [&](int micro) {
+    const auto out = dir.path() / ("peak-" + std::to_string(micro));
+    const auto r = run_trainer(clip_run(out, 1, micro), "OMP_NUM_THREADS=1");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return metric_values(out / "metrics.jsonl", "memory_peak").at(0);
+  };
+  const double small = peak(2), large = peak(8);
+  ASSERT_LT(small, large);
+  const std::vector<std::string> eval = {"--set", "evaluation.every_steps=3", "--set",
+                                         "data.validation_files=[\"data/demo/images/validation-captions.jsonl\"]"};
+  const auto single = run_trainer(plus(clip_run(one, 6, 8), eval), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+
+  const auto dry = run_trainer(plus(clip_run(two, 6, 8), {"--dry-run"}),
+                               "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 OMP_NUM_THREADS=1");
+  ASSERT_EQ(dry.exit_code, 0) << dry.err;
+  EXPECT_NE(dry.out.find("ranks        2"), std::string::npos) << dry.out;
+  EXPECT_NE(dry.out.find("each rank embeds 8 pairs"), std::string::npos) << dry.out;
+  EXPECT_NE(dry.out.find("gathered on every rank"), std::string::npos) << dry.out;
+
+  const auto limit = std::to_string(static_cast<int64_t>((small + large) / 2));
+  const auto ranks = clip_ranks(2, plus(plus(clip_run(two, 6, 8), eval), {"--set", "memory.regrow_after_steps=2"}),
+                                {{}, {"--set", "memory.limit=" + limit}});
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  // Rank 0 alone reports.
+  EXPECT_NE(ranks[0].out.find("Done: 6 steps"), std::string::npos) << ranks[0].out;
+  EXPECT_EQ(ranks[1].out.find("Done:"), std::string::npos) << ranks[1].out;
+  const auto micro = metric_values(two / "metrics.jsonl", "micro_batch");
+  const auto retries = metric_values(two / "metrics.jsonl", "oom_retries");
+  ASSERT_EQ(micro.size(), 6u);
+  EXPECT_LT(micro[0], 8) << errors_of(ranks);
+  double later = 0;
+  for (std::size_t i = 1; i < retries.size(); ++i) later += retries[i];
+  EXPECT_GE(later, 1) << "regrowth must run out of memory again mid-run\n" << errors_of(ranks);
+  EXPECT_NE(ranks[0].err.find("out of memory"), std::string::npos) << "rank 0 shrinks for rank 1's error\n"
+                                                                      << errors_of(ranks);
+  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  expect_same_losses(one, two);
+  for (const char* key : {"eval_loss", "eval_i2t_r1", "eval_i2t_r5", "eval_i2t_r10", "eval_t2i_r1", "eval_t2i_r5",
+                          "eval_t2i_r10", "eval_zero_shot_top1", "eval_pairs"}) {
+    const auto a = metric_values(one / "metrics.jsonl", key), b = metric_values(two / "metrics.jsonl", key);
+    ASSERT_EQ(a.size(), 2u) << key;
+    ASSERT_EQ(b.size(), 2u) << key;
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << key << " at evaluation " << i + 1;
+  }
+}
+
+// A checkpoint that 2 ranks wrote (rank 0 alone, whole) resumes in one process: the weights of 4 steps in one process.
+TEST(IntegrationDistributedClip, ACheckpointOfTwoRanksResumesInOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const auto single = run_trainer(clip_run(one, 4, 4), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = clip_ranks(2, clip_run(two, 2, 4));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  ASSERT_TRUE(fs::exists(two / "checkpoint-2" / "COMPLETE"));
+  const auto resumed = run_trainer(plus(clip_run(two, 4, 4), {"--resume"}), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("at step 2"), std::string::npos) << resumed.err;
+  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+// LoRA with a locked image tower (the text tower's adapters alone train) on 2 ranks: one process's adapter.
+TEST(IntegrationDistributedClip, LoraWithALockedImageTowerOnTwoRanksTrainsTheAdapterOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> lora = {"--set", "lora.enabled=true", "--set", "contrastive.freeze_image_tower=true"};
+  const auto single = run_trainer(plus(clip_run(one, 3, 4), lora), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = clip_ranks(2, plus(clip_run(two, 3, 4), lora));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  EXPECT_LT(largest_difference(one / "final" / "adapter_model.safetensors", two / "final" / "adapter_model.safetensors"),
+            1e-5);
+  expect_same_losses(one, two);
+}
+
+// contrastive.negatives=micro-batch on N ranks: each rank's micro-batches are their own negatives (no gather), so 2
+// ranks with micro-batches of 8 train what one process trains with micro-batches of 8 (its halves are the shares);
+// with batch negatives the objective differs.
+TEST(IntegrationDistributedClip, MicroBatchNegativesOnTwoRanksAreEachRanksMicroBatches) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> micro = {"--set", "contrastive.negatives=micro-batch"};
+  const auto single = run_trainer(plus(clip_run(one, 3, 8), micro), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = clip_ranks(2, plus(clip_run(two, 3, 16), micro));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  EXPECT_NE(ranks[0].out.find("negatives within each rank's micro-batches"), std::string::npos) << ranks[0].out;
+  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  expect_same_losses(one, two);
+}
+
+// At the floor on one rank (a budget on rank 1 that even one pair with activation checkpointing exceeds), every
+// rank escalates and stops together: exit 4 on both, rank 0 names rank 1, and one checkpoint (rank 0's) of step 0.
+TEST(IntegrationDistributedClip, OutOfMemoryAtTheFloorOnOneRankStopsEveryRankWithOneCheckpoint) {
+  TempDir dir;
+  const auto run = dir.path() / "run";
+  const auto ranks = clip_ranks(2, clip_run(run, 3, 4), {{}, {"--set", "memory.limit=1200KiB"}});
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) EXPECT_EQ(r.exit_code, 4) << errors_of(ranks);
+  EXPECT_NE(ranks[0].err.find("every escalation used: rank(s) 1"), std::string::npos) << errors_of(ranks);
+  int complete = 0;
+  for (const auto& entry : fs::directory_iterator(run))
+    if (entry.path().filename().string().starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
+      ++complete;
+  EXPECT_EQ(complete, 1) << errors_of(ranks);
+  EXPECT_TRUE(fs::exists(run / "checkpoint-0" / "COMPLETE")) << errors_of(ranks);
+}
+
+// SIGTERM to one rank (of `trainer launch`'s two) stops both after the same step: exit 0, every process ended, one
+// complete checkpoint (rank 0's).
+TEST(IntegrationDistributedClip, SigtermToOneRankStopsEveryRankWithOneCheckpoint) {
+  TempDir dir;
+  const auto run = dir.path() / "run";
+  const auto args = plus({"launch", "--nproc-per-node", "2", "--"},
+                         plus(clip_run(run, 100000, 4), {"--set", "distributed.timeout_s=30"}));
+  // `cd` on its own line: `cd && cmd &` would put a subshell, not the launcher, behind $!.
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) +
+                        " || exit 1\nGLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " + shell_quote(trainer_binary());
+  for (const auto& a : args) command += " " + shell_quote(a);
+  const std::string log = (dir.path() / "log").string(), rc = (dir.path() / "rc").string(),
+                    ended = (dir.path() / "ended").string();
+  command += " </dev/null >" + shell_quote(log) + " 2>&1 & L=$!; ";
+  command += "for i in $(seq 1 1500); do [ -s " + shell_quote((run / "metrics.jsonl").string()) +
+             " ] && break; sleep 0.2; done; C=$(pgrep -P $L); kill -TERM $(echo $C | cut -d' ' -f2); wait $L; "
+             "echo $? >" + shell_quote(rc) + "; sleep 1; n=0; for p in $C; do kill -0 $p 2>/dev/null && n=$((n+1)); "
+             "done; echo $n >" + shell_quote(ended);
+  EXPECT_EQ(std::system(("timeout -k 5 300 bash -c " + shell_quote(command)).c_str()), 0);
+  const std::string output = read_text(log);
+  EXPECT_EQ(std::stoi(read_text(rc)), 0) << output;
+  EXPECT_EQ(std::stoi(read_text(ended)), 0) << output;
+  int complete = 0;
+  for (const auto& entry : fs::directory_iterator(run))
+    if (entry.path().filename().string().starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
+      ++complete;
+  EXPECT_EQ(complete, 1) << output;
+}
+
+}  // namespace trainer::test
