@@ -110,19 +110,19 @@ void DataParallel::after_update() {
   scratch_ = at::Tensor();
 }
 
-std::vector<RunSummary::RankFigures> gather_rank_figures(Communicator& communicator, int64_t memory_peak) {
-  const auto world = static_cast<std::size_t>(communicator.world_size());
-  const auto rank = static_cast<std::size_t>(communicator.rank());
-  // Read before the collective, so every rank reports the time up to the same point.
-  const double seconds = communicator.communication_seconds();
-  std::vector<double> slots(2 * world, 0.0);
-  slots[2 * rank] = static_cast<double>(memory_peak);  // exact: peaks are far below 2^53 bytes
+void add_rank_figures(Communicator* world, RunSummary& summary) {
+  if (!world) return;
+  const auto size = static_cast<std::size_t>(world->world_size());
+  const auto rank = static_cast<std::size_t>(world->rank());
+  // Read before the collective, so every rank reports its time up to the same point.
+  const double seconds = world->communication_seconds();
+  std::vector<double> slots(2 * size, 0.0);
+  slots[2 * rank] = static_cast<double>(summary.memory_peak);  // exact: peaks are far below 2^53 bytes
   slots[2 * rank + 1] = seconds;
-  const auto all = communicator.all_reduce_sum(slots, "gathering every rank's figures for the summary");
-  std::vector<RunSummary::RankFigures> figures(world);
-  for (std::size_t r = 0; r < world; ++r)
-    figures[r] = {static_cast<int64_t>(all[2 * r]), all[2 * r + 1]};
-  return figures;
+  const auto all = world->all_reduce_sum(slots, "gathering every rank's figures for the summary");
+  summary.ranks.resize(size);
+  for (std::size_t r = 0; r < size; ++r) summary.ranks[r] = {static_cast<int64_t>(all[2 * r]), all[2 * r + 1]};
+  summary.backend = world->backend_name();
 }
 
 }  // namespace trainer::distributed

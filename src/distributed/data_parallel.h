@@ -22,9 +22,10 @@ namespace trainer::distributed {
 // are disjoint, cover every example, and depend only on the batch, never on the memory policy.
 std::pair<int64_t, int64_t> share_of(std::span<const Example> examples, int rank, int world, bool by_tokens);
 
-// Every rank's peak memory (`memory_peak`, this rank's) and seconds in collectives so far, in rank order, for the
-// end summary: one collective, so every rank calls it at the same point.
-std::vector<RunSummary::RankFigures> gather_rank_figures(Communicator& communicator, int64_t memory_peak);
+// With data parallelism (`world` not null): every rank's peak memory (summary.memory_peak, this rank's) and seconds
+// in collectives so far, in rank order, into summary.ranks, and the backend's name. One collective, so every rank
+// calls it at the same point (its run's end).
+void add_rank_figures(Communicator* world, RunSummary& summary);
 
 class DataParallel : public StepSync {
  public:

@@ -802,9 +802,7 @@ int ContrastiveRun::finish() {
     summary.best_checkpoint = best->path.string();
     summary.best_eval_loss = best->eval_loss;
   }
-  if (world_)
-    spdlog::info("data parallelism: {} ranks ({}); this rank spent {:.1f} s in collectives (waiting included)",
-                 world_->world_size(), world_->backend_name(), world_->communication_seconds());
+  distributed::add_rank_figures(world_, summary);
   reporter_.on_finish(std::move(summary));
   return kExitOk;
 }

@@ -999,10 +999,7 @@ int TrainingRun::finish() {
     summary.best_checkpoint = best->path.string();
     summary.best_eval_loss = best->eval_loss;
   }
-  if (world_) {
-    summary.ranks = distributed::gather_rank_figures(*world_, summary.memory_peak);
-    summary.backend = world_->backend_name();
-  }
+  distributed::add_rank_figures(world_, summary);
   reporter_.on_finish(std::move(summary));
   return kExitOk;
 }
