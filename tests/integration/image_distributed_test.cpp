@@ -2,8 +2,9 @@
 // environment) reach the weights, losses and evaluation metrics one process reaches (augmentation and dropout on,
 // accumulation), for a full fine-tune, a linear probe and LoRA with sharded optimizer state; a real CPU memory
 // budget on one rank shrinks every rank's micro-batch mid-run and the weights stay one process's; a 2-rank
-// checkpoint with sharded optimizer state resumes in one process; a signal to one rank stops both with one
-// checkpoint. Every process runs under `timeout`, so a hang ends the test (CTest label `distributed`).
+// checkpoint with sharded optimizer state resumes in one process; a budget too small for one image on one rank
+// stops both with exit 4 and one checkpoint; fp16-mixed overflow skips are agreed; a signal to one rank stops both
+// with one checkpoint. Every process runs under `timeout`, so a hang ends the test (CTest label `distributed`).
 // AdamW amplifies float noise in gradients near zero (its first steps move every weight by about lr): lr 1e-4 keeps
 // the summation-order differences between one process and two ranks under 1e-5.
 #include <netinet/in.h>
@@ -166,6 +167,23 @@ TEST(IntegrationDistributedImages, TwoRanksTrainAndEvaluateAsOneProcess) {
   EXPECT_TRUE(fs::exists(dir.path() / "two" / "checkpoint-4" / "COMPLETE"));
 }
 
+// --dry-run on rank 0 of 2 (no rendezvous) plans the ranks and each rank's share; contrastive CLIP runs are still
+// one process: N ranks are refused (exit 2) before anything loads.
+TEST(IntegrationDistributedImages, DryRunPlansTheRanksAndContrastiveRunsAreRefused) {
+  TempDir dir;
+  const std::string rank0 = "RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 OMP_NUM_THREADS=1";
+  auto args = vit_run(dir.path() / "dry", 3, 4);
+  args.push_back("--dry-run");
+  const auto dry = run_trainer(args, rank0);
+  ASSERT_EQ(dry.exit_code, 0) << dry.err;
+  EXPECT_TRUE(contains(dry.out, "ranks        3 (this is rank 0")) << dry.out;
+  EXPECT_TRUE(contains(dry.out, "each rank decodes and trains about 6 images of every effective batch")) << dry.out;
+  EXPECT_FALSE(fs::exists(dir.path() / "dry"));
+  const auto clip = run_trainer({"--config", "configs/tiny-clip.json", "--dry-run"}, rank0);
+  EXPECT_EQ(clip.exit_code, 2) << clip.err;
+  EXPECT_TRUE(contains(clip.err, "not implemented for contrastive CLIP training")) << clip.err;
+}
+
 // A linear probe (the head alone trains), and LoRA with sharded optimizer state (each rank keeps AdamW state for
 // its share of the adapter and head tensors).
 TEST(IntegrationDistributedImages, LinearProbeAndShardedLoraOnTwoRanksTrainWhatOneProcessTrains) {
@@ -218,6 +236,42 @@ TEST(IntegrationDistributedImages, OutOfMemoryOnOneRankShrinksEveryRankAndKeepsT
   EXPECT_LE(max_difference(dir.path() / "free" / "final" / "model.safetensors",
                            dir.path() / "constrained" / "final" / "model.safetensors"),
             1e-5);
+}
+
+// A CPU budget on rank 1 that holds the model and its optimizer state but not one image even with activation
+// checkpointing: every rank shrinks to the floor, escalates and stops together with exit 4, naming rank 1, and rank 0
+// writes the one checkpoint of the last completed step (step 0).
+TEST(IntegrationDistributedImages, OutOfMemoryAtTheFloorOnOneRankStopsEveryRankWithOneCheckpoint) {
+  TempDir dir;
+  const auto ranks = run_two_ranks(vit_run(dir.path() / "run", 3, 8, {"--set", "data.validation_files=[]"}),
+                                   {{}, {"--set", "memory.limit=360000"}});
+  for (const auto& r : ranks) EXPECT_EQ(r.exit_code, 4) << all_errors(ranks);
+  EXPECT_TRUE(contains(ranks[0].err, "every escalation used: rank(s) 1 ran out of memory")) << ranks[0].err;
+  EXPECT_TRUE(contains(ranks[1].err, "turning on activation_checkpointing")) << ranks[1].err;
+  std::vector<std::string> checkpoints;
+  for (const auto& entry : fs::directory_iterator(dir.path() / "run"))
+    if (entry.path().filename().string().starts_with("checkpoint-")) checkpoints.push_back(entry.path().filename());
+  EXPECT_EQ(checkpoints, std::vector<std::string>{"checkpoint-0"});
+  EXPECT_TRUE(fs::exists(dir.path() / "run" / "checkpoint-0" / "COMPLETE"));
+}
+
+// fp16-mixed with a loss scale of 2^20: the first steps' gradients overflow fp16. With sharded optimizer state each
+// rank checks only the summed gradients it owns, so the ranks agree on the skip; they skip the same steps as one
+// process, and the weights after the steps taken are one process's (one process ignores distributed.*). Each rank's share (8 images)
+// is one micro-batch of the single process, so the fp16 forward passes are the same.
+TEST(IntegrationDistributedImages, Fp16OverflowSkipsAreAgreedAndTheWeightsAreOneProcesss) {
+  TempDir dir;
+  const std::vector<std::string> fp16 = {"--set", "precision.mode=fp16-mixed", "--set",
+                                         "precision.initial_loss_scale=1048576", "--set",
+                                         "data.validation_files=[]", "--set", "distributed.shard_optimizer=true"};
+  expect_two_ranks_match_one(dir.path() / "one", dir.path() / "two",
+                             [&](const fs::path& d) { return vit_run(d, 8, 8, fp16); }, "model.safetensors");
+  const auto a = metric_values(dir.path() / "one" / "metrics.jsonl", "skipped_steps");
+  const auto b = metric_values(dir.path() / "two" / "metrics.jsonl", "skipped_steps");
+  ASSERT_EQ(a.size(), 8u);
+  EXPECT_EQ(a, b);
+  EXPECT_GE(a.back(), 2);  // some steps were skipped,
+  EXPECT_LE(a.back(), 6);  // and some taken
 }
 
 // Two ranks with sharded optimizer state write checkpoint-3 as one directory (each rank's part listed in
