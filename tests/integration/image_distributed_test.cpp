@@ -167,8 +167,9 @@ TEST(IntegrationDistributedImages, TwoRanksTrainAndEvaluateAsOneProcess) {
   EXPECT_TRUE(fs::exists(dir.path() / "two" / "checkpoint-4" / "COMPLETE"));
 }
 
-// --dry-run on rank 0 of 2 (no rendezvous) plans the ranks and each rank's share; contrastive CLIP runs are still
-// one process: N ranks are refused (exit 2) before anything loads.
+// --dry-run on rank 0 of 3 (no rendezvous) plans the ranks and each rank's share, as `trainer plan --world-size`
+// does (with the AdamW state shared out when sharded); contrastive CLIP runs are still one process: N ranks are
+// refused (exit 2) before anything loads.
 TEST(IntegrationDistributedImages, DryRunPlansTheRanksAndContrastiveRunsAreRefused) {
   TempDir dir;
   const std::string rank0 = "RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=1 OMP_NUM_THREADS=1";
@@ -179,6 +180,22 @@ TEST(IntegrationDistributedImages, DryRunPlansTheRanksAndContrastiveRunsAreRefus
   EXPECT_TRUE(contains(dry.out, "ranks        3 (this is rank 0")) << dry.out;
   EXPECT_TRUE(contains(dry.out, "each rank decodes and trains about 6 images of every effective batch")) << dry.out;
   EXPECT_FALSE(fs::exists(dir.path() / "dry"));
+  // `trainer plan --world-size 2`: per rank, the AdamW moments (8 bytes per parameter) shared out when sharded.
+  const auto plan = run_trainer({"plan", "--config", "configs/tiny-vit.json", "--world-size", "2"});
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_TRUE(contains(plan.out, "data parallelism: 2 ranks (backend gloo); each rank decodes and trains about 8 of "
+                                 "the 16 images"))
+      << plan.out;
+  const auto sharded = run_trainer({"plan", "--config", "configs/tiny-vit.json", "--world-size", "2", "--set",
+                                    "distributed.shard_optimizer=true"});
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.err;
+  EXPECT_TRUE(contains(sharded.out, "about 1/2 of the AdamW state")) << sharded.out;
+  auto fixed_of = [](const std::string& out) {
+    const std::string key = "weights + grads + AdamW   ";
+    const auto at = out.find(key);
+    return at == std::string::npos ? std::string() : out.substr(at + key.size(), out.find('\n', at) - at - key.size());
+  };
+  EXPECT_NE(fixed_of(plan.out), fixed_of(sharded.out)) << plan.out << sharded.out;
   const auto clip = run_trainer({"--config", "configs/tiny-clip.json", "--dry-run"}, rank0);
   EXPECT_EQ(clip.exit_code, 2) << clip.err;
   EXPECT_TRUE(contains(clip.err, "not implemented for contrastive CLIP training")) << clip.err;
