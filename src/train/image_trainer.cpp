@@ -392,7 +392,9 @@ void ImageTrainingRun::restore_or_probe() {
   // micro_batch_size=auto: the largest micro-batch whose forward and backward fit and leave the safety margin
   // (doubling, then bisecting), as for text; images have one size, so any pixels are the worst case.
   const int64_t height = spec_.output_size().first, width = spec_.output_size().second;
-  const int64_t batch_size = config_.training.batch_size;
+  // With data parallelism a micro-batch never holds more than a rank's share of the effective batch.
+  const int64_t batch_size = world_ ? (config_.training.batch_size + world_->world_size() - 1) / world_->world_size()
+                                    : config_.training.batch_size;
   const int64_t capacity = config_.memory.limit.bytes > 0 ? static_cast<int64_t>(config_.memory.limit.bytes)
                            : device_.is_cpu()           ? 0
                                                         : static_cast<int64_t>(at::accelerator::getMemoryInfo(device_.index()).second);
