@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -217,6 +218,39 @@ TEST(IntegrationDistributedImages, LinearProbeAndShardedLoraOnTwoRanksTrainWhatO
       "adapter_model.safetensors");
   EXPECT_TRUE(fs::exists(dir.path() / "lora-two" / "checkpoint-3" / "optimizer-rank-1-of-2.safetensors"));
   EXPECT_TRUE(contains(ranks[0].out, "optimizer state sharded over the ranks")) << ranks[0].out;
+}
+
+// data.on_bad_record=skip with two bad images, both in rank 1's shares (records 12 and 121 of 122, no shuffle): the
+// ranks exchange how many images each kept, so the loss is normalised by the batch's 15 (then 9) images as in one
+// process and the weights and losses are one process's; the summary counts both bad records.
+TEST(IntegrationDistributedImages, BadImagesSkippedOnOneRankAreCountedByAll) {
+  TempDir dir;
+  std::ofstream(dir.path() / "bad.jpg") << "not an image";
+  {
+    std::ofstream listing(dir.path() / "train.jsonl");
+    const std::string root = std::string(TRAINER_SOURCE_DIR) + "/data/demo/images/";
+    std::ifstream demo(root + "train.jsonl");
+    const std::string bad = nlohmann::json{{"image", (dir.path() / "bad.jpg").string()}, {"label", "circle-red"}}.dump();
+    int line_number = 0;
+    for (std::string line; std::getline(demo, line); ++line_number) {
+      if (line_number == 12) listing << bad << "\n";
+      auto record = nlohmann::json::parse(line);
+      record["image"] = root + record["image"].get<std::string>();
+      listing << record.dump() << "\n";
+    }
+    listing << bad << "\n";
+  }
+  const std::vector<std::string> data = {"--set", "data.train_files=[\"" + (dir.path() / "train.jsonl").string() + "\"]",
+                                         "--set", "data.shuffle=false", "--set", "data.on_bad_record=skip",
+                                         "--set", "data.validation_files=[]"};
+  const auto ranks = expect_two_ranks_match_one(dir.path() / "one", dir.path() / "two",
+                                                [&](const fs::path& d) { return vit_run(d, 8, 4, data); },
+                                                "model.safetensors");
+  EXPECT_TRUE(contains(ranks[0].out, "bad records skipped 2")) << ranks[0].out;
+  const auto images = metric_values(dir.path() / "two" / "metrics.jsonl", "tokens");
+  ASSERT_EQ(images.size(), 8u);
+  EXPECT_EQ(images.front(), 15);  // the first batch: 16 records, one bad
+  EXPECT_EQ(images.back(), 120);
 }
 
 // A real CPU budget on rank 1 alone (memory.limit is a per-machine key), between the peaks of a step at micro-batch 4
