@@ -83,7 +83,8 @@ fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, boo
     const auto all = world->all_reduce_max(flags);
     std::string missing;
     for (int r = 0; r < ranks; ++r)
-      if (all[static_cast<std::size_t>(r)]) missing += (missing.empty() ? "" : ", ") + files[static_cast<std::size_t>(r)];
+      if (all[static_cast<std::size_t>(r)])
+        missing += (missing.empty() ? "" : ", ") + files[static_cast<std::size_t>(r)];
     return missing;
   };
   if (!primary) {
@@ -96,8 +97,9 @@ fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, boo
       spdlog::error("checkpoint step {}: this rank's optimizer state could not be written: {}", step, failure);
     }
     if (const std::string missing = agree_on_parts(!failure.empty()); !missing.empty())
-      throw DataError("checkpoint step " + std::to_string(step) + " could not be written: the optimizer state part(s) " +
-                          missing + " failed" + (failure.empty() ? "" : ": " + failure),
+      throw DataError("checkpoint step " + std::to_string(step) +
+                          " could not be written: the optimizer state part(s) " + missing + " failed" +
+                          (failure.empty() ? "" : ": " + failure),
                       "free space in checkpoint.output_dir, then continue with --resume");
     world->barrier();  // rank 0 has renamed it and written COMPLETE
     return final_dir;
@@ -119,7 +121,8 @@ fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, boo
   };
   trained.for_each_parameter(
       [&](const std::string&, at::Tensor& p) { write.needed_bytes += static_cast<int64_t>(p.nbytes()); });
-  for (const auto& [name, tensor] : optimizer.state_tensors()) write.needed_bytes += static_cast<int64_t>(tensor.nbytes());
+  for (const auto& [name, tensor] : optimizer.state_tensors())
+    write.needed_bytes += static_cast<int64_t>(tensor.nbytes());
   write.prepared = true;
   const fs::path written = write_checkpoint_dir(output_dir, step, false, write);
   world->barrier();

@@ -492,7 +492,8 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
       out << "data parallelism: " << world_size << " ranks (backend " << (resolved.device.is_cuda() ? "nccl" : "gloo")
           << "); each rank decodes and trains about " << share << " of the " << config.training.batch_size
           << " images of every effective batch and holds the whole model and its gradients"
-          << (sharded ? " and about 1/" + std::to_string(world_size) + " of the AdamW state (distributed.shard_optimizer)"
+          << (sharded ? " and about 1/" + std::to_string(world_size) +
+                            " of the AdamW state (distributed.shard_optimizer)"
                       : std::string(" and the whole optimizer state"))
           << ": every figure below is per rank\n";
       if (sharded)

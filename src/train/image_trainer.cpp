@@ -104,8 +104,8 @@ Evaluation evaluate_images(ImageClassifier& model, ImageLoader& loader, int64_t&
   if (world) {
     spdlog::debug("evaluation: rank {} of {} evaluated its share: {} images", world->rank(), world->world_size(),
                   result.images);
-    const auto sums = world->all_reduce_sum(
-        std::vector<double>{loss_sum, top1, top5, static_cast<double>(result.images)}, "summing the validation metrics");
+    const auto sums = world->all_reduce_sum(std::vector<double>{loss_sum, top1, top5, static_cast<double>(result.images)},
+                                            "summing the validation metrics");
     loss_sum = sums[0];
     top1 = sums[1];
     top5 = sums[2];

@@ -114,8 +114,8 @@ double max_difference(const fs::path& a_path, const fs::path& b_path) {
 // configs/tiny-vit.json (augmentation on, dropout 0.1, effective batches of 16) for `steps` steps at micro-batch
 // `micro` (accumulation on every rank: each rank's share is 8 images), into `dir`.
 std::vector<std::string> vit_run(const fs::path& dir, int steps, int micro, std::vector<std::string> extra = {}) {
-  std::vector<std::string> args = {"--config", "configs/tiny-vit.json", "--set", "training.max_steps=" + std::to_string(steps),
-                                   "--set", "training.micro_batch_size=" + std::to_string(micro), "--set",
+  std::vector<std::string> args = {"--config", "configs/tiny-vit.json", "--set",
+                                   "training.max_steps=" + std::to_string(steps), "--set", "training.micro_batch_size=" + std::to_string(micro), "--set",
                                    "optimizer.lr=1e-4", "--set", "scheduler.warmup_steps=0", "--set",
                                    "evaluation.every_steps=0", "--set", "checkpoint.every_steps=0", "--set",
                                    "logging.every_steps=1", "--set", "checkpoint.output_dir=" + dir.string()};
@@ -125,8 +125,9 @@ std::vector<std::string> vit_run(const fs::path& dir, int steps, int micro, std:
 
 // One process and two ranks on the same arguments (`dir` differs): both succeed, and `file` in final/ and every
 // step's loss agree to 1e-5. Returns the ranks' results.
-std::vector<ProcessResult> expect_two_ranks_match_one(const fs::path& one, const fs::path& two,
-                                                      const std::function<std::vector<std::string>(const fs::path&)>& args,
+using ArgsFor = std::function<std::vector<std::string>(const fs::path& dir)>;
+
+std::vector<ProcessResult> expect_two_ranks_match_one(const fs::path& one, const fs::path& two, const ArgsFor& args,
                                                       const std::string& file) {
   const auto single = run_trainer(args(one), "OMP_NUM_THREADS=1");
   EXPECT_EQ(single.exit_code, 0) << single.err;
@@ -230,7 +231,8 @@ TEST(IntegrationDistributedImages, BadImagesSkippedOnOneRankAreCountedByAll) {
     std::ofstream listing(dir.path() / "train.jsonl");
     const std::string root = std::string(TRAINER_SOURCE_DIR) + "/data/demo/images/";
     std::ifstream demo(root + "train.jsonl");
-    const std::string bad = nlohmann::json{{"image", (dir.path() / "bad.jpg").string()}, {"label", "circle-red"}}.dump();
+    const std::string bad =
+        nlohmann::json{{"image", (dir.path() / "bad.jpg").string()}, {"label", "circle-red"}}.dump();
     int line_number = 0;
     for (std::string line; std::getline(demo, line); ++line_number) {
       if (line_number == 12) listing << bad << "\n";
@@ -240,8 +242,8 @@ TEST(IntegrationDistributedImages, BadImagesSkippedOnOneRankAreCountedByAll) {
     }
     listing << bad << "\n";
   }
-  const std::vector<std::string> data = {"--set", "data.train_files=[\"" + (dir.path() / "train.jsonl").string() + "\"]",
-                                         "--set", "data.shuffle=false", "--set", "data.on_bad_record=skip",
+  const std::vector<std::string> data = {"--set",
+                                         "data.train_files=[\"" + (dir.path() / "train.jsonl").string() + "\"]", "--set", "data.shuffle=false", "--set", "data.on_bad_record=skip",
                                          "--set", "data.validation_files=[]"};
   const auto ranks = expect_two_ranks_match_one(dir.path() / "one", dir.path() / "two",
                                                 [&](const fs::path& d) { return vit_run(d, 8, 4, data); },
@@ -272,7 +274,8 @@ TEST(IntegrationDistributedImages, OutOfMemoryOnOneRankShrinksEveryRankAndKeepsT
   const auto single = run_trainer(vit_run(dir.path() / "free", 6, 8, common), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
   const auto ranks = run_two_ranks(
-      vit_run(dir.path() / "constrained", 6, 8, {"--set", "data.validation_files=[]", "--set", "memory.regrow_after_steps=2"}),
+      vit_run(dir.path() / "constrained", 6, 8,
+              {"--set", "data.validation_files=[]", "--set", "memory.regrow_after_steps=2"}),
       {{"--set", "memory.limit=1GiB"}, {"--set", "memory.limit=" + std::to_string(limit)}});
   for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   const auto micro = metric_values(dir.path() / "constrained" / "metrics.jsonl", "micro_batch");
@@ -308,8 +311,8 @@ TEST(IntegrationDistributedImages, OutOfMemoryAtTheFloorOnOneRankStopsEveryRankW
 
 // fp16-mixed with a loss scale of 2^20: the first steps' gradients overflow fp16. With sharded optimizer state each
 // rank checks only the summed gradients it owns, so the ranks agree on the skip; they skip the same steps as one
-// process, and the weights after the steps taken are one process's (one process ignores distributed.*). Each rank's share (8 images)
-// is one micro-batch of the single process, so the fp16 forward passes are the same.
+// process, and the weights after the steps taken are one process's (one process ignores distributed.*). Each rank's
+// share (8 images) is one micro-batch of the single process, so the fp16 forward passes are the same.
 TEST(IntegrationDistributedImages, Fp16OverflowSkipsAreAgreedAndTheWeightsAreOneProcesss) {
   TempDir dir;
   const std::vector<std::string> fp16 = {"--set", "precision.mode=fp16-mixed", "--set",
