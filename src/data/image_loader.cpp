@@ -39,20 +39,36 @@ std::optional<ImageBatch> ImageLoader::next() {
     const data::Permutation order(size, data::mix_seed(cursor_.seed, kImageEpochSalt,
                                                        static_cast<uint64_t>(cursor_.epoch)));
     const uint64_t count = std::min<uint64_t>(static_cast<uint64_t>(options_.batch_size), size - cursor_.position);
+    // This rank's records of the effective batch (all of them in one process). Augmentation is keyed by the record,
+    // so a share is augmented as in one process.
+    const auto [share_begin, share_count] = share_range(count);
     std::vector<std::size_t> indices;
-    for (uint64_t k = cursor_.position; k < cursor_.position + count; ++k)
+    for (uint64_t k = cursor_.position + share_begin; k < cursor_.position + share_begin + share_count; ++k)
       indices.push_back(static_cast<std::size_t>(options_.shuffle ? order(k) : k));
     const data::ImageAugment augment{cursor_.seed, cursor_.epoch};
     auto decoded = data::decode_images(*dataset_, indices, spec_, options_.workers, options_.skip_bad,
                                        options_.augment ? &augment : nullptr);
     cursor_.position += count;
+    const auto kept = static_cast<int64_t>(decoded.kept.size());
+    int64_t first = 0, total = kept;
+    if (options_.shard.world > 1) {
+      const auto counts = options_.shard.gather_kept(kept);
+      total = 0;
+      for (std::size_t r = 0; r < counts.size(); ++r) {
+        if (static_cast<int>(r) < options_.shard.rank) first += counts[r];
+        total += counts[r];
+      }
+    }
+    // Counts of the whole effective batch (every rank's); the problems named are this rank's.
     stats_.records_read += static_cast<int64_t>(count);
-    stats_.examples += static_cast<int64_t>(decoded.kept.size());
-    stats_.bad_records_skipped += static_cast<int64_t>(decoded.problems.size());
+    stats_.examples += total;
+    stats_.bad_records_skipped += static_cast<int64_t>(count) - total;
     for (auto& problem : decoded.problems)
       if (stats_.first_problems.size() < kProblemsKept) stats_.first_problems.push_back(std::move(problem));
-    if (decoded.kept.empty()) continue;
+    if (total == 0) continue;
     ImageBatch batch;
+    batch.first = first;
+    batch.total = total;
     const auto [height, width] = spec_.output_size();
     batch.height = height;
     batch.width = width;
@@ -62,6 +78,14 @@ std::optional<ImageBatch> ImageLoader::next() {
     for (const std::size_t k : decoded.kept) batch.records.push_back(indices[k]);
     return batch;
   }
+}
+
+std::pair<uint64_t, uint64_t> ImageLoader::share_range(uint64_t count) const {
+  const auto world = static_cast<uint64_t>(std::max(1, options_.shard.world));
+  const auto rank = static_cast<uint64_t>(options_.shard.rank);
+  const uint64_t base = count / world, extra = count % world;
+  auto begin_of = [&](uint64_t r) { return r * base + std::min(r, extra); };
+  return {begin_of(rank), begin_of(rank + 1) - begin_of(rank)};
 }
 
 nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset) {
@@ -91,7 +115,7 @@ std::shared_ptr<const data::ImageDataset> open_training_images(const Config& con
 
 std::unique_ptr<ImageLoader> make_image_train_loader(const Config& config,
                                                      std::shared_ptr<const data::ImageDataset> dataset,
-                                                     const data::ImageProcessorSpec& spec) {
+                                                     const data::ImageProcessorSpec& spec, ImageShard shard) {
   ImageLoaderOptions options;
   options.batch_size = config.training.batch_size;
   options.shuffle = config.data.shuffle;
@@ -100,11 +124,13 @@ std::unique_ptr<ImageLoader> make_image_train_loader(const Config& config,
   options.seed = static_cast<uint64_t>(config.training.seed);
   options.skip_bad = config.data.on_bad_record == BadRecordPolicy::kSkip;
   options.augment = config.data.augment;
+  options.shard = std::move(shard);
   return std::make_unique<ImageLoader>(std::move(dataset), spec, options);
 }
 
 std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, const std::vector<std::string>& classes,
-                                                          const data::ImageProcessorSpec& spec, int64_t batch_size) {
+                                                          const data::ImageProcessorSpec& spec, int64_t batch_size,
+                                                          ImageShard shard) {
   if (config.data.validation_files.empty()) return nullptr;
   const bool skip = config.data.on_bad_record == BadRecordPolicy::kSkip;
   auto dataset = std::make_shared<const data::ImageDataset>(
@@ -113,6 +139,7 @@ std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, 
   options.batch_size = batch_size;
   options.workers = static_cast<int>(std::max<int64_t>(1, config.data.num_workers));
   options.skip_bad = skip;
+  options.shard = std::move(shard);
   return std::make_unique<ImageLoader>(std::move(dataset), spec, options);
 }
 

@@ -5,8 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -27,7 +29,22 @@ struct ImageBatch {
   std::vector<std::size_t> records;  // each image's record in the dataset (an image-caption pair's caption)
   int64_t height = 0, width = 0;
   int64_t epoch = 0;
+  // Data parallelism: this batch is one rank's share of the effective batch; `first` is its first image's index in
+  // the effective batch's decoded images, `total` their number on all ranks (one process: 0 and size()).
+  int64_t first = 0;
+  int64_t total = 0;
   int64_t size() const { return static_cast<int64_t>(labels.size()); }
+};
+
+// Data parallelism: the loader decodes only this rank's share of each effective batch (equal record counts, the
+// first ranks taking one more when it does not divide: distributed::share_of's split), and learns from
+// `gather_kept` how many images every rank kept (a collective: every rank calls it once per effective batch, with
+// its own count, and gets all counts in rank order), so images are numbered as in one process and an effective
+// batch no rank kept an image of is passed over by all. world 1: the whole batch.
+struct ImageShard {
+  int rank = 0;
+  int world = 1;
+  std::function<std::vector<int64_t>(int64_t kept)> gather_kept;
 };
 
 struct ImageLoaderOptions {
@@ -38,6 +55,7 @@ struct ImageLoaderOptions {
   uint64_t seed = 0;
   bool skip_bad = false;
   bool augment = false;
+  ImageShard shard;  // data parallelism: this rank's share of each effective batch
 };
 
 class ImageLoader {
@@ -54,6 +72,9 @@ class ImageLoader {
   const data::ImageDataset& dataset() const { return *dataset_; }
 
  private:
+  // This rank's records [begin, begin + count) of an effective batch of `count` records.
+  std::pair<uint64_t, uint64_t> share_range(uint64_t count) const;
+
   std::shared_ptr<const data::ImageDataset> dataset_;
   data::ImageProcessorSpec spec_;
   ImageLoaderOptions options_;
@@ -72,9 +93,10 @@ std::shared_ptr<const data::ImageDataset> open_training_images(const Config& con
                                                                const std::vector<std::string>& classes);
 std::unique_ptr<ImageLoader> make_image_train_loader(const Config& config,
                                                      std::shared_ptr<const data::ImageDataset> dataset,
-                                                     const data::ImageProcessorSpec& spec);
+                                                     const data::ImageProcessorSpec& spec, ImageShard shard = {});
 // One pass in file order, no augmentation; nothing when data.validation_files is empty.
 std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, const std::vector<std::string>& classes,
-                                                          const data::ImageProcessorSpec& spec, int64_t batch_size);
+                                                          const data::ImageProcessorSpec& spec, int64_t batch_size,
+                                                          ImageShard shard = {});
 
 }  // namespace trainer

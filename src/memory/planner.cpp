@@ -476,7 +476,7 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
     // An image classifier: fixed memory of the mode, activations per image at its size, what fits.
     const auto e = estimate_image_memory(config.model.path);
     const bool probe = config.training.linear_probe;
-    const double fixed = probe ? e.probe_fixed : e.full_fixed;
+    double fixed = probe ? e.probe_fixed : e.full_fixed;
     const double per_image = probe ? 0.0 : e.activations_per_image;
     const bool contrastive = config.training.objective == TrainingObjective::kContrastive;
     out << "model " << config.model.path << " on " << resolved.description
@@ -484,6 +484,22 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
                           "projections and gradient caching's embeddings come on top, measured by the run, "
                         : " (image classifier, ")
         << e.image_size << " x " << e.image_size << " pixels, " << e.tokens << " tokens per image)\n";
+    if (world_size > 1 && !contrastive) {
+      // Each rank decodes and trains its share of every effective batch (docs/images.md#data-parallelism-for-image-
+      // classifiers); sharded, it keeps about 1/N of the AdamW moments (8 bytes per trainable parameter).
+      const int64_t share = (config.training.batch_size + world_size - 1) / world_size;
+      const bool sharded = config.distributed.shard_optimizer;
+      out << "data parallelism: " << world_size << " ranks (backend " << (resolved.device.is_cuda() ? "nccl" : "gloo")
+          << "); each rank decodes and trains about " << share << " of the " << config.training.batch_size
+          << " images of every effective batch and holds the whole model and its gradients"
+          << (sharded ? " and about 1/" + std::to_string(world_size) +
+                            " of the AdamW state (distributed.shard_optimizer)"
+                      : std::string(" and the whole optimizer state"))
+          << ": every figure below is per rank\n";
+      if (sharded)
+        fixed -= 8.0 * static_cast<double>(probe ? e.head_parameters : e.parameters) *
+                 (1.0 - 1.0 / static_cast<double>(world_size));
+    }
     out << "  mode                      " << (probe ? "linear probe (backbone frozen)" : "full fine-tune") << "\n";
     out << "  weights + grads + AdamW   " << human_bytes(fixed) << "\n";
     out << "  activations per image     " << human_bytes(per_image) << " (fp32 estimate)\n";

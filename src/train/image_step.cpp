@@ -60,7 +60,9 @@ StepResult ImageTrainStep::run(const ImageBatch& batch, int64_t step, double lr)
   const at::Tensor pixels =
       at::from_blob(const_cast<float*>(batch.pixels.data()), {images, 3, batch.height, batch.width}, at::kFloat);
   const at::Tensor labels = at::from_blob(const_cast<int64_t*>(batch.labels.data()), {images}, at::kLong);
-  const double normaliser = static_cast<double>(std::max<int64_t>(1, images));
+  // The whole effective batch's images (every rank's share): what the loss is normalised by.
+  const int64_t total = options_.sync ? batch.total : std::max(batch.total, images);
+  const double normaliser = static_cast<double>(std::max<int64_t>(1, total));
   StepResult result;
   bool optimizer_retried = false;
   for (int64_t attempt = 0;; ++attempt) {
@@ -70,27 +72,42 @@ StepResult ImageTrainStep::run(const ImageBatch& batch, int64_t step, double lr)
     std::optional<std::string> out_of_memory;
     try {
       parts = split_counts(images, policy_.micro_batch());
+      // Dropout masks follow each image's place in the effective batch, so neither the split nor the ranks change
+      // them.
       for (const auto& [begin, count] : parts)
-        loss_sum += forward_backward(pixels.narrow(0, begin, count), labels.narrow(0, begin, count), begin, step,
-                                     normaliser);
+        loss_sum += forward_backward(pixels.narrow(0, begin, count), labels.narrow(0, begin, count),
+                                     batch.first + begin, step, normaliser);
+      if (options_.sync) options_.sync->prepare();
     } catch (const c10::OutOfMemoryError& e) {
       out_of_memory = e.what_without_backtrace();
     }
     int64_t largest = 0;
     for (const auto& part : parts) largest = std::max(largest, part.second);
+    bool at_floor = largest <= 1;
+    if (options_.sync) {
+      // Every rank learns whether every rank fit before any gradient is reduced, and all decide alike (a rank with
+      // an empty share is at the floor).
+      const auto outcome = options_.sync->agree(!out_of_memory, at_floor ? std::min<int64_t>(largest, 1)
+                                                                          : std::max<int64_t>(largest, 2));
+      at_floor = outcome.largest_part <= 1;
+      if (!outcome.all_fit && !out_of_memory) out_of_memory = "rank(s) " + outcome.failed_ranks + " ran out of memory";
+      else if (out_of_memory) *out_of_memory = "rank(s) " + outcome.failed_ranks + ": " + *out_of_memory;
+    }
     if (out_of_memory) {
-      adapt_to_out_of_memory(optimizer_, policy_, step, attempt, options_.max_retries, largest <= 1,
+      adapt_to_out_of_memory(optimizer_, policy_, step, attempt, options_.max_retries, at_floor,
                              [&] { return escalate(step); }, *out_of_memory,
                              "a smaller image size, training.activation_checkpointing=true, "
                              "training.linear_probe=true or lora.enabled=true, or a larger memory.limit");
       continue;
     }
+    if (options_.sync) loss_sum = options_.sync->reduce(loss_sum);
     result.loss = loss_sum / normaliser;
     result.micro_batch = largest;
     result.micro_steps = static_cast<int64_t>(parts.size());
     result.retries = attempt;
-    result.target_tokens = images;
-    const UpdatePhase phase{optimizer_, policy_, options_.scaler, nullptr, options_.max_grad_norm, step, lr, images};
+    result.target_tokens = total;
+    const UpdatePhase phase{optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm, step, lr,
+                            total};
     if (!apply_update(phase, result, optimizer_retried)) continue;
     return result;
   }

@@ -31,6 +31,9 @@ struct ImageStepOptions {
   uint64_t seed = 0;
   bool linear_probe = false;  // the backbone is frozen: features run without autograd, only the head trains
   GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed: dynamic loss scaling (train/grad_scaler.h)
+  // Data parallelism: the batch is this rank's share (ImageBatch::first, total); the ranks agree on out-of-memory
+  // errors and sum the gradients, as in the text step.
+  StepSync* sync = nullptr;
 };
 
 class ImageTrainStep {
@@ -38,7 +41,9 @@ class ImageTrainStep {
   ImageTrainStep(ImageClassifier& model, Optimizer& optimizer, MemoryPolicy& policy, ImageStepOptions options)
       : model_(model), optimizer_(optimizer), policy_(policy), options_(options) {}
 
-  // StepResult::target_tokens counts the images of the step; loss is the mean cross-entropy per image.
+  // StepResult::target_tokens counts the images of the step (all ranks'); loss is the mean cross-entropy per image.
+  // With data parallelism `batch` is this rank's share, and the loss is normalised by the whole effective batch's
+  // image count (batch.total), so the summed gradient is one process's.
   StepResult run(const ImageBatch& batch, int64_t step, double lr);
 
   // The summed cross-entropy of `labels.size(0)` images whose pixels (B, 3, H, W) are on the host, images

@@ -16,6 +16,9 @@
 #include <spdlog/spdlog.h>
 
 #include "data/image_loader.h"
+#include "distributed/checkpoint_parts.h"
+#include "distributed/data_parallel.h"
+#include "distributed/process_group.h"
 #include "log/reporter.h"
 #include "memory/cpu_budget.h"
 #include "memory/cuda_extras.h"
@@ -56,9 +59,10 @@ struct Evaluation {
 };
 
 // Mean cross-entropy, top-1 and top-5 accuracy over the validation images, in micro-batches of `micro` (halved on
-// out-of-memory; the training policy is never touched).
+// out-of-memory; the training policy is never touched). With data parallelism the loader gives this rank its share of
+// every validation batch, and the sums and the image count are summed over the ranks: one process's metrics.
 Evaluation evaluate_images(ImageClassifier& model, ImageLoader& loader, int64_t& micro, const Config& config,
-                           const c10::Device& device) {
+                           const c10::Device& device, distributed::Communicator* world) {
   at::NoGradGuard no_grad;
   model.train(false);
   Evaluation result;
@@ -97,6 +101,16 @@ Evaluation evaluate_images(ImageClassifier& model, ImageLoader& loader, int64_t&
     if (config.evaluation.max_batches > 0 && ++batches >= config.evaluation.max_batches) break;
   }
   model.train(true);
+  if (world) {
+    spdlog::debug("evaluation: rank {} of {} evaluated its share: {} images", world->rank(), world->world_size(),
+                  result.images);
+    const auto sums = world->all_reduce_sum(std::vector<double>{loss_sum, top1, top5, static_cast<double>(result.images)},
+                                            "summing the validation metrics");
+    loss_sum = sums[0];
+    top1 = sums[1];
+    top5 = sums[2];
+    result.images = static_cast<int64_t>(std::llround(sums[3]));
+  }
   if (result.images > 0) {
     const auto n = static_cast<double>(result.images);
     result.loss = loss_sum / n;
@@ -106,12 +120,15 @@ Evaluation evaluate_images(ImageClassifier& model, ImageLoader& loader, int64_t&
   return result;
 }
 
-// One image-classification run over explicit state, in the phases of the text run (trainer.cpp).
+// One image-classification run over explicit state, in the phases of the text run (trainer.cpp). With data
+// parallelism (`world`) every rank runs the same phases on its share of each effective batch; rank 0 alone writes
+// files and reports.
 class ImageTrainingRun {
  public:
-  ImageTrainingRun(const Config& config, const c10::Device& device, const TrainOptions& options, Reporter& reporter)
-      : config_(config), device_(device), options_(options), reporter_(reporter),
-        output_dir_(config.checkpoint.output_dir) {}
+  ImageTrainingRun(const Config& config, const c10::Device& device, const TrainOptions& options, Reporter& reporter,
+                   distributed::Communicator* world)
+      : config_(config), device_(device), options_(options), reporter_(reporter), world_(world),
+        primary_(!world || world->rank() == 0), output_dir_(config.checkpoint.output_dir) {}
 
   void set_up();
   int loop();
@@ -119,10 +136,14 @@ class ImageTrainingRun {
 
  private:
   void build_model();
+  void choose_trainable();
   void apply_lora_to_model();
   void save_trained(const fs::path& dir);
   void restore_or_probe();
   bool train_one_step();
+  int agreed_stop_signal();
+  // Data parallelism: this rank's share of each effective batch (none in one process).
+  ImageShard shard() const;
   void evaluate();
   std::string checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state);
 
@@ -130,6 +151,8 @@ class ImageTrainingRun {
   c10::Device device_;
   const TrainOptions& options_;
   Reporter& reporter_;
+  distributed::Communicator* world_;
+  const bool primary_;
   const fs::path output_dir_;
 
   std::optional<fs::path> resume_dir_;
@@ -144,6 +167,7 @@ class ImageTrainingRun {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<MemoryPolicy> policy_;
   std::unique_ptr<ImageTrainStep> step_;
+  std::unique_ptr<distributed::DataParallel> data_parallel_;
   std::unique_ptr<GradScaler> scaler_;  // precision.mode=fp16-mixed
   int64_t skipped_at_start_ = 0;        // the scaler's skipped steps when this process started (resume)
   std::unique_ptr<CheckpointRetention> retention_;
@@ -185,13 +209,17 @@ void ImageTrainingRun::set_up() {
     check_resume_config(resume_state_.at("config"), config_, resume_dir_->string(), options_.allow_config_change);
   }
   build_model();
-  loader_ = make_image_train_loader(config_, dataset_, spec_);
+  loader_ = make_image_train_loader(config_, dataset_, spec_, shard());
   const auto per_epoch = static_cast<int64_t>((loader_->examples_per_epoch() +
                                                static_cast<uint64_t>(config_.training.batch_size) - 1) /
                                               static_cast<uint64_t>(config_.training.batch_size));
   total_steps_ = config_.training.max_steps > 0 ? config_.training.max_steps : per_epoch * config_.training.epochs;
   Module& trainable = lora_ ? static_cast<Module&>(*lora_) : *model_;
-  optimizer_ = make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
+  // distributed.shard_optimizer (ZeRO-1): this rank's state covers its share of the parameters only.
+  OptimizerShard optimizer_shard;
+  if (world_ && config_.distributed.shard_optimizer) optimizer_shard = {world_->rank(), world_->world_size()};
+  optimizer_ = make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed),
+                              optimizer_shard);
   policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
   ImageStepOptions step_options;
   step_options.device = device_;
@@ -200,6 +228,18 @@ void ImageTrainingRun::set_up() {
   step_options.max_retries = config_.memory.max_retries;
   step_options.seed = static_cast<uint64_t>(config_.training.seed);
   step_options.linear_probe = config_.training.linear_probe;
+  if (world_) {
+    // The trainable parameters in the optimizer's order (the same on every rank); their gradients are summed once
+    // per optimizer step.
+    std::vector<at::Tensor> parameters;
+    trainable.for_each_parameter([&](const std::string&, at::Tensor& p) {
+      if (p.requires_grad()) parameters.push_back(p);
+    });
+    data_parallel_ = std::make_unique<distributed::DataParallel>(
+        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes),
+        optimizer_shard.world > 1 ? optimizer_->owners() : std::vector<int>{});
+    step_options.sync = data_parallel_.get();
+  }
   if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
     GradScalerOptions scaling;
     scaling.init_scale = config_.precision.initial_loss_scale;
@@ -214,7 +254,7 @@ void ImageTrainingRun::set_up() {
   fs::create_directories(output_dir_);
   retention_ = std::make_unique<CheckpointRetention>(output_dir_, config_.checkpoint.keep_last,
                                                      config_.checkpoint.keep_best);
-  retention_->start(resume_dir_ ? std::optional<int64_t>(step_index_) : std::nullopt);
+  if (primary_) retention_->start(resume_dir_ ? std::optional<int64_t>(step_index_) : std::nullopt);
   std::error_code same_error;
   if (resume_dir_ &&
       fs::equivalent(*resume_dir_, output_dir_ / ("checkpoint-" + std::to_string(step_index_)), same_error))
@@ -261,8 +301,19 @@ void ImageTrainingRun::build_model() {
   model_->train(true);
   if (config_.lora.enabled) {
     apply_lora_to_model();
-    return;
+  } else {
+    choose_trainable();
   }
+  if (world_) {  // rank 0's weights on every rank
+    std::vector<at::Tensor> all;
+    model_->for_each_parameter([&](const std::string&, at::Tensor& p) { all.push_back(p); });
+    if (lora_) lora_->for_each_parameter([&](const std::string&, at::Tensor& p) { all.push_back(p); });
+    world_->broadcast(all);
+  }
+}
+
+// Full fine-tune, or with training.linear_probe the head alone.
+void ImageTrainingRun::choose_trainable() {
   const std::string head = model_->head_prefix();
   int64_t trainable = 0;
   model_->for_each_parameter([&](const std::string& name, at::Tensor& p) {
@@ -293,7 +344,7 @@ void ImageTrainingRun::apply_lora_to_model() {
           "clip_vision_model";
   if (config_.model.init == ModelInit::kRandom || tower_only) {
     const fs::path saved = fs::absolute(output_dir_ / "base").lexically_normal();
-    if (!fs::exists(saved / "model.safetensors")) save_classifier_dir(*model_, spec_, saved);
+    if (primary_ && !fs::exists(saved / "model.safetensors")) save_classifier_dir(*model_, spec_, saved);
     lora_base_ = saved.string();
   }
   lora_ = apply_image_lora(*model_, config_.lora, static_cast<uint64_t>(config_.training.seed));
@@ -319,11 +370,8 @@ void ImageTrainingRun::save_trained(const fs::path& dir) {
 
 void ImageTrainingRun::restore_or_probe() {
   if (resume_dir_) {
-    const auto path = (*resume_dir_ / "optimizer.safetensors").string();
-    const auto file = SafetensorsFile::open(path);
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (const auto& t : file.tensors()) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
-    optimizer_->load_state(tensors, resume_state_.at("optimizer_steps").get<int64_t>(), path);
+    // optimizer.safetensors, or the parts a sharded run wrote (any world size then and now).
+    distributed::load_optimizer_parts(*resume_dir_, resume_state_, *optimizer_);
     loader_->restore(cursor_from_json(resume_state_.at("data_cursor")));
     policy_->restore(resume_state_.at("memory_policy"));
     // fp16-mixed: the loss scale and its growth tracker, so the resumed run scales and skips as the uninterrupted one.
@@ -344,7 +392,9 @@ void ImageTrainingRun::restore_or_probe() {
   // micro_batch_size=auto: the largest micro-batch whose forward and backward fit and leave the safety margin
   // (doubling, then bisecting), as for text; images have one size, so any pixels are the worst case.
   const int64_t height = spec_.output_size().first, width = spec_.output_size().second;
-  const int64_t batch_size = config_.training.batch_size;
+  // With data parallelism a micro-batch never holds more than a rank's share of the effective batch.
+  const int64_t batch_size = world_ ? (config_.training.batch_size + world_->world_size() - 1) / world_->world_size()
+                                    : config_.training.batch_size;
   const int64_t capacity = config_.memory.limit.bytes > 0 ? static_cast<int64_t>(config_.memory.limit.bytes)
                            : device_.is_cpu()           ? 0
                                                         : static_cast<int64_t>(at::accelerator::getMemoryInfo(device_.index()).second);
@@ -363,7 +413,8 @@ void ImageTrainingRun::restore_or_probe() {
     const auto peak = static_cast<double>(memory_now(device_).peak);
     return capacity == 0 || peak <= allowed;
   };
-  const int64_t good = largest_that_fits(batch_size, fits);
+  int64_t good = largest_that_fits(batch_size, fits);
+  if (world_) good = -world_->all_reduce_max({-good})[0];  // what fits on every rank
   if (good == 0)
     throw OutOfMemoryAtFloor("not even one image fits for micro_batch_size=auto",
                              "turn on training.activation_checkpointing, use a smaller image size, or raise "
@@ -377,13 +428,33 @@ int ImageTrainingRun::loop() {
                       total_steps_, policy_->micro_batch(), step_index_, images_seen_,
                       resume_dir_ ? resume_dir_->string() : ""});
   while (step_index_ < total_steps_) {
-    if (const int signal = stop_requested()) {
+    if (const int signal = agreed_stop_signal()) {
       reporter_.on_stopped(signal, step_index_, checkpoint(loader_->cursor(), policy_->state()));
       return signal == SIGINT ? kExitInterrupted : kExitOk;
     }
     if (!train_one_step()) break;
   }
   return -1;
+}
+
+// A signal on any rank stops every rank after the same step.
+int ImageTrainingRun::agreed_stop_signal() {
+  const int signal = stop_requested();
+  if (!world_) return signal;
+  return static_cast<int>(world_->all_reduce_max({signal})[0]);
+}
+
+ImageShard ImageTrainingRun::shard() const {
+  if (!world_) return {};
+  distributed::Communicator* world = world_;
+  return {world->rank(), world->world_size(), [world](int64_t kept) {
+            std::vector<double> counts(static_cast<std::size_t>(world->world_size()), 0.0);
+            counts[static_cast<std::size_t>(world->rank())] = static_cast<double>(kept);
+            counts = world->all_reduce_sum(counts, "counting the decoded images of the effective batch");
+            std::vector<int64_t> out;
+            for (const double c : counts) out.push_back(static_cast<int64_t>(std::llround(c)));
+            return out;
+          }};
 }
 
 bool ImageTrainingRun::train_one_step() {
@@ -421,9 +492,10 @@ bool ImageTrainingRun::train_one_step() {
 }
 
 void ImageTrainingRun::evaluate() {
-  auto validation = make_image_validation_loader(config_, dataset_->classes, spec_, config_.training.batch_size);
+  auto validation =
+      make_image_validation_loader(config_, dataset_->classes, spec_, config_.training.batch_size, shard());
   if (!validation) return;
-  const auto eval = evaluate_images(*model_, *validation, eval_micro_, config_, device_);
+  const auto eval = evaluate_images(*model_, *validation, eval_micro_, config_, device_, world_);
   last_eval_ = eval.loss;
   last_eval_step_ = step_index_;
   reporter_.on_eval_accuracy(step_index_, eval.loss, eval.top1, eval.top5, eval.images);
@@ -443,10 +515,12 @@ std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohm
                           {"data_fingerprint", fingerprint_}};
   if (scaler_) state["loss_scaler"] = scaler_->state();
   Module& trained = lora_ ? static_cast<Module&>(*lora_) : *model_;
-  const fs::path final_dir = write_training_checkpoint(
+  // Rank 0 writes it; with sharded optimizer state every rank writes its part (distributed/checkpoint_parts.h).
+  const fs::path final_dir = distributed::write_checkpoint_on_ranks(
       output_dir_, step_index_, on_disk_step_ == step_index_, [&](const fs::path& dir) { save_trained(dir); }, trained,
-      *optimizer_, state);
+      *optimizer_, std::move(state), world_);
   on_disk_step_ = step_index_;
+  if (!primary_) return final_dir.string();
   retention_->on_checkpoint(step_index_,
                             last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
   reporter_.on_checkpoint(step_index_, final_dir.string());
@@ -455,7 +529,7 @@ std::string ImageTrainingRun::checkpoint(const LoaderCursor& cursor, const nlohm
 
 int ImageTrainingRun::finish() {
   checkpoint(loader_->cursor(), policy_->state());
-  if (config_.checkpoint.save_final) save_trained(output_dir_ / "final");
+  if (primary_ && config_.checkpoint.save_final) save_trained(output_dir_ / "final");
   RunSummary summary;
   summary.counted = "images";
   summary.counted_rate = "images";
@@ -474,6 +548,7 @@ int ImageTrainingRun::finish() {
     summary.best_checkpoint = best->path.string();
     summary.best_eval_loss = best->eval_loss;
   }
+  distributed::add_rank_figures(world_, summary);
   reporter_.on_finish(std::move(summary));
   return kExitOk;
 }
@@ -481,18 +556,23 @@ int ImageTrainingRun::finish() {
 }  // namespace
 
 int train_image_classifier(const Config& config, const ResolvedDevice& resolved, const TrainOptions& options,
-                           std::ostream& out) {
+                           std::ostream& out, distributed::Communicator* world) {
   install_stop_handlers();
   if (config.memory.limit.bytes > 0) {
     if (resolved.device.is_cpu()) set_cpu_budget_limit(static_cast<int64_t>(config.memory.limit.bytes));
     else cap_device_memory(resolved.device, static_cast<int64_t>(config.memory.limit.bytes));
   }
-  Reporter reporter(config, out, true);
+  // Rank 0 alone prints the progress and writes metrics and TensorBoard; the others log warnings.
+  std::ostream null_stream(nullptr);
+  const bool primary = !world || world->rank() == 0;
+  Reporter reporter(config, primary ? out : null_stream, primary);
   try {
-    ImageTrainingRun run(config, resolved.device, options, reporter);
+    ImageTrainingRun run(config, resolved.device, options, reporter, world);
     run.set_up();
-    if (const int stopped = run.loop(); stopped >= 0) return stopped;
-    return run.finish();
+    int code = run.loop();
+    if (code < 0) code = run.finish();
+    if (world) world->barrier();  // rank 0, which hosts the rendezvous, leaves last
+    return code;
   } catch (const std::exception& error) {
     reporter.on_failure(error);
     throw;

@@ -13,7 +13,13 @@
 
 namespace trainer {
 
+namespace distributed {
+class Communicator;
+}
+
+// `world`: data parallelism (every rank trains its share of each effective batch; rank 0 writes and reports); null
+// in one process.
 int train_image_classifier(const Config& config, const ResolvedDevice& device, const TrainOptions& options,
-                           std::ostream& out);
+                           std::ostream& out, distributed::Communicator* world = nullptr);
 
 }  // namespace trainer

@@ -78,18 +78,18 @@ void print_length_and_memory(const Config& config, const std::string& allocator_
       << (allocator_conf.empty() ? "" : "; " + allocator_conf) << "\n";
 }
 
-// An image classifier's run (train/image_trainer.h): its own plan lines, then the image training loop.
-// With `environment` (data parallelism; contrastive runs): rank 0 holds the lock, every rank connects.
+// An image classifier's or a CLIP contrastive run (train/image_trainer.h, train/contrastive_trainer.h): its own
+// plan lines, then the training loop. With data parallelism (`environment`) rank 0 holds the run's lock and every
+// rank joins the group.
 int run_image_train(const Config& config, const TrainOptions& options, std::ostream& out,
-                    const std::string& allocator_conf,
-                    const std::optional<distributed::Environment>& environment = std::nullopt,
-                    const DeviceConfig* rank_device = nullptr) {
+                    const std::string& allocator_conf, const std::optional<distributed::Environment>& environment,
+                    const DeviceConfig& device_config) {
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
   std::optional<RunLock> lock;
   if (!options.dry_run && (!environment || environment->rank == 0))
     lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
-  const auto device = resolve_device(rank_device ? *rank_device : config.device);
+  const auto device = resolve_device(device_config);
   std::unique_ptr<distributed::Communicator> world;
   if (environment && !options.dry_run) {
     world = distributed::Communicator::connect(
@@ -127,15 +127,21 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
       << "\n";
   if (environment) {
     const int64_t n = environment->world_size;
-    out << "  ranks        " << n << " (this is rank " << environment->rank << "; backend "
-        << (device.device.is_cuda() ? "nccl" : "gloo") << ", rendezvous " << environment->master_addr << ":"
-        << environment->master_port << "); each rank embeds " << t.batch_size / n
-        << (t.batch_size % n ? " or " + std::to_string(t.batch_size / n + 1) : std::string()) << " pairs of every "
-        << "effective batch"
-        << (config.contrastive.negatives == ContrastiveNegativesMode::kBatch
-                ? "; the embeddings of all " + std::to_string(t.batch_size) + " are gathered on every rank"
-                : "; negatives within each rank's micro-batches (not one process's objective)")
-        << "\n";
+    out << "  ranks        " << n << " (this is rank " << environment->rank << ", local rank "
+        << environment->local_rank << "; backend " << (device.device.is_cuda() ? "nccl" : "gloo") << ", rendezvous "
+        << environment->master_addr << ":" << environment->master_port
+        << (environment->agent_store ? " (torchrun's store)" : "") << "); ";
+    if (contrastive)
+      out << "each rank embeds " << t.batch_size / n
+          << (t.batch_size % n ? " or " + std::to_string(t.batch_size / n + 1) : std::string())
+          << " pairs of every effective batch"
+          << (config.contrastive.negatives == ContrastiveNegativesMode::kBatch
+                  ? "; the embeddings of all " + std::to_string(t.batch_size) + " are gathered on every rank"
+                  : "; negatives within each rank's micro-batches (not one process's objective)")
+          << "\n";
+    else
+      out << "each rank decodes and trains about " << (t.batch_size + n - 1) / n << " images of every effective batch"
+          << (config.distributed.shard_optimizer ? "; optimizer state sharded over the ranks" : "") << "\n";
   }
   print_length_and_memory(config, allocator_conf, out);
   out << "  output       " << config.checkpoint.output_dir << "\n\n";
@@ -144,7 +150,7 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
     return kExitOk;
   }
   if (contrastive) return train_contrastive(config, device, options, out, world.get());
-  return train_image_classifier(config, device, options, out);
+  return train_image_classifier(config, device, options, out, world.get());
 }
 
 }  // namespace
@@ -168,10 +174,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
                      "and a text_config); " + config.model.path + " is not one",
                      "point model.path at a CLIP model, e.g. configs/models/tiny-clip or openai/clip-vit-base-patch32");
   if (is_image_model_config(model_config)) {
-    if (environment && config.training.objective != TrainingObjective::kContrastive)
-      throw UsageError("data parallelism is not implemented for image classifiers yet",
-                       "run one process (without torchrun / trainer launch)");
-    return run_image_train(config, options, out, allocator_conf, environment, &device_config);
+    return run_image_train(config, options, out, allocator_conf, environment, device_config);
   }
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");

@@ -99,3 +99,51 @@ TEST(ImageLoader, WithoutAugmentationPixelsAreThePreprocessedImages) {
 }
 
 }  // namespace trainer
+
+namespace trainer {
+
+// Data parallelism: two ranks' loaders (batches of 7: shares of 4 and 3) decode disjoint shares whose concatenation is
+// one process's batch, augmented pixels, labels and records alike, numbered (first, total) as in one process; the
+// counts go through `gather_kept` (here every rank kept its whole share, as the other rank would report).
+TEST(ImageLoader, RankSharesConcatenateToTheSingleProcessBatch) {
+  const auto dataset = demo();
+  ImageLoader whole(dataset, tiny_spec(), options(true));
+  std::vector<std::unique_ptr<ImageLoader>> ranks;
+  int calls = 0;
+  for (int r = 0; r < 2; ++r) {
+    auto o = options(true);
+    o.shard = {r, 2, [&calls](int64_t) {
+                 ++calls;
+                 return std::vector<int64_t>{4, 3};
+               }};
+    ranks.push_back(std::make_unique<ImageLoader>(dataset, tiny_spec(), o));
+  }
+  for (int step = 0; step < 8; ++step) {
+    auto one = whole.next();
+    auto a = ranks[0]->next(), b = ranks[1]->next();
+    ASSERT_TRUE(one && a && b);
+    if (one->size() < 7) break;  // an epoch's short last batch would have other shares than {4, 3}
+    EXPECT_EQ(a->size(), 4);
+    EXPECT_EQ(b->size(), 3);
+    EXPECT_EQ(a->first, 0);
+    EXPECT_EQ(b->first, 4);
+    EXPECT_EQ(a->total, 7);
+    EXPECT_EQ(b->total, 7);
+    EXPECT_EQ(one->total, 7);
+    std::vector<float> pixels = a->pixels;
+    pixels.insert(pixels.end(), b->pixels.begin(), b->pixels.end());
+    EXPECT_EQ(pixels, one->pixels) << "step " << step;
+    std::vector<int64_t> labels = a->labels;
+    labels.insert(labels.end(), b->labels.begin(), b->labels.end());
+    EXPECT_EQ(labels, one->labels);
+    std::vector<std::size_t> records = a->records;
+    records.insert(records.end(), b->records.begin(), b->records.end());
+    EXPECT_EQ(records, one->records);
+    EXPECT_EQ(ranks[0]->cursor().position, whole.cursor().position);
+    // The data counts are the whole effective batch's on every rank.
+    EXPECT_EQ(ranks[1]->stats().examples, whole.stats().examples);
+  }
+  EXPECT_GT(calls, 0);
+}
+
+}  // namespace trainer

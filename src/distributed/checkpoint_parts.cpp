@@ -1,0 +1,132 @@
+// Checkpoints of data-parallel runs (see checkpoint_parts.h).
+#include "distributed/checkpoint_parts.h"
+
+#include <set>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "distributed/process_group.h"
+#include "models/module.h"
+#include "train/checkpoint_dir.h"
+#include "train/optimizer.h"
+#include "trainer/errors.h"
+#include "trainer/model_dir.h"
+#include "trainer/safetensors.h"
+
+namespace trainer::distributed {
+
+namespace fs = std::filesystem;
+
+std::string optimizer_part_file(int rank, int world) {
+  return rank == 0 ? "optimizer.safetensors"
+                   : "optimizer-rank-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
+}
+
+void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer) {
+  std::vector<std::string> files = {"optimizer.safetensors"};
+  if (state.contains("optimizer_files")) files = state.at("optimizer_files").get<std::vector<std::string>>();
+  std::string missing;
+  for (const auto& f : files)
+    if (!fs::exists(checkpoint / f)) missing += (missing.empty() ? "" : ", ") + (checkpoint / f).string();
+  if (!missing.empty())
+    throw DataError("checkpoint " + checkpoint.string() + " is incomplete: its optimizer state is in " +
+                        std::to_string(files.size()) + " part(s) (one per rank that wrote it), and " + missing +
+                        " is missing",
+                    "copy the missing part(s) from where the ranks wrote them (checkpoint.output_dir must be one "
+                    "directory for every rank), or resume from an earlier complete checkpoint");
+  std::set<std::string> wanted;
+  for (const auto& [name, tensor] : optimizer.state_tensors()) wanted.insert(name);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& f : files) {
+    const auto file = SafetensorsFile::open((checkpoint / f).string());
+    for (const auto& t : file.tensors())
+      if (wanted.contains(t.name)) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
+  }
+  std::string source = (checkpoint / files.front()).string();
+  if (files.size() > 1) source += " (and " + std::to_string(files.size() - 1) + " other part(s))";
+  optimizer.load_state(tensors, state.at("optimizer_steps").get<int64_t>(), source);
+}
+
+fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, bool on_disk,
+                                   const std::function<void(const fs::path&)>& save_model, Module& trained,
+                                   const Optimizer& optimizer, nlohmann::json state, Communicator* world) {
+  const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
+  const bool primary = !world || world->rank() == 0;
+  if (!world || optimizer.shard().world <= 1) {
+    // Every rank holds the same weights and optimizer state: rank 0 writes them.
+    if (!primary) return final_dir;
+    return write_training_checkpoint(output_dir, step, on_disk, save_model, trained, optimizer, state);
+  }
+  // Sharded: no rank holds the whole optimizer state; each writes its part into the directory rank 0 prepares.
+  const int ranks = world->world_size();
+  // The same answer on every rank (one directory): either all write or none does.
+  if (on_disk && world->all_reduce_max({fs::exists(final_dir / "COMPLETE") ? 1 : 0})[0]) {
+    if (primary) spdlog::info("checkpoint step {}: {} (already written)", step, final_dir.string());
+    return final_dir;
+  }
+  const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
+  if (primary) {
+    fs::remove_all(temp_dir);
+    fs::create_directories(temp_dir);
+  }
+  world->barrier();
+  std::vector<std::string> files;
+  for (int r = 0; r < ranks; ++r) files.push_back(optimizer_part_file(r, ranks));
+  // Every rank's outcome, once all have tried: the parts that could not be written ("" when none).
+  auto agree_on_parts = [&](bool failed) {
+    std::vector<int64_t> flags(static_cast<std::size_t>(ranks), 0);
+    flags[static_cast<std::size_t>(world->rank())] = failed ? 1 : 0;
+    const auto all = world->all_reduce_max(flags);
+    std::string missing;
+    for (int r = 0; r < ranks; ++r)
+      if (all[static_cast<std::size_t>(r)])
+        missing += (missing.empty() ? "" : ", ") + files[static_cast<std::size_t>(r)];
+    return missing;
+  };
+  if (!primary) {
+    std::string failure;
+    try {
+      write_safetensors((temp_dir / files[static_cast<std::size_t>(world->rank())]).string(),
+                        optimizer.state_tensors(), {});
+    } catch (const Error& e) {
+      failure = e.what();
+      spdlog::error("checkpoint step {}: this rank's optimizer state could not be written: {}", step, failure);
+    }
+    if (const std::string missing = agree_on_parts(!failure.empty()); !missing.empty())
+      throw DataError("checkpoint step " + std::to_string(step) +
+                          " could not be written: the optimizer state part(s) " + missing + " failed" +
+                          (failure.empty() ? "" : ": " + failure),
+                      "free space in checkpoint.output_dir, then continue with --resume");
+    world->barrier();  // rank 0 has renamed it and written COMPLETE
+    return final_dir;
+  }
+  state["optimizer_files"] = files;
+  bool agreed = false;
+  CheckpointWrite write;
+  write.write_files = [&](const fs::path& dir) {
+    save_model(dir);
+    write_safetensors((dir / files.front()).string(), optimizer.state_tensors(), {});
+    write_text_file((dir / "train_state.json").string(), state.dump(2) + "\n");
+    agreed = true;
+    if (const std::string missing = agree_on_parts(false); !missing.empty())
+      throw DataError("the optimizer state part(s) " + missing + " could not be written by their ranks",
+                      "see those ranks' errors");
+  };
+  write.on_failure = [&] {
+    if (!agreed) agree_on_parts(true);  // the other ranks learn that this checkpoint failed
+  };
+  trained.for_each_parameter(
+      [&](const std::string&, at::Tensor& p) { write.needed_bytes += static_cast<int64_t>(p.nbytes()); });
+  for (const auto& [name, tensor] : optimizer.state_tensors())
+    write.needed_bytes += static_cast<int64_t>(tensor.nbytes());
+  write.prepared = true;
+  const fs::path written = write_checkpoint_dir(output_dir, step, false, write);
+  world->barrier();
+  return written;
+}
+
+}  // namespace trainer::distributed

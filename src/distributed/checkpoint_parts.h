@@ -1,0 +1,43 @@
+// Checkpoints of data-parallel runs whose model and train state are the same on every rank (image classification;
+// usable by any run whose whole state is one model, one optimizer and one JSON state): rank 0 writes the model and
+// train_state.json; the optimizer state comes from rank 0 alone, or with sharded optimizer state
+// (distributed.shard_optimizer, ZeRO-1) as one part per rank, listed in train_state.json's "optimizer_files", so that
+// any world size (one process included) resumes from it. COMPLETE is written only once every part is on disk.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace trainer {
+class Module;
+class Optimizer;
+}  // namespace trainer
+
+namespace trainer::distributed {
+
+class Communicator;
+
+// The file rank `rank` of `world` writes its optimizer state part to (rank 0's is optimizer.safetensors).
+std::string optimizer_part_file(int rank, int world);
+
+// The optimizer state of `checkpoint` into `optimizer`: from optimizer.safetensors, or the union of the parts a
+// sharded run listed in `state` (train_state.json)'s "optimizer_files", whatever the world size and sharding then and
+// now; only the tensors this rank's optimizer holds are read. A missing part is refused by name (DataError) before
+// anything changes.
+void load_optimizer_parts(const std::filesystem::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer);
+
+// Writes output_dir/checkpoint-<step> as write_training_checkpoint (train/checkpoint_dir.h) does, on every rank of
+// `world` (null: one process). Every rank calls it at the same step. Unsharded, rank 0 alone writes and the others
+// return at once; sharded, each rank writes its optimizer part and rank 0 the rest (`state` gets "optimizer_files"),
+// and all return once COMPLETE is written (or all throw DataError naming the parts that failed). `on_disk`: as for
+// write_checkpoint_dir. Returns the checkpoint's path.
+std::filesystem::path write_checkpoint_on_ranks(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
+                                                const std::function<void(const std::filesystem::path&)>& save_model,
+                                                Module& trained, const Optimizer& optimizer, nlohmann::json state,
+                                                Communicator* world);
+
+}  // namespace trainer::distributed
