@@ -18,6 +18,7 @@
 #include "models/segment_attention.h"
 #include "models/weights.h"
 #include "support/paths.h"
+#include "train/checkpointing.h"
 #include "train/optimizer.h"
 #include "train/step.h"
 #include "trainer/model_dir.h"
@@ -291,7 +292,8 @@ INSTANTIATE_TEST_SUITE_P(Models, PackedTraining,
 
 // Attention per example inside packed rows (models/segment_attention.h) against whole-row attention with the
 // block-diagonal mask, in the models themselves, in training with dropout on (attention-probability masks drawn per
-// example): the same loss and the same gradients of every parameter (relative position bias included).
+// example): the same loss and the same gradients of every parameter (relative position bias included), also under
+// activation checkpointing (the layouts are recomputed with the blocks).
 TEST(PackedForward, PerExampleAttentionEqualsWholeRowAttentionInTheModels) {
   for (const Kind kind : {Kind::kQwen2LoraDropout, Kind::kMistralWindow, Kind::kT5Dropout}) {
     SCOPED_TRACE(kind_name({kind, 0}));
@@ -324,14 +326,19 @@ TEST(PackedForward, PerExampleAttentionEqualsWholeRowAttentionInTheModels) {
     };
     const auto whole = run(SegmentAttentionMode::kWholeRow);
     const auto per_example = run(SegmentAttentionMode::kPerExample);
+    apply_activation_checkpointing(*model);
+    const auto checkpointed = run(SegmentAttentionMode::kPerExample);
+    remove_activation_checkpointing(*model);
     ASSERT_EQ(whole.size(), per_example.size());
+    ASSERT_EQ(whole.size(), checkpointed.size());
     // Within 1e-5 of each tensor's largest value: the loss is a sum over tokens (gradients up to ~100 here) and the
-    // two paths sum in other orders, so fp32 rounding differs by ~1e-6 of the largest value; masks or attention
-    // that differed would differ by O(1).
-    for (const auto& [name, t] : whole)
-      EXPECT_LE((t - per_example.at(name)).abs().max().item<double>(), 1e-5 * std::max(1.0, t.abs().max().item<double>()))
-          << name << ": max difference " << (t - per_example.at(name)).abs().max().item<double>() << " of values up to "
-          << t.abs().max().item<double>();
+    // paths sum in other orders, so fp32 rounding differs by ~1e-6 of the largest value; masks or attention that
+    // differed would differ by O(1).
+    for (const auto* other : {&per_example, &checkpointed})
+      for (const auto& [name, t] : whole)
+        EXPECT_LE((t - other->at(name)).abs().max().item<double>(), 1e-5 * std::max(1.0, t.abs().max().item<double>()))
+            << name << (other == &checkpointed ? " (checkpointed)" : "") << ": max difference "
+            << (t - other->at(name)).abs().max().item<double>() << " of values up to " << t.abs().max().item<double>();
   }
 }
 
