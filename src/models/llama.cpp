@@ -293,7 +293,9 @@ class LlamaModel : public LanguageModel {
       }
       at::Tensor mask;
       if (layout) {
-        // per segment: no mask over the row
+        // Per segment: no mask over the row. An empty tensor stands in (block inputs must be defined tensors for
+        // activation checkpointing).
+        mask = at::empty({0}, ids.options().dtype(at::kBool));
       } else if (h_.window[i]) {
         mask = mask_for(h_.window[i]);
       } else {

@@ -100,7 +100,7 @@ class T5Attention : public Module {
 
   // x (B, Tq, D) attends to keys/values (B, H, Tk, d_kv) with an additive bias (B or 1, H or 1, Tq, Tk). With a
   // segment layout (packed rows), per segment instead: `bias` is then the position bias (1, H, Lq, Lk) at the
-  // layout's longest segments (undefined: none, cross-attention) and the layout supplies the masks.
+  // layout's longest segments (empty: none, cross-attention) and the layout supplies the masks.
   at::Tensor attend(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias,
                     const SegmentLayout* layout = nullptr) {
     const at::Tensor query = heads(*q, x);
@@ -113,8 +113,8 @@ class T5Attention : public Module {
             // Relative positions within a segment are those of its first Lq x Lk positions: the top-left block.
             const at::Tensor mask = additive_mask(allowed, dtype);
             return scores_to_output(qg, kg, vg,
-                                    bias.defined() ? bias.narrow(2, 0, g.query_length).narrow(3, 0, g.key_length) + mask
-                                                   : mask);
+                                    bias.numel() > 0 ? bias.narrow(2, 0, g.query_length).narrow(3, 0, g.key_length) + mask
+                                                     : mask);
           });
       return o->forward(out);  // (B, Tq, D)
     }
@@ -413,11 +413,16 @@ class T5Model : public LanguageModel {
                                        : causal_mask(decoder_mask, l, 0, std::nullopt);  // (B, 1, L, L) bool
       self_bias = decoder->position_bias(l, l, 0, decoder_ids.device()) + additive_mask(causal, dtype);
     }
-    if (!layouts.cross)
+    // Per segment, cross-attention has no bias: an empty tensor stands in (block inputs must be defined tensors for
+    // activation checkpointing).
+    if (layouts.cross) {
+      cross_bias = at::empty({0}, decoder_ids.options().dtype(dtype));
+    } else {
       cross_bias = packed ? additive_mask(segment_mask(batch.decoder_segment_ids, batch.segment_ids, {}, {}, false,
                                                        std::nullopt),
                                           dtype)
                           : padding_bias(batch.attention_mask, dtype);
+    }
     const at::Tensor hidden =
         decoder->forward(shared->forward(decoder_ids), self_bias, encoder_states, cross_bias, runner(), layouts);
     return {hidden, batch.labels};
