@@ -117,8 +117,9 @@ void check(const Case& c) {
   ASSERT_TRUE(segmented.out.defined());
   auto near = [](const at::Tensor& x, const at::Tensor& y, const char* what) {
     // Within 1e-6 of the largest value (values up to ~7 here: a few fp32 ulps; the paths sum in other orders).
-    EXPECT_LE((x - y).abs().max().item<double>(), 1e-6 * std::max(1.0, x.abs().max().item<double>())) << what << ": max difference " << (x - y).abs().max().item<double>()
-                                                 << " of values up to " << x.abs().max().item<double>();
+    const double difference = (x - y).abs().max().item<double>(), largest = x.abs().max().item<double>();
+    EXPECT_LE(difference, 1e-6 * std::max(1.0, largest))
+        << what << ": max difference " << difference << " of values up to " << largest;
   };
   near(whole.out, segmented.out, "output");
   near(whole.gq, segmented.gq, "d/dq");

@@ -317,9 +317,16 @@ TEST(PackedForward, PerExampleAttentionEqualsWholeRowAttentionInTheModels) {
       const DropoutScope dropout(5, 3, std::move(streams));
       const int64_t before = per_example_attention_calls();
       const LossSum loss = forward_loss(*model, packed);
+      const int64_t forward_calls = per_example_attention_calls() - before;
       loss.loss_sum.backward();
       set_segment_attention_mode(SegmentAttentionMode::kAuto);
-      EXPECT_EQ(per_example_attention_calls() > before, mode == SegmentAttentionMode::kPerExample);
+      // Every attention of the forward ran per example: T5's encoder self-attention, decoder self- and
+      // cross-attention in every layer; each layer of the causal model.
+      const auto& c = model->hf_config();
+      const int64_t layers = c.value("num_layers", int64_t{0});
+      const int64_t attentions = seq2seq(kind) ? layers + 2 * c.value("num_decoder_layers", layers)
+                                               : c["num_hidden_layers"].get<int64_t>();
+      EXPECT_EQ(forward_calls, mode == SegmentAttentionMode::kPerExample ? attentions : 0);
       std::map<std::string, at::Tensor> grads = {{"loss", loss.loss_sum.detach()}};
       model->for_each_parameter([&](const std::string& name, at::Tensor& t) { grads[name] = t.grad().clone(); });
       return grads;
