@@ -6,6 +6,11 @@ sides, never an absolute goal.
 
     scripts/bench/packing.py                       # both families, 3 alternating repeats
     scripts/bench/packing.py --families causal --batch 32 --steps 6
+    scripts/bench/packing.py --baseline /path/to/older/trainer   # also: the same runs with another build
+
+With --baseline, every repeat runs four sides in turn (the order alternating between repeats): padded and packed
+with the baseline binary and with this build, so a change to packed training is measured against the build
+before it on the same machine in one go.
 
 Both sides train the same effective batches (training.batch_size examples) with the whole batch in one
 micro-batch (padded: batch rows; packed: as many rows as packing needs), so they do the same learning: the
@@ -89,31 +94,50 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", help="another trainer binary to run the same sides with (before a change)")
     args = parser.parse_args()
 
     bin_dir = fresh_dir(os.path.join(BENCH_DIR, "packing-bin"))
     binary = shutil.copy(TRAINER, os.path.join(bin_dir, "trainer"))  # a rebuild during the run changes nothing
+    binaries = {"this": binary}
+    if args.baseline:
+        binaries["baseline"] = shutil.copy(args.baseline, os.path.join(bin_dir, "trainer-baseline"))
+    sides = [(name, packing) for name in binaries for packing in (False, True)]
     rows = []
     for family in args.families.split(","):
         model = model_dir(family, args.hidden, args.layers)
         data = ensure_data(family, args.records)
         padded_share, packed_share = padding_figures(binary, family, model, data, args)
-        samples = {False: [], True: []}
+        samples = {side: [] for side in sides}
         for r in range(args.repeats):
-            for packing in ([False, True] if r % 2 == 0 else [True, False]):
-                log(f"{family}, repeat {r + 1}: {'packed' if packing else 'padded'}")
-                samples[packing].append(run_variant(binary, family, model, data, args, packing))
-        reference = samples[False][0]["losses"]
-        for run in samples[False] + samples[True]:
+            for side in (sides if r % 2 == 0 else list(reversed(sides))):
+                log(f"{family}, repeat {r + 1}: {side[0]} build, {'packed' if side[1] else 'padded'}")
+                samples[side].append(run_variant(binaries[side[0]], family, model, data, args, side[1]))
+        reference = samples[("this", False)][0]["losses"]
+        for run in [run for side in sides for run in samples[side]]:
             if any(abs(a - b) > 2e-3 * max(1.0, abs(b)) for a, b in zip(run["losses"], reference)):
                 raise SystemExit(f"{family}: losses {run['losses']} differ from the padded run's {reference}")
-        padded = median([s["tokens_per_s"] for s in samples[False]])
-        packed = median([s["tokens_per_s"] for s in samples[True]])
-        rows.append([family, f"{padded_share}%", f"{packed_share}%", ratio(packed, padded)])
+        rate = {side: median([s["tokens_per_s"] for s in samples[side]]) for side in sides}
+        row = [family, f"{padded_share}%", f"{packed_share}%"]
+        if args.baseline:
+            row += [ratio(rate[("baseline", True)], rate[("baseline", False)])]
+        row += [ratio(rate[("this", True)], rate[("this", False)])]
+        if args.baseline:
+            row += [ratio(rate[("this", True)], rate[("baseline", True)]),
+                    ratio(rate[("this", False)], rate[("baseline", False)])]
+        row += [" / ".join(f"{rate[side]:.0f}" for side in sides)]
+        rows.append(row)
     print(f"Hidden {args.hidden}, {args.layers} layers, random weights, fp32 on CPU; demo recipes, batch {args.batch} "
           f"in one micro-batch, rows of {args.length}; {args.steps} steps ({args.warmup} warm-up), medians of "
-          f"{args.repeats} alternating runs; the per-step losses of both sides agree.\n{machine_notes()}\n")
-    print(table(["model", "padding (padded rows)", "padding (packed rows)", "target tokens/s, packed vs padded"], rows))
+          f"{args.repeats} alternating runs; the per-step losses of all sides agree.\n{machine_notes()}\n")
+    header = ["model", "padding (padded rows)", "padding (packed rows)"]
+    if args.baseline:
+        header += ["packed vs padded, baseline"]
+    header += ["packed vs padded" + (", this build" if args.baseline else " (target tokens/s)")]
+    if args.baseline:
+        header += ["packed, this build vs baseline", "padded, this build vs baseline"]
+    header += ["target tokens/s (" + ", ".join(f"{n} {'packed' if p else 'padded'}" for n, p in sides) + ")"]
+    print(table(header, rows))
 
 
 if __name__ == "__main__":

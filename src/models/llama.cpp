@@ -2,6 +2,7 @@
 // blocks with RMSNorm, rotary position embeddings (rotate-half), grouped-query attention, SwiGLU MLP.
 // Flavours: Llama (optional attention/MLP biases), Qwen2 (q/k/v biases), Mistral (sliding-window attention).
 #include <cmath>
+#include <map>
 #include <numbers>
 
 #include <ATen/ATen.h>
@@ -11,6 +12,7 @@
 #include "models/hf_config.h"
 #include "models/layers.h"
 #include "models/model.h"
+#include "models/segment_attention.h"
 
 namespace trainer {
 namespace {
@@ -114,9 +116,11 @@ class LlamaAttention : public Module {
   }
 
   // x (B, T, D); cos/sin (B or 1, T, head_dim); mask (B, 1, T, Tk) bool. With a cache, keys and values of
-  // earlier positions are prepended and the new ones appended to it.
+  // earlier positions are prepended and the new ones appended to it. With a segment layout (packed rows) the
+  // attention runs per segment and `mask` is unused.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
-                     at::Tensor* cache_keys = nullptr, at::Tensor* cache_values = nullptr) {
+                     at::Tensor* cache_keys = nullptr, at::Tensor* cache_values = nullptr,
+                     const SegmentLayout* layout = nullptr) {
     const int64_t b = x.size(0), t = x.size(1);
     at::Tensor q = q_proj->forward(x).view({b, t, heads_, head_dim_}).transpose(1, 2);     // (B, H, T, hd)
     at::Tensor k = k_proj->forward(x).view({b, t, kv_heads_, head_dim_}).transpose(1, 2);  // (B, Hkv, T, hd)
@@ -132,7 +136,17 @@ class LlamaAttention : public Module {
       *cache_keys = k;
       *cache_values = v;
     }
-    at::Tensor out;
+    if (layout) {
+      return o_proj->forward(attend_per_segment(
+          *layout, q, k, v,
+          [this](const at::Tensor& qg, const at::Tensor& kg, const at::Tensor& vg, const at::Tensor& allowed,
+                 const SegmentGroup&) { return attend(qg, kg, vg, allowed); }));
+    }
+    return o_proj->forward(attend(q, k, v, mask).transpose(1, 2).reshape({b, t, heads_ * head_dim_}));
+  }
+
+  // q (B, H, Tq, hd), k and v (B, Hkv, Tk, hd), mask (B, 1, Tq, Tk) bool -> (B, H, Tq, hd).
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) const {
     if (attention_dropout->explicit_attention(is_training())) {
       // transformers' eager attention: keys and values repeated per group, softmax in fp32, dropout on the
       // probabilities.
@@ -142,12 +156,10 @@ class LlamaAttention : public Module {
       const at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim_))) +
                                 additive_mask(mask, q.scalar_type());
       const at::Tensor probabilities = at::softmax(scores.to(at::kFloat), -1).to(q.scalar_type());
-      out = at::matmul(attention_dropout->attention(probabilities, true), values);  // (B, H, T, hd)
-    } else {
-      out = at::scaled_dot_product_attention(q, k, v, mask, attention_dropout->sdpa_p(is_training()),
-                                             /*is_causal=*/false, std::nullopt, /*enable_gqa=*/kv_heads_ != heads_);
+      return at::matmul(attention_dropout->attention(probabilities, true), values);
     }
-    return o_proj->forward(out.transpose(1, 2).reshape({b, t, heads_ * head_dim_}));
+    return at::scaled_dot_product_attention(q, k, v, mask, attention_dropout->sdpa_p(is_training()),
+                                            /*is_causal=*/false, std::nullopt, /*enable_gqa=*/kv_heads_ != heads_);
   }
 
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
@@ -182,9 +194,10 @@ class LlamaBlock : public Module {
     post_attention_layernorm = register_module("post_attention_layernorm", std::make_shared<NormWeight>(h.hidden, o));
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
-                     at::Tensor* cache_keys = nullptr, at::Tensor* cache_values = nullptr) {
+                     at::Tensor* cache_keys = nullptr, at::Tensor* cache_values = nullptr,
+                     const SegmentLayout* layout = nullptr) {
     at::Tensor h = x + self_attn->forward(llama_rms_norm(x, input_layernorm->weight, eps_), cos, sin, mask,
-                                          cache_keys, cache_values);
+                                          cache_keys, cache_values, layout);
     return h + mlp->forward(llama_rms_norm(h, post_attention_layernorm->weight, eps_));
   }
   std::shared_ptr<LlamaAttention> self_attn;
@@ -254,7 +267,8 @@ class LlamaModel : public LanguageModel {
   }
 
   // Runs the blocks over (B, T) ids; with a state, uses and extends its cache. Packed rows (segment and
-  // position ids) attend within their segments and rotate by their positions within them.
+  // position ids) attend within their segments and rotate by their positions within them: per segment when
+  // plan_segment_attention chooses it (one layout per distinct sliding window), else over the row with the mask.
   at::Tensor body(const at::Tensor& ids, const at::Tensor& key_mask, int64_t offset, LlamaGenerationState* state,
                   const at::Tensor& segments = {}, const at::Tensor& positions = {}) {
     at::Tensor x = model->embed_tokens->forward(ids);
@@ -266,9 +280,23 @@ class LlamaModel : public LanguageModel {
                     : causal_mask(key_mask, ids.size(1), offset, window);
     };
     std::optional<at::Tensor> full_mask;
+    std::map<std::optional<int64_t>, std::shared_ptr<const SegmentLayout>> layouts;  // per window
     for (std::size_t i = 0; i < model->layers->items.size(); ++i) {
+      std::shared_ptr<const SegmentLayout> layout;
+      if (packed && !state) {
+        auto found = layouts.find(h_.window[i]);
+        if (found == layouts.end())
+          found = layouts.emplace(h_.window[i], plan_segment_attention(segments, segments, positions, positions,
+                                                                       /*causal=*/true, h_.window[i]))
+                      .first;
+        layout = found->second;
+      }
       at::Tensor mask;
-      if (h_.window[i]) {
+      if (layout) {
+        // Per segment: no mask over the row. An empty tensor stands in (block inputs must be defined tensors for
+        // activation checkpointing).
+        mask = at::empty({0}, ids.options().dtype(at::kBool));
+      } else if (h_.window[i]) {
         mask = mask_for(h_.window[i]);
       } else {
         if (!full_mask) full_mask = mask_for(std::nullopt);
@@ -278,8 +306,9 @@ class LlamaModel : public LanguageModel {
       if (state) {
         x = block->forward(x, cos, sin, mask, &state->keys[i], &state->values[i]);
       } else {
-        x = run_block([block](const std::vector<at::Tensor>& in) { return block->forward(in[0], in[1], in[2], in[3]); },
-                      {x, cos, sin, mask});
+        x = run_block([block, layout](const std::vector<at::Tensor>& in) {
+          return block->forward(in[0], in[1], in[2], in[3], nullptr, nullptr, layout.get());
+        }, {x, cos, sin, mask});
       }
     }
     return llama_rms_norm(x, model->norm->weight, h_.eps);

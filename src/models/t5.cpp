@@ -11,6 +11,7 @@
 #include "models/hf_config.h"
 #include "models/layers.h"
 #include "models/model.h"
+#include "models/segment_attention.h"
 
 namespace trainer {
 namespace {
@@ -97,20 +98,41 @@ class T5Attention : public Module {
     return projection.forward(x).view({x.size(0), x.size(1), heads_, d_kv_}).transpose(1, 2);
   }
 
-  // x (B, Tq, D) attends to keys/values (B, H, Tk, d_kv) with an additive bias (B or 1, H or 1, Tq, Tk).
-  at::Tensor attend(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias) {
+  // x (B, Tq, D) attends to keys/values (B, H, Tk, d_kv) with an additive bias (B or 1, H or 1, Tq, Tk). With a
+  // segment layout (packed rows), per segment instead: `bias` is then the position bias (1, H, Lq, Lk) at the
+  // layout's longest segments (empty: none, cross-attention) and the layout supplies the masks.
+  at::Tensor attend(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias,
+                    const SegmentLayout* layout = nullptr) {
     const at::Tensor query = heads(*q, x);
-    at::Tensor out;
+    if (layout) {
+      const auto dtype = query.scalar_type();
+      const at::Tensor out = attend_per_segment(
+          *layout, query, keys, values,
+          [&](const at::Tensor& qg, const at::Tensor& kg, const at::Tensor& vg, const at::Tensor& allowed,
+              const SegmentGroup& g) {
+            // Relative positions within a segment are those of its first Lq x Lk positions: the top-left block.
+            const at::Tensor mask = additive_mask(allowed, dtype);
+            return scores_to_output(qg, kg, vg,
+                                    bias.numel() > 0 ? bias.narrow(2, 0, g.query_length).narrow(3, 0, g.key_length) + mask
+                                                     : mask);
+          });
+      return o->forward(out);  // (B, Tq, D)
+    }
+    const at::Tensor out = scores_to_output(query, keys, values, bias);  // (B, H, Tq, d_kv)
+    return o->forward(out.transpose(1, 2).reshape({x.size(0), x.size(1), heads_ * d_kv_}));  // (B, Tq, D)
+  }
+
+  // (B, H, Tq, d_kv) queries, (B, H, Tk, d_kv) keys and values, additive bias -> (B, H, Tq, d_kv).
+  at::Tensor scores_to_output(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                              const at::Tensor& bias) const {
     if (dropout->explicit_attention(is_training())) {
       // As transformers' T5Attention: softmax in fp32, cast back, dropout on the probabilities.
       const at::Tensor scores = at::matmul(query, keys.transpose(-2, -1)) + bias.to(query.scalar_type());
       const at::Tensor probabilities = at::softmax(scores.to(at::kFloat), -1).to(query.scalar_type());
-      out = at::matmul(dropout->attention(probabilities, true), values);  // (B, H, Tq, d_kv)
-    } else {
-      out = at::scaled_dot_product_attention(query, keys, values, bias.to(query.scalar_type()),
-                                             dropout->sdpa_p(is_training()), /*is_causal=*/false, /*scale=*/1.0);
+      return at::matmul(dropout->attention(probabilities, true), values);
     }
-    return o->forward(out.transpose(1, 2).reshape({x.size(0), x.size(1), heads_ * d_kv_}));  // (B, Tq, D)
+    return at::scaled_dot_product_attention(query, keys, values, bias.to(query.scalar_type()),
+                                            dropout->sdpa_p(is_training()), /*is_causal=*/false, /*scale=*/1.0);
   }
 
   std::shared_ptr<Linear> q, k, v, o;
@@ -208,6 +230,12 @@ struct T5GenerationState : GenerationState {
   int64_t position = 0;   // decoder positions already in the cache
 };
 
+// Packed rows attended per segment (models/segment_attention.h): the layouts of a stack's self-attention and the
+// decoder's cross-attention. A null layout takes whole-row attention with the masked bias.
+struct T5Layouts {
+  std::shared_ptr<const SegmentLayout> self, cross;
+};
+
 class T5Stack : public Module {
  public:
   T5Stack(const T5Hyper& h, bool decoder, const c10::TensorOptions& o) : h_(h), decoder_(decoder) {
@@ -231,20 +259,23 @@ class T5Stack : public Module {
   }
 
   // One block over the whole sequence: x (B, T, D), biases (B or 1, H or 1, T, Tk), encoder states or undefined.
+  // With layouts, the biases are what T5Attention::attend takes with a layout.
   at::Tensor block_forward(T5Block& b, const at::Tensor& input, const at::Tensor& self_bias,
-                           const at::Tensor& encoder_states, const at::Tensor& cross_bias) const {
+                           const at::Tensor& encoder_states, const at::Tensor& cross_bias,
+                           const T5Layouts& layouts = {}) const {
     auto& sa = *b.self_attention;
     at::Tensor normed = t5_rms_norm(input, sa.layer_norm->weight, h_.eps);
     const bool training = is_training();
     at::Tensor x = input + sa.dropout->forward(sa.attention->attend(normed, sa.attention->heads(*sa.attention->k, normed),
                                                                     sa.attention->heads(*sa.attention->v, normed),
-                                                                    self_bias),
+                                                                    self_bias, layouts.self.get()),
                                                training);
     if (decoder_) {
       auto& ca = *b.cross_attention;
       normed = t5_rms_norm(x, ca.layer_norm->weight, h_.eps);
       x = x + ca.dropout->forward(ca.attention->attend(normed, ca.attention->heads(*ca.attention->k, encoder_states),
-                                                       ca.attention->heads(*ca.attention->v, encoder_states), cross_bias),
+                                                       ca.attention->heads(*ca.attention->v, encoder_states), cross_bias,
+                                                       layouts.cross.get()),
                                   training);
     }
     auto& ff = *b.feed_forward;
@@ -255,7 +286,7 @@ class T5Stack : public Module {
   // `run` runs each block (directly, or through a wrapper such as activation checkpointing).
   template <class Run>
   at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& self_bias, const at::Tensor& encoder_states,
-                     const at::Tensor& cross_bias, const Run& run) {
+                     const at::Tensor& cross_bias, const Run& run, const T5Layouts& layouts = {}) {
     at::Tensor x = dropout->forward(embeddings, is_training());
     for (auto& b : block->items) {
       std::vector<at::Tensor> inputs = {x, self_bias};
@@ -263,8 +294,9 @@ class T5Stack : public Module {
         inputs.push_back(encoder_states);
         inputs.push_back(cross_bias);
       }
-      x = run([this, b](const std::vector<at::Tensor>& in) {
-        return block_forward(*b, in[0], in[1], in.size() > 2 ? in[2] : at::Tensor(), in.size() > 3 ? in[3] : at::Tensor());
+      x = run([this, b, layouts](const std::vector<at::Tensor>& in) {
+        return block_forward(*b, in[0], in[1], in.size() > 2 ? in[2] : at::Tensor(), in.size() > 3 ? in[3] : at::Tensor(),
+                             layouts);
       }, inputs);
     }
     return final_dropout->forward(t5_rms_norm(x, final_layer_norm->weight, h_.eps), is_training());
@@ -332,10 +364,19 @@ class T5Model : public LanguageModel {
 
   // Packed rows: attention within segments. The relative position of two positions of one segment (key minus
   // query) is the same counted in the row or within the example, so the stack's bias over the row, masked to the
-  // segments, is the bias of each example's own positions.
-  at::Tensor encode(const at::Tensor& input_ids, const at::Tensor& attention_mask, const at::Tensor& segments = {}) {
+  // segments, is the bias of each example's own positions. Per segment (when plan_segment_attention chooses it),
+  // the bias is computed once at the longest segment's length and each group takes its top-left block.
+  at::Tensor encode(const at::Tensor& input_ids, const at::Tensor& attention_mask, const at::Tensor& segments = {},
+                    const at::Tensor& positions = {}) {
     const int64_t t = input_ids.size(1);
     const auto dtype = shared->weight.scalar_type();
+    if (segments.defined()) {
+      if (auto layout = plan_segment_attention(segments, segments, positions, positions, false, std::nullopt)) {
+        const at::Tensor bias =
+            encoder->position_bias(layout->max_query_length, layout->max_key_length, 0, input_ids.device());
+        return encoder->forward(shared->forward(input_ids), bias, {}, {}, runner(), T5Layouts{std::move(layout), {}});
+      }
+    }
     const at::Tensor mask = segments.defined()
                                 ? additive_mask(segment_mask(segments, segments, {}, {}, false, std::nullopt), dtype)
                                 : padding_bias(attention_mask, dtype);
@@ -345,7 +386,7 @@ class T5Model : public LanguageModel {
 
   std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) override {
     const bool packed = batch.segment_ids.defined();
-    const at::Tensor encoder_states = encode(batch.input_ids, batch.attention_mask, batch.segment_ids);
+    const at::Tensor encoder_states = encode(batch.input_ids, batch.attention_mask, batch.segment_ids, batch.position_ids);
     at::Tensor decoder_ids = shift_right(batch.labels);
     // Each packed example's decoder starts from the start token, not from the previous example's last label.
     if (packed) decoder_ids = decoder_ids.masked_fill(batch.decoder_position_ids == 0, h_.decoder_start_token_id);
@@ -354,17 +395,36 @@ class T5Model : public LanguageModel {
     const at::Tensor decoder_mask = batch.decoder_attention_mask.defined()
                                         ? batch.decoder_attention_mask
                                         : at::ones_like(decoder_ids);
-    const at::Tensor causal = packed ? segment_mask(batch.decoder_segment_ids, batch.decoder_segment_ids,
-                                                    batch.decoder_position_ids, batch.decoder_position_ids, true,
-                                                    std::nullopt)
-                                     : causal_mask(decoder_mask, l, 0, std::nullopt);  // (B, 1, L, L) bool
-    const at::Tensor self_bias = decoder->position_bias(l, l, 0, decoder_ids.device()) + additive_mask(causal, dtype);
-    const at::Tensor cross_bias =
-        packed ? additive_mask(segment_mask(batch.decoder_segment_ids, batch.segment_ids, {}, {}, false, std::nullopt),
-                               dtype)
-               : padding_bias(batch.attention_mask, dtype);
+    T5Layouts layouts;
+    if (packed) {
+      layouts.self = plan_segment_attention(batch.decoder_segment_ids, batch.decoder_segment_ids,
+                                            batch.decoder_position_ids, batch.decoder_position_ids, true, std::nullopt);
+      layouts.cross = plan_segment_attention(batch.decoder_segment_ids, batch.segment_ids, batch.decoder_position_ids,
+                                             batch.position_ids, false, std::nullopt);
+    }
+    at::Tensor self_bias, cross_bias;
+    if (layouts.self) {
+      self_bias = decoder->position_bias(layouts.self->max_query_length, layouts.self->max_key_length, 0,
+                                         decoder_ids.device());
+    } else {
+      const at::Tensor causal = packed ? segment_mask(batch.decoder_segment_ids, batch.decoder_segment_ids,
+                                                      batch.decoder_position_ids, batch.decoder_position_ids, true,
+                                                      std::nullopt)
+                                       : causal_mask(decoder_mask, l, 0, std::nullopt);  // (B, 1, L, L) bool
+      self_bias = decoder->position_bias(l, l, 0, decoder_ids.device()) + additive_mask(causal, dtype);
+    }
+    // Per segment, cross-attention has no bias: an empty tensor stands in (block inputs must be defined tensors for
+    // activation checkpointing).
+    if (layouts.cross) {
+      cross_bias = at::empty({0}, decoder_ids.options().dtype(dtype));
+    } else {
+      cross_bias = packed ? additive_mask(segment_mask(batch.decoder_segment_ids, batch.segment_ids, {}, {}, false,
+                                                       std::nullopt),
+                                          dtype)
+                          : padding_bias(batch.attention_mask, dtype);
+    }
     const at::Tensor hidden =
-        decoder->forward(shared->forward(decoder_ids), self_bias, encoder_states, cross_bias, runner());
+        decoder->forward(shared->forward(decoder_ids), self_bias, encoder_states, cross_bias, runner(), layouts);
     return {hidden, batch.labels};
   }
 

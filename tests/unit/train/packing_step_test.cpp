@@ -13,9 +13,12 @@
 #include "data/packing.h"
 #include "memory/cpu_budget.h"
 #include "memory/policy.h"
+#include "models/dropout.h"
 #include "models/lora.h"
+#include "models/segment_attention.h"
 #include "models/weights.h"
 #include "support/paths.h"
+#include "train/checkpointing.h"
 #include "train/optimizer.h"
 #include "train/step.h"
 #include "trainer/model_dir.h"
@@ -178,8 +181,12 @@ TEST_P(PackedTraining, SameWeightsAsPaddedTrainingWithAccumulation) {
   EXPECT_GT(rows.size(), 1u);
 
   Trainee padded(kind, {8, false}), packed(kind, {8, true}), accumulated(kind, {1, true});
+  const int64_t calls_before = per_example_attention_calls();
   padded.run(data, 0, 3);
+  EXPECT_EQ(per_example_attention_calls(), calls_before) << "padded rows keep whole-row attention";
   const StepResult one = packed.run(data, 0, 3);
+  // The packed rows (several examples of 12 to 27 tokens in rows of 64) take per-example attention on their own.
+  EXPECT_GT(per_example_attention_calls(), calls_before) << "packed rows must attend per example";
   const StepResult many = accumulated.run(data, 0, 3);
   EXPECT_EQ(one.micro_steps, 1);
   EXPECT_GT(many.micro_steps, 1);
@@ -282,6 +289,65 @@ TEST_P(PackedTraining, OutOfMemoryShrinksTheTokenBudgetAndReachesThePaddedWeight
 INSTANTIATE_TEST_SUITE_P(Models, PackedTraining,
                          ::testing::Values(Kind::kQwen2, Kind::kQwen2LoraDropout, Kind::kMistralWindow, Kind::kT5Dropout),
                          kind_name);
+
+// Attention per example inside packed rows (models/segment_attention.h) against whole-row attention with the
+// block-diagonal mask, in the models themselves, in training with dropout on (attention-probability masks drawn per
+// example): the same loss and the same gradients of every parameter (relative position bias included), also under
+// activation checkpointing (the layouts are recomputed with the blocks).
+TEST(PackedForward, PerExampleAttentionEqualsWholeRowAttentionInTheModels) {
+  for (const Kind kind : {Kind::kQwen2LoraDropout, Kind::kMistralWindow, Kind::kT5Dropout}) {
+    SCOPED_TRACE(kind_name({kind, 0}));
+    auto model = build(kind);
+    model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+    const auto batch = make_batch(kind, 9);
+    const DataFamily family = seq2seq(kind) ? DataFamily::kSeq2Seq : DataFamily::kCausal;
+    const auto rows = pack_rows(batch.examples, family, seq2seq(kind) ? PackCapacity{64, 32} : PackCapacity{64, 0});
+    const PackedBatch p = collate_packed(batch.examples, rows, family, 0, at::kCPU);
+    Batch packed{p.input_ids, p.attention_mask, p.labels, {}};
+    packed.segment_ids = p.segment_ids;
+    packed.position_ids = p.position_ids;
+    packed.decoder_segment_ids = p.decoder_segment_ids;
+    packed.decoder_position_ids = p.decoder_position_ids;
+    auto run = [&](SegmentAttentionMode mode) {
+      set_segment_attention_mode(mode);
+      model->for_each_parameter([](const std::string&, at::Tensor& t) { t.mutable_grad() = at::Tensor(); });
+      std::vector<PackedDropoutStream> streams = {{p.segment_ids, p.position_ids, p.segment_examples, p.segment_starts}};
+      if (seq2seq(kind))
+        streams.push_back({p.decoder_segment_ids, p.decoder_position_ids, p.segment_examples, p.decoder_segment_starts});
+      const DropoutScope dropout(5, 3, std::move(streams));
+      const int64_t before = per_example_attention_calls();
+      const LossSum loss = forward_loss(*model, packed);
+      const int64_t forward_calls = per_example_attention_calls() - before;
+      loss.loss_sum.backward();
+      set_segment_attention_mode(SegmentAttentionMode::kAuto);
+      // Every attention of the forward ran per example: T5's encoder self-attention, decoder self- and
+      // cross-attention in every layer; each layer of the causal model.
+      const auto& c = model->hf_config();
+      const int64_t layers = c.value("num_layers", int64_t{0});
+      const int64_t attentions = seq2seq(kind) ? layers + 2 * c.value("num_decoder_layers", layers)
+                                               : c["num_hidden_layers"].get<int64_t>();
+      EXPECT_EQ(forward_calls, mode == SegmentAttentionMode::kPerExample ? attentions : 0);
+      std::map<std::string, at::Tensor> grads = {{"loss", loss.loss_sum.detach()}};
+      model->for_each_parameter([&](const std::string& name, at::Tensor& t) { grads[name] = t.grad().clone(); });
+      return grads;
+    };
+    const auto whole = run(SegmentAttentionMode::kWholeRow);
+    const auto per_example = run(SegmentAttentionMode::kPerExample);
+    apply_activation_checkpointing(*model);
+    const auto checkpointed = run(SegmentAttentionMode::kPerExample);
+    remove_activation_checkpointing(*model);
+    ASSERT_EQ(whole.size(), per_example.size());
+    ASSERT_EQ(whole.size(), checkpointed.size());
+    // Within 1e-5 of each tensor's largest value: the loss is a sum over tokens (gradients up to ~100 here) and the
+    // paths sum in other orders, so fp32 rounding differs by ~1e-6 of the largest value; masks or attention that
+    // differed would differ by O(1).
+    for (const auto* other : {&per_example, &checkpointed})
+      for (const auto& [name, t] : whole)
+        EXPECT_LE((t - other->at(name)).abs().max().item<double>(), 1e-5 * std::max(1.0, t.abs().max().item<double>()))
+            << name << (other == &checkpointed ? " (checkpointed)" : "") << ": max difference "
+            << (t - other->at(name)).abs().max().item<double>() << " of values up to " << t.abs().max().item<double>();
+  }
+}
 
 // The packed forward itself: per-example losses of a packed row equal those of padded rows (T5 and Qwen2, no
 // dropout), and the hidden states of each example's positions agree.
