@@ -51,6 +51,7 @@ MIB = 2**20
 STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss")
 HF_STEP = re.compile(r"^BENCH step (\d+) loss (\S+) tokens (\d+)")
 MICRO_LINE = re.compile(r"micro-batch (\d+)")
+COMM_LINE = re.compile(r"spent ([\d.]+) s in collectives")
 # name: data form, model directory, maximum lengths (no record of the demo data is cut at these)
 MODELS = {
     "tiny-t5": dict(form="seq2seq", path=TINY_MODELS["seq2seq"],
@@ -271,14 +272,16 @@ def measure(name, args):
                 fail(side, name, run, per_step, steps)
             ranks, other = rank_peaks(run)
             micro = MICRO_LINE.findall(run.text()) if side == "ours" else []
+            comm = COMM_LINE.search(run.text()) if side == "ours" else None
             sample = {"tokens_per_s": tokens_per_second(per_step, args.warmup), "tokens": [s[1] for s in per_step],
                       "losses": [s[2] for s in per_step], "rank_rss": ranks, "other_rss": other,
-                      "wall_s": run.seconds, "load": load, "micro": micro[:1]}
+                      "wall_s": run.seconds, "load": load, "micro": micro[:1],
+                      "comm_s": float(comm.group(1)) if comm else None}
             result[side].append(sample)
             log(f"{name} rep {r + 1}/{args.repeats} {side}: {sample['tokens_per_s']:.0f} tokens/s, loss "
                 f"{sample['losses'][0]:.3f} -> {sample['losses'][-1]:.3f}, rank RSS "
                 f"{'/'.join(f'{x / MIB:.0f}' for x in ranks)} MiB (+{other / MIB:.0f}), wall {run.seconds:.0f} s, "
-                f"load {load:.1f}")
+                f"load {load:.1f}" + (f", rank 0 in collectives {sample['comm_s']:.1f} s" if comm else ""))
     return result
 
 

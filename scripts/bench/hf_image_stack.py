@@ -7,7 +7,7 @@ process of its own:
     hf_image_stack.py train SPEC.json     # fine-tune (random init from MODEL_DIR/config.json)
 
 SPEC: model_dir, train_folder, batch_size, max_steps, lr, seed, workers, precision ("fp32" | "bf16-mixed"),
-output_dir; measure_memory (print each step's peak of live tensor bytes: `BENCH memory step N peak_bytes B`, for
+output_dir; gradient_checkpointing; measure_memory (print each step's peak of live tensor bytes: `BENCH memory step N peak_bytes B`, for
 vit_vs_hf.py --cap). Benchmark instrumentation stays out of the user's code path: a TrainerCallback prints `BENCH step N
 loss L` when a step is logged (the parent timestamps the lines).
 """
@@ -83,7 +83,8 @@ def train(spec_path):
         learning_rate=spec["lr"], lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         seed=spec["seed"], logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         train_sampling_strategy="sequential", dataloader_num_workers=spec["workers"], use_cpu=True,
-        bf16=spec["precision"] == "bf16-mixed", remove_unused_columns=False)
+        bf16=spec["precision"] == "bf16-mixed", remove_unused_columns=False,
+        gradient_checkpointing=spec.get("gradient_checkpointing", False))
     callbacks = [Report()] + ([Memory()] if spec.get("measure_memory") else [])
     trainer = Trainer(model=model, args=arguments, train_dataset=ImageFolder(), callbacks=callbacks)
     trainer.train()

@@ -65,14 +65,15 @@ def env(threads):
     return dict(os.environ, OMP_NUM_THREADS=str(threads))
 
 
-def run_ours(work, model, train, batch, steps, precision, threads, micro=None, memory=None):
+def run_ours(work, model, train, batch, steps, precision, threads, micro=None, memory=None, checkpointing=False):
     out_dir = fresh_dir(os.path.join(work, "ours"))
     config = os.path.join(work, "ours.json")
     write_json(config, {
         "model": {"path": model, "init": "random"},
         "data": {"train_files": [train], "validation_files": [], "shuffle": False, "augment": False,
                  "num_workers": WORKERS},
-        "training": {"batch_size": batch, "micro_batch_size": micro or batch, "max_steps": steps, "seed": SEED},
+        "training": {"batch_size": batch, "micro_batch_size": micro or batch, "max_steps": steps, "seed": SEED,
+                     "activation_checkpointing": checkpointing},
         "memory": memory or {},
         "optimizer": {"lr": LR, "weight_decay": 0.0},
         "scheduler": {"name": "linear", "warmup_steps": 0},
@@ -116,7 +117,7 @@ def ours_largest(work, model, train, cap, args):
     completes. Returns (auto's pick, its run's peak, largest fixed, its peak, the first fixed over the cap)."""
     memory = {"limit": str(cap), "auto_safety_margin": 0.0}
     run, times = run_ours(work, model, train, args.cap_batch, args.cap_steps, "fp32", args.threads, micro="auto",
-                          memory=memory)
+                          memory=memory, checkpointing=args.cap_checkpointing)
     if run.returncode != 0 or len(times) != args.cap_steps:
         tail = "\n".join(line for _, line in run.lines[-20:])
         sys.exit(f"trainer micro_batch_size=auto under {cap / MIB:.0f} MiB failed (exit {run.returncode}):\n{tail}")
@@ -127,7 +128,7 @@ def ours_largest(work, model, train, cap, args):
     fixed, fixed_peak, batch = 0, 0, auto
     while batch <= args.cap_batch:
         run, times = run_ours(work, model, train, batch, args.cap_steps, "fp32", args.threads, micro=batch,
-                              memory={"limit": str(cap), "on_oom": "fail"})
+                              memory={"limit": str(cap), "on_oom": "fail"}, checkpointing=args.cap_checkpointing)
         if run.returncode == 4:
             log(f"  trainer fixed micro-batch {batch}: exit 4 (out of memory)")
             break
@@ -150,7 +151,7 @@ def hf_peak(work, model, train, batch, args):
     """The HF Trainer's peak live tensor bytes over --cap-steps steps at per_device_train_batch_size=batch (a
     process of its own, data loaded in it: dataloader_num_workers=0)."""
     run, _ = run_hf(work, model, train, batch, args.cap_steps, "fp32", args.threads, measure_memory=True,
-                    workers=0)
+                    workers=0, gradient_checkpointing=args.cap_checkpointing)
     peaks = [int(m.group(1)) for _, line in run.lines if (m := re.search(r"^BENCH memory step \d+ peak_bytes (\d+)",
                                                                            line))]
     if run.returncode != 0 or len(peaks) != args.cap_steps:
@@ -222,6 +223,9 @@ def main():
     parser.add_argument("--cap-batch", type=int, default=128,
                         help="trainer's effective batch under a cap and the largest HF batch tried")
     parser.add_argument("--cap-steps", type=int, default=2, help="steps each run under a cap must complete")
+    parser.add_argument("--cap-checkpointing", action="store_true",
+                        help="under a cap, recompute each block in backward on both sides (trainer "
+                             "training.activation_checkpointing=true, HF gradient_checkpointing=True)")
     parser.add_argument("--json", help="also write the measurements here")
     args = parser.parse_args()
     steps = args.steps + args.warmup
@@ -232,7 +236,8 @@ def main():
         notes = machine_notes()
         cap_table, cap_results = largest_micro_batch(args, model, train)
         print(f"Largest micro-batch under a memory cap: ViT 224 px, patch 16, hidden {args.hidden}, {args.layers} "
-              f"layers, {args.heads} heads; fp32; {args.cap_steps} steps must complete; {args.threads} threads\n"
+              f"layers, {args.heads} heads; fp32; {args.cap_steps} steps must complete; {args.threads} threads"
+              f"{'; activation checkpointing on both sides' if args.cap_checkpointing else ''}\n"
               f"before: {notes}\nafter: {machine_notes()}\n")
         print(cap_table + "\n")
     if args.repeats == 0:
