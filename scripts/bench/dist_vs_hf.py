@@ -83,6 +83,15 @@ def kill_live():
         kill_tree(root)
 
 
+def stop(code):
+    """A signal handler: kill every run in progress, then exit with `code`."""
+    def handler(number, frame):
+        log(f"signal {number}: killing the runs in progress")
+        kill_live()
+        os._exit(code)
+    return handler
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -169,9 +178,16 @@ def run_group(command, env, timeout):
     watchdog = threading.Timer(timeout, expire)
     watchdog.start()
     lines = []
-    try:
+
+    def read():
         for line in process.stdout:
             lines.append((time.perf_counter() - start, line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while reader.is_alive():  # the main thread waits in short slices, so that a signal's handler runs at once
+            reader.join(0.5)
         returncode = process.wait()
     finally:
         watchdog.cancel()
@@ -326,7 +342,8 @@ def main():
     if not os.access(args.trainer, os.X_OK):
         sys.exit(f"--trainer {args.trainer}: not an executable (build it: cmake --build build)")
     atexit.register(kill_live)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for number, code in ((signal.SIGTERM, 143), (signal.SIGHUP, 129), (signal.SIGINT, 130)):
+        signal.signal(number, stop(code))  # SIGINT too where a shell started this with SIGINT ignored
     notes = machine_notes()
     log(notes)
     try:
