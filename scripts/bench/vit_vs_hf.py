@@ -4,6 +4,8 @@ demo images, the same preprocessing and the same model shape, on this machine's 
 
     scripts/bench/vit_vs_hf.py                       # fp32 and bf16-mixed, 3 repetitions (several minutes)
     scripts/bench/vit_vs_hf.py --precisions fp32 --repeats 1 --steps 4
+    scripts/bench/vit_vs_hf.py --caps 256MiB 512MiB --cap-batch 64 --repeats 0   # largest micro-batch under caps only
+    scripts/bench/vit_vs_hf.py --caps 256MiB --cap-batch 128 --cap-checkpointing --repeats 0
 
 Same work on both sides: a ViT from one config.json (random init on each side; default a small ViT: 224 px,
 16 px patches, hidden 192, 6 layers, 3 heads), 5 classes of scripts/make_demo_images.py images (200-500 px,
@@ -16,6 +18,16 @@ Throughput: images/s over the steps after --warmup, from the moments each side r
 its per-step log line; HF: a TrainerCallback line), timestamped here as they arrive. Peak RSS: the process's
 high-water mark as GNU time reports it (for HF the main process; its DataLoader workers are separate processes).
 The sides alternate, the order flipping each repetition; medians and their ratio are reported.
+
+The largest micro-batch under a memory cap (--caps), fp32, --cap-steps steps must complete (the second holds
+AdamW's moments), both sides measured as peak live tensor bytes (the approach of clip_vs_hf.py): trainer under
+memory.limit = cap, (1) micro_batch_size=auto (auto_safety_margin 0) at an effective batch of --cap-batch: the
+probe's pick; (2) a fixed micro-batch = effective batch with memory.on_oom=fail, from the pick upwards until a run
+exits 4: the largest that completes (peak: metrics.jsonl's memory_peak). HF: the Trainer at
+per_device_train_batch_size=B, one process per B (dataloader_num_workers=0), its peak from hf_image_stack.py's
+measure_memory callback (parameters, buffers, optimizer state and the batch at the step's start + the highest
+running sum of torch.profiler's allocations and frees during the step); B doubles from 1 until over the cap (or
+past --cap-batch), then bisection. --cap-checkpointing recomputes each block in backward on both sides.
 """
 import argparse
 import os
