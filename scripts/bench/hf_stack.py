@@ -88,7 +88,8 @@ def train(spec_path):
     # Benchmark bookkeeping: target tokens of row i, to count each step's tokens without touching the loop.
     row_tokens = [sum(1 for x in labels if x != -100) for labels in ds["labels"]]
     # With group_by_length the sampler's order is not the file's: the collator's input is counted instead, one
-    # entry per batch in a queue (the data loader may fetch a batch ahead; steps take batches in order).
+    # entry per batch in a queue (the data loader may fetch a batch ahead; steps take batches in order). Single
+    # process only: under torchrun this would count rank 0's share alone.
     batch_tokens = []
 
     class Report(TrainerCallback):
