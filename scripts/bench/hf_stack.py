@@ -62,9 +62,10 @@ def loader(form, path, model, batch_size):
 
 
 def train(spec_path):
-    """spec: model_dir, form, data, max_input_length/max_target_length (seq2seq) or max_length (causal),
+    """Also runs as every rank of `torchrun --nproc-per-node N hf_stack.py train SPEC` (transformers' DDP; the
+    batch_size is then per rank). spec: model_dir, form, data, max_input_length/max_target_length (seq2seq) or max_length (causal),
     batch_size, gradient_accumulation_steps, max_steps, lr, seed, output_dir; optional auto_find_batch_size,
-    save_steps, resume, save_final, bf16 (autocast, as trainer's precision.mode=bf16-mixed); HF's own speed options
+    save_steps, resume, save_final, ddp_cpu (torchrun on the CPU: use_cpu, Gloo), bf16 (autocast, as trainer's precision.mode=bf16-mixed); HF's own speed options
     (the "best options" side of vs_hf.py): group_by_length (train_sampling_strategy="group_by_length"), flatten
     (causal: DataCollatorWithFlattening, padding-free rows with position ids), torch_compile."""
     with open(spec_path) as f:
@@ -87,7 +88,8 @@ def train(spec_path):
     # Benchmark bookkeeping: target tokens of row i, to count each step's tokens without touching the loop.
     row_tokens = [sum(1 for x in labels if x != -100) for labels in ds["labels"]]
     # With group_by_length the sampler's order is not the file's: the collator's input is counted instead, one
-    # entry per batch in a queue (the data loader may fetch a batch ahead; steps take batches in order).
+    # entry per batch in a queue (the data loader may fetch a batch ahead; steps take batches in order). Single
+    # process only: under torchrun this would count rank 0's share alone.
     batch_tokens = []
 
     class Report(TrainerCallback):
@@ -100,8 +102,10 @@ def train(spec_path):
                 os._exit(0)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                per_step = trainer._train_batch_size * args.gradient_accumulation_steps
+            # Under torchrun every rank logs the same (rank-averaged) loss: rank 0 alone reports. A step trains
+            # world_size consecutive per-device batches of the sequential order (accelerate's batch sharding).
+            if logs and "loss" in logs and state.is_world_process_zero:
+                per_step = trainer._train_batch_size * args.gradient_accumulation_steps * args.world_size
                 if spec.get("group_by_length"):
                     tokens = sum(batch_tokens.pop(0) for _ in range(args.gradient_accumulation_steps))
                 else:
@@ -122,6 +126,8 @@ def train(spec_path):
                      auto_find_batch_size=spec.get("auto_find_batch_size", False), dataloader_num_workers=0)
     if spec.get("bf16"):  # bf16 autocast on the CPU (what bf16=True means there), fp32 master weights
         arguments.update(bf16=True, use_cpu=True)
+    if spec.get("ddp_cpu"):  # under torchrun on the CPU: without use_cpu accelerate stays one process per rank
+        arguments.update(use_cpu=True, ddp_backend="gloo")
     if spec.get("group_by_length"):  # LengthGroupedSampler: mega-batches of 50 batches sorted by length
         arguments.update(train_sampling_strategy="group_by_length")
     if spec.get("torch_compile"):
