@@ -126,23 +126,6 @@ at::Tensor pixels_of(const ImageBatch& batch) {
                        at::kFloat);
 }
 
-std::unique_ptr<ImageLoader> caption_loader(const Config& config, std::shared_ptr<const data::ImageDataset> dataset,
-                                            const data::ImageProcessorSpec& spec, bool training, int64_t batch_size,
-                                            ImageShard shard) {
-  ImageLoaderOptions options;
-  options.shard = std::move(shard);
-  options.batch_size = batch_size;
-  options.workers = static_cast<int>(std::max<int64_t>(1, config.data.num_workers));
-  options.skip_bad = config.data.on_bad_record == BadRecordPolicy::kSkip;
-  if (training) {
-    options.shuffle = config.data.shuffle;
-    options.epochs = config.training.max_steps > 0 ? -1 : config.training.epochs;
-    options.seed = static_cast<uint64_t>(config.training.seed);
-    options.augment = config.data.augment;
-  }
-  return std::make_unique<ImageLoader>(std::move(dataset), spec, options);
-}
-
 // ---- evaluation --------------------------------------------------------------------------------------------------
 
 // Fraction of queries whose own pair is among the k best-scored candidates. Pairs whose captions are the same text
@@ -272,7 +255,7 @@ void ContrastiveRun::set_up() {
     at::NoGradGuard no_grad;
     world_->broadcast(all);
   }
-  loader_ = caption_loader(config_, dataset_, spec_, true, config_.training.batch_size, shard());
+  loader_ = make_caption_loader(config_, dataset_, spec_, true, config_.training.batch_size, shard());
   const auto batch = static_cast<uint64_t>(config_.training.batch_size);
   const auto per_epoch = static_cast<int64_t>((loader_->examples_per_epoch() + batch - 1) / batch);
   total_steps_ = config_.training.max_steps > 0 ? config_.training.max_steps : per_epoch * config_.training.epochs;
@@ -661,7 +644,7 @@ void ContrastiveRun::evaluate() {
   const bool skip = config_.data.on_bad_record == BadRecordPolicy::kSkip;
   auto dataset = std::make_shared<const data::ImageDataset>(
       data::open_caption_dataset(config_.data.validation_files, {}, skip));
-  auto loader = caption_loader(config_, dataset, spec_, false, config_.training.batch_size, shard());
+  auto loader = make_caption_loader(config_, dataset, spec_, false, config_.training.batch_size, shard());
   at::NoGradGuard no_grad;
   model_->train(false);
   std::vector<at::Tensor> image_parts, text_parts;
