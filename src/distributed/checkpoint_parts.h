@@ -1,5 +1,5 @@
-// Checkpoints of data-parallel runs whose model and train state are the same on every rank (image classification,
-// CLIP contrastive runs; usable by any run whose whole state is one model, one optimizer and one JSON state): rank 0 writes the model and
+// Checkpoints of data-parallel runs whose model and train state are the same on every rank (image classification;
+// usable by any run whose whole state is one model, one optimizer and one JSON state): rank 0 writes the model and
 // train_state.json; the optimizer state comes from rank 0 alone, or with sharded optimizer state
 // (distributed.shard_optimizer, ZeRO-1) as one part per rank, listed in train_state.json's "optimizer_files", so that
 // any world size (one process included) resumes from it. COMPLETE is written only once every part is on disk.
