@@ -76,7 +76,8 @@ def main():
     parser.add_argument("--micro", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--image-size", type=int, default=0, help="re-encode the images as S x S JPEGs (0: as they are)")
+    parser.add_argument("--image-size", type=int, default=0,
+                        help="re-encode the images as S x S JPEGs (0: as they are)")
     args = parser.parse_args()
     train_files = large_images(args.image_size) if args.image_size > 0 else None
     work = os.path.join(BENCH_DIR, "runs", "clip_distributed_decode")
@@ -94,8 +95,8 @@ def main():
     rate = {k: median([s["rate"] for s in v]) for k, v in sides.items()}
     comm = {k: median([s["comm"] for s in v]) for k, v in sides.items()}
     print(f"{machine_notes()}\n")
-    print("| model | images | batch | micro-batch | every rank decodes all: pairs/s | each rank its share: pairs/s | after / "
-          "before | rank 0 time in collectives (before, after) |")
+    print("| model | images | batch | micro-batch | every rank decodes all: pairs/s | each rank its share: pairs/s "
+          "| after / before | rank 0 time in collectives (before, after) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     images = f"{args.image_size} x {args.image_size} JPEG" if args.image_size > 0 else "demo (about 40 x 60)"
     print(f"| tiny-clip | {images} | {args.batch} | {args.micro} | {rate['before']:.0f} | {rate['after']:.0f} "

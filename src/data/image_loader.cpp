@@ -143,7 +143,8 @@ std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, 
   return std::make_unique<ImageLoader>(std::move(dataset), spec, options);
 }
 
-std::unique_ptr<ImageLoader> make_caption_loader(const Config& config, std::shared_ptr<const data::ImageDataset> dataset,
+std::unique_ptr<ImageLoader> make_caption_loader(const Config& config,
+                                                 std::shared_ptr<const data::ImageDataset> dataset,
                                                  const data::ImageProcessorSpec& spec, bool training,
                                                  int64_t batch_size, ImageShard shard) {
   ImageLoaderOptions options;

@@ -102,7 +102,8 @@ std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, 
 // training.epochs or without end for training.max_steps) or one validation pass, in batches of `batch_size`. With
 // data parallelism (`shard`), each rank decodes only its share of each effective batch (the captions of
 // ImageBatch::records are tokenized by the run, so the same share).
-std::unique_ptr<ImageLoader> make_caption_loader(const Config& config, std::shared_ptr<const data::ImageDataset> dataset,
+std::unique_ptr<ImageLoader> make_caption_loader(const Config& config,
+                                                 std::shared_ptr<const data::ImageDataset> dataset,
                                                  const data::ImageProcessorSpec& spec, bool training,
                                                  int64_t batch_size, ImageShard shard = {});
 

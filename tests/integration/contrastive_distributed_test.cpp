@@ -2,8 +2,10 @@
 // environment) train the weights one process trains with contrastive.negatives=batch (the embeddings are gathered,
 // so the negatives are the global batch), also when a real CPU budget on one rank shrinks every rank's micro-batch
 // mid-run; sharded evaluation reports one process's loss, recall and zero-shot accuracy; a 2-rank checkpoint resumes
-// in one process; LoRA with a locked image tower and micro-batch negatives are defined; out of memory at the floor on
-// one rank and SIGTERM to one rank stop every rank with one checkpoint. Every process runs under
+// in one process; sharded optimizer state (ZeRO-1) trains one process's weights and its checkpoint (a part per rank)
+// resumes in one process; each rank decodes only its share, and a bad image skipped in one rank's share still gives
+// one process's weights; LoRA with a locked image tower and micro-batch negatives are defined; out of memory at the
+// floor on one rank and SIGTERM to one rank stop every rank with one checkpoint. Every process runs under
 // `timeout` (a hang ends the test). Named IntegrationDistributed* for CTest's `distributed` label.
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -214,7 +216,8 @@ TEST(IntegrationDistributedClip, ShardedOptimizerStateOnTwoRanksTrainsOneProcess
   ASSERT_TRUE(fs::exists(checkpoint / "COMPLETE"));
   EXPECT_TRUE(fs::exists(checkpoint / "optimizer-rank-1-of-2.safetensors"));
   // Each part holds about half of the state, so neither alone would resume.
-  EXPECT_LT(fs::file_size(checkpoint / "optimizer.safetensors"), fs::file_size(one / "checkpoint-4" / "optimizer.safetensors"));
+  EXPECT_LT(fs::file_size(checkpoint / "optimizer.safetensors"),
+            fs::file_size(one / "checkpoint-4" / "optimizer.safetensors"));
   const auto resumed = run_trainer(plus(clip_run(resumed_dir, 4, 4), {"--resume-from", checkpoint.string()}),
                                    "OMP_NUM_THREADS=1");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
@@ -243,8 +246,9 @@ TEST(IntegrationDistributedClip, ABadImageSkippedInOneRanksShareGivesTheWeightsO
       listing << record.dump() << "\n";
     }
   }
-  const std::vector<std::string> data = {"--set", "data.train_files=[\"" + (dir.path() / "train.jsonl").string() + "\"]",
-                                         "--set", "data.shuffle=false", "--set", "data.on_bad_record=skip"};
+  const std::vector<std::string> data = {
+      "--set", "data.train_files=[\"" + (dir.path() / "train.jsonl").string() + "\"]", "--set", "data.shuffle=false",
+      "--set", "data.on_bad_record=skip"};
   const auto one = dir.path() / "one", two = dir.path() / "two";
   const auto single = run_trainer(plus(clip_run(one, 3, 4), data), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
