@@ -143,4 +143,22 @@ std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, 
   return std::make_unique<ImageLoader>(std::move(dataset), spec, options);
 }
 
+std::unique_ptr<ImageLoader> make_caption_loader(const Config& config,
+                                                 std::shared_ptr<const data::ImageDataset> dataset,
+                                                 const data::ImageProcessorSpec& spec, bool training,
+                                                 int64_t batch_size, ImageShard shard) {
+  ImageLoaderOptions options;
+  options.batch_size = batch_size;
+  options.workers = static_cast<int>(std::max<int64_t>(1, config.data.num_workers));
+  options.skip_bad = config.data.on_bad_record == BadRecordPolicy::kSkip;
+  options.shard = std::move(shard);
+  if (training) {
+    options.shuffle = config.data.shuffle;
+    options.epochs = config.training.max_steps > 0 ? -1 : config.training.epochs;
+    options.seed = static_cast<uint64_t>(config.training.seed);
+    options.augment = config.data.augment;
+  }
+  return std::make_unique<ImageLoader>(std::move(dataset), spec, options);
+}
+
 }  // namespace trainer

@@ -98,5 +98,13 @@ std::unique_ptr<ImageLoader> make_image_train_loader(const Config& config,
 std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, const std::vector<std::string>& classes,
                                                           const data::ImageProcessorSpec& spec, int64_t batch_size,
                                                           ImageShard shard = {});
+// Image-caption pairs (training.objective=contrastive): training (`training`: shuffled, augmented with data.augment,
+// training.epochs or without end for training.max_steps) or one validation pass, in batches of `batch_size`. With
+// data parallelism (`shard`), each rank decodes only its share of each effective batch (the captions of
+// ImageBatch::records are tokenized by the run, so the same share).
+std::unique_ptr<ImageLoader> make_caption_loader(const Config& config,
+                                                 std::shared_ptr<const data::ImageDataset> dataset,
+                                                 const data::ImageProcessorSpec& spec, bool training,
+                                                 int64_t batch_size, ImageShard shard = {});
 
 }  // namespace trainer

@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 
 #include "data/image_loader.h"
+#include "distributed/checkpoint_parts.h"
 #include "distributed/data_parallel.h"
 #include "distributed/process_group.h"
 #include "data/permutation.h"
@@ -95,6 +96,7 @@ class CaptionTokenizer {
   }
 
   int64_t max_length() const { return max_length_; }
+  int64_t pad_id() const { return pad_; }
   // The tokenizer files, copied beside the saved model so that CLIPProcessor loads from the same directory.
   void copy_files_to(const fs::path& dir) const {
     for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -119,23 +121,9 @@ std::vector<std::string> captions_of(const data::ImageDataset& dataset, const Im
 }
 
 at::Tensor pixels_of(const ImageBatch& batch) {
+  if (batch.pixels.empty()) return at::zeros({0, 3, batch.height, batch.width}, at::kFloat);  // a rank's empty share
   return at::from_blob(const_cast<float*>(batch.pixels.data()), {batch.size(), 3, batch.height, batch.width},
                        at::kFloat);
-}
-
-std::unique_ptr<ImageLoader> caption_loader(const Config& config, std::shared_ptr<const data::ImageDataset> dataset,
-                                            const data::ImageProcessorSpec& spec, bool training, int64_t batch_size) {
-  ImageLoaderOptions options;
-  options.batch_size = batch_size;
-  options.workers = static_cast<int>(std::max<int64_t>(1, config.data.num_workers));
-  options.skip_bad = config.data.on_bad_record == BadRecordPolicy::kSkip;
-  if (training) {
-    options.shuffle = config.data.shuffle;
-    options.epochs = config.training.max_steps > 0 ? -1 : config.training.epochs;
-    options.seed = static_cast<uint64_t>(config.training.seed);
-    options.augment = config.data.augment;
-  }
-  return std::make_unique<ImageLoader>(std::move(dataset), spec, options);
 }
 
 // ---- evaluation --------------------------------------------------------------------------------------------------
@@ -183,8 +171,11 @@ class ContrastiveRun {
   ContrastiveResult forward_backward(const at::Tensor& pixels, const at::Tensor& ids, const at::Tensor& mask,
                                      int64_t step, int64_t micro, int64_t first, int64_t count,
                                      const ContrastiveRanks* ranks);
-  // Data parallelism: this rank's share [begin, begin + count) of `pairs` (distributed::share_of by examples).
-  std::pair<int64_t, int64_t> share(int64_t pairs) const;
+  // Data parallelism: the loader decodes (and the run tokenizes) only this rank's share of each effective batch.
+  ImageShard shard() const;
+  // This rank's captions of `batch` as ids and mask, padded to the longest caption of the whole effective batch (every
+  // rank's), so each pair's text is what one process feeds the text tower.
+  std::pair<at::Tensor, at::Tensor> tokenize(const std::vector<std::string>& texts);
   // Rows of every rank's share put together: `rows` (this rank's, `width` columns) into a (pairs, width) matrix on
   // every rank (zeros elsewhere, summed over the ranks).
   at::Tensor gather_rows(const at::Tensor& rows, int64_t pairs, int64_t begin);
@@ -255,9 +246,6 @@ void ContrastiveRun::set_up() {
     throw UsageError("--merge is not implemented for CLIP (training.objective=contrastive)",
                      "drop --merge; PEFT merges the adapter in final/: PeftModel.from_pretrained(CLIPModel."
                      "from_pretrained(base), \"final\").merge_and_unload()");
-  if (world_ && config_.distributed.shard_optimizer)
-    throw UsageError("distributed.shard_optimizer=true is not implemented for training.objective=contrastive",
-                     "set distributed.shard_optimizer=false (every rank keeps the whole optimizer state)");
   open_resume();
   build_model();
   if (world_) {  // every rank starts from rank 0's weights
@@ -267,12 +255,16 @@ void ContrastiveRun::set_up() {
     at::NoGradGuard no_grad;
     world_->broadcast(all);
   }
-  loader_ = caption_loader(config_, dataset_, spec_, true, config_.training.batch_size);
+  loader_ = make_caption_loader(config_, dataset_, spec_, true, config_.training.batch_size, shard());
   const auto batch = static_cast<uint64_t>(config_.training.batch_size);
   const auto per_epoch = static_cast<int64_t>((loader_->examples_per_epoch() + batch - 1) / batch);
   total_steps_ = config_.training.max_steps > 0 ? config_.training.max_steps : per_epoch * config_.training.epochs;
   Module& trainable = lora_ ? static_cast<Module&>(*lora_) : *model_;
-  optimizer_ = make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed));
+  // distributed.shard_optimizer (ZeRO-1): this rank's state covers its share of the parameters only.
+  OptimizerShard optimizer_shard;
+  if (world_ && config_.distributed.shard_optimizer) optimizer_shard = {world_->rank(), world_->world_size()};
+  optimizer_ = make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed),
+                              optimizer_shard);
   policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
   if (world_) {
     std::vector<at::Tensor> parameters;
@@ -280,7 +272,8 @@ void ContrastiveRun::set_up() {
       if (p.requires_grad()) parameters.push_back(p);
     });
     data_parallel_ = std::make_unique<distributed::DataParallel>(
-        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes));
+        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes),
+        optimizer_shard.world > 1 ? optimizer_->owners() : std::vector<int>{});
   }
   if (config_.precision.mode == PrecisionMode::kFp16Mixed) {
     GradScalerOptions scaling;
@@ -360,11 +353,12 @@ ContrastiveResult ContrastiveRun::forward_backward(const at::Tensor& pixels, con
   if (count > 0)
     for (const auto& [offset, size] : split_counts(count, micro)) {
       // Keyed by the pair's place in the effective batch: neither the split nor the ranks change a dropout mask.
+      // `pixels`, `ids` and `mask` hold this rank's pairs alone (row 0 is pair `first`).
       const int64_t begin = first + offset;
       ContrastiveMicroBatch mb;
-      mb.pixel_values = pixels.narrow(0, begin, size).to(device_);
-      mb.input_ids = ids.narrow(0, begin, size).to(device_);
-      mb.attention_mask = mask.narrow(0, begin, size).to(device_);
+      mb.pixel_values = pixels.narrow(0, offset, size).to(device_);
+      mb.input_ids = ids.narrow(0, offset, size).to(device_);
+      mb.attention_mask = mask.narrow(0, offset, size).to(device_);
       mb.first_example = begin;
       mb.rng_seed = data::mix_seed(static_cast<uint64_t>(config_.training.seed) ^ kMicroBatchSeedSalt,
                                    static_cast<uint64_t>(step), static_cast<uint64_t>(begin));
@@ -386,11 +380,29 @@ ContrastiveResult ContrastiveRun::forward_backward(const at::Tensor& pixels, con
   return contrastive_forward_backward(*model_, parts, options);
 }
 
-std::pair<int64_t, int64_t> ContrastiveRun::share(int64_t pairs) const {
-  if (!world_) return {0, pairs};
-  // By examples: a pair's cost does not depend on its caption's length enough to balance by tokens.
-  const std::vector<Example> examples(static_cast<std::size_t>(pairs));
-  return distributed::share_of(examples, world_->rank(), world_->world_size(), false);
+// By records (equal counts, the first ranks one more: distributed::share_of's split by examples): a pair's cost does
+// not depend on its caption's length enough to balance by tokens. Every rank learns how many pairs each kept, so the
+// pairs are numbered as in one process (bad images skipped in one rank's share included).
+ImageShard ContrastiveRun::shard() const {
+  if (!world_) return {};
+  distributed::Communicator* world = world_;
+  return {world->rank(), world->world_size(), [world](int64_t kept) {
+            std::vector<double> counts(static_cast<std::size_t>(world->world_size()), 0.0);
+            counts[static_cast<std::size_t>(world->rank())] = static_cast<double>(kept);
+            counts = world->all_reduce_sum(counts, "counting the decoded image-caption pairs of the effective batch");
+            std::vector<int64_t> out;
+            for (const double c : counts) out.push_back(static_cast<int64_t>(std::llround(c)));
+            return out;
+          }};
+}
+
+std::pair<at::Tensor, at::Tensor> ContrastiveRun::tokenize(const std::vector<std::string>& texts) {
+  auto [ids, mask] = (*tokenizer_)(texts);
+  if (!world_) return {ids, mask};
+  const int64_t longest = world_->all_reduce_max({ids.size(1)})[0];
+  if (longest == ids.size(1)) return {ids, mask};
+  return {at::constant_pad_nd(ids, {0, longest - ids.size(1)}, static_cast<double>(tokenizer_->pad_id())),
+          at::constant_pad_nd(mask, {0, longest - mask.size(1)}, 0)};
 }
 
 at::Tensor ContrastiveRun::gather_rows(const at::Tensor& rows, int64_t pairs, int64_t begin) {
@@ -423,11 +435,12 @@ bool ContrastiveRun::escalate(int64_t step) {
 // micro-batch mode's objective), then clipping, the update and CLIP's cap on the logit scale. On out-of-memory the
 // attempt's gradients are dropped (each attempt starts from none), the policy shrinks, and the same batch runs again.
 StepResult ContrastiveRun::run_step(const ImageBatch& batch, int64_t step, double lr) {
+  // Data parallelism: `batch` is this rank's share (pairs [first, first + count) of the effective batch's `pairs`);
+  // the negatives (batch mode) are still every pair's, gathered.
   const at::Tensor pixels = pixels_of(batch);
-  const auto [ids, mask] = (*tokenizer_)(captions_of(*dataset_, batch));
-  const int64_t pairs = batch.size();
-  // Data parallelism: this rank's share; the negatives (batch mode) are still every pair's, gathered.
-  const auto [first, count] = share(pairs);
+  const auto [ids, mask] = tokenize(captions_of(*dataset_, batch));
+  const int64_t pairs = world_ ? batch.total : batch.size();
+  const int64_t first = world_ ? batch.first : 0, count = batch.size();
   const bool batch_negatives = config_.contrastive.negatives == ContrastiveNegativesMode::kBatch;
   ContrastiveRanks ranks;
   if (world_) {
@@ -486,11 +499,8 @@ StepResult ContrastiveRun::run_step(const ImageBatch& batch, int64_t step, doubl
 
 void ContrastiveRun::restore_or_probe() {
   if (resume_dir_) {
-    const auto path = (*resume_dir_ / "optimizer.safetensors").string();
-    const auto file = SafetensorsFile::open(path);
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (const auto& t : file.tensors()) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
-    optimizer_->load_state(tensors, resume_state_.at("optimizer_steps").get<int64_t>(), path);
+    // optimizer.safetensors, or the parts a sharded run wrote (any world size then and now).
+    distributed::load_optimizer_parts(*resume_dir_, resume_state_, *optimizer_);
     loader_->restore(cursor_from_json(resume_state_.at("data_cursor")));
     policy_->restore(resume_state_.at("memory_policy"));
     // fp16-mixed: the loss scale and its growth tracker, so the resumed run scales and skips as the uninterrupted one.
@@ -634,7 +644,7 @@ void ContrastiveRun::evaluate() {
   const bool skip = config_.data.on_bad_record == BadRecordPolicy::kSkip;
   auto dataset = std::make_shared<const data::ImageDataset>(
       data::open_caption_dataset(config_.data.validation_files, {}, skip));
-  auto loader = caption_loader(config_, dataset, spec_, false, config_.training.batch_size);
+  auto loader = make_caption_loader(config_, dataset, spec_, false, config_.training.batch_size, shard());
   at::NoGradGuard no_grad;
   model_->train(false);
   std::vector<at::Tensor> image_parts, text_parts;
@@ -643,26 +653,33 @@ void ContrastiveRun::evaluate() {
   int64_t batches = 0;
   while (auto batch = loader->next()) {
     const auto texts = captions_of(*dataset, *batch);
-    const auto [ids, mask] = (*tokenizer_)(texts);
     if (world_) {
-      // Each rank embeds its share of the batch; the embeddings are gathered, so every rank scores them all.
-      const int64_t pairs = batch->size();
-      const auto [first, count] = share(pairs);
+      // Each rank decodes and embeds its share of the batch; the embeddings and the pairs' records are gathered, so
+      // every rank scores them all.
+      const auto [ids, mask] = (*tokenizer_)(texts);
+      const int64_t pairs = batch->total, first = batch->first, count = batch->size();
       const int64_t width = model_->projection_dim();
       at::Tensor mine = at::zeros({count, 2 * width});
-      if (count > 0)
-        mine = at::cat({embed(pixels_of(*batch).narrow(0, first, count), {}, {}, true),
-                        embed({}, ids.narrow(0, first, count), mask.narrow(0, first, count), false)},
-                       1);
+      if (count > 0) mine = at::cat({embed(pixels_of(*batch), {}, {}, true), embed({}, ids, mask, false)}, 1);
       const at::Tensor all = gather_rows(mine.to(device_), pairs, first).cpu();
       image_parts.push_back(all.narrow(1, 0, width));
       text_parts.push_back(all.narrow(1, width, width));
+      std::vector<double> records(static_cast<std::size_t>(pairs), 0.0);
+      for (int64_t i = 0; i < count; ++i)
+        records[static_cast<std::size_t>(first + i)] = static_cast<double>(batch->records[static_cast<std::size_t>(i)]);
+      records = world_->all_reduce_sum(records, "gathering the evaluation pairs' records");
+      for (const double r : records) {
+        const auto record = static_cast<std::size_t>(std::llround(r));
+        captions.push_back(dataset->captions.at(record));
+        labels.push_back(dataset->records.at(record).label);
+      }
     } else {
+      const auto [ids, mask] = (*tokenizer_)(texts);
       image_parts.push_back(embed(pixels_of(*batch), {}, {}, true));
       text_parts.push_back(embed({}, ids, mask, false));
+      captions.insert(captions.end(), texts.begin(), texts.end());
+      labels.insert(labels.end(), batch->labels.begin(), batch->labels.end());
     }
-    captions.insert(captions.end(), texts.begin(), texts.end());
-    labels.insert(labels.end(), batch->labels.begin(), batch->labels.end());
     if (config_.evaluation.max_batches > 0 && ++batches >= config_.evaluation.max_batches) break;
   }
   if (image_parts.empty()) {
@@ -753,12 +770,9 @@ void ContrastiveRun::save_model(const fs::path& dir) {
   tokenizer_->copy_files_to(dir);
 }
 
-// Rank 0 alone writes it: every rank holds the same weights and optimizer state.
+// Rank 0 writes it (every rank holds the same weights); with sharded optimizer state every rank writes its part
+// (distributed/checkpoint_parts.h). Every rank calls it at the same step.
 std::string ContrastiveRun::checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state) {
-  if (!primary_) {
-    on_disk_step_ = step_index_;
-    return (output_dir_ / ("checkpoint-" + std::to_string(step_index_))).string();
-  }
   nlohmann::json state = {{"version", kContrastiveCheckpointVersion},
                           {"task", "contrastive"},
                           {"step", step_index_},
@@ -770,10 +784,11 @@ std::string ContrastiveRun::checkpoint(const LoaderCursor& cursor, const nlohman
                           {"data_fingerprint", fingerprint_}};
   if (scaler_) state["loss_scaler"] = scaler_->state();
   Module& trained = lora_ ? static_cast<Module&>(*lora_) : *model_;
-  const fs::path final_dir = write_training_checkpoint(
+  const fs::path final_dir = distributed::write_checkpoint_on_ranks(
       output_dir_, step_index_, on_disk_step_ == step_index_, [&](const fs::path& dir) { save_model(dir); }, trained,
-      *optimizer_, state);
+      *optimizer_, std::move(state), world_);
   on_disk_step_ = step_index_;
+  if (!primary_) return final_dir.string();
   retention_->on_checkpoint(step_index_,
                             last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
   reporter_.on_checkpoint(step_index_, final_dir.string());

@@ -134,11 +134,11 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
     if (contrastive)
       out << "each rank embeds " << t.batch_size / n
           << (t.batch_size % n ? " or " + std::to_string(t.batch_size / n + 1) : std::string())
-          << " pairs of every effective batch"
+          << " pairs of every effective batch, decoding only those"
           << (config.contrastive.negatives == ContrastiveNegativesMode::kBatch
                   ? "; the embeddings of all " + std::to_string(t.batch_size) + " are gathered on every rank"
                   : "; negatives within each rank's micro-batches (not one process's objective)")
-          << "\n";
+          << (config.distributed.shard_optimizer ? "; optimizer state sharded over the ranks" : "") << "\n";
     else
       out << "each rank decodes and trains about " << (t.batch_size + n - 1) / n << " images of every effective batch"
           << (config.distributed.shard_optimizer ? "; optimizer state sharded over the ranks" : "") << "\n";

@@ -2,8 +2,10 @@
 // environment) train the weights one process trains with contrastive.negatives=batch (the embeddings are gathered,
 // so the negatives are the global batch), also when a real CPU budget on one rank shrinks every rank's micro-batch
 // mid-run; sharded evaluation reports one process's loss, recall and zero-shot accuracy; a 2-rank checkpoint resumes
-// in one process; LoRA with a locked image tower and micro-batch negatives are defined; out of memory at the floor on
-// one rank and SIGTERM to one rank stop every rank with one checkpoint. Every process runs under
+// in one process; sharded optimizer state (ZeRO-1) trains one process's weights and its checkpoint (a part per rank)
+// resumes in one process; each rank decodes only its share, and a bad image skipped in one rank's share still gives
+// one process's weights; LoRA with a locked image tower and micro-batch negatives are defined; out of memory at the
+// floor on one rank and SIGTERM to one rank stop every rank with one checkpoint. Every process runs under
 // `timeout` (a hang ends the test). Named IntegrationDistributed* for CTest's `distributed` label.
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -12,11 +14,13 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "support/metrics.h"
 #include "support/process.h"
@@ -191,6 +195,71 @@ TEST(IntegrationDistributedClip, ACheckpointOfTwoRanksResumesInOneProcess) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_NE(resumed.err.find("at step 2"), std::string::npos) << resumed.err;
   EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+// distributed.shard_optimizer=true (ZeRO-1): each rank keeps and updates about half of the AdamW state, and the 2
+// ranks still train one process's weights and losses; their checkpoint (one optimizer part per rank) resumes in one
+// process to the weights of the uninterrupted one.
+TEST(IntegrationDistributedClip, ShardedOptimizerStateOnTwoRanksTrainsOneProcessAndItsCheckpointResumesInOne) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two", resumed_dir = dir.path() / "resumed";
+  const std::vector<std::string> sharded = {"--set", "distributed.shard_optimizer=true", "--set",
+                                            "checkpoint.every_steps=2"};
+  const auto single = run_trainer(clip_run(one, 4, 4), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = clip_ranks(2, plus(clip_run(two, 4, 4), sharded));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  EXPECT_NE(ranks[0].out.find("optimizer state sharded over the ranks"), std::string::npos) << ranks[0].out;
+  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  expect_same_losses(one, two);
+  const auto checkpoint = two / "checkpoint-2";
+  ASSERT_TRUE(fs::exists(checkpoint / "COMPLETE"));
+  EXPECT_TRUE(fs::exists(checkpoint / "optimizer-rank-1-of-2.safetensors"));
+  // Each part holds about half of the state, so neither alone would resume.
+  EXPECT_LT(fs::file_size(checkpoint / "optimizer.safetensors"),
+            fs::file_size(one / "checkpoint-4" / "optimizer.safetensors"));
+  const auto resumed = run_trainer(plus(clip_run(resumed_dir, 4, 4), {"--resume-from", checkpoint.string()}),
+                                   "OMP_NUM_THREADS=1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("at step 2"), std::string::npos) << resumed.err;
+  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", resumed_dir / "final" / "model.safetensors"),
+            1e-5);
+}
+
+// data.on_bad_record=skip with a bad image in rank 1's share of the first batch (record 12 of 121, no shuffle): each
+// rank decodes only its share, the ranks exchange how many pairs each kept, so the first batch is one process's 15
+// pairs (rank 0's 8 and rank 1's 7), and the weights and losses are one process's; the summary counts the bad record.
+TEST(IntegrationDistributedClip, ABadImageSkippedInOneRanksShareGivesTheWeightsOfOneProcess) {
+  TempDir dir;
+  std::ofstream(dir.path() / "bad.jpg") << "not an image";
+  {
+    std::ofstream listing(dir.path() / "train.jsonl");
+    const std::string root = std::string(TRAINER_SOURCE_DIR) + "/data/demo/images/";
+    std::ifstream demo(root + "train-captions.jsonl");
+    int line_number = 0;
+    for (std::string line; std::getline(demo, line); ++line_number) {
+      if (line_number == 12)
+        listing << nlohmann::json{{"image", (dir.path() / "bad.jpg").string()}, {"caption", "a broken photo"}}.dump()
+                << "\n";
+      auto record = nlohmann::json::parse(line);
+      record["image"] = root + record["image"].get<std::string>();
+      listing << record.dump() << "\n";
+    }
+  }
+  const std::vector<std::string> data = {
+      "--set", "data.train_files=[\"" + (dir.path() / "train.jsonl").string() + "\"]", "--set", "data.shuffle=false",
+      "--set", "data.on_bad_record=skip"};
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const auto single = run_trainer(plus(clip_run(one, 3, 4), data), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = clip_ranks(2, plus(clip_run(two, 3, 4), data));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  EXPECT_NE(ranks[0].out.find("bad records skipped 1"), std::string::npos) << ranks[0].out;
+  const auto pairs = metric_values(two / "metrics.jsonl", "tokens");
+  ASSERT_EQ(pairs.size(), 3u);
+  EXPECT_EQ(pairs.front(), 15);  // the first batch: 16 records, one bad
+  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  expect_same_losses(one, two);
 }
 
 // LoRA with a locked image tower (the text tower's adapters alone train) on 2 ranks: one process's adapter.

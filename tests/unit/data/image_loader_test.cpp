@@ -1,11 +1,16 @@
 // The image loader: seeded augmentation keyed by (seed, epoch, index), the cursor (a restored loader gives the
 // same batches, augmentation included), and skip counting.
+#include <barrier>
 #include <filesystem>
+#include <fstream>
+#include <thread>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "data/image_loader.h"
 #include "support/paths.h"
+#include "support/temp_dir.h"
 
 namespace trainer {
 namespace {
@@ -144,6 +149,91 @@ TEST(ImageLoader, RankSharesConcatenateToTheSingleProcessBatch) {
     EXPECT_EQ(ranks[1]->stats().examples, whole.stats().examples);
   }
   EXPECT_GT(calls, 0);
+}
+
+}  // namespace trainer
+
+namespace trainer {
+
+// Contrastive runs under data parallelism (make_caption_loader with a shard): two ranks, run at once and exchanging
+// their kept counts for real, decode disjoint shares whose concatenation is one process's batch byte for byte
+// (augmented pixels, records and so captions), numbered (first, total) as in one process; a bad image skipped in one
+// rank's share is counted by both, and every rank's counts are the whole batch's.
+TEST(ImageLoader, CaptionLoaderRankSharesConcatenateToTheSingleProcessBatch) {
+  test::TempDir dir;
+  std::ofstream(dir.path() / "bad.jpg") << "not an image";
+  {
+    std::ofstream listing(dir.path() / "pairs.jsonl");
+    std::ifstream demo(test::source_path("data/demo/images/validation-captions.jsonl"));
+    const std::string root = test::source_path("data/demo/images") + "/";
+    int line_number = 0;
+    for (std::string line; std::getline(demo, line); ++line_number) {
+      if (line_number == 10)
+        listing << nlohmann::json{{"image", (dir.path() / "bad.jpg").string()}, {"caption", "broken"}}.dump() << "\n";
+      auto record = nlohmann::json::parse(line);
+      record["image"] = root + record["image"].get<std::string>();
+      listing << record.dump() << "\n";
+    }
+  }
+  const auto dataset = std::make_shared<const data::ImageDataset>(
+      data::open_caption_dataset({(dir.path() / "pairs.jsonl").string()}, {}, true));
+  Config config;
+  config.data.augment = true;
+  config.data.shuffle = true;
+  config.data.on_bad_record = BadRecordPolicy::kSkip;
+  config.data.num_workers = 2;
+  config.training.seed = 3;
+  config.training.max_steps = 100;  // without end
+  constexpr int kBatches = 12;       // two epochs of 41 records in batches of 7 (the last of 6)
+  auto whole = make_caption_loader(config, dataset, tiny_spec(), true, 7);
+  std::vector<ImageBatch> one;
+  for (int i = 0; i < kBatches; ++i) one.push_back(*whole->next());
+
+  std::barrier sync(2);
+  std::vector<int64_t> kept(2, 0);
+  std::vector<std::vector<ImageBatch>> shares(2);
+  std::vector<DataStats> stats(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      ImageShard shard{r, 2, [&, r](int64_t mine) {
+                         kept[static_cast<std::size_t>(r)] = mine;
+                         sync.arrive_and_wait();
+                         const auto all = kept;
+                         sync.arrive_and_wait();
+                         return all;
+                       }};
+      auto loader = make_caption_loader(config, dataset, tiny_spec(), true, 7, shard);
+      for (int i = 0; i < kBatches; ++i) shares[static_cast<std::size_t>(r)].push_back(*loader->next());
+      stats[static_cast<std::size_t>(r)] = loader->stats();
+    });
+  for (auto& t : ranks) t.join();
+  int64_t short_batches = 0;
+  for (int i = 0; i < kBatches; ++i) {
+    const auto& a = shares[0][static_cast<std::size_t>(i)];
+    const auto& b = shares[1][static_cast<std::size_t>(i)];
+    const auto& whole_batch = one[static_cast<std::size_t>(i)];
+    EXPECT_EQ(a.first, 0);
+    EXPECT_EQ(b.first, a.size()) << "batch " << i;
+    EXPECT_EQ(a.total, whole_batch.size());
+    EXPECT_EQ(b.total, whole_batch.size());
+    EXPECT_LE(a.size(), 4);
+    EXPECT_LE(b.size(), 3);  // the shares are 4 and 3 records (3 and 3 in an epoch's last batch of 6)
+    short_batches += whole_batch.size() < 7;
+    std::vector<float> pixels = a.pixels;
+    pixels.insert(pixels.end(), b.pixels.begin(), b.pixels.end());
+    EXPECT_EQ(pixels, whole_batch.pixels) << "batch " << i;
+    std::vector<std::size_t> records = a.records;
+    records.insert(records.end(), b.records.begin(), b.records.end());
+    EXPECT_EQ(records, whole_batch.records) << "batch " << i;
+  }
+  EXPECT_GE(short_batches, 2);  // the bad record's batches, once per epoch (and each epoch's short last batch)
+  EXPECT_EQ(whole->stats().bad_records_skipped, 2);  // the bad record, once per epoch
+  for (const auto& s : stats) {
+    EXPECT_EQ(s.bad_records_skipped, whole->stats().bad_records_skipped);
+    EXPECT_EQ(s.examples, whole->stats().examples);
+    EXPECT_EQ(s.records_read, whole->stats().records_read);
+  }
 }
 
 }  // namespace trainer
