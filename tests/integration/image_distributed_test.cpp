@@ -200,7 +200,8 @@ TEST(IntegrationDistributedImages, DryRunPlansTheRanksOfImageAndContrastiveRuns)
   // A contrastive CLIP run plans its ranks too: each embeds its share, the embeddings are gathered.
   const auto clip = run_trainer({"--config", "configs/tiny-clip.json", "--dry-run"}, rank0);
   ASSERT_EQ(clip.exit_code, 0) << clip.err;
-  EXPECT_TRUE(contains(clip.out, "pairs of every effective batch; the embeddings of all")) << clip.out;
+  EXPECT_TRUE(contains(clip.out, "pairs of every effective batch, decoding only those; the embeddings of all"))
+      << clip.out;
 }
 
 // A linear probe (the head alone trains), and LoRA with sharded optimizer state (each rank keeps AdamW state for
