@@ -294,14 +294,12 @@ TEST(IntegrationDistributed, EvaluationOutOfMemoryOnOneRankStopsEveryRankNamingI
   const char* words[] = {"salt", "pepper", "garlic", "onion", "stir", "bake", "boil", "roast"};
   for (int i = 0; i < 32; ++i)
     train += std::string(R"({"prompt": "Recipe: )") + words[i % 8] + R"(", "completion": " )" + words[(i * 3) % 8] +
-             ""}
-";
+             "\"}\n";
   for (int i = 0; i < 8; ++i) {
     std::string prompt, completion;
     for (int w = 0; w < 200; ++w) prompt += std::string(" ") + words[(i + w * 5) % 8];
     for (int w = 0; w < 100; ++w) completion += std::string(" ") + words[(i + w * 3) % 8];
-    validation += R"({"prompt": "Recipe:)" + prompt + R"(", "completion": ")" + completion + ""}
-";
+    validation += R"({"prompt": "Recipe:)" + prompt + R"(", "completion": ")" + completion + "\"}\n";
   }
   write_file(dir.file("train.jsonl"), train);
   write_file(dir.file("val.jsonl"), validation);
