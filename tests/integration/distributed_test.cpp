@@ -284,6 +284,31 @@ TEST(IntegrationDistributed, OutOfMemoryOnOneRankShrinksEveryRankAndKeepsTheWeig
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
+// An untied LM head (the tiny Qwen2 with tie_word_embeddings false): the fused loss accumulates the head's gradient
+// outside autograd, before backward, and marks it final then, so the head's bucket (the first: reverse order) does
+// not hold back the others: every bucket of every step starts during backward. Weights equal one process's.
+TEST(IntegrationDistributed, AnUntiedHeadStartsItsBucketBeforeBackwardAndTrainsTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto model = dir.path() / "untied";
+  fs::copy(fs::path(TRAINER_SOURCE_DIR) / "configs/models/tiny-qwen2", model);
+  std::string config = read_text(model / "config.json");
+  const std::string tied = "\"tie_word_embeddings\": true";
+  ASSERT_NE(config.find(tied), std::string::npos);
+  config.replace(config.find(tied), tied.size(), "\"tie_word_embeddings\": false");
+  write_file((model / "config.json").string(), config);
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> untied = {"--set", "model.path=" + model.string()};
+  const auto log_file = dir.path() / "rank0.log";
+  expect_same_weights(with(short_run("configs/tiny-qwen2.json", one), untied),
+                      with(with(with(short_run("configs/tiny-qwen2.json", two), untied), kSmallBuckets),
+                           {"--set", "logging.log_file=" + log_file.string()}),
+                      one, two, 2, "model.safetensors");
+  const auto log = read_text(log_file);
+  const auto [started, buckets] = buckets_started_during_backward(log);
+  EXPECT_GT(buckets, 5) << log.substr(0, 3000);
+  EXPECT_EQ(started, buckets) << log.substr(0, 3000);
+}
+
 // Evaluation's out-of-memory errors: only rank 1 has a budget (3 MiB) that its training steps (short examples,
 // micro-batch 1) fit and its evaluation of long validation examples does not, even at one example per micro-batch.
 // Rank 1 stops evaluating and says so in the evaluation's final sum: every rank stops with exit 4 and the same error
