@@ -284,6 +284,22 @@ TEST(IntegrationDistributed, OutOfMemoryOnOneRankShrinksEveryRankAndKeepsTheWeig
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
+// Under activation checkpointing (recomputation runs nested backward passes) the sums run after backward, overlap
+// or not: no bucket starts during backward, and the weights are one process's.
+TEST(IntegrationDistributed, UnderActivationCheckpointingTheSumsRunAfterBackwardToTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> checkpointing = {"--set", "training.activation_checkpointing=true"};
+  const auto log_file = dir.path() / "rank0.log";
+  expect_same_weights(with(short_run("configs/tiny-t5.json", one), checkpointing),
+                      with(with(with(short_run("configs/tiny-t5.json", two), checkpointing), kSmallBuckets),
+                           {"--set", "logging.log_file=" + log_file.string()}),
+                      one, two, 2, "model.safetensors");
+  const auto log = read_text(log_file);
+  EXPECT_NE(log.find("step 3/3"), std::string::npos) << log.substr(0, 3000);
+  EXPECT_EQ(buckets_started_during_backward(log).second, 0) << log.substr(0, 3000);
+}
+
 // An untied LM head (the tiny Qwen2 with tie_word_embeddings false): the fused loss accumulates the head's gradient
 // outside autograd, before backward, and marks it final then, so the head's bucket (the first: reverse order) does
 // not hold back the others: every bucket of every step starts during backward. Weights equal one process's.
