@@ -93,7 +93,7 @@ void DataParallel::prepare() {
                   buckets_.size());
     overlap_attempt_ = armed_ = false;
     overlapped_ = true;
-    return;
+    if (owners_.empty()) return;  // sharded: after_update's broadcast still wants the buffer below
   }
   // The buffer buckets are flattened into, allocated here (inside the attempt whose out-of-memory errors the ranks
   // agree on) rather than inside a collective, where one rank's error would leave the others waiting.
