@@ -516,6 +516,7 @@ struct DistributedConfig {
   double timeout_s = 600.0;
   ByteSize bucket_size{25'000'000};
   bool shard_optimizer = false;
+  bool overlap_grad_reduce = true;
 
   template <class V>
   void visit(V& v) {
@@ -527,6 +528,10 @@ struct DistributedConfig {
       "data parallelism (ZeRO-1): each rank keeps the optimizer state of about 1/N of the trainable parameters (whole "
       "parameters) and updates those; gradients are summed to their owner and the updated parameters broadcast. "
       "Same weights as unsharded; moot in a single process");
+    v("overlap_grad_reduce", overlap_grad_reduce,
+      "data parallelism: during the last micro-batch's backward of each optimizer step, each gradient bucket starts "
+      "its sum over the ranks as soon as its gradients are final, overlapping communication with backward (not "
+      "under activation checkpointing); false sums every bucket after backward. Same weights either way");
   }
   bool operator==(const DistributedConfig&) const = default;
 };

@@ -5,6 +5,13 @@ tokens/s of each side (steps after the warm-up), their ratio, peak RSS (one proc
 and the share of rank 0's step time spent in collectives (waiting for the other rank included).
 
     .venv/bin/python scripts/bench/distributed_scaling.py [--models t5-60m qwen2-100m] [--repeats 2]
+
+With --overlap: 2 ranks with distributed.overlap_grad_reduce on against off (the gradient sums started during the
+last micro-batch's backward, or all after it), alternating, micro-batch --micro (default: each rank's whole share,
+so every step's one backward overlaps); tokens/s of each side, their ratio, rank 0's time in collectives.
+
+    .venv/bin/python scripts/bench/distributed_scaling.py --overlap [--models ...] [--repeats 3] [--micro 4] \
+        [--bucket-size 64KiB]
 """
 import argparse
 import json
@@ -69,6 +76,50 @@ def measure(name, repeats, warmup):
     return {"model": name, "batch": m["batch"], "steps": steps, "sides": sides}
 
 
+def measure_overlap(name, repeats, warmup, micro, bucket_size):
+    m = MODELS[name]
+    steps = m["steps"] + warmup
+    data = ensure_data(m["form"], 4096)
+    work = fresh_dir(os.path.join(BENCH_DIR, "runs", "distributed-overlap", name))
+    micro = micro or m["batch"] // 2
+    configs = {}
+    for side in ("on", "off"):
+        configs[side] = ours_config(os.path.join(work, f"config-{side}.json"), model_dir(name), m["form"], data,
+                                    os.path.join(work, "out-" + side), m["batch"], micro, steps, LENGTHS[m["form"]],
+                                    logging={"every_steps": 1, "progress": "plain", "tensorboard": False},
+                                    distributed={"overlap_grad_reduce": side == "on",
+                                                 **({"bucket_size": bucket_size} if bucket_size else {})})
+    sides = {"on": [], "off": []}
+    for r in range(repeats):
+        for side in (["on", "off"] if r % 2 == 0 else ["off", "on"]):
+            load = load_average()
+            run, times, tokens = one_run(configs[side], 2)
+            last = max(times)
+            rate = (tokens[last] - tokens[warmup]) / (times[last] - times[warmup])
+            comm = COMM_LINE.search(run.text())
+            sides[side].append({"tokens_per_s": rate, "comm_s": float(comm.group(1)) if comm else 0.0,
+                                "wall_s": run.seconds, "load": load})
+            log(f"{name} rep {r + 1}/{repeats} overlap {side}: {rate:.0f} tokens/s, load {load}")
+    return {"model": name, "batch": m["batch"], "micro": micro, "bucket": bucket_size or "25MB", "sides": sides}
+
+
+def print_overlap(results, repeats, warmup):
+    print("| model | batch (micro-batch per rank) | bucket_size | overlap off: tokens/s | overlap on: tokens/s | ratio (on / off) "
+          "| per-pair ratios | rank 0 in collectives: off / on | load average |")
+    print("|---|---:|---|---:|---:|---:|---|---:|---|")
+    for r in results:
+        off = [s["tokens_per_s"] for s in r["sides"]["off"]]
+        on = [s["tokens_per_s"] for s in r["sides"]["on"]]
+        pairs = ", ".join(f"{a / b:.2f}" for a, b in zip(on, off))
+        comm = {k: median([s["comm_s"] / s["wall_s"] for s in r["sides"][k]]) for k in ("off", "on")}
+        loads = sorted(s["load"] for k in ("on", "off") for s in r["sides"][k])
+        print(f"| {r['model']} | {r['batch']} ({r['micro']}) | {r['bucket']} | {median(off):.0f} | {median(on):.0f} | "
+              f"{median(on) / median(off):.2f}x | {pairs} | {comm['off']:.0%} / {comm['on']:.0%} | "
+              f"{loads[0]}-{loads[-1]} |")
+    print(f"\n2 ranks x 1 thread (Gloo, 127.0.0.1) each side; {repeats} runs of each side, alternating; medians. "
+          f"Measured steps: after {warmup} warm-up steps.")
+
+
 def median(values):
     values = sorted(values)
     return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
@@ -79,7 +130,14 @@ def main():
     parser.add_argument("--models", nargs="+", default=["t5-60m", "qwen2-100m"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--overlap", action="store_true", help="overlap_grad_reduce on vs off on 2 ranks")
+    parser.add_argument("--micro", type=int, default=0, help="with --overlap: the micro-batch (0: batch / 2)")
+    parser.add_argument("--bucket-size", default="", help="with --overlap: distributed.bucket_size (default 25MB)")
     args = parser.parse_args()
+    if args.overlap:
+        print_overlap([measure_overlap(name, args.repeats, args.warmup, args.micro, args.bucket_size) for name in args.models],
+                      args.repeats, args.warmup)
+        return
     results = [measure(name, args.repeats, args.warmup) for name in args.models]
     print("| model | batch | 1 process x 2 threads: tokens/s | 2 ranks x 1 thread: tokens/s | ratio (2 ranks / 1) "
           "| rank 0 time in collectives |")

@@ -3,7 +3,11 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
 #include <span>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -43,12 +47,54 @@ class DataParallel : public StepSync {
   double global_squared_norm(double local) override;
   void after_update() override;
 
+  // distributed.overlap_grad_reduce: during the last micro-batch's backward each bucket (whole parameters in
+  // reverse order, as backward produces them; bucket_bytes each, one dtype and owner) starts its asynchronous sum as
+  // soon as all its gradients are final (post-accumulate-grad hooks). Off: everything is summed after backward.
+  void set_overlap(bool on) { overlap_enabled_ = on; }
+  ~DataParallel() override;
+  void begin_attempt(bool may_overlap) override;
+  void before_last_backward() override;
+  void gradient_ready(const at::Tensor& parameter) override;
+
  private:
+  struct Bucket {
+    std::vector<std::size_t> parameters;  // indices into parameters_
+    int64_t numel = 0;
+    at::ScalarType dtype = at::kFloat;
+    int root = -1;  // the owner (sharded optimizer state), -1: every rank
+  };
+  struct InFlight {
+    std::size_t bucket = 0;
+    std::shared_ptr<Communicator::Pending> pending;
+    at::Tensor flat;
+    bool copy_back = false;  // flat is a copy of several gradients (a lone contiguous one is summed in place)
+  };
+  void build_buckets();                     // once, with the hooks
+  void mark_final(std::size_t index);       // a gradient of the armed backward is final
+  void launch_ready_buckets();              // in bucket order: every rank starts the same collectives in turn
+  void retire(bool wait_all);               // waits for (or polls) the in-flight sums and copies them back
+  void abandon_overlap();                   // after an out-of-memory error: the rest of the buckets, content moot
+
+
   Communicator& communicator_;
   std::vector<at::Tensor> parameters_;
   int64_t bucket_bytes_;
   std::vector<int> owners_;
   at::Tensor scratch_;  // from prepare() to the end of the step's collectives: where buckets are flattened
+
+  bool overlap_enabled_ = false;
+  bool overlap_attempt_ = false;  // this attempt sums its own buckets (from begin_attempt to prepare/agree)
+  bool armed_ = false;            // in the attempt's last micro-batch: final gradients start their buckets
+  bool overlapped_ = false;       // the gradients are summed already: reduce() has only the loss left
+  bool late_ = false;             // a gradient changed after its bucket started: the step cannot be trusted
+  std::vector<Bucket> buckets_;
+  std::vector<std::size_t> bucket_of_;  // per parameter
+  std::vector<int64_t> waiting_;        // per bucket: gradients not final yet
+  std::vector<char> final_;             // per parameter
+  std::size_t next_bucket_ = 0;         // buckets before it have started
+  std::deque<InFlight> in_flight_;
+  std::unordered_map<const void*, std::size_t> index_of_;  // TensorImpl -> parameter index
+  std::mutex mutex_;  // hooks may run on autograd's device threads
 };
 
 }  // namespace trainer::distributed

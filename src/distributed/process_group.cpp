@@ -364,6 +364,36 @@ void Communicator::broadcast_from(const std::vector<at::Tensor>& tensors, const 
   });
 }
 
+struct Communicator::Pending {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::vector<at::Tensor> tensors;  // kept alive until the collective is waited for
+};
+
+std::shared_ptr<Communicator::Pending> Communicator::start_sum(const at::Tensor& flat, int root) {
+  auto pending = std::make_shared<Pending>();
+  pending->tensors = {flat};
+  timed("summing the gradients (overlapped with backward)", [&] {
+    if (root < 0) {
+      pending->work = impl_->backend->allreduce(pending->tensors, c10d::AllreduceOptions{});
+    } else {
+      c10d::ReduceOptions options;
+      options.rootRank = root;
+      pending->work = impl_->backend->reduce(pending->tensors, options);
+    }
+  });
+  return pending;
+}
+
+bool Communicator::finished(Pending& pending) {
+  bool done = false;
+  timed("summing the gradients (overlapped with backward)", [&] { done = pending.work->isCompleted(); });
+  return done;
+}
+
+void Communicator::wait(Pending& pending) {
+  timed("summing the gradients (overlapped with backward)", [&] { pending.work->wait(); });
+}
+
 std::vector<int64_t> Communicator::all_reduce_max(const std::vector<int64_t>& values) {
   std::vector<at::Tensor> t{at::tensor(values, at::kLong).to(impl_->device)};
   timed("agreeing on the step's outcome", [&] {

@@ -74,6 +74,14 @@ class Communicator {
   // Element-wise maximum of a small vector over the ranks.
   std::vector<int64_t> all_reduce_max(const std::vector<int64_t>& values);
   double all_reduce_sum(double value);
+  // Asynchronous sums (distributed.overlap_grad_reduce): `flat` (1-D, contiguous) summed over the ranks in place,
+  // into every rank's tensor (root < 0) or rank `root`'s alone (the others' left undefined in value). Collectives
+  // pair up in the order the ranks start them. `finished` does not block; `wait` does (time counted as
+  // communication) and throws CommunicationError as the blocking collectives do.
+  struct Pending;
+  std::shared_ptr<Pending> start_sum(const at::Tensor& flat, int root);
+  bool finished(Pending& pending);
+  void wait(Pending& pending);
   // Element-wise sum of a small vector of doubles over the ranks, in one collective; `what` names it in errors.
   std::vector<double> all_reduce_sum(const std::vector<double>& values, const char* what);
   void barrier();

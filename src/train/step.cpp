@@ -212,6 +212,8 @@ double TrainStep::forward_backward(const Batch& batch, double normaliser) {
   const auto fused = fused_linear_cross_entropy(hidden.detach().reshape({-1, hidden.size(-1)}), targets,
                                                 weight.detach(), model_.lm_head_scale(), grad_scale,
                                                 policy_.loss_chunk_size(), dtype, weight_grad);
+  // An untied head's gradient is complete now (a tied one still gets the embedding's part from backward).
+  if (options_.sync && weight_grad.defined() && !model_.lm_head_tied()) options_.sync->gradient_ready(weight);
   if (hidden.requires_grad()) hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));
   return fused.loss_sum.item<double>();
 }
@@ -261,19 +263,31 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
     optimizer_.zero_grad();
     double loss_sum = 0;
     std::optional<std::string> out_of_memory;  // what ran out of memory in this attempt's forward/backward
+    // Overlap (distributed.overlap_grad_reduce) waits for each gradient's single accumulation; activation
+    // checkpointing's recomputation runs nested backward passes, so it sums after backward instead.
+    if (options_.sync) options_.sync->begin_attempt(!model_.has_block_runner());
+    // Before the last micro-batch of the attempt: its backward may start the buckets' sums.
+    auto last_part = [&](std::size_t index, std::size_t count) {
+      if (options_.sync && index + 1 == count) options_.sync->before_last_backward();
+    };
     try {
       if (options_.packing) {
         // Packed rows: the policy splits rows as it splits examples (and in token mode packs shorter rows).
         rows = pack(examples);
         const auto sizes = row_sizes(rows, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal);
         parts = policy_.split_rows(sizes);
-        for (const auto& [begin, count] : parts)
+        for (std::size_t i = 0; i < parts.size(); ++i) {
+          const auto& [begin, count] = parts[i];
+          last_part(i, parts.size());
           loss_sum += forward_backward_packed(
               examples, std::span<const PackedRow>(rows).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
               step, normaliser, share_begin);
+        }
       } else {
         parts = policy_.split(examples, seq2seq);
-        for (const auto& [begin, count] : parts) {
+        for (std::size_t i = 0; i < parts.size(); ++i) {
+          const auto& [begin, count] = parts[i];
+          last_part(i, parts.size());
           // Dropout masks follow the examples' places in the effective batch, so neither the split nor the ranks
           // change them.
           const DropoutScope dropout(options_.seed, step, share_begin + begin, count, options_.device);

@@ -71,6 +71,16 @@ class StepSync {
   virtual double global_squared_norm(double local) = 0;
   // After the optimizer update: sharded, every parameter's new value from its owner.
   virtual void after_update() = 0;
+
+  // Overlapping the gradient sum with backward (distributed.overlap_grad_reduce; optional: the defaults do nothing,
+  // and reduce() then sums everything after the attempt). At the start of every forward/backward attempt, with
+  // whether this attempt may overlap (the same on every rank: false under activation checkpointing).
+  virtual void begin_attempt(bool may_overlap) { (void)may_overlap; }
+  // Before the attempt's last micro-batch: from here on, each bucket whose gradients are final starts its sum while
+  // backward goes on. prepare() then finishes them; agree(false, ...) keeps the ranks' collectives matched.
+  virtual void before_last_backward() {}
+  // A gradient accumulated outside autograd (the fused loss's untied LM head) is final for this micro-batch.
+  virtual void gradient_ready(const at::Tensor& parameter) { (void)parameter; }
 };
 
 struct StepOptions {

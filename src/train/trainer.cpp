@@ -206,7 +206,12 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
   EvalResult result;
   double loss_sum = 0;
   int64_t batches = 0, local_examples = 0;
-  while (auto batch = loader.next()) {
+  // Data parallelism: out of memory at evaluation micro-batch 1 on this rank. It stops evaluating and says so in the
+  // final sum, so every rank stops with the same error instead of waiting for a rank that left.
+  bool failed = false;
+  while (!failed) {
+    auto batch = loader.next();
+    if (!batch) break;
     for (;;) {
       try {
         double part_sum = 0;
@@ -228,9 +233,15 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
         result.tokens += part_tokens;
         local_examples += static_cast<int64_t>(examples.size());
         break;
-      } catch (const c10::OutOfMemoryError&) {
+      } catch (const c10::OutOfMemoryError& e) {
         release_cached_memory();
-        if (micro <= 1) throw;
+        if (micro <= 1 && !world) throw;
+        if (micro <= 1) {
+          spdlog::warn("evaluation: rank {}: out of memory at evaluation micro-batch 1: {}", world->rank(),
+                       std::string(e.what_without_backtrace()).substr(0, 200));
+          failed = true;
+          break;
+        }
         spdlog::warn("evaluation: out of memory; evaluation micro-batch {} -> {}", micro, micro / 2);
         micro /= 2;
       }
@@ -241,8 +252,22 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
   if (world) {  // the whole validation set's sum and count (exact in doubles up to 2^53 tokens)
     spdlog::debug("evaluation: rank {} of {} evaluated its share: {} examples, {} target tokens", world->rank(),
                   world->world_size(), local_examples, result.tokens);
-    const auto sums = world->all_reduce_sum(std::vector<double>{loss_sum, static_cast<double>(result.tokens)},
-                                            "summing the validation loss");
+    // The sums, then one 0/1 per rank: which ranks ran out of memory at the floor.
+    std::vector<double> values(2 + static_cast<std::size_t>(world->world_size()), 0.0);
+    values[0] = loss_sum;
+    values[1] = static_cast<double>(result.tokens);
+    values[2 + static_cast<std::size_t>(world->rank())] = failed ? 1.0 : 0.0;
+    const auto sums = world->all_reduce_sum(values, "summing the validation loss");
+    std::string failed_ranks;
+    for (int r = 0; r < world->world_size(); ++r)
+      if (sums[2 + static_cast<std::size_t>(r)] > 0) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+    if (!failed_ranks.empty()) {
+      model.train(true);
+      throw OutOfMemoryAtFloor("evaluation ran out of memory on rank(s) " + failed_ranks +
+                                   " with one example per evaluation micro-batch",
+                               "raise memory.limit on those ranks, or lower data.max_length / max_input_length "
+                               "(validation examples as long as training's), or set evaluation.every_steps=0");
+    }
     loss_sum = sums[0];
     result.tokens = static_cast<int64_t>(std::llround(sums[1]));
   }
@@ -695,6 +720,7 @@ void TrainingRun::build_optimizer_and_step() {
     data_parallel_ = std::make_unique<distributed::DataParallel>(
         *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes),
         shard.world > 1 ? optimizer_->owners() : std::vector<int>{});
+    data_parallel_->set_overlap(config_.distributed.overlap_grad_reduce);
     options.sync = data_parallel_.get();
   }
   if (config_.precision.mode == PrecisionMode::kFp16Mixed) {

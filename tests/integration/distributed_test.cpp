@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -116,6 +117,26 @@ std::vector<std::string> short_run(const std::string& config, const fs::path& di
           "--set", "checkpoint.output_dir=" + dir.string()};
 }
 
+// Gradient buckets of 16 KiB: the tiny models' gradients in dozens of buckets, so that with
+// distributed.overlap_grad_reduce (on by default) the last backward of each step starts many sums while it goes on,
+// in the order its gradients become final. Debug logging shows how many (buckets_started_during_backward).
+const std::vector<std::string> kSmallBuckets = {"--set", "distributed.bucket_size=16KiB", "--set",
+                                                "logging.level=debug"};
+
+// From rank 0's debug lines: the most buckets one step started during backward, and the bucket count (0, 0: none).
+std::pair<int64_t, int64_t> buckets_started_during_backward(const std::string& log) {
+  const std::string tail = " gradient buckets started their sum during backward";
+  std::pair<int64_t, int64_t> most{0, 0};
+  for (auto at = log.find(tail); at != std::string::npos; at = log.find(tail, at + 1)) {
+    const auto line = log.rfind("data parallelism: ", at);
+    if (line == std::string::npos) continue;
+    int64_t started = 0, total = 0;
+    if (std::sscanf(log.c_str() + line, "data parallelism: %ld of %ld", &started, &total) == 2)
+      most = std::max(most, std::pair<int64_t, int64_t>{started, total});
+  }
+  return most;
+}
+
 // Trains `args` in one process and on `world` ranks; the saved weights (`file` in final/) must agree to 1e-5.
 void expect_same_weights(const std::vector<std::string>& args_for_dir_one, const std::vector<std::string>& args_for_dir_n,
                          const fs::path& one, const fs::path& n, int world, const std::string& file) {
@@ -145,8 +166,31 @@ TEST(IntegrationDistributed, ThreeRanksTrainTheWeightsOfOneProcessQwen2) {
   TempDir dir;
   const auto one = dir.path() / "one", three = dir.path() / "three";
   // 8 examples over 3 ranks: shares of 3, 3 and 2.
-  expect_same_weights(short_run("configs/tiny-qwen2.json", one), short_run("configs/tiny-qwen2.json", three), one,
-                      three, 3, "model.safetensors");
+  expect_same_weights(short_run("configs/tiny-qwen2.json", one),
+                      with(short_run("configs/tiny-qwen2.json", three), kSmallBuckets), one, three, 3,
+                      "model.safetensors");
+}
+
+// distributed.overlap_grad_reduce (the default): during the last micro-batch's backward of each step (here the
+// second of two: accumulation), buckets start their sums as their gradients become final; the weights and losses
+// are one process's. Off, every bucket is summed after backward, to the same weights.
+TEST(IntegrationDistributed, OverlappedGradientSumsStartDuringBackwardAndTrainTheWeightsOfOneProcessT5) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two", off = dir.path() / "off";
+  const auto log_file = dir.path() / "rank0.log";
+  expect_same_weights(short_run("configs/tiny-t5.json", one),
+                      with(with(short_run("configs/tiny-t5.json", two), kSmallBuckets),
+                           {"--set", "logging.log_file=" + log_file.string()}),
+                      one, two, 2, "model.safetensors");
+  const auto log = read_text(log_file);
+  const auto [started, buckets] = buckets_started_during_backward(log);
+  EXPECT_GT(buckets, 10) << log.substr(0, 3000);
+  EXPECT_GT(started, 0) << log.substr(0, 3000);  // not all left to the end of backward
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-t5.json", off), kSmallBuckets),
+                                       {"--set", "distributed.overlap_grad_reduce=false"}));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_EQ(buckets_started_during_backward(ranks[0].err + ranks[0].out).second, 0);
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", off / "final" / "model.safetensors"), 1e-5);
 }
 
 // Evaluation is sharded: each rank evaluates its share of every validation batch, and the loss sums and token
@@ -195,8 +239,8 @@ TEST(IntegrationDistributed, LoraOnThreeRanksTrainsTheAdapterOfOneProcess) {
   const std::vector<std::string> lora = {"--set", "lora.enabled=true", "--set", "lora.r=8", "--set",
                                          "optimizer.lr=1e-2"};
   expect_same_weights(with(short_run("configs/tiny-qwen2.json", one), lora),
-                      with(short_run("configs/tiny-qwen2.json", three), lora), one, three, 3,
-                      "adapter_model.safetensors");
+                      with(with(short_run("configs/tiny-qwen2.json", three), lora), {"--set", "distributed.bucket_size=1KiB"}),
+                      one, three, 3, "adapter_model.safetensors");
 }
 
 TEST(IntegrationDistributed, TokenBudgetMicroBatchesOnTwoRanksTrainTheWeightsOfOneProcess) {
@@ -227,14 +271,92 @@ TEST(IntegrationDistributed, OutOfMemoryOnOneRankShrinksEveryRankAndKeepsTheWeig
   const std::vector<std::string> micro4 = {"--set", "training.micro_batch_size=4", "--set", "memory.limit=2GiB"};
   const auto single = run_trainer(with(short_run("configs/tiny-qwen2.json", one), micro4), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
-  const auto ranks = run_ranks(2, with(short_run("configs/tiny-qwen2.json", two), micro4),
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", two), micro4), kSmallBuckets),
                                {{}, {"--set", "memory.limit=6MiB"}});
   for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   EXPECT_NE(ranks[0].err.find("out of memory"), std::string::npos) << all_errors(ranks);
+  // Overlap on: rank 0, which fit, started sums during the backward of attempts rank 1 did not finish; rank 1 took
+  // its part in them (with filler) before the ranks agreed, so nothing hung and nothing of it reached the weights.
+  EXPECT_GT(buckets_started_during_backward(ranks[0].err).first, 0) << all_errors(ranks);
   const auto micro = metric_values(two / "metrics.jsonl", "micro_batch");
   ASSERT_FALSE(micro.empty());
   EXPECT_LT(micro.back(), 4) << all_errors(ranks);
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
+// Under activation checkpointing (recomputation runs nested backward passes) the sums run after backward, overlap
+// or not: no bucket starts during backward, and the weights are one process's.
+TEST(IntegrationDistributed, UnderActivationCheckpointingTheSumsRunAfterBackwardToTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> checkpointing = {"--set", "training.activation_checkpointing=true"};
+  const auto log_file = dir.path() / "rank0.log";
+  expect_same_weights(with(short_run("configs/tiny-t5.json", one), checkpointing),
+                      with(with(with(short_run("configs/tiny-t5.json", two), checkpointing), kSmallBuckets),
+                           {"--set", "logging.log_file=" + log_file.string()}),
+                      one, two, 2, "model.safetensors");
+  const auto log = read_text(log_file);
+  EXPECT_NE(log.find("step 3/3"), std::string::npos) << log.substr(0, 3000);
+  EXPECT_EQ(buckets_started_during_backward(log).second, 0) << log.substr(0, 3000);
+}
+
+// An untied LM head (the tiny Qwen2 with tie_word_embeddings false): the fused loss accumulates the head's gradient
+// outside autograd, before backward, and marks it final then, so the head's bucket (the first: reverse order) does
+// not hold back the others: every bucket of every step starts during backward. Weights equal one process's.
+TEST(IntegrationDistributed, AnUntiedHeadStartsItsBucketBeforeBackwardAndTrainsTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto model = dir.path() / "untied";
+  fs::copy(fs::path(TRAINER_SOURCE_DIR) / "configs/models/tiny-qwen2", model);
+  std::string config = read_text(model / "config.json");
+  const std::string tied = "\"tie_word_embeddings\": true";
+  ASSERT_NE(config.find(tied), std::string::npos);
+  config.replace(config.find(tied), tied.size(), "\"tie_word_embeddings\": false");
+  write_file((model / "config.json").string(), config);
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> untied = {"--set", "model.path=" + model.string()};
+  const auto log_file = dir.path() / "rank0.log";
+  expect_same_weights(with(short_run("configs/tiny-qwen2.json", one), untied),
+                      with(with(with(short_run("configs/tiny-qwen2.json", two), untied), kSmallBuckets),
+                           {"--set", "logging.log_file=" + log_file.string()}),
+                      one, two, 2, "model.safetensors");
+  const auto log = read_text(log_file);
+  const auto [started, buckets] = buckets_started_during_backward(log);
+  EXPECT_GT(buckets, 5) << log.substr(0, 3000);
+  EXPECT_EQ(started, buckets) << log.substr(0, 3000);
+}
+
+// Evaluation's out-of-memory errors: only rank 1 has a budget (3 MiB) that its training steps (short examples,
+// micro-batch 1) fit and its evaluation of long validation examples does not, even at one example per micro-batch.
+// Rank 1 stops evaluating and says so in the evaluation's final sum: every rank stops with exit 4 and the same error
+// naming rank 1, instead of rank 0 waiting in a collective for a rank that left.
+TEST(IntegrationDistributed, EvaluationOutOfMemoryOnOneRankStopsEveryRankNamingIt) {
+  TempDir dir;
+  std::string train, validation;
+  const char* words[] = {"salt", "pepper", "garlic", "onion", "stir", "bake", "boil", "roast"};
+  for (int i = 0; i < 32; ++i)
+    train += std::string(R"({"prompt": "Recipe: )") + words[i % 8] + R"(", "completion": " )" + words[(i * 3) % 8] +
+             "\"}\n";
+  for (int i = 0; i < 8; ++i) {
+    std::string prompt, completion;
+    for (int w = 0; w < 200; ++w) prompt += std::string(" ") + words[(i + w * 5) % 8];
+    for (int w = 0; w < 100; ++w) completion += std::string(" ") + words[(i + w * 3) % 8];
+    validation += R"({"prompt": "Recipe:)" + prompt + R"(", "completion": ")" + completion + "\"}\n";
+  }
+  write_file(dir.file("train.jsonl"), train);
+  write_file(dir.file("val.jsonl"), validation);
+  const std::vector<std::string> args = {
+      "--config", "configs/tiny-qwen2.json", "--set", "data.train_files=[\"" + dir.file("train.jsonl") + "\"]",
+      "--set", "data.validation_files=[\"" + dir.file("val.jsonl") + "\"]", "--set", "data.max_length=512",
+      "--set", "training.batch_size=4", "--set", "training.micro_batch_size=1", "--set", "training.max_steps=2",
+      "--set", "evaluation.every_steps=1", "--set", "evaluation.micro_batch_size=2", "--set",
+      "evaluation.sample_prompts=[]", "--set", "checkpoint.every_steps=0", "--set",
+      "checkpoint.output_dir=" + (dir.path() / "out").string()};
+  const auto ranks = run_ranks(2, args, {{}, {"--set", "memory.limit=3MiB"}});
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.exit_code, 4) << all_errors(ranks);
+    EXPECT_NE(r.err.find("evaluation ran out of memory on rank(s) 1 "), std::string::npos) << all_errors(ranks);
+    EXPECT_EQ(r.err.find("died or hangs"), std::string::npos) << all_errors(ranks);
+  }
 }
 
 // Checkpoints do not depend on the world size: 2 ranks train 2 steps, one process resumes for 2 more, and the weights
@@ -272,8 +394,9 @@ static std::vector<std::string> state_names(const fs::path& file) {
 TEST(IntegrationDistributed, ShardedOptimizerOnTwoRanksTrainsTheWeightsOfOneProcessT5) {
   TempDir dir;
   const auto one = dir.path() / "one", two = dir.path() / "two";
-  expect_same_weights(short_run("configs/tiny-t5.json", one), with(short_run("configs/tiny-t5.json", two), kSharded),
-                      one, two, 2, "model.safetensors");
+  expect_same_weights(short_run("configs/tiny-t5.json", one),
+                      with(with(short_run("configs/tiny-t5.json", two), kSharded), kSmallBuckets), one, two, 2,
+                      "model.safetensors");
   const auto part0 = state_names(two / "checkpoint-3" / "optimizer.safetensors");
   const auto part1 = state_names(two / "checkpoint-3" / "optimizer-rank-1-of-2.safetensors");
   EXPECT_FALSE(part0.empty());
@@ -355,7 +478,8 @@ TEST(IntegrationDistributed, TwoRanksSkipTheFp16OverflowStepsOfOneProcess) {
   EXPECT_GT(a.back(), 0);
   EXPECT_EQ(metric_values(one / "metrics.jsonl", "loss_scale"), metric_values(two / "metrics.jsonl", "loss_scale"));
   const auto sharded = dir.path() / "sharded";
-  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", sharded, 6), fp16), kSharded));
+  const auto ranks = run_ranks(
+      2, with(with(with(short_run("configs/tiny-qwen2.json", sharded, 6), fp16), kSharded), kSmallBuckets));
   for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors"), 1e-5);
   EXPECT_EQ(a, metric_values(sharded / "metrics.jsonl", "skipped_steps"));

@@ -1,8 +1,17 @@
 // The pure parts of data parallelism: the launch environment, each rank's share of an effective batch, and the
-// config comparison across ranks. (The collectives themselves run in tests/integration/distributed_test.cpp.)
+// config comparison across ranks; and the overlapped gradient sums' protocol on two ranks that are two threads of
+// this process (real Gloo collectives on 127.0.0.1). (Whole runs: tests/integration/distributed_test.cpp.)
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
+#include <thread>
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include "distributed/data_parallel.h"
@@ -131,6 +140,82 @@ TEST(DistributedConfig, DifferingKeysNameTheKeyAndSkipPerRankOnes) {
             (std::vector<std::string>{"data.train_files", "training.batch_size"}));
   EXPECT_EQ(differing_keys(a, b, {}),
             (std::vector<std::string>{"data.train_files", "device.type", "memory.limit", "training.batch_size"}));
+}
+
+// Two ranks as two threads of this process, each with its own Communicator (rank 0 serves the store): runs
+// body(rank, communicator) on each and returns what each threw ("" when nothing).
+std::vector<std::string> two_ranks(const std::function<void(int, Communicator&)>& body) {
+  ::setenv("GLOO_SOCKET_IFNAME", "lo", 1);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  const int port = ntohs(address.sin_port);
+  ::close(fd);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Environment e;
+        e.rank = e.local_rank = r;
+        e.world_size = e.local_world_size = 2;
+        e.master_port = port;
+        auto communicator = Communicator::connect(e, c10::Device(c10::kCPU), std::chrono::seconds(60));
+        body(r, *communicator);
+        communicator->barrier();
+      } catch (const std::exception& error) {
+        errors[static_cast<std::size_t>(r)] = error.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+// Three parameters in 1 KiB buckets, backward's order: the 300-float one alone (summed in place), then the two
+// 100-float ones together (flattened, summed, copied back). Rank 1's first attempt "runs out of memory" after its
+// backward reached only the last parameter, whose bucket it has started: what TrainStep does then is agree(false),
+// which must take part in the rest of rank 0's buckets, so that the agreement itself pairs up and both ranks learn
+// the attempt failed. The retry then sums the gradients: (1 + 2) per element.
+TEST(DistributedOverlap, ARankThatFailsMidBackwardKeepsTheCollectivesPairedAndTheRetrySums) {
+  const auto errors = two_ranks([](int rank, Communicator& communicator) {
+    at::manual_seed(1);
+    std::vector<at::Tensor> parameters = {at::randn({100}).requires_grad_(true), at::randn({100}).requires_grad_(true),
+                                          at::randn({300}).requires_grad_(true)};
+    DataParallel parallel(communicator, parameters, 1024);
+    parallel.set_overlap(true);
+    const double weight = rank + 1.0;
+    auto full_backward = [&] {
+      at::Tensor loss = at::zeros({});
+      for (auto& p : parameters) loss = loss + (p * weight).sum();
+      loss.backward();
+    };
+    parallel.begin_attempt(true);
+    parallel.before_last_backward();
+    StepSync::Outcome outcome;
+    if (rank == 0) {
+      full_backward();
+      parallel.prepare();
+      outcome = parallel.agree(true, 2);
+    } else {
+      (parameters[2] * weight).sum().backward();  // the last parameter's gradient is final: its bucket starts
+      outcome = parallel.agree(false, 2);
+    }
+    EXPECT_FALSE(outcome.all_fit);
+    EXPECT_EQ(outcome.failed_ranks, "1");
+    for (auto& p : parameters) p.mutable_grad() = at::Tensor();
+    parallel.begin_attempt(true);
+    parallel.before_last_backward();
+    full_backward();
+    parallel.prepare();
+    EXPECT_TRUE(parallel.agree(true, 2).all_fit);
+    EXPECT_DOUBLE_EQ(parallel.reduce(weight), 3.0);
+    for (const auto& p : parameters) EXPECT_TRUE(at::allclose(p.grad(), at::full_like(p, 3.0))) << p.grad();
+  });
+  EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
 }
 
 }  // namespace
