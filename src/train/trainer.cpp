@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <set>
 #include <ostream>
 
 #include <ATen/ATen.h>
@@ -21,6 +20,7 @@
 #include "memory/cpu_budget.h"
 #include "memory/cuda_extras.h"
 #include "memory/policy.h"
+#include "distributed/checkpoint_parts.h"
 #include "distributed/data_parallel.h"
 #include "distributed/process_group.h"
 #include "models/lora.h"
@@ -351,12 +351,6 @@ struct OptimizerParts {
   std::vector<std::string> files;
   std::function<std::string(bool failed)> agree;
 };
-
-// The file rank `rank` of `world` writes its optimizer state to.
-std::string optimizer_part_file(int rank, int world) {
-  return rank == 0 ? "optimizer.safetensors"
-                   : "optimizer-rank-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
-}
 
 void write_checkpoint_files(const fs::path& temp_dir, int64_t step, const c10::Device& device,
                             const TrainedWeights& trained, const Optimizer& optimizer,
@@ -734,41 +728,12 @@ void TrainingRun::build_optimizer_and_step() {
   device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
 }
 
-// The optimizer state of `checkpoint` into `optimizer`: from optimizer.safetensors, or the union of the parts a
-// sharded run wrote (train_state.json's optimizer_files), whatever the world size and sharding then and now. Only
-// the tensors this rank's optimizer holds are read. A part that is missing is refused by name before anything
-// changes.
-void load_optimizer_state(const fs::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer) {
-  std::vector<std::string> files = {"optimizer.safetensors"};
-  if (state.contains("optimizer_files")) files = state.at("optimizer_files").get<std::vector<std::string>>();
-  std::string missing;
-  for (const auto& f : files)
-    if (!fs::exists(checkpoint / f)) missing += (missing.empty() ? "" : ", ") + (checkpoint / f).string();
-  if (!missing.empty())
-    throw DataError("checkpoint " + checkpoint.string() + " is incomplete: its optimizer state is in " +
-                        std::to_string(files.size()) + " part(s) (one per rank that wrote it), and " + missing +
-                        " is missing",
-                    "copy the missing part(s) from where the ranks wrote them (checkpoint.output_dir must be one "
-                    "directory for every rank), or resume from an earlier complete checkpoint");
-  std::set<std::string> wanted;
-  for (const auto& [name, tensor] : optimizer.state_tensors()) wanted.insert(name);
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& f : files) {
-    const auto file = SafetensorsFile::open((checkpoint / f).string());
-    for (const auto& t : file.tensors())
-      if (wanted.contains(t.name)) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
-  }
-  std::string source = (checkpoint / files.front()).string();
-  if (files.size() > 1) source += " (and " + std::to_string(files.size() - 1) + " other part(s))";
-  optimizer.load_state(tensors, state.at("optimizer_steps").get<int64_t>(), source);
-}
-
 // A resume restores the optimizer, the data position, the policy, the step and the RNG; a fresh run with
 // micro_batch_size=auto probes the largest micro-batch that fits (the smallest of any rank's).
 void TrainingRun::restore_or_probe() {
   if (resume_.dir) {
     const auto& state = resume_.state;
-    load_optimizer_state(*resume_.dir, state, *optimizer_);
+    distributed::load_optimizer_parts(*resume_.dir, state, *optimizer_);
     const auto file = SafetensorsFile::open((*resume_.dir / "optimizer.safetensors").string());
     const LoaderCursor saved_cursor = cursor_from_json(state.at("data_cursor"));
     loader_->restore(resume_.data_changed ? new_epoch_cursor(saved_cursor) : saved_cursor);
@@ -857,7 +822,7 @@ std::string TrainingRun::checkpoint_sharded(const LoaderCursor& cursor, const nl
   }
   world_->barrier();
   OptimizerParts parts;
-  for (int r = 0; r < world; ++r) parts.files.push_back(optimizer_part_file(r, world));
+  for (int r = 0; r < world; ++r) parts.files.push_back(distributed::optimizer_part_file(r, world));
   // Every rank's outcome: 1 where its part could not be written.
   auto agree_on_parts = [&](bool failed) {
     std::vector<int64_t> flags(static_cast<std::size_t>(world), 0);

@@ -7,8 +7,6 @@
 // one process's weights; LoRA with a locked image tower and micro-batch negatives are defined; out of memory at the
 // floor on one rank and SIGTERM to one rank stop every rank with one checkpoint. Every process runs under
 // `timeout` (a hang ends the test). Named IntegrationDistributed* for CTest's `distributed` label.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +22,7 @@
 
 #include "support/metrics.h"
 #include "support/process.h"
+#include "support/ranks.h"
 #include "support/temp_dir.h"
 #include "trainer/safetensors.h"
 
@@ -31,80 +30,6 @@ namespace trainer::test {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A TCP port nobody listens on now (the kernel's choice for port 0).
-int unused_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  const int port = ntohs(address.sin_port);
-  ::close(fd);
-  return port;
-}
-
-std::vector<std::string> plus(std::vector<std::string> args, const std::vector<std::string>& extra) {
-  args.insert(args.end(), extra.begin(), extra.end());
-  return args;
-}
-
-// `world` ranks of trainer at once, as torchrun starts them, each under `timeout`; rank r gets args + extra[r].
-std::vector<ProcessResult> clip_ranks(int world, const std::vector<std::string>& args,
-                                      const std::vector<std::vector<std::string>>& extra = {}) {
-  const int port = unused_port();
-  TempDir logs;
-  // Every rank in the source directory (the config's relative paths).
-  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1; ";
-  for (int r = 0; r < world; ++r) {
-    command += "( RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
-               " LOCAL_RANK=" + std::to_string(r) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
-               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-               " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout -k 5 300 " + shell_quote(trainer_binary());
-    auto all = args;
-    if (r < static_cast<int>(extra.size())) all.insert(all.end(), extra[r].begin(), extra[r].end());
-    for (const auto& a : all) command += " " + shell_quote(a);
-    const std::string base = logs.file("rank" + std::to_string(r));
-    command += " </dev/null >" + shell_quote(base + ".out") + " 2>" + shell_quote(base + ".err") + "; echo $? >" +
-               shell_quote(base + ".rc") + " ) & ";
-  }
-  command += "wait";
-  EXPECT_EQ(std::system(command.c_str()), 0);
-  std::vector<ProcessResult> results(static_cast<std::size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    const std::string base = logs.file("rank" + std::to_string(r));
-    auto& result = results[static_cast<std::size_t>(r)];
-    result.exit_code = std::stoi(read_text(base + ".rc"));
-    result.out = read_text(base + ".out");
-    result.err = read_text(base + ".err");
-  }
-  return results;
-}
-
-std::string errors_of(const std::vector<ProcessResult>& results) {
-  std::string text;
-  for (std::size_t r = 0; r < results.size(); ++r)
-    text += "---- rank " + std::to_string(r) + " (exit " + std::to_string(results[r].exit_code) + ")\n" +
-            results[r].err;
-  return text;
-}
-
-// The largest absolute difference between two safetensors files' tensors (infinity when names or shapes differ).
-double largest_difference(const fs::path& a_path, const fs::path& b_path) {
-  const auto a = SafetensorsFile::open(a_path.string()), b = SafetensorsFile::open(b_path.string());
-  if (a.tensors().size() != b.tensors().size()) return INFINITY;
-  double largest = 0;
-  for (const auto& t : a.tensors()) {
-    if (!b.find(t.name)) return INFINITY;
-    const at::Tensor x = a.load(t.name, at::kFloat), y = b.load(t.name, at::kFloat);
-    if (!x.sizes().equals(y.sizes())) return INFINITY;
-    largest = std::max(largest, (x - y).abs().max().item<double>());
-  }
-  return largest;
-}
 
 // tiny-clip (attention dropout 0.1 on) for `steps` steps of 16 pairs, micro-batches of `micro`, into `dir`. lr 1e-4:
 // AdamW at 1e-3 amplifies the summation-order noise of two ranks' gradient sums past 1e-5.
@@ -145,10 +70,10 @@ TEST(IntegrationDistributedClip, TwoRanksWithOutOfMemoryOnOneTrainTheWeightsAndM
   ASSERT_LT(small, large);
   const std::vector<std::string> eval = {"--set", "evaluation.every_steps=3", "--set",
                                          "data.validation_files=[\"data/demo/images/validation-captions.jsonl\"]"};
-  const auto single = run_trainer(plus(clip_run(one, 6, 8), eval), "OMP_NUM_THREADS=1");
+  const auto single = run_trainer(with(clip_run(one, 6, 8), eval), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
 
-  const auto dry = run_trainer(plus(clip_run(two, 6, 8), {"--dry-run"}),
+  const auto dry = run_trainer(with(clip_run(two, 6, 8), {"--dry-run"}),
                                "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999 OMP_NUM_THREADS=1");
   ASSERT_EQ(dry.exit_code, 0) << dry.err;
   EXPECT_NE(dry.out.find("ranks        2"), std::string::npos) << dry.out;
@@ -156,22 +81,22 @@ TEST(IntegrationDistributedClip, TwoRanksWithOutOfMemoryOnOneTrainTheWeightsAndM
   EXPECT_NE(dry.out.find("gathered on every rank"), std::string::npos) << dry.out;
 
   const auto limit = std::to_string(static_cast<int64_t>((small + large) / 2));
-  const auto ranks = clip_ranks(2, plus(plus(clip_run(two, 6, 8), eval), {"--set", "memory.regrow_after_steps=2"}),
+  const auto ranks = run_ranks(2, with(with(clip_run(two, 6, 8), eval), {"--set", "memory.regrow_after_steps=2"}),
                                 {{}, {"--set", "memory.limit=" + limit}});
-  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   // Rank 0 alone reports.
   EXPECT_NE(ranks[0].out.find("Done: 6 steps"), std::string::npos) << ranks[0].out;
   EXPECT_EQ(ranks[1].out.find("Done:"), std::string::npos) << ranks[1].out;
   const auto micro = metric_values(two / "metrics.jsonl", "micro_batch");
   const auto retries = metric_values(two / "metrics.jsonl", "oom_retries");
   ASSERT_EQ(micro.size(), 6u);
-  EXPECT_LT(micro[0], 8) << errors_of(ranks);
+  EXPECT_LT(micro[0], 8) << all_errors(ranks);
   double later = 0;
   for (std::size_t i = 1; i < retries.size(); ++i) later += retries[i];
-  EXPECT_GE(later, 1) << "regrowth must run out of memory again mid-run\n" << errors_of(ranks);
+  EXPECT_GE(later, 1) << "regrowth must run out of memory again mid-run\n" << all_errors(ranks);
   EXPECT_NE(ranks[0].err.find("out of memory"), std::string::npos) << "rank 0 shrinks for rank 1's error\n"
-                                                                      << errors_of(ranks);
-  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+                                                                      << all_errors(ranks);
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
   expect_same_losses(one, two);
   for (const char* key : {"eval_loss", "eval_i2t_r1", "eval_i2t_r5", "eval_i2t_r10", "eval_t2i_r1", "eval_t2i_r5",
                           "eval_t2i_r10", "eval_zero_shot_top1", "eval_pairs"}) {
@@ -188,13 +113,13 @@ TEST(IntegrationDistributedClip, ACheckpointOfTwoRanksResumesInOneProcess) {
   const auto one = dir.path() / "one", two = dir.path() / "two";
   const auto single = run_trainer(clip_run(one, 4, 4), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
-  const auto ranks = clip_ranks(2, clip_run(two, 2, 4));
-  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  const auto ranks = run_ranks(2, clip_run(two, 2, 4));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   ASSERT_TRUE(fs::exists(two / "checkpoint-2" / "COMPLETE"));
-  const auto resumed = run_trainer(plus(clip_run(two, 4, 4), {"--resume"}), "OMP_NUM_THREADS=1");
+  const auto resumed = run_trainer(with(clip_run(two, 4, 4), {"--resume"}), "OMP_NUM_THREADS=1");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_NE(resumed.err.find("at step 2"), std::string::npos) << resumed.err;
-  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
 // distributed.shard_optimizer=true (ZeRO-1): each rank keeps and updates about half of the AdamW state, and the 2
@@ -207,10 +132,10 @@ TEST(IntegrationDistributedClip, ShardedOptimizerStateOnTwoRanksTrainsOneProcess
                                             "checkpoint.every_steps=2"};
   const auto single = run_trainer(clip_run(one, 4, 4), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
-  const auto ranks = clip_ranks(2, plus(clip_run(two, 4, 4), sharded));
-  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  const auto ranks = run_ranks(2, with(clip_run(two, 4, 4), sharded));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   EXPECT_NE(ranks[0].out.find("optimizer state sharded over the ranks"), std::string::npos) << ranks[0].out;
-  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
   expect_same_losses(one, two);
   const auto checkpoint = two / "checkpoint-2";
   ASSERT_TRUE(fs::exists(checkpoint / "COMPLETE"));
@@ -218,11 +143,11 @@ TEST(IntegrationDistributedClip, ShardedOptimizerStateOnTwoRanksTrainsOneProcess
   // Each part holds about half of the state, so neither alone would resume.
   EXPECT_LT(fs::file_size(checkpoint / "optimizer.safetensors"),
             fs::file_size(one / "checkpoint-4" / "optimizer.safetensors"));
-  const auto resumed = run_trainer(plus(clip_run(resumed_dir, 4, 4), {"--resume-from", checkpoint.string()}),
+  const auto resumed = run_trainer(with(clip_run(resumed_dir, 4, 4), {"--resume-from", checkpoint.string()}),
                                    "OMP_NUM_THREADS=1");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_NE(resumed.err.find("at step 2"), std::string::npos) << resumed.err;
-  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", resumed_dir / "final" / "model.safetensors"),
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", resumed_dir / "final" / "model.safetensors"),
             1e-5);
 }
 
@@ -250,15 +175,15 @@ TEST(IntegrationDistributedClip, ABadImageSkippedInOneRanksShareGivesTheWeightsO
       "--set", "data.train_files=[\"" + (dir.path() / "train.jsonl").string() + "\"]", "--set", "data.shuffle=false",
       "--set", "data.on_bad_record=skip"};
   const auto one = dir.path() / "one", two = dir.path() / "two";
-  const auto single = run_trainer(plus(clip_run(one, 3, 4), data), "OMP_NUM_THREADS=1");
+  const auto single = run_trainer(with(clip_run(one, 3, 4), data), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
-  const auto ranks = clip_ranks(2, plus(clip_run(two, 3, 4), data));
-  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  const auto ranks = run_ranks(2, with(clip_run(two, 3, 4), data));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   EXPECT_NE(ranks[0].out.find("bad records skipped 1"), std::string::npos) << ranks[0].out;
   const auto pairs = metric_values(two / "metrics.jsonl", "tokens");
   ASSERT_EQ(pairs.size(), 3u);
   EXPECT_EQ(pairs.front(), 15);  // the first batch: 16 records, one bad
-  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
   expect_same_losses(one, two);
 }
 
@@ -267,11 +192,11 @@ TEST(IntegrationDistributedClip, LoraWithALockedImageTowerOnTwoRanksTrainsTheAda
   TempDir dir;
   const auto one = dir.path() / "one", two = dir.path() / "two";
   const std::vector<std::string> lora = {"--set", "lora.enabled=true", "--set", "contrastive.freeze_image_tower=true"};
-  const auto single = run_trainer(plus(clip_run(one, 3, 4), lora), "OMP_NUM_THREADS=1");
+  const auto single = run_trainer(with(clip_run(one, 3, 4), lora), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
-  const auto ranks = clip_ranks(2, plus(clip_run(two, 3, 4), lora));
-  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
-  EXPECT_LT(largest_difference(one / "final" / "adapter_model.safetensors", two / "final" / "adapter_model.safetensors"),
+  const auto ranks = run_ranks(2, with(clip_run(two, 3, 4), lora));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_LT(max_difference(one / "final" / "adapter_model.safetensors", two / "final" / "adapter_model.safetensors"),
             1e-5);
   expect_same_losses(one, two);
 }
@@ -283,12 +208,12 @@ TEST(IntegrationDistributedClip, MicroBatchNegativesOnTwoRanksAreEachRanksMicroB
   TempDir dir;
   const auto one = dir.path() / "one", two = dir.path() / "two";
   const std::vector<std::string> micro = {"--set", "contrastive.negatives=micro-batch"};
-  const auto single = run_trainer(plus(clip_run(one, 3, 8), micro), "OMP_NUM_THREADS=1");
+  const auto single = run_trainer(with(clip_run(one, 3, 8), micro), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
-  const auto ranks = clip_ranks(2, plus(clip_run(two, 3, 16), micro));
-  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << errors_of(ranks);
+  const auto ranks = run_ranks(2, with(clip_run(two, 3, 16), micro));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   EXPECT_NE(ranks[0].out.find("negatives within each rank's micro-batches"), std::string::npos) << ranks[0].out;
-  EXPECT_LT(largest_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
   expect_same_losses(one, two);
 }
 
@@ -297,16 +222,16 @@ TEST(IntegrationDistributedClip, MicroBatchNegativesOnTwoRanksAreEachRanksMicroB
 TEST(IntegrationDistributedClip, OutOfMemoryAtTheFloorOnOneRankStopsEveryRankWithOneCheckpoint) {
   TempDir dir;
   const auto run = dir.path() / "run";
-  const auto ranks = clip_ranks(2, clip_run(run, 3, 4), {{}, {"--set", "memory.limit=1200KiB"}});
+  const auto ranks = run_ranks(2, clip_run(run, 3, 4), {{}, {"--set", "memory.limit=1200KiB"}});
   ASSERT_EQ(ranks.size(), 2u);
-  for (const auto& r : ranks) EXPECT_EQ(r.exit_code, 4) << errors_of(ranks);
-  EXPECT_NE(ranks[0].err.find("every escalation used: rank(s) 1"), std::string::npos) << errors_of(ranks);
+  for (const auto& r : ranks) EXPECT_EQ(r.exit_code, 4) << all_errors(ranks);
+  EXPECT_NE(ranks[0].err.find("every escalation used: rank(s) 1"), std::string::npos) << all_errors(ranks);
   int complete = 0;
   for (const auto& entry : fs::directory_iterator(run))
     if (entry.path().filename().string().starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
       ++complete;
-  EXPECT_EQ(complete, 1) << errors_of(ranks);
-  EXPECT_TRUE(fs::exists(run / "checkpoint-0" / "COMPLETE")) << errors_of(ranks);
+  EXPECT_EQ(complete, 1) << all_errors(ranks);
+  EXPECT_TRUE(fs::exists(run / "checkpoint-0" / "COMPLETE")) << all_errors(ranks);
 }
 
 // SIGTERM to one rank (of `trainer launch`'s two) stops both after the same step: exit 0, every process ended, one
@@ -314,8 +239,8 @@ TEST(IntegrationDistributedClip, OutOfMemoryAtTheFloorOnOneRankStopsEveryRankWit
 TEST(IntegrationDistributedClip, SigtermToOneRankStopsEveryRankWithOneCheckpoint) {
   TempDir dir;
   const auto run = dir.path() / "run";
-  const auto args = plus({"launch", "--nproc-per-node", "2", "--"},
-                         plus(clip_run(run, 100000, 4), {"--set", "distributed.timeout_s=30"}));
+  const auto args = with({"launch", "--nproc-per-node", "2", "--"},
+                         with(clip_run(run, 100000, 4), {"--set", "distributed.timeout_s=30"}));
   // `cd` on its own line: `cd && cmd &` would put a subshell, not the launcher, behind $!.
   std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) +
                         " || exit 1\nGLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " + shell_quote(trainer_binary());

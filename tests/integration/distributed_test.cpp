@@ -19,6 +19,7 @@
 
 #include "support/metrics.h"
 #include "support/process.h"
+#include "support/ranks.h"
 #include "support/temp_dir.h"
 #include "trainer/safetensors.h"
 
@@ -26,87 +27,6 @@ namespace trainer::test {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A TCP port nobody listens on now (the kernel's choice for port 0).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  const int port = ntohs(address.sin_port);
-  ::close(fd);
-  return port;
-}
-
-std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& extra) {
-  args.insert(args.end(), extra.begin(), extra.end());
-  return args;
-}
-
-// Runs `world` ranks of trainer at once (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun sets
-// them), each under `timeout`; rank r gets args + extra[r]. Returns every rank's exit code and output.
-std::vector<ProcessResult> run_ranks(int world, const std::vector<std::string>& args,
-                                     const std::vector<std::vector<std::string>>& extra = {}, int port = 0,
-                                     const std::string& environment = "") {
-  if (port == 0) port = free_port();
-  TempDir logs;
-  // Every rank in the source directory (the configs' relative paths): `cd X && (a) & (b)` would leave b where
-  // ctest runs the test.
-  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1; ";
-  for (int r = 0; r < world; ++r) {
-    command += "( RANK=" + std::to_string(r) + " WORLD_SIZE=" + std::to_string(world) +
-               " LOCAL_RANK=" + std::to_string(r) + " LOCAL_WORLD_SIZE=" + std::to_string(world) +
-               " MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-               " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " + environment + " timeout -k 5 300 " +
-               shell_quote(trainer_binary());
-    auto all = args;
-    if (r < static_cast<int>(extra.size())) all.insert(all.end(), extra[r].begin(), extra[r].end());
-    for (const auto& a : all) command += " " + shell_quote(a);
-    const std::string base = logs.file("rank" + std::to_string(r));
-    command += " </dev/null >" + shell_quote(base + ".out") + " 2>" + shell_quote(base + ".err") + "; echo $? >" +
-               shell_quote(base + ".rc") + " ) & ";
-  }
-  command += "wait";
-  EXPECT_EQ(std::system(command.c_str()), 0);
-  std::vector<ProcessResult> results(static_cast<std::size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    const std::string base = logs.file("rank" + std::to_string(r));
-    auto& result = results[static_cast<std::size_t>(r)];
-    result.exit_code = std::stoi(read_text(base + ".rc"));
-    result.out = read_text(base + ".out");
-    result.err = read_text(base + ".err");
-  }
-  return results;
-}
-
-// The largest absolute difference between the tensors of two safetensors files with the same names.
-double max_difference(const fs::path& a_path, const fs::path& b_path) {
-  const auto a = SafetensorsFile::open(a_path.string());
-  const auto b = SafetensorsFile::open(b_path.string());
-  EXPECT_EQ(a.tensors().size(), b.tensors().size());
-  double largest = 0;
-  for (const auto& t : a.tensors()) {
-    if (!b.find(t.name)) {
-      ADD_FAILURE() << t.name << " missing in " << b_path;
-      continue;
-    }
-    const auto x = a.load(t.name, at::kFloat), y = b.load(t.name, at::kFloat);
-    largest = std::max(largest, (x - y).abs().max().item<double>());
-  }
-  return largest;
-}
-
-std::string all_errors(const std::vector<ProcessResult>& results) {
-  std::string text;
-  for (std::size_t r = 0; r < results.size(); ++r)
-    text += "---- rank " + std::to_string(r) + " (exit " + std::to_string(results[r].exit_code) + ")\n" +
-            results[r].err;
-  return text;
-}
 
 // A short run of a tiny config into `dir`: `steps` optimizer steps of 8 examples, micro-batches of 2 (so the
 // gradient accumulates over micro-batches on every rank), no evaluation, the final model saved.

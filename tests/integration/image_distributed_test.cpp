@@ -7,8 +7,6 @@
 // with one checkpoint. Every process runs under `timeout`, so a hang ends the test (CTest label `distributed`).
 // AdamW amplifies float noise in gradients near zero (its first steps move every weight by about lr): lr 1e-4 keeps
 // the summation-order differences between one process and two ranks under 1e-5.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +23,7 @@
 
 #include "support/metrics.h"
 #include "support/process.h"
+#include "support/ranks.h"
 #include "support/temp_dir.h"
 #include "trainer/model_dir.h"
 #include "trainer/safetensors.h"
@@ -36,79 +35,11 @@ namespace fs = std::filesystem;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-// A TCP port nobody listens on now (the kernel's choice for port 0).
-int unused_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t length = sizeof(address);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  const int port = ntohs(address.sin_port);
-  ::close(fd);
-  return port;
-}
-
-// Two ranks of trainer at once with the variables torchrun sets, each under `timeout`, in the source directory;
-// rank r gets args + extra[r], and its command starts with prefix[r] (another timeout, for a signal). Returns each
-// rank's exit code and output.
+// Two ranks of `args` (rank r also gets extra[r]; its command starts with prefix[r], e.g. a timeout that signals it).
 std::vector<ProcessResult> run_two_ranks(const std::vector<std::string>& args,
                                          const std::vector<std::vector<std::string>>& extra = {},
                                          const std::vector<std::string>& prefix = {}) {
-  const int port = unused_port();
-  TempDir logs;
-  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1; ";
-  for (int r = 0; r < 2; ++r) {
-    command += "( RANK=" + std::to_string(r) + " WORLD_SIZE=2 LOCAL_RANK=" + std::to_string(r) +
-               " LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-               " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 timeout -k 5 300 " +
-               (r < static_cast<int>(prefix.size()) ? prefix[static_cast<std::size_t>(r)] + " " : std::string()) +
-               shell_quote(trainer_binary());
-    auto all = args;
-    if (r < static_cast<int>(extra.size()))
-      all.insert(all.end(), extra[static_cast<std::size_t>(r)].begin(), extra[static_cast<std::size_t>(r)].end());
-    for (const auto& a : all) command += " " + shell_quote(a);
-    const std::string base = logs.file("rank" + std::to_string(r));
-    command += " </dev/null >" + shell_quote(base + ".out") + " 2>" + shell_quote(base + ".err") + "; echo $? >" +
-               shell_quote(base + ".rc") + " ) & ";
-  }
-  command += "wait";
-  EXPECT_EQ(std::system(command.c_str()), 0);
-  std::vector<ProcessResult> results(2);
-  for (int r = 0; r < 2; ++r) {
-    const std::string base = logs.file("rank" + std::to_string(r));
-    auto& result = results[static_cast<std::size_t>(r)];
-    result.exit_code = std::stoi(read_text(base + ".rc"));
-    result.out = read_text(base + ".out");
-    result.err = read_text(base + ".err");
-  }
-  return results;
-}
-
-std::string all_errors(const std::vector<ProcessResult>& results) {
-  std::string text;
-  for (std::size_t r = 0; r < results.size(); ++r)
-    text += "---- rank " + std::to_string(r) + " (exit " + std::to_string(results[r].exit_code) + ")\n" +
-            results[r].err;
-  return text;
-}
-
-// The largest absolute difference between the same-named tensors of two safetensors files.
-double max_difference(const fs::path& a_path, const fs::path& b_path) {
-  const auto a = SafetensorsFile::open(a_path.string());
-  const auto b = SafetensorsFile::open(b_path.string());
-  EXPECT_EQ(a.tensors().size(), b.tensors().size());
-  double largest = 0;
-  for (const auto& t : a.tensors()) {
-    if (!b.find(t.name)) {
-      ADD_FAILURE() << t.name << " missing in " << b_path;
-      continue;
-    }
-    largest = std::max(largest, (a.load(t.name, at::kFloat) - b.load(t.name, at::kFloat)).abs().max().item<double>());
-  }
-  return largest;
+  return run_ranks(2, args, extra, 0, "", prefix);
 }
 
 // configs/tiny-vit.json (augmentation on, dropout 0.1, effective batches of 16) for `steps` steps at micro-batch
