@@ -11,6 +11,7 @@ the peak RSS of every rank (and of the launcher / torchrun's agent).
     .venv/bin/python scripts/bench/dist_vs_hf.py [--trainer /path/to/trainer] [--models tiny-t5 tiny-qwen2]
         # also: --models t5-60m qwen2-100m (vs_hf.py's shapes; use e.g. --batch 8 --steps 6 --warmup 2)
         [--repeats 3] [--steps 30] [--warmup 5] [--batch 16] [--timeout 900]
+        [--packing]   # also (a) with data.packing=true: the same examples per step in fewer rows, a row of its own
 
 Same work on both sides, and checked: the model directory's config.json (random init on each side), the same JSONL
 (scripts/make_demo_data.py), the same tokenizer files, fp32, the global batch --batch split into equal contiguous
@@ -51,7 +52,8 @@ MIB = 2**20
 STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss")
 HF_STEP = re.compile(r"^BENCH step (\d+) loss (\S+) tokens (\d+)")
 MICRO_LINE = re.compile(r"micro-batch (\d+)")
-COMM_LINE = re.compile(r"spent ([\d.]+) s in collectives")
+# the end summary's per-rank figures: "    rank 0: 1.18 GiB, 2.5 s" (peak memory, time in collectives)
+COMM_LINE = re.compile(r"^\s*rank 0: [\d.]+ [KMG]?i?B, ([\d.]+) s$", re.M)
 # name: data form, model directory, maximum lengths (no record of the demo data is cut at these)
 MODELS = {
     "tiny-t5": dict(form="seq2seq", path=TINY_MODELS["seq2seq"],
@@ -275,20 +277,27 @@ def measure(name, args):
                          logging={"every_steps": 1, "progress": "plain", "tensorboard": False})
     spec = hf_spec(path, m["form"], data, os.path.join(work, "hf"), args.batch // nproc, steps, m["lengths"],
                    ddp_cpu=True)
-    result = {"model": name, "ours": [], "hf": [], "load": []}
+    configs = {"ours": config}
+    if args.packing:  # the same examples in every step, packed: the same weights as padded rows (tests say so)
+        configs["packed"] = ours_config(os.path.join(work, "packed.json"), path, m["form"], data,
+                                        os.path.join(work, "packed"), args.batch, args.batch // nproc, steps,
+                                        m["lengths"], data_options={"packing": True},
+                                        logging={"every_steps": 1, "progress": "plain", "tensorboard": False})
+    sides = list(configs) + ["hf"]
+    result = {"model": name, "hf": [], "load": [], **{side: [] for side in configs}}
     for r in range(args.repeats):
-        for side in (("ours", "hf") if r % 2 == 0 else ("hf", "ours")):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
             load = load_average()
             result["load"].append(load)
-            if side == "ours":
-                run, per_step = run_ours(args.trainer, config, nproc, args.timeout)
+            if side in configs:
+                run, per_step = run_ours(args.trainer, configs[side], nproc, args.timeout)
             else:
                 run, per_step = run_hf(spec, nproc, args.timeout)
             if run.returncode != 0 or len(per_step) != steps:
                 fail(side, name, run, per_step, steps)
             ranks, other = rank_peaks(run)
-            micro = MICRO_LINE.findall(run.text()) if side == "ours" else []
-            comm = COMM_LINE.search(run.text()) if side == "ours" else None
+            micro = MICRO_LINE.findall(run.text()) if side in configs else []
+            comm = COMM_LINE.search(run.text()) if side in configs else None
             sample = {"tokens_per_s": tokens_per_second(per_step, args.warmup), "tokens": [s[1] for s in per_step],
                       "losses": [s[2] for s in per_step], "rank_rss": ranks, "other_rss": other,
                       "wall_s": run.seconds, "load": load, "micro": micro[:1],
@@ -301,13 +310,13 @@ def measure(name, args):
     return result
 
 
-def summary_row(result, args):
-    o, h = result["ours"], result["hf"]
+def summary_row(result, args, ours="ours"):
+    o, h = result[ours], result["hf"]
     same = all(x["tokens"] == o[0]["tokens"] for x in o + h)
-    cells = [result["model"], f"{args.nproc} x {args.batch // args.nproc} = {args.batch}",
-             f"{args.steps} (+{args.warmup})"]
-    rates = {side: median([x["tokens_per_s"] for x in result[side]]) for side in ("ours", "hf")}
-    cells += [f"{rates['ours']:,.0f}", f"{rates['hf']:,.0f}", ratio(rates["ours"], rates["hf"])]
+    model = result["model"] + (", trainer with data.packing" if ours == "packed" else "")
+    cells = [model, f"{args.nproc} x {args.batch // args.nproc} = {args.batch}", f"{args.steps} (+{args.warmup})"]
+    rates = {side: median([x["tokens_per_s"] for x in result[side]]) for side in (ours, "hf")}
+    cells += [f"{rates[ours]:,.0f}", f"{rates['hf']:,.0f}", ratio(rates[ours], rates["hf"])]
     # T5ForConditionalGeneration averages its loss over the rank's own tokens and ignores num_items_in_batch, yet
     # accepts **kwargs, so transformers' Trainer (average_tokens_across_devices) multiplies it by the number of
     # ranks as if it were a sum over the global tokens: the logged loss (and the gradient) is N x the mean. Shown
@@ -317,11 +326,13 @@ def summary_row(result, args):
         ours_loss, hf_loss = median([x["losses"][index] for x in o]), median([x["losses"][index] for x in h])
         hf_text = f"{hf_loss / scale:.3f}" + (f" (logged {hf_loss:.3f})" if scale != 1 else "")
         cells.append(f"{ours_loss:.3f} / {hf_text}")
-    for side in ("ours", "hf"):
+    for side in (ours, "hf"):
         per_rank = [median([x["rank_rss"][i] for x in result[side]]) for i in range(args.nproc)]
         other = median([x["other_rss"] for x in result[side]])
         cells.append(" / ".join(f"{v / MIB:,.0f}" for v in per_rank) + f" (+{other / MIB:,.0f})")
-    cells += ["yes" if same else "NO", f"{min(result['load']):.1f}-{max(result['load']):.1f}"]
+    comm = [x["comm_s"] for x in o if x["comm_s"] is not None]
+    cells += ["yes" if same else "NO", f"{median(comm):.1f}" if comm else "",
+              f"{min(result['load']):.1f}-{max(result['load']):.1f}"]
     return cells
 
 
@@ -336,6 +347,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take before it is killed")
+    parser.add_argument("--packing", action="store_true",
+                        help="also trainer with data.packing=true (the same examples per step, packed into fewer "
+                             "rows: the same weights as padded rows), a row of its own")
     parser.add_argument("--json", help="also write the measurements here")
     args = parser.parse_args()
     args.trainer = os.path.abspath(args.trainer)
@@ -355,7 +369,8 @@ def main():
     print(table(["model", "ranks x per-rank batch = global", "steps (+warm-up)", "trainer tok/s", "HF tok/s",
                  "ratio", "loss step 1 trainer / HF", "loss last trainer / HF",
                  "trainer peak RSS MiB per rank (+launcher)", "HF peak RSS MiB per rank (+torchrun agent)",
-                 "same tokens every step", "load avg"], [summary_row(r, args) for r in results]))
+                 "same tokens every step", "trainer rank 0 in collectives s", "load avg"],
+                [summary_row(r, args, ours) for r in results for ours in ("ours", "packed") if ours in r]))
     if args.json:
         write_json(args.json, results)
 

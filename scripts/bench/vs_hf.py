@@ -23,11 +23,13 @@ order flipping each repetition; medians are reported.
 HF's best options (--hf-variant best, issue 19's side (b)): HF with train_sampling_strategy="group_by_length",
 for causal models DataCollatorWithFlattening (padding-free, position ids per example; transformers derives the
 block-diagonal mask from them), and torch_compile=True if a 3-step probe compiles and trains within
---compile-timeout (else left off and said so under the table); trainer with data.group_by_length and, for causal
-models, data.packing=true. Each side then draws its own length-grouped order, so the target tokens per step
+--compile-timeout (else left off and said so under the table); trainer with data.group_by_length and
+data.packing=true. Each side then draws its own length-grouped order, so the target tokens per step
 differ: tokens/s counts each side's own tokens, and the useful FLOPs use the file's average per target token.
 --hf-variant best-file-order: the same options without group_by_length on either side (equal rows every step,
-checked as for the other rows).
+checked as for the other rows). --hf-variant users-packed: HF as users run it against trainer with data.packing=true
+alone: the same examples in every step, packed into fewer rows, which trains the same weights as padded rows
+(tests/integration/packing_test.cpp), so the target tokens of every step are equal and checked.
 
 Precision (--precision fp32 bf16-mixed): fp32 on both sides, or bf16 autocast with fp32 master weights (trainer
 precision.mode=bf16-mixed; HF bf16=True, use_cpu=True).
@@ -333,12 +335,12 @@ def tokens_per_second(steps, warmup):
 def best_options(form, compile_ok, grouped=True):
     """The "best options" row: each side's fastest data path on this stack. HF: group_by_length, and for causal
     models DataCollatorWithFlattening (padding-free rows with position ids; nothing like it exists for
-    seq2seq), torch_compile=True when the probe compiled and ran. trainer: data.group_by_length, and for causal
-    models data.packing=true (for T5 packing measured slower on CPU, docs/packing.md); the chunked loss is the
-    default on both rows. grouped=False ("best-file-order"): the same without group_by_length on either side, so
+    seq2seq), torch_compile=True when the probe compiled and ran. trainer: data.group_by_length and
+    data.packing=true (T5 too, now that attention is computed per example in packed rows: docs/packing.md); the
+    chunked loss is the default on both rows. grouped=False ("best-file-order"): the same without group_by_length on either side, so
     that both train the same rows at every step (a short run's length-grouped batches differ per sampler)."""
     causal = form == "causal"
-    ours = {"group_by_length": grouped, **({"packing": True} if causal else {})}
+    ours = {"group_by_length": grouped, "packing": True}
     hf = {"group_by_length": grouped, "flatten": causal, "torch_compile": bool(compile_ok)}
     return ours, hf
 
@@ -373,6 +375,8 @@ def throughput(models, repeats, threads, scale_steps=1.0, precisions=("fp32",), 
                 if compile_timeout > 0 else (False, "torch_compile not tried (--compile-timeout 0)")
             log(f"{name} {precision}: {compile_note}")
             ours_data, hf_options = best_options(m["form"], compile_ok, grouped=variant == "best")
+        elif variant == "users-packed":  # the same examples in every step as padded rows: the same weights
+            ours_data = {"packing": True}
         config = ours_config(os.path.join(work, "ours.json"), path, m["form"], data, os.path.join(work, "ours"),
                              m["batch"], m["batch"], steps, LENGTHS[m["form"]], precision={"mode": precision},
                              data_options=ours_data)
@@ -424,6 +428,8 @@ def variant_label(result):
     """What each side ran with, for the table's first column."""
     if result.get("variant", "users") == "users":
         return "ours defaults vs HF as users run it (padded)"
+    if result["variant"] == "users-packed":
+        return "ours data.packing vs HF as users run it (padded)"
     ours = ", ".join(k for k, v in result["ours_options"].items() if v) or "defaults"
     hf = ", ".join(k for k, v in result["hf_options"].items() if v)
     return f"{result['variant']}: ours {ours} vs HF {hf}"
@@ -708,11 +714,13 @@ def main():
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both sides (default: torch's choice)")
     parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16-mixed"],
                         help="throughput rows in each precision (bf16-mixed: HF bf16=True)")
-    parser.add_argument("--hf-variant", nargs="+", default=["users"], choices=["users", "best", "best-file-order"],
+    parser.add_argument("--hf-variant", nargs="+", default=["users"],
+                        choices=["users", "users-packed", "best", "best-file-order"],
                         help="throughput rows against HF as users run it (padded, file order) and/or with its best "
                              "options (group_by_length; causal: DataCollatorWithFlattening; torch_compile if it "
-                             "runs), trainer then with data.group_by_length (+ data.packing for causal); "
-                             "best-file-order: the same without group_by_length (equal rows every step)")
+                             "runs), trainer then with data.group_by_length and data.packing; best-file-order: the "
+                             "same without group_by_length (equal rows every step); users-packed: HF as users run it "
+                             "against trainer with data.packing alone (the same weights as padded rows)")
     parser.add_argument("--compile-timeout", type=int, default=300,
                         help="seconds HF's torch_compile probe may take per best-options row (0: do not try)")
     parser.add_argument("--cap-model", default="t5-60m", choices=list(MODELS))
@@ -804,7 +812,8 @@ def goals_table(results):
     for r in results.get("throughput", []):
         s = summarize_throughput(r)
         x = s["ours"]["tokens_per_s"] / s["hf"]["tokens_per_s"]
-        goal, against = (1.5, "as users run it") if r.get("variant", "users") == "users" else (1.2, "with its best options")
+        goal, against = (1.5, "as users run it") if r.get("variant", "users").startswith("users") \
+            else (1.2, "with its best options")
         rows.append([f"tokens/s, {r['model']}, {r['precision']}", f">= {goal}x HF {against}", f"{x:.2f}x",
                      verdict(x >= goal, f"{x / goal:.2f} of goal")])
     for r in results.get("throughput", []):
