@@ -40,6 +40,29 @@ TEST(CounterRng, CpuKeepMaskEqualsTheTensorOps) {
   }
 }
 
+TEST(CounterRng, CpuKeepMaskLinesOfEveryLengthEqualTheTensorOps) {
+  // The CPU kernel takes eight counters at a time where a line's lower halves do not cross a multiple of 2^32, one
+  // at a time where they do: lines of 1 to 41 and 1000 elements, strides 1, 3 and 2^16, and rows starting just below
+  // a multiple of 2^32 (the line crosses it), at it, and anywhere.
+  const uint64_t key = counter_key({7, 99});
+  const int64_t wrap = int64_t{1} << 32;
+  const at::Tensor rows = at::tensor(std::vector<int64_t>{(int64_t{3} << 40) + wrap - 5, int64_t{0}, wrap,
+                                                          (int64_t{11} << 40) + 123456789, 4 * wrap - 1},
+                                     at::kLong);
+  std::vector<int64_t> lengths(41);
+  for (int64_t n = 1; n <= 41; ++n) lengths[static_cast<std::size_t>(n - 1)] = n;
+  lengths.push_back(1000);
+  for (const int64_t stride : {int64_t{1}, int64_t{3}, int64_t{1} << 16})
+    for (const int64_t n : lengths) {
+      const std::vector<int64_t> sizes = {rows.size(0), 2, n};
+      const std::vector<int64_t> strides = {int64_t{1} << 24, stride};
+      const at::Tensor cpu = counter_keep_mask(key, rows, sizes, strides, 0.25);
+      const at::Tensor ops =
+          counter_bits(key, grid_counters(rows, sizes, strides)).ge(std::llround(0.25 * 4294967296.0));
+      ASSERT_TRUE(at::equal(cpu, ops)) << "line of " << n << ", stride " << stride;
+    }
+}
+
 TEST(CounterRng, MaskOfAnExampleDoesNotDependOnItsBatchOrPadding) {
   // Example 5 alone with 6 positions, and inside a batch padded to 9 positions: its first 6 positions agree.
   const uint64_t key = counter_key({1, 2});
