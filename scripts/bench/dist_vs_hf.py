@@ -6,7 +6,8 @@
 
 alternately (the order flipping each repetition), on this machine's CPU. Prints a Markdown table: target tokens/s
 of each side over the steps after --warmup, their ratio, the loss at the first and the last step of each side, and
-the peak RSS of every rank (and of the launcher / torchrun's agent).
+the peak RSS of every rank (and of the launcher / torchrun's agent), and the time from the launch to the end of the
+first step (start-up, loading, the first step).
 
     .venv/bin/python scripts/bench/dist_vs_hf.py [--trainer /path/to/trainer] [--models tiny-t5 tiny-qwen2]
         # also: --models t5-60m qwen2-100m (vs_hf.py's shapes; use e.g. --batch 8 --steps 6 --warmup 2)
@@ -300,7 +301,7 @@ def measure(name, args):
             comm = COMM_LINE.search(run.text()) if side in configs else None
             sample = {"tokens_per_s": tokens_per_second(per_step, args.warmup), "tokens": [s[1] for s in per_step],
                       "losses": [s[2] for s in per_step], "rank_rss": ranks, "other_rss": other,
-                      "wall_s": run.seconds, "load": load, "micro": micro[:1],
+                      "wall_s": run.seconds, "first_step_s": per_step[0][0], "load": load, "micro": micro[:1],
                       "comm_s": float(comm.group(1)) if comm else None}
             result[side].append(sample)
             log(f"{name} rep {r + 1}/{args.repeats} {side}: {sample['tokens_per_s']:.0f} tokens/s, loss "
@@ -330,6 +331,7 @@ def summary_row(result, args, ours="ours"):
         per_rank = [median([x["rank_rss"][i] for x in result[side]]) for i in range(args.nproc)]
         other = median([x["other_rss"] for x in result[side]])
         cells.append(" / ".join(f"{v / MIB:,.0f}" for v in per_rank) + f" (+{other / MIB:,.0f})")
+    cells.append(" / ".join(f"{median([x['first_step_s'] for x in result[side]]):.1f}" for side in (ours, "hf")))
     comm = [x["comm_s"] for x in o if x["comm_s"] is not None]
     cells += ["yes" if same else "NO", f"{median(comm):.1f}" if comm else "",
               f"{min(result['load']):.1f}-{max(result['load']):.1f}"]
@@ -369,6 +371,7 @@ def main():
     print(table(["model", "ranks x per-rank batch = global", "steps (+warm-up)", "trainer tok/s", "HF tok/s",
                  "ratio", "loss step 1 trainer / HF", "loss last trainer / HF",
                  "trainer peak RSS MiB per rank (+launcher)", "HF peak RSS MiB per rank (+torchrun agent)",
+                 "first step s trainer / HF",
                  "same tokens every step", "trainer rank 0 in collectives s", "load avg"],
                 [summary_row(r, args, ours) for r in results for ours in ("ours", "packed") if ours in r]))
     if args.json:
