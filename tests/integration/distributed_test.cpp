@@ -158,7 +158,8 @@ TEST(IntegrationDistributed, BadAndOverLengthRecordsInOneRanksShareActAsInOnePro
     write_file(data, text);
   }
   const std::vector<std::string> setup = {"--set", "data.train_files=[\"" + data + "\"]", "--set", "data.shuffle=false",
-                                          "--set", "data.on_overlength=skip"};
+                                          "--set", "data.on_overlength=skip", "--set", "data.max_input_length=128",
+                                          "--set", "data.max_target_length=192"};  // the demo records all fit
   const auto failing = with(setup, {"--set", "data.on_bad_record=error"});
   const auto single_error = run_trainer(with(short_run("configs/tiny-t5.json", dir.path() / "e1"), failing),
                                         "OMP_NUM_THREADS=1");
