@@ -126,6 +126,8 @@ TEST(IntegrationDistributed, EachOfThreeRanksTokenizesAThirdOfTheRecordsAndTrain
   EXPECT_EQ(read, records_read(single.out)) << ranks[0].out;
   EXPECT_EQ(read, 24) << ranks[0].out;  // 3 steps of 8 examples, no record skipped
   EXPECT_EQ(records_tokenized(ranks[0].out, 3), (std::vector<int64_t>{8, 8, 8})) << ranks[0].out;
+  EXPECT_NE(ranks[0].out.find("of every effective batch and tokenizes 1/3 of the records"), std::string::npos)
+      << ranks[0].out;
   EXPECT_EQ(single.out.find("records tokenized"), std::string::npos) << "one process: no per-rank figures";
 }
 
