@@ -61,7 +61,8 @@ class Unpacker {
 // Another rank's error, rethrown here with its exit code (every rank stops the same way).
 class RankError : public Error {
  public:
-  RankError(std::string message, std::string hint, ExitCode code) : Error(std::move(message), std::move(hint)), code_(code) {}
+  RankError(std::string message, std::string hint, ExitCode code)
+      : Error(std::move(message), std::move(hint)), code_(code) {}
   ExitCode exit_code() const override { return code_; }
 
  private:
@@ -117,7 +118,8 @@ Pipeline::~Pipeline() {
 }
 
 bool Pipeline::mine(std::uint64_t position) const {
-  return share_.world <= 1 || position % static_cast<std::uint64_t>(share_.world) == static_cast<std::uint64_t>(share_.rank);
+  const auto world = static_cast<std::uint64_t>(share_.world);
+  return world <= 1 || position % world == static_cast<std::uint64_t>(share_.rank);
 }
 
 void Pipeline::map_chunk(Chunk& chunk) const {
@@ -273,7 +275,7 @@ void Pipeline::exchange(Chunk& chunk) {
     const auto code = static_cast<ExitCode>(in.u32());
     std::string message = in.bytes();
     std::string hint = in.bytes();
-    message = "rank " + std::to_string(r) + " (tokenizing its share of the records): " + message;
+    message = "rank " + std::to_string(r) + " (reading and tokenizing its share of the records): " + message;
     if (code == kExitData) throw DataError(std::move(message), std::move(hint));
     if (code == kExitUsage) throw UsageError(std::move(message), std::move(hint));
     throw RankError(std::move(message), std::move(hint), code);

@@ -118,7 +118,8 @@ TEST(IntegrationDistributed, EachOfThreeRanksTokenizesAThirdOfTheRecordsAndTrain
   const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(three / "metrics.jsonl", "loss");
   ASSERT_EQ(a.size(), b.size());
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << "step " << i + 1;
-  const auto ea = metric_values(one / "metrics.jsonl", "eval_loss"), eb = metric_values(three / "metrics.jsonl", "eval_loss");
+  const auto ea = metric_values(one / "metrics.jsonl", "eval_loss");
+  const auto eb = metric_values(three / "metrics.jsonl", "eval_loss");
   ASSERT_EQ(ea.size(), 1u);
   ASSERT_EQ(eb.size(), 1u);
   EXPECT_NEAR(ea[0], eb[0], 1e-5);

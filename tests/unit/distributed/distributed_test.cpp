@@ -293,9 +293,10 @@ TEST(DistributedRecordShare, TwoRanksTokenizeHalfTheRecordsEachAndGetOneProcesse
       const LoaderCursor middle = first_part->cursor();  // mid-epoch (a mega-batch boundary when grouped)
       std::vector<LoaderTrace> traces(2), resumed(2);
       const auto errors = two_ranks([&](int rank, Communicator& communicator) {
-        auto loader = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq, record_share(&communicator));
+        const RecordShare share = record_share(&communicator);
+        auto loader = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq, share);
         traces[static_cast<std::size_t>(rank)] = trace_loader(*loader);
-        auto again = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq, record_share(&communicator));
+        auto again = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq, share);
         resumed[static_cast<std::size_t>(rank)] = trace_loader(*again, 0, middle);
       });
       ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
@@ -309,7 +310,8 @@ TEST(DistributedRecordShare, TwoRanksTokenizeHalfTheRecordsEachAndGetOneProcesse
       auto tail = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq);
       const LoaderTrace expected_tail = trace_loader(*tail, 0, middle);
       ASSERT_FALSE(expected_tail.examples.empty());
-      for (int r = 0; r < 2; ++r) EXPECT_TRUE(resumed[static_cast<std::size_t>(r)].same_as(expected_tail)) << "rank " << r;
+      for (int r = 0; r < 2; ++r)
+        EXPECT_TRUE(resumed[static_cast<std::size_t>(r)].same_as(expected_tail)) << "rank " << r;
     }
   }
 }
@@ -361,8 +363,8 @@ TEST(DistributedRecordShare, AnExceptionInOneRanksShareStopsEveryRankWithTheSame
       EXPECT_EQ(loader->stats().records_mapped, 0) << "rank " << rank << ": the error came with the first chunk";
     });
     EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
-    EXPECT_EQ(caught[0], "rank 1 (tokenizing its share of the records): the tokenizer broke on dish 5 | a hint that "
-                         "travels too");
+    EXPECT_EQ(caught[0], "rank 1 (reading and tokenizing its share of the records): the tokenizer broke on dish 5 | a "
+                         "hint that travels too");
     EXPECT_EQ(caught[1], caught[0]);
   }
 }

@@ -280,7 +280,8 @@ TEST(LogReporter, SummaryListsEveryRanksPeakMemoryAndTimeInCollectives) {
   s.ranks[0].records_tokenized = 31;
   s.ranks[1].records_tokenized = 30;
   const auto text_run = format_summary(s);
-  for (const char* part : {"    rank 0: 3.00 MiB, 1.2 s, 31 records tokenized", "    rank 1: 5.00 MiB, 0.5 s, 30 records tokenized"})
+  for (const char* part :
+       {"    rank 0: 3.00 MiB, 1.2 s, 31 records tokenized", "    rank 1: 5.00 MiB, 0.5 s, 30 records tokenized"})
     EXPECT_TRUE(contains(text_run, part)) << part << " missing from:\n" << text_run;
   // Beyond 16 ranks: rank 0 and the extremes, not a line per rank.
   s.ranks.assign(20, {1 << 20, 1.0});
