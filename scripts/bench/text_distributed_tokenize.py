@@ -23,13 +23,15 @@ from distributed_scaling import COMM_LINE, STEP_LINE  # noqa: E402
 TOKENIZED_LINE = re.compile(r"^    rank (\d+): .*, (\d+) records tokenized$", re.M)
 
 
-def long_documents(chars, records=2000):
-    """`records` causal records, each the demo recipes' texts joined up to `chars` characters; returns the path."""
+def long_documents(chars, records=1200):
+    """`records` causal records: a demo recipe's prompt, and as completion the demo recipes' texts joined up to
+    `chars` characters; returns the path."""
     path = os.path.join(BENCH_DIR, "data", f"long-documents-{chars}-{records}.jsonl")
     if os.path.exists(path):
         return path
     with open(os.path.join(ROOT, "data", "demo", "recipes-causal.jsonl")) as f:
-        texts = [json.loads(line)["text"] for line in f]
+        recipes = [json.loads(line) for line in f]
+    texts = [r["prompt"] + r["completion"] for r in recipes]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".part", "w") as out:
         for i in range(records):
@@ -38,7 +40,8 @@ def long_documents(chars, records=2000):
                 parts.append(texts[k % len(texts)])
                 size += len(parts[-1]) + 1
                 k += 7
-            out.write(json.dumps({"text": " ".join(parts)[:chars]}) + "\n")
+            prompt = recipes[i % len(recipes)]["prompt"]
+            out.write(json.dumps({"prompt": prompt, "completion": " " + " ".join(parts)[:chars]}) + "\n")
     os.replace(path + ".part", path)
     return path
 
