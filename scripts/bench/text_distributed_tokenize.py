@@ -97,16 +97,19 @@ def main():
             if counts:
                 tokenized = counts
             log(f"rep {r + 1}/{args.repeats} {name}: {rate:.0f} target tokens/s, load {load}")
+    # Each repetition's two sides ran back to back: their ratio is steadier than the sides' medians when other jobs
+    # come and go on the machine.
+    paired = [a["rate"] / b["rate"] for a, b in zip(sides["after"], sides["before"])]
     rate = {k: median([s["rate"] for s in v]) for k, v in sides.items()}
     comm = {k: median([s["comm"] for s in v]) for k, v in sides.items()}
     print(f"{machine_notes()}\n")
     print("| model | characters per record | batch | micro-batch | every rank tokenizes all: tokens/s "
-          "| each rank its share: tokens/s | after / before | rank 0 time in collectives (before, after) "
+          "| each rank its share: tokens/s | after / before (median of each repetition's ratio; range) | rank 0 time in collectives (before, after) "
           "| records tokenized per rank (after) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     counts = ", ".join(f"rank {r}: {n}" for r, n in sorted(tokenized.items()))
     print(f"| tiny-qwen2 | {args.chars} | {args.batch} | {args.micro} | {rate['before']:.0f} | {rate['after']:.0f} "
-          f"| {rate['after'] / rate['before']:.2f}x | {comm['before']:.0%}, {comm['after']:.0%} of the run "
+          f"| {median(paired):.2f}x ({min(paired):.2f}x to {max(paired):.2f}x) | {comm['before']:.0%}, {comm['after']:.0%} of the run "
           f"| {counts} |")
     print(f"\n2 ranks x 1 thread each side; {args.repeats} runs of each side, alternately; medians; {args.steps} "
           f"steps, measured after {args.warmup} warm-up steps.")
