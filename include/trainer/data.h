@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <optional>
@@ -50,6 +51,9 @@ struct DataStats {
   int64_t truncated = 0;            // over-length examples cut to the maximum
   int64_t overlength_skipped = 0;   // with data.on_overlength = skip
   std::vector<std::string> first_problems;  // "file:line: what is wrong", the first few
+  // Records this process parsed and tokenized itself: records_read in one process; about records_read / N on each
+  // of N data-parallel ranks (RecordShare), which get the others' from them.
+  int64_t records_mapped = 0;
 };
 
 // Where the loader is: serialised into checkpoints; restoring it yields exactly the examples not yet seen.
@@ -75,15 +79,30 @@ class DataLoader {
   virtual uint64_t examples_per_epoch() const = 0;
 };
 
+// Data parallelism for the text loader: rank `rank` of `world` parses and tokenizes only the records at positions
+// p % world == rank of the record stream (counted from where the loader's pass starts, which is the same on every
+// rank), and `exchange` gives it the rest: a collective that every rank calls once per chunk of records (64), in the
+// same order, with its own bytes, and that returns every rank's bytes in rank order. Afterwards every rank holds what
+// one process would have mapped, so everything after (the bad-record policy, length grouping, the shares of each
+// batch, the global token counts, the cursor) is one process's. A rank whose mapping threw (not bad data: an
+// exception) sends the error instead, and every rank throws it. world 1 (the default): no exchange.
+struct RecordShare {
+  int rank = 0;
+  int world = 1;
+  std::function<std::vector<std::string>(const std::string& mine)> exchange;
+};
+
 // Training data: data.train_files (minus data.validation_fraction), shuffled per epoch (data.shuffle) by
 // training.seed, training.batch_size examples per effective batch; the last batch of an epoch may be smaller
 // (nothing is dropped). Runs training.epochs epochs, or without end when training.max_steps > 0 (the engine
 // stops at the step count).
-std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family);
+std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family,
+                                              const RecordShare& share = {});
 // Validation data: data.validation_files or the held-out fraction; one pass, in file order, no shuffling;
 // `batch_size` examples per batch. Nothing when there is no validation data.
 std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const Tokenizer& tokenizer,
-                                                   DataFamily family, int64_t batch_size);
+                                                   DataFamily family, int64_t batch_size,
+                                                   const RecordShare& share = {});
 
 // Pads to the longest sequence of these examples (never to a maximum length): input_ids with pad_id,
 // attention_mask 0/1, labels with -100; on `device`.

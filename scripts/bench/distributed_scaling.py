@@ -24,8 +24,9 @@ from common import BENCH_DIR, ROOT, TRAINER, ensure_data, fresh_dir, load_averag
 from vs_hf import LENGTHS, MODELS, model_dir, ours_config  # noqa: E402
 
 STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss")
-# The end summary's line for rank 0: "    rank 0: <peak memory>, <seconds in collectives> s".
-COMM_LINE = re.compile(r"^    rank 0: [^,]+, ([\d.]+) s$", re.M)
+# The end summary's line for rank 0: "    rank 0: <peak memory>, <seconds in collectives> s" (text runs add
+# ", <n> records tokenized").
+COMM_LINE = re.compile(r"^    rank 0: [^,]+, ([\d.]+) s(?:, \d+ records tokenized)?$", re.M)
 
 
 def one_run(config_path, ranks):

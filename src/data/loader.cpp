@@ -31,6 +31,7 @@ struct LoaderOptions {
   int workers = 0;
   std::uint64_t seed = 0;
   BadRecordPolicy on_bad_record = BadRecordPolicy::kError;
+  RecordShare share;  // data parallelism: this rank tokenizes its share of the records
 };
 
 class JsonlLoader final : public DataLoader {
@@ -102,7 +103,7 @@ class JsonlLoader final : public DataLoader {
     pipeline_ = std::make_unique<data::Pipeline>(
         data::open_epoch(dataset_, options_.shuffle, cursor_.seed, cursor_.epoch, slot, end_slot),
         [spec, tokenizer](std::string_view line) { return data::map_record(line, *spec, *tokenizer); },
-        options_.workers);
+        options_.workers, options_.share);
   }
 
   // The next usable example of the epoch, counting everything on the way; false at the end of the epoch.
@@ -111,6 +112,7 @@ class JsonlLoader final : public DataLoader {
     for (;;) {
       if (!pipeline_->next(mapped)) return false;
       ++stats_.records_read;
+      stats_.records_mapped += mapped.mapped_here ? 1 : 0;
       switch (mapped.outcome.kind) {
         case data::OutcomeKind::kExample:
           ++stats_.examples;
@@ -279,7 +281,8 @@ LoaderCursor cursor_from_json(const nlohmann::json& json) {
   return cursor;
 }
 
-std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family) {
+std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family,
+                                              const RecordShare& share) {
   const DataConfig& d = config.data;
   if (d.train_files.empty())
     throw DataError("data.train_files is empty", "list the JSONL files (or globs) to train on in data.train_files");
@@ -298,13 +301,15 @@ std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokeni
   options.shuffle = d.shuffle;
   options.group_by_length = d.group_by_length;
   options.epochs = config.training.max_steps > 0 ? -1 : config.training.epochs;
+  options.share = share;
   spdlog::debug("train data: {} records in {} file(s){}", dataset->size(), files.size(),
                 dataset->streamed ? " (gzip: streamed through a shuffle buffer)" : "");
   return std::make_unique<JsonlLoader>(std::move(dataset), options, tokenizer, std::move(spec));
 }
 
 std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const Tokenizer& tokenizer,
-                                                   DataFamily family, int64_t batch_size) {
+                                                   DataFamily family, int64_t batch_size,
+                                                   const RecordShare& share) {
   const DataConfig& d = config.data;
   std::shared_ptr<Dataset> dataset;
   if (!d.validation_files.empty()) {
@@ -319,6 +324,7 @@ std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const T
   check_lengths(spec);
   LoaderOptions options = base_options(config);
   options.batch_size = std::max<std::int64_t>(1, batch_size);
+  options.share = share;
   return std::make_unique<JsonlLoader>(std::move(dataset), options, tokenizer, std::move(spec));
 }
 

@@ -305,13 +305,22 @@ void add_rank_figures(Communicator* world, RunSummary& summary) {
   const auto rank = static_cast<std::size_t>(world->rank());
   // Read before the collective, so every rank reports its time up to the same point.
   const double seconds = world->communication_seconds();
-  std::vector<double> slots(2 * size, 0.0);
-  slots[2 * rank] = static_cast<double>(summary.memory_peak);  // exact: peaks are far below 2^53 bytes
-  slots[2 * rank + 1] = seconds;
+  std::vector<double> slots(3 * size, 0.0);
+  slots[3 * rank] = static_cast<double>(summary.memory_peak);  // exact: peaks are far below 2^53 bytes
+  slots[3 * rank + 1] = seconds;
+  slots[3 * rank + 2] = static_cast<double>(summary.data.records_mapped);
   const auto all = world->all_reduce_sum(slots, "gathering every rank's figures for the summary");
   summary.ranks.resize(size);
-  for (std::size_t r = 0; r < size; ++r) summary.ranks[r] = {static_cast<int64_t>(all[2 * r]), all[2 * r + 1]};
+  for (std::size_t r = 0; r < size; ++r)
+    summary.ranks[r] = {static_cast<int64_t>(all[3 * r]), all[3 * r + 1], static_cast<int64_t>(all[3 * r + 2])};
   summary.backend = world->backend_name();
+}
+
+RecordShare record_share(Communicator* world) {
+  if (!world) return {};
+  return {world->rank(), world->world_size(), [world](const std::string& mine) {
+            return world->all_gather_bytes(mine, "exchanging the ranks' tokenized records");
+          }};
 }
 
 }  // namespace trainer::distributed

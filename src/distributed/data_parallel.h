@@ -26,10 +26,14 @@ namespace trainer::distributed {
 // are disjoint, cover every example, and depend only on the batch, never on the memory policy.
 std::pair<int64_t, int64_t> share_of(std::span<const Example> examples, int rank, int world, bool by_tokens);
 
-// With data parallelism (`world` not null): every rank's peak memory (summary.memory_peak, this rank's) and seconds
-// in collectives so far, in rank order, into summary.ranks, and the backend's name. One collective, so every rank
-// calls it at the same point (its run's end).
+// With data parallelism (`world` not null): every rank's peak memory (summary.memory_peak, this rank's), seconds
+// in collectives so far and records it tokenized (summary.data.records_mapped), in rank order, into summary.ranks,
+// and the backend's name. One collective, so every rank calls it at the same point (its run's end).
 void add_rank_figures(Communicator* world, RunSummary& summary);
+
+// The text loader's share of the records for this rank (RecordShare, exchanging through `world`); without `world`,
+// none (one process tokenizes everything).
+RecordShare record_share(Communicator* world);
 
 class DataParallel : public StepSync {
  public:

@@ -3,10 +3,12 @@
 // TRAINER_WITH_NCCL.
 #include "distributed/process_group.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -416,6 +418,33 @@ std::vector<double> Communicator::all_reduce_sum(const std::vector<double>& valu
   timed(what, [&] { impl_->backend->allreduce(t, c10d::AllreduceOptions{})->wait(); });
   const at::Tensor cpu = t[0].cpu();
   return {cpu.data_ptr<double>(), cpu.data_ptr<double>() + cpu.numel()};
+}
+
+std::vector<std::string> Communicator::all_gather_bytes(const std::string& mine, const char* what) {
+  const auto world = static_cast<std::size_t>(world_size());
+  std::vector<std::string> out(world);
+  timed(what, [&] {
+    std::vector<int64_t> sizes(world, 0);
+    sizes[static_cast<std::size_t>(rank())] = static_cast<int64_t>(mine.size());
+    std::vector<at::Tensor> size_tensor{at::tensor(sizes, at::kLong).to(impl_->device)};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    impl_->backend->allreduce(size_tensor, max)->wait();
+    const at::Tensor all_sizes = size_tensor[0].cpu();
+    const int64_t* size = all_sizes.data_ptr<int64_t>();
+    const int64_t longest = std::max<int64_t>(1, *std::max_element(size, size + world));
+    at::Tensor input = at::zeros({longest}, at::kByte);
+    std::memcpy(input.data_ptr<uint8_t>(), mine.data(), mine.size());
+    std::vector<at::Tensor> inputs{input.to(impl_->device)};
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (std::size_t r = 0; r < world; ++r) outputs[0].push_back(at::empty({longest}, inputs[0].options()));
+    impl_->backend->allgather(outputs, inputs, c10d::AllgatherOptions{})->wait();
+    for (std::size_t r = 0; r < world; ++r) {
+      const at::Tensor bytes = outputs[0][r].cpu();
+      out[r].assign(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<std::size_t>(size[r]));
+    }
+  });
+  return out;
 }
 
 void Communicator::barrier() {

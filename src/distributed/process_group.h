@@ -85,6 +85,9 @@ class Communicator {
   // Element-wise sum of a small vector of doubles over the ranks, in one collective; `what` names it in errors.
   std::vector<double> all_reduce_sum(const std::vector<double>& values, const char* what);
   void barrier();
+  // Every rank's bytes, in rank order (each rank passes its own; sizes may differ): the record exchange of the
+  // text loader (RecordShare). Two collectives: the sizes, then the bytes padded to the largest.
+  std::vector<std::string> all_gather_bytes(const std::string& mine, const char* what);
 
   // Every rank publishes its resolved config (JSON); a rank whose config differs from rank 0's makes every rank
   // throw UsageError naming the keys and ranks. Keys in `ignored` (per-machine settings) may differ.

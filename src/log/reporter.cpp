@@ -102,9 +102,12 @@ std::string format_summary(const RunSummary& s) {
     // Up to 16 ranks one line each; beyond, the extremes (the rank that waited longest is usually the fastest one).
     text += fmt::format("  data parallelism: {} ranks ({}); peak memory and time in collectives (waiting included):\n",
                         s.ranks.size(), s.backend);
+    bool tokenized = false;  // text runs: the records each rank tokenized (its share)
+    for (const auto& r : s.ranks) tokenized = tokenized || r.records_tokenized > 0;
     const auto line = [&](std::size_t r) {
-      return fmt::format("    rank {}: {}, {:.1f} s\n", r, human_bytes(static_cast<double>(s.ranks[r].memory_peak)),
-                         s.ranks[r].communication_seconds);
+      return fmt::format("    rank {}: {}, {:.1f} s{}\n", r, human_bytes(static_cast<double>(s.ranks[r].memory_peak)),
+                         s.ranks[r].communication_seconds,
+                         tokenized ? fmt::format(", {} records tokenized", s.ranks[r].records_tokenized) : "");
     };
     if (s.ranks.size() <= 16) {
       for (std::size_t r = 0; r < s.ranks.size(); ++r) text += line(r);
@@ -325,7 +328,9 @@ void Reporter::on_finish(RunSummary summary) {
   if (!summary.ranks.empty()) {
     body["ranks"] = nlohmann::json::array();
     for (const auto& r : summary.ranks)
-      body["ranks"].push_back({{"memory_peak", r.memory_peak}, {"communication_seconds", r.communication_seconds}});
+      body["ranks"].push_back({{"memory_peak", r.memory_peak},
+                               {"communication_seconds", r.communication_seconds},
+                               {"records_tokenized", r.records_tokenized}});
   }
   notify(std::move(body),
          fmt::format("finished {} steps in {} (loss {:.4f}{}){}", summary.steps, describe_seconds(summary.seconds),

@@ -93,11 +93,13 @@ struct RunSummary {
     double final_scale = 0;
   };
   std::optional<LossScalingSummary> loss_scaling;  // precision.mode=fp16-mixed
-  // Data parallelism: every rank's peak memory and seconds in collectives (waiting for the others included), in rank
-  // order; empty in a single process.
+  // Data parallelism: every rank's peak memory, seconds in collectives (waiting for the others included) and the
+  // training records it tokenized itself (text runs: its share, RecordShare; 0 for image runs), in rank order; empty
+  // in a single process.
   struct RankFigures {
     int64_t memory_peak = 0;
     double communication_seconds = 0;
+    int64_t records_tokenized = 0;
   };
   std::vector<RankFigures> ranks;
   std::string backend;  // "gloo" or "nccl" with ranks

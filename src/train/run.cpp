@@ -224,7 +224,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
         << (environment->agent_store ? " (torchrun's store)" : "") << "); each rank trains "
         << (t.micro_batch_tokens > 0 ? "a token-balanced share" : "about " + std::to_string((t.batch_size + n - 1) / n) +
                                                                     " examples")
-        << " of every effective batch\n";
+        << " of every effective batch and tokenizes 1/" << n << " of the records (exchanged with the others)\n";
   }
   print_length_and_memory(config, allocator_conf, out);
   if (config.lora.enabled) {

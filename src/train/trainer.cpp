@@ -207,12 +207,14 @@ EvalResult evaluate(LanguageModel& model, DataLoader& loader, int64_t& micro, co
   double loss_sum = 0;
   int64_t batches = 0, local_examples = 0;
   // Data parallelism: out of memory at evaluation micro-batch 1 on this rank. It stops evaluating and says so in the
-  // final sum, so every rank stops with the same error instead of waiting for a rank that left.
+  // final sum, so every rank stops with the same error instead of waiting for a rank that left. It still reads the
+  // batches the others read: each rank tokenizes a share of the records for all (RecordShare), so its exchanges
+  // must go on.
   bool failed = false;
-  while (!failed) {
+  for (;;) {
     auto batch = loader.next();
     if (!batch) break;
-    for (;;) {
+    while (!failed) {
       try {
         double part_sum = 0;
         int64_t part_tokens = 0;
@@ -609,7 +611,8 @@ void TrainingRun::set_up() {
   resume_.dir = find_resume_dir(config_, train_options_);
   check_resume();
   build_model();
-  loader_ = make_train_loader(config_, *tokenizer_, family_);
+  // Data parallelism: each rank tokenizes only its share of the records and gets the rest from the others.
+  loader_ = make_train_loader(config_, *tokenizer_, family_, distributed::record_share(world_));
   const int64_t per_epoch = static_cast<int64_t>(
       (loader_->examples_per_epoch() + static_cast<uint64_t>(config_.training.batch_size) - 1) /
       static_cast<uint64_t>(config_.training.batch_size));
@@ -950,7 +953,8 @@ bool TrainingRun::train_one_step() {
 // summed), and sample generations (rank 0 alone: the other ranks hold the same weights and go on to the next step,
 // where they wait for it).
 void TrainingRun::evaluate_and_sample() {
-  auto validation = make_validation_loader(config_, *tokenizer_, family_, config_.training.batch_size);
+  auto validation = make_validation_loader(config_, *tokenizer_, family_, config_.training.batch_size,
+                                           distributed::record_share(world_));
   if (validation) {
     const auto eval = evaluate(*model_, *validation, eval_micro_, config_, device_, pad_id_,
                                step_->chunked_loss() ? step_->loss_chunk_size() : 0, world_);

@@ -82,6 +82,118 @@ TEST(IntegrationDistributed, TwoRanksTrainTheWeightsOfOneProcessT5) {
   EXPECT_TRUE(fs::exists(two / "checkpoint-3" / "COMPLETE"));
 }
 
+// ---- each rank tokenizes only its share of the records (RecordShare) and the ranks exchange them ----
+
+// From rank 0's end summary: the records the run read ("records N read") and each rank's "N records tokenized".
+int64_t records_read(const std::string& out) {
+  const auto at = out.find("  records ");
+  long read = -1;
+  if (at != std::string::npos) std::sscanf(out.c_str() + at, "  records %ld read", &read);
+  return read;
+}
+std::vector<int64_t> records_tokenized(const std::string& out, int world) {
+  std::vector<int64_t> counts;
+  for (int r = 0; r < world; ++r) {
+    const auto line = out.find("    rank " + std::to_string(r) + ": ");
+    const auto end = line == std::string::npos ? line : out.find('\n', line);
+    const auto at = line == std::string::npos ? line : out.rfind(", ", out.find(" records tokenized", line));
+    long count = -1;
+    if (at != std::string::npos && at > line && at < end) std::sscanf(out.c_str() + at, ", %ld", &count);
+    counts.push_back(count);
+  }
+  return counts;
+}
+
+// Three ranks of a causal model: each tokenized a third of the records the run read (they count positions of the
+// record stream, 8 of the 24 here), and together one process's weights and losses (the training data and the final
+// evaluation's, whose records are shared out the same way).
+TEST(IntegrationDistributed, EachOfThreeRanksTokenizesAThirdOfTheRecordsAndTrainsTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", three = dir.path() / "three";
+  const auto single = run_trainer(short_run("configs/tiny-qwen2.json", one), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(3, short_run("configs/tiny-qwen2.json", three));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", three / "final" / "model.safetensors"), 1e-5);
+  const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(three / "metrics.jsonl", "loss");
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << "step " << i + 1;
+  const auto ea = metric_values(one / "metrics.jsonl", "eval_loss");
+  const auto eb = metric_values(three / "metrics.jsonl", "eval_loss");
+  ASSERT_EQ(ea.size(), 1u);
+  ASSERT_EQ(eb.size(), 1u);
+  EXPECT_NEAR(ea[0], eb[0], 1e-5);
+  const int64_t read = records_read(ranks[0].out);
+  EXPECT_EQ(read, records_read(single.out)) << ranks[0].out;
+  EXPECT_EQ(read, 24) << ranks[0].out;  // 3 steps of 8 examples, no record skipped
+  EXPECT_EQ(records_tokenized(ranks[0].out, 3), (std::vector<int64_t>{8, 8, 8})) << ranks[0].out;
+  EXPECT_NE(ranks[0].out.find("of every effective batch and tokenizes 1/3 of the records"), std::string::npos)
+      << ranks[0].out;
+  EXPECT_EQ(single.out.find("records tokenized"), std::string::npos) << "one process: no per-rank figures";
+}
+
+// Data with a bad record in rank 1's share (line 4, unshuffled: position 3 of 2 ranks) and two over-length records.
+// With data.on_bad_record=error every rank stops with one process's error (file:line, exit 3) though only rank 1
+// parsed the record; with skip, length grouping and token-budget micro-batches, the same counts and weights as one
+// process.
+TEST(IntegrationDistributed, BadAndOverLengthRecordsInOneRanksShareActAsInOneProcess) {
+  TempDir dir;
+  const std::string data = (dir.path() / "train.jsonl").string();
+  {
+    const std::string demo = read_text(fs::path(TRAINER_SOURCE_DIR) / "data" / "demo" / "recipes-seq2seq.jsonl");
+    std::string text;
+    std::size_t at = 0;
+    for (int line = 1; line <= 60; ++line) {
+      if (line == 4) {
+        text += "{\"input\": \"Write the steps for nothing.\", \"target\": 7}\n";
+        continue;
+      }
+      if (line == 10 || line == 11) {
+        std::string longer = "Write the steps for a very long dish.";
+        for (int k = 0; k < 40; ++k) longer += " Stir the soup again.";
+        text += "{\"input\": \"" + longer + "\", \"target\": \"1. Stir.\"}\n";
+        continue;
+      }
+      const auto end = demo.find('\n', at);
+      text += demo.substr(at, end - at + 1);
+      at = end + 1;
+    }
+    write_file(data, text);
+  }
+  const std::vector<std::string> setup = {"--set", "data.train_files=[\"" + data + "\"]", "--set", "data.shuffle=false",
+                                          "--set", "data.on_overlength=skip", "--set", "data.max_input_length=128",
+                                          "--set", "data.max_target_length=192"};  // the demo records all fit
+  const auto failing = with(setup, {"--set", "data.on_bad_record=error"});
+  const auto single_error = run_trainer(with(short_run("configs/tiny-t5.json", dir.path() / "e1"), failing),
+                                        "OMP_NUM_THREADS=1");
+  EXPECT_EQ(single_error.exit_code, 3) << single_error.err;
+  const std::string where = data + ":4: field \"target\" must be a string, not number";
+  EXPECT_NE(single_error.err.find(where), std::string::npos) << single_error.err;
+  const auto errors = run_ranks(2, with(short_run("configs/tiny-t5.json", dir.path() / "e2"), failing));
+  for (const auto& r : errors) {
+    EXPECT_EQ(r.exit_code, 3) << all_errors(errors);
+    EXPECT_NE(r.err.find(where), std::string::npos) << all_errors(errors);
+  }
+
+  const auto skipping = with(setup, {"--set", "data.on_bad_record=skip", "--set", "data.group_by_length=true", "--set",
+                                     "training.micro_batch_size=auto", "--set", "training.micro_batch_tokens=400"});
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const auto single = run_trainer(with(short_run("configs/tiny-t5.json", one), skipping), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, with(short_run("configs/tiny-t5.json", two), skipping));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  const auto summary_line = [](const std::string& out) {
+    const auto at = out.find("  records ");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+  };
+  // Length grouping reads the whole mega-batch (here all 60 records) before its first batch.
+  EXPECT_EQ(summary_line(single.out), "  records 60 read, bad records skipped 1, truncated 0, too long and skipped 2")
+      << single.out;
+  EXPECT_EQ(summary_line(ranks[0].out), summary_line(single.out)) << ranks[0].out;
+  EXPECT_EQ(records_tokenized(ranks[0].out, 2), (std::vector<int64_t>{30, 30})) << ranks[0].out;
+}
+
 TEST(IntegrationDistributed, ThreeRanksTrainTheWeightsOfOneProcessQwen2) {
   TempDir dir;
   const auto one = dir.path() / "one", three = dir.path() / "three";

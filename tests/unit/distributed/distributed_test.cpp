@@ -1,6 +1,7 @@
 // The pure parts of data parallelism: the launch environment, each rank's share of an effective batch, and the
 // config comparison across ranks; and the overlapped gradient sums' protocol on two ranks that are two threads of
-// this process (real Gloo collectives on 127.0.0.1). (Whole runs: tests/integration/distributed_test.cpp.)
+// this process (real Gloo collectives on 127.0.0.1), and the text loader's record share (each rank tokenizes its
+// share of the records and exchanges them). (Whole runs: tests/integration/distributed_test.cpp.)
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -8,14 +9,17 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include "distributed/data_parallel.h"
 #include "distributed/process_group.h"
+#include "unit/data/data_test_support.h"
 
 namespace trainer::distributed {
 namespace {
@@ -216,6 +220,168 @@ TEST(DistributedOverlap, ARankThatFailsMidBackwardKeepsTheCollectivesPairedAndTh
     for (const auto& p : parameters) EXPECT_TRUE(at::allclose(p.grad(), at::full_like(p, 3.0))) << p.grad();
   });
   EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+}
+
+// ---- the text loader's record share: each rank tokenizes its share, the exchange gives every rank the rest ----
+
+// Everything a loader hands out, example by example, and its counts (records_mapped apart).
+struct LoaderTrace {
+  std::vector<std::tuple<int64_t, int64_t, uint64_t, std::vector<int32_t>, std::vector<int32_t>>> examples;
+  std::vector<int64_t> batch_tokens;
+  int64_t records_read = 0, examples_counted = 0, bad = 0, truncated = 0, overlength = 0;
+  std::vector<std::string> problems;
+  int64_t records_mapped = 0;
+  bool same_as(const LoaderTrace& o) const {
+    return examples == o.examples && batch_tokens == o.batch_tokens && records_read == o.records_read &&
+           examples_counted == o.examples_counted && bad == o.bad && truncated == o.truncated &&
+           overlength == o.overlength && problems == o.problems;
+  }
+};
+
+// `batches` batches (all when 0) of `loader`, starting from `from` when given (a resume).
+LoaderTrace trace_loader(DataLoader& loader, std::size_t batches = 0, std::optional<LoaderCursor> from = {}) {
+  if (from) loader.restore(*from);
+  LoaderTrace t;
+  int64_t index = 0;
+  while (batches == 0 || t.batch_tokens.size() < batches) {
+    auto batch = loader.next();
+    if (!batch) break;
+    for (auto& e : batch->examples)
+      t.examples.emplace_back(index, batch->epoch, e.source_index, e.input_ids, e.labels);
+    t.batch_tokens.push_back(batch->target_tokens);
+    ++index;
+  }
+  const DataStats s = loader.stats();
+  t.records_read = s.records_read;
+  t.examples_counted = s.examples;
+  t.bad = s.bad_records_skipped;
+  t.truncated = s.truncated;
+  t.overlength = s.overlength_skipped;
+  t.problems = s.first_problems;
+  t.records_mapped = s.records_mapped;
+  return t;
+}
+
+// 300 records, shuffled, two epochs, with bad records (skipped), over-length ones (skipped) and length grouping: on
+// two ranks, with or without worker threads, every rank gets one process's batches, counts and problems, having
+// tokenized about half of the records; a resume from a cursor mid-epoch continues exactly.
+TEST(DistributedRecordShare, TwoRanksTokenizeHalfTheRecordsEachAndGetOneProcessesBatches) {
+  test::TempDir dir;
+  const std::string path = dir.file("train.jsonl");
+  std::string text;
+  for (int i = 0; i < 300; i += 30)
+    text += test::seq2seq_lines(29, i) + (i % 60 ? "not json\n" : "{\"input\": \"x\", \"target\": 5}\n");
+  test::write_file(path, text);
+  for (const int workers : {0, 2}) {
+    for (const bool grouped : {false, true}) {
+      SCOPED_TRACE("workers " + std::to_string(workers) + (grouped ? ", grouped by length" : ""));
+      Config config = test::seq2seq_config({path}, 6);
+      config.data.num_workers = workers;
+      config.data.group_by_length = grouped;
+      config.data.on_bad_record = BadRecordPolicy::kSkip;
+      config.data.on_overlength = OverlengthPolicy::kSkip;
+      config.data.max_input_length = 24;  // the longer records (i % 7 of 5 or 6 "Add salt and pepper.") are skipped
+      config.training.epochs = 2;
+      auto single = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq);
+      const LoaderTrace reference = trace_loader(*single);
+      ASSERT_EQ(reference.records_read, 2 * 300);
+      ASSERT_EQ(reference.records_mapped, reference.records_read);  // one process tokenizes everything
+      ASSERT_GT(reference.bad, 0);
+      ASSERT_GT(reference.overlength, 0);
+      auto first_part = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq);
+      for (int k = 0; k < 7; ++k) first_part->next();
+      const LoaderCursor middle = first_part->cursor();  // mid-epoch (a mega-batch boundary when grouped)
+      std::vector<LoaderTrace> traces(2), resumed(2);
+      const auto errors = two_ranks([&](int rank, Communicator& communicator) {
+        const RecordShare share = record_share(&communicator);
+        auto loader = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq, share);
+        traces[static_cast<std::size_t>(rank)] = trace_loader(*loader);
+        auto again = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq, share);
+        resumed[static_cast<std::size_t>(rank)] = trace_loader(*again, 0, middle);
+      });
+      ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+      for (int r = 0; r < 2; ++r) {
+        EXPECT_TRUE(traces[static_cast<std::size_t>(r)].same_as(reference)) << "rank " << r;
+        // Each pass counts positions from its start (one per epoch, or per mega-batch when grouped): within a few.
+        const int64_t mapped = traces[static_cast<std::size_t>(r)].records_mapped;
+        EXPECT_NEAR(static_cast<double>(mapped), reference.records_read / 2.0, grouped ? 4.0 : 1.0) << "rank " << r;
+      }
+      EXPECT_EQ(traces[0].records_mapped + traces[1].records_mapped, reference.records_read);
+      auto tail = make_train_loader(config, test::t5_tokenizer(), DataFamily::kSeq2Seq);
+      const LoaderTrace expected_tail = trace_loader(*tail, 0, middle);
+      ASSERT_FALSE(expected_tail.examples.empty());
+      for (int r = 0; r < 2; ++r)
+        EXPECT_TRUE(resumed[static_cast<std::size_t>(r)].same_as(expected_tail)) << "rank " << r;
+    }
+  }
+}
+
+// A tokenizer that throws (not bad data: an exception) for one record, otherwise the tiny T5's.
+class ThrowingTokenizer final : public Tokenizer {
+ public:
+  std::vector<std::int32_t> encode(std::string_view text) const override {
+    if (text.find("dish 5.") != std::string_view::npos)
+      throw DataError("the tokenizer broke on dish 5", "a hint that travels too");
+    return base().encode(text);
+  }
+  std::string decode(std::span<const std::int32_t> ids, bool skip_special) const override {
+    return base().decode(ids, skip_special);
+  }
+  std::int64_t vocab_size() const override { return base().vocab_size(); }
+  std::optional<std::int32_t> eos_id() const override { return base().eos_id(); }
+  std::optional<std::int32_t> pad_id() const override { return base().pad_id(); }
+  std::optional<std::int32_t> bos_id() const override { return base().bos_id(); }
+  std::optional<std::int32_t> token_to_id(std::string_view token) const override { return base().token_to_id(token); }
+  SpecialTokenTemplate special_token_template() const override { return base().special_token_template(); }
+  const std::string& source() const override { return base().source(); }
+
+ private:
+  static const Tokenizer& base() { return test::t5_tokenizer(); }
+};
+
+// Record 5 (unshuffled: position 5, rank 1's share) makes the tokenizer throw on rank 1 alone: rank 0, which did
+// not tokenize it, stops with the same error (and exit code), instead of waiting in the exchange.
+TEST(DistributedRecordShare, AnExceptionInOneRanksShareStopsEveryRankWithTheSameError) {
+  test::TempDir dir;
+  const std::string path = dir.file("train.jsonl");
+  test::write_file(path, test::seq2seq_lines(40));
+  for (const int workers : {0, 2}) {
+    SCOPED_TRACE("workers " + std::to_string(workers));
+    Config config = test::seq2seq_config({path}, 4);
+    config.data.num_workers = workers;
+    config.data.shuffle = false;
+    const ThrowingTokenizer tokenizer;
+    std::vector<std::string> caught(2);
+    const auto errors = two_ranks([&](int rank, Communicator& communicator) {
+      auto loader = make_train_loader(config, tokenizer, DataFamily::kSeq2Seq, record_share(&communicator));
+      try {
+        while (loader->next()) {
+        }
+      } catch (const DataError& e) {
+        caught[static_cast<std::size_t>(rank)] = std::string(e.what()) + " | " + e.hint();
+      }
+      EXPECT_EQ(loader->stats().records_mapped, 0) << "rank " << rank << ": the error came with the first chunk";
+    });
+    EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+    EXPECT_EQ(caught[0], "rank 1 (reading and tokenizing its share of the records): the tokenizer broke on dish 5 | a "
+                         "hint that travels too");
+    EXPECT_EQ(caught[1], caught[0]);
+  }
+}
+
+// The exchange itself: byte strings of different lengths (one empty) arrive whole, in rank order, on every rank.
+TEST(DistributedRecordShare, AllGatherBytesGivesEveryRankEveryRanksBytes) {
+  std::vector<std::vector<std::string>> got(2);
+  const auto errors = two_ranks([&](int rank, Communicator& communicator) {
+    const std::string mine = rank == 0 ? std::string("\0first\xff", 7) : std::string();
+    got[static_cast<std::size_t>(rank)] = communicator.all_gather_bytes(mine, "a test");
+    got[static_cast<std::size_t>(rank)].push_back(
+        communicator.all_gather_bytes(std::string(1000 + rank, static_cast<char>('a' + rank)), "a test")[1]);
+  });
+  ASSERT_EQ(errors, (std::vector<std::string>{"", ""}));
+  const std::vector<std::string> expected = {std::string("\0first\xff", 7), "", std::string(1001, 'b')};
+  EXPECT_EQ(got[0], expected);
+  EXPECT_EQ(got[1], expected);
 }
 
 }  // namespace

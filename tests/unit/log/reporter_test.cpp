@@ -275,6 +275,14 @@ TEST(LogReporter, SummaryListsEveryRanksPeakMemoryAndTimeInCollectives) {
                            "    rank 0: 3.00 MiB, 1.2 s", "    rank 1: 5.00 MiB, 0.5 s"})
     EXPECT_TRUE(contains(text, part)) << part << " missing from:\n" << text;
   EXPECT_FALSE(contains(format_summary(RunSummary{}), "data parallelism"));
+  EXPECT_FALSE(contains(text, "tokenized")) << "image runs tokenize nothing: no column";
+  // Text runs: the training records each rank tokenized (its share).
+  s.ranks[0].records_tokenized = 31;
+  s.ranks[1].records_tokenized = 30;
+  const auto text_run = format_summary(s);
+  for (const char* part :
+       {"    rank 0: 3.00 MiB, 1.2 s, 31 records tokenized", "    rank 1: 5.00 MiB, 0.5 s, 30 records tokenized"})
+    EXPECT_TRUE(contains(text_run, part)) << part << " missing from:\n" << text_run;
   // Beyond 16 ranks: rank 0 and the extremes, not a line per rank.
   s.ranks.assign(20, {1 << 20, 1.0});
   s.ranks[7] = {9 << 20, 1.0};
