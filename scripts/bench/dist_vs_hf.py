@@ -54,7 +54,7 @@ STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss")
 HF_STEP = re.compile(r"^BENCH step (\d+) loss (\S+) tokens (\d+)")
 MICRO_LINE = re.compile(r"micro-batch (\d+)")
 # the end summary's per-rank figures: "    rank 0: 1.18 GiB, 2.5 s" (peak memory, time in collectives)
-COMM_LINE = re.compile(r"^\s*rank 0: [\d.]+ [KMG]?i?B, ([\d.]+) s$", re.M)
+COMM_LINE = re.compile(r"^\s*rank 0: [\d.]+ [KMG]?i?B, ([\d.]+) s(?:, \d+ records tokenized)?$", re.M)
 # name: data form, model directory, maximum lengths (no record of the demo data is cut at these)
 MODELS = {
     "tiny-t5": dict(form="seq2seq", path=TINY_MODELS["seq2seq"],
