@@ -16,8 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BENCH_DIR, ROOT, TRAINER, fresh_dir, load_average, log, machine_notes, median, run_measured  # noqa: E402
-from distributed_scaling import COMM_LINE, STEP_LINE  # noqa: E402
+from common import BENCH_DIR, ROOT, TRAINER, load_average, log, machine_notes, median  # noqa: E402
+from distributed_scaling import short_run  # noqa: E402
 
 
 def large_images(size):
@@ -46,27 +46,8 @@ def large_images(size):
 def one_run(binary, out_dir, steps, batch, micro, train_files):
     """Trains tiny-clip on 2 ranks of 1 thread and 1 decoding worker each; returns the run, the step times, the pairs
     seen by step and rank 0's seconds in collectives."""
-    fresh_dir(out_dir)
-    settings = [f"training.max_steps={steps}", f"training.batch_size={batch}", f"training.micro_batch_size={micro}",
-                "evaluation.every_steps=0", "data.validation_files=[]", "checkpoint.every_steps=0",
-                "checkpoint.save_final=false", "logging.every_steps=1", "logging.tensorboard=false",
-                "data.num_workers=1", f"checkpoint.output_dir={out_dir}"]
-    if train_files:
-        settings.append(f"data.train_files=[{json.dumps(train_files)}]")
-    args = ["--config", "configs/tiny-clip.json"]
-    for s in settings:
-        args += ["--set", s]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    command = [binary, "launch", "--nproc-per-node", "2", "--", *args]
-    run = run_measured(command, env=env, timeout=1800)
-    if run.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed (exit {run.returncode}):\n" + run.text()[-3000:])
-    times = {int(m.group(1)): t for t, line in run.lines if (m := STEP_LINE.search(line))}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        pairs = {r["step"]: r["tokens"] for r in map(json.loads, f) if "loss" in r}
-    comm = COMM_LINE.search(run.text())
-    return run, times, pairs, float(comm.group(1)) if comm else 0.0
-
+    extra = [f"data.train_files=[{json.dumps(train_files)}]"] if train_files else []
+    return short_run(binary, "configs/tiny-clip.json", out_dir, 2, 1, steps, batch, micro, extra)
 
 def main():
     parser = argparse.ArgumentParser()

@@ -20,13 +20,38 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BENCH_DIR, ROOT, TRAINER, ensure_data, fresh_dir, load_average, log, run_measured  # noqa: E402
+from common import BENCH_DIR, TRAINER, ensure_data, fresh_dir, load_average, log, run_measured  # noqa: E402
 from vs_hf import LENGTHS, MODELS, model_dir, ours_config  # noqa: E402
 
 STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss")
 # The end summary's line for rank 0: "    rank 0: <peak memory>, <seconds in collectives> s" (text runs add
 # ", <n> records tokenized").
 COMM_LINE = re.compile(r"^    rank 0: [^,]+, ([\d.]+) s(?:, \d+ records tokenized)?$", re.M)
+
+
+def short_run(binary, config, out_dir, ranks, threads, steps, batch, micro, extra=()):
+    """A short measured run of `config` (relative to the repository root) on `ranks` processes (`trainer launch`;
+    1: plain trainer) of `threads` intra-op threads and as many data workers each, no evaluation or checkpoints,
+    one log line per step; exits on failure. Returns the run, {step: seconds since the start}, {step: examples or
+    tokens counted by metrics.jsonl} and rank 0's seconds in collectives (0 for one process)."""
+    fresh_dir(out_dir)
+    settings = [f"training.max_steps={steps}", f"training.batch_size={batch}", f"training.micro_batch_size={micro}",
+                "evaluation.every_steps=0", "data.validation_files=[]", "checkpoint.every_steps=0",
+                "checkpoint.save_final=false", "logging.every_steps=1", "logging.tensorboard=false",
+                f"data.num_workers={threads}", f"checkpoint.output_dir={out_dir}", *extra]
+    args = ["--config", config]
+    for setting in settings:
+        args += ["--set", setting]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=str(threads))
+    command = [binary, *args] if ranks == 1 else [binary, "launch", "--nproc-per-node", str(ranks), "--", *args]
+    run = run_measured(command, env=env, timeout=1800)
+    if run.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed (exit {run.returncode}):\n" + run.text()[-3000:])
+    times = {int(m.group(1)): t for t, line in run.lines if (m := STEP_LINE.search(line))}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        counted = {r["step"]: r["tokens"] for r in map(json.loads, f) if "loss" in r}
+    comm = COMM_LINE.search(run.text())
+    return run, times, counted, float(comm.group(1)) if comm else 0.0
 
 
 def one_run(config_path, ranks):

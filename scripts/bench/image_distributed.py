@@ -9,37 +9,18 @@ the ratios, peak RSS (one process; the launcher's largest rank) and the share of
     .venv/bin/python scripts/bench/image_distributed.py [--steps 40] [--batch 32] [--repeats 3]
 """
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BENCH_DIR, TRAINER, fresh_dir, load_average, log, machine_notes, median, run_measured  # noqa: E402
-from distributed_scaling import COMM_LINE, STEP_LINE  # noqa: E402
+from common import BENCH_DIR, TRAINER, load_average, log, machine_notes, median  # noqa: E402
+from distributed_scaling import short_run  # noqa: E402
 
 
 def one_run(out_dir, ranks, threads, steps, batch, micro):
     """Trains tiny-vit on `ranks` processes of `threads` intra-op threads and as many decoding workers each; returns
     the run, the step times, the images seen by step and rank 0's seconds in collectives."""
-    fresh_dir(out_dir)
-    settings = [f"training.max_steps={steps}", f"training.batch_size={batch}", f"training.micro_batch_size={micro}",
-                "evaluation.every_steps=0", "data.validation_files=[]", "checkpoint.every_steps=0",
-                "checkpoint.save_final=false", "logging.every_steps=1", "logging.tensorboard=false",
-                f"data.num_workers={threads}", f"checkpoint.output_dir={out_dir}"]
-    args = ["--config", "configs/tiny-vit.json"]
-    for s in settings:
-        args += ["--set", s]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=str(threads))
-    command = [TRAINER, *args] if ranks == 1 else [TRAINER, "launch", "--nproc-per-node", str(ranks), "--", *args]
-    run = run_measured(command, env=env, timeout=1800)
-    if run.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed (exit {run.returncode}):\n" + run.text()[-3000:])
-    times = {int(m.group(1)): t for t, line in run.lines if (m := STEP_LINE.search(line))}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        images = {r["step"]: r["tokens"] for r in map(json.loads, f) if "loss" in r}
-    comm = COMM_LINE.search(run.text())
-    return run, times, images, float(comm.group(1)) if comm else 0.0
-
+    return short_run(TRAINER, "configs/tiny-vit.json", out_dir, ranks, threads, steps, batch, micro)
 
 def main():
     parser = argparse.ArgumentParser()

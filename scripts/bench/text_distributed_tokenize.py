@@ -17,8 +17,8 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BENCH_DIR, ROOT, TRAINER, fresh_dir, load_average, log, machine_notes, median, run_measured  # noqa: E402
-from distributed_scaling import COMM_LINE, STEP_LINE  # noqa: E402
+from common import BENCH_DIR, ROOT, TRAINER, load_average, log, machine_notes, median  # noqa: E402
+from distributed_scaling import short_run  # noqa: E402
 
 TOKENIZED_LINE = re.compile(r"^    rank (\d+): .*, (\d+) records tokenized$", re.M)
 
@@ -49,27 +49,10 @@ def long_documents(chars, records=1200):
 def one_run(binary, out_dir, steps, batch, micro, train_file):
     """Trains tiny-qwen2 on 2 ranks of 1 thread and 1 tokenizing worker each; returns the run, the step times, the
     target tokens seen by step, rank 0's seconds in collectives and the records each rank tokenized (AFTER only)."""
-    fresh_dir(out_dir)
-    settings = [f"training.max_steps={steps}", f"training.batch_size={batch}", f"training.micro_batch_size={micro}",
-                "evaluation.every_steps=0", "data.validation_files=[]", "evaluation.sample_prompts=[]",
-                "checkpoint.every_steps=0", "checkpoint.save_final=false", "logging.every_steps=1",
-                "logging.tensorboard=false", "data.num_workers=1", f"data.train_files=[{json.dumps(train_file)}]",
-                f"checkpoint.output_dir={out_dir}"]
-    args = ["--config", "configs/tiny-qwen2.json"]
-    for s in settings:
-        args += ["--set", s]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    command = [binary, "launch", "--nproc-per-node", "2", "--", *args]
-    run = run_measured(command, env=env, timeout=1800)
-    if run.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed (exit {run.returncode}):\n" + run.text()[-3000:])
-    times = {int(m.group(1)): t for t, line in run.lines if (m := STEP_LINE.search(line))}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        tokens = {r["step"]: r["tokens"] for r in map(json.loads, f) if "loss" in r}
-    comm = COMM_LINE.search(run.text())
+    run, times, tokens, comm = short_run(binary, "configs/tiny-qwen2.json", out_dir, 2, 1, steps, batch, micro,
+                                         ["evaluation.sample_prompts=[]", f"data.train_files=[{json.dumps(train_file)}]"])
     tokenized = {int(m.group(1)): int(m.group(2)) for m in TOKENIZED_LINE.finditer(run.text())}
-    return run, times, tokens, float(comm.group(1)) if comm else 0.0, tokenized
-
+    return run, times, tokens, comm, tokenized
 
 def main():
     parser = argparse.ArgumentParser()
