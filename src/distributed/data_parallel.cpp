@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 
 namespace trainer::distributed {
@@ -314,6 +315,17 @@ void add_rank_figures(Communicator* world, RunSummary& summary) {
   for (std::size_t r = 0; r < size; ++r)
     summary.ranks[r] = {static_cast<int64_t>(all[3 * r]), all[3 * r + 1], static_cast<int64_t>(all[3 * r + 2])};
   summary.backend = world->backend_name();
+}
+
+std::function<std::vector<int64_t>(int64_t kept)> kept_counts_exchange(Communicator* world, std::string what) {
+  return [world, what = std::move(what)](int64_t kept) {
+    std::vector<double> counts(static_cast<std::size_t>(world->world_size()), 0.0);
+    counts[static_cast<std::size_t>(world->rank())] = static_cast<double>(kept);
+    counts = world->all_reduce_sum(counts, what.c_str());
+    std::vector<int64_t> out;
+    for (const double c : counts) out.push_back(static_cast<int64_t>(std::llround(c)));
+    return out;
+  };
 }
 
 RecordShare record_share(Communicator* world) {

@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -34,6 +36,10 @@ void add_rank_figures(Communicator* world, RunSummary& summary);
 // The text loader's share of the records for this rank (RecordShare, exchanging through `world`); without `world`,
 // none (one process tokenizes everything).
 RecordShare record_share(Communicator* world);
+
+// The image loaders' count exchange (ImageShard::gather_kept): every rank calls it once per effective batch with
+// the images it kept and gets every rank's count, in rank order; `what` names the collective in errors.
+std::function<std::vector<int64_t>(int64_t kept)> kept_counts_exchange(Communicator* world, std::string what);
 
 class DataParallel : public StepSync {
  public:

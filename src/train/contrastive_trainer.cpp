@@ -385,15 +385,8 @@ ContrastiveResult ContrastiveRun::forward_backward(const at::Tensor& pixels, con
 // pairs are numbered as in one process (bad images skipped in one rank's share included).
 ImageShard ContrastiveRun::shard() const {
   if (!world_) return {};
-  distributed::Communicator* world = world_;
-  return {world->rank(), world->world_size(), [world](int64_t kept) {
-            std::vector<double> counts(static_cast<std::size_t>(world->world_size()), 0.0);
-            counts[static_cast<std::size_t>(world->rank())] = static_cast<double>(kept);
-            counts = world->all_reduce_sum(counts, "counting the decoded image-caption pairs of the effective batch");
-            std::vector<int64_t> out;
-            for (const double c : counts) out.push_back(static_cast<int64_t>(std::llround(c)));
-            return out;
-          }};
+  return {world_->rank(), world_->world_size(),
+          distributed::kept_counts_exchange(world_, "counting the decoded image-caption pairs of the effective batch")};
 }
 
 std::pair<at::Tensor, at::Tensor> ContrastiveRun::tokenize(const std::vector<std::string>& texts) {

@@ -446,15 +446,8 @@ int ImageTrainingRun::agreed_stop_signal() {
 
 ImageShard ImageTrainingRun::shard() const {
   if (!world_) return {};
-  distributed::Communicator* world = world_;
-  return {world->rank(), world->world_size(), [world](int64_t kept) {
-            std::vector<double> counts(static_cast<std::size_t>(world->world_size()), 0.0);
-            counts[static_cast<std::size_t>(world->rank())] = static_cast<double>(kept);
-            counts = world->all_reduce_sum(counts, "counting the decoded images of the effective batch");
-            std::vector<int64_t> out;
-            for (const double c : counts) out.push_back(static_cast<int64_t>(std::llround(c)));
-            return out;
-          }};
+  return {world_->rank(), world_->world_size(),
+          distributed::kept_counts_exchange(world_, "counting the decoded images of the effective batch")};
 }
 
 bool ImageTrainingRun::train_one_step() {

@@ -78,6 +78,38 @@ void print_length_and_memory(const Config& config, const std::string& allocator_
       << (allocator_conf.empty() ? "" : "; " + allocator_conf) << "\n";
 }
 
+// What a run holds from before the wait for a device (queued jobs started together) to its end: the output
+// directory's lock (one run per directory; rank 0 holds it for all ranks; a dry run writes nothing and takes none),
+// the device, and with data parallelism (`environment`) the ranks' group, joined and with the configs compared.
+struct RunStart {
+  std::optional<RunLock> lock;
+  ResolvedDevice device;
+  std::unique_ptr<distributed::Communicator> world;
+};
+
+RunStart start_run(const Config& config, const TrainOptions& options,
+                   const std::optional<distributed::Environment>& environment, const DeviceConfig& device_config) {
+  RunStart started;
+  if (!options.dry_run && (!environment || environment->rank == 0))
+    started.lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
+  started.device = resolve_device(device_config);
+  if (environment && !options.dry_run) {
+    started.world = distributed::Communicator::connect(
+        *environment, started.device.device,
+        std::chrono::seconds(static_cast<int64_t>(std::ceil(config.distributed.timeout_s))));
+    started.world->check_same_config(config_to_json(config, -1), kPerRankKeys);
+  }
+  return started;
+}
+
+// The plan's "ranks" line up to the share each rank takes (the caller says that part).
+void print_ranks_line(const distributed::Environment& environment, const ResolvedDevice& device, std::ostream& out) {
+  out << "  ranks        " << environment.world_size << " (this is rank " << environment.rank << ", local rank "
+      << environment.local_rank << "; backend " << (device.device.is_cuda() ? "nccl" : "gloo") << ", rendezvous "
+      << environment.master_addr << ":" << environment.master_port
+      << (environment.agent_store ? " (torchrun's store)" : "") << "); ";
+}
+
 // An image classifier's or a CLIP contrastive run (train/image_trainer.h, train/contrastive_trainer.h): its own
 // plan lines, then the training loop. With data parallelism (`environment`) rank 0 holds the run's lock and every
 // rank joins the group.
@@ -86,17 +118,9 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
                     const DeviceConfig& device_config) {
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
-  std::optional<RunLock> lock;
-  if (!options.dry_run && (!environment || environment->rank == 0))
-    lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
-  const auto device = resolve_device(device_config);
-  std::unique_ptr<distributed::Communicator> world;
-  if (environment && !options.dry_run) {
-    world = distributed::Communicator::connect(
-        *environment, device.device,
-        std::chrono::seconds(static_cast<int64_t>(std::ceil(config.distributed.timeout_s))));
-    world->check_same_config(config_to_json(config, -1), kPerRankKeys);
-  }
+  RunStart started = start_run(config, options, environment, device_config);
+  const ResolvedDevice& device = started.device;
+  distributed::Communicator* world = started.world.get();
   const auto& t = config.training;
   const bool contrastive = t.objective == TrainingObjective::kContrastive;
   const std::string init =
@@ -127,10 +151,7 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
       << "\n";
   if (environment) {
     const int64_t n = environment->world_size;
-    out << "  ranks        " << n << " (this is rank " << environment->rank << ", local rank "
-        << environment->local_rank << "; backend " << (device.device.is_cuda() ? "nccl" : "gloo") << ", rendezvous "
-        << environment->master_addr << ":" << environment->master_port
-        << (environment->agent_store ? " (torchrun's store)" : "") << "); ";
+    print_ranks_line(*environment, device, out);
     if (contrastive)
       out << "each rank embeds " << t.batch_size / n
           << (t.batch_size % n ? " or " + std::to_string(t.batch_size / n + 1) : std::string())
@@ -149,8 +170,8 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
     out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
     return kExitOk;
   }
-  if (contrastive) return train_contrastive(config, device, options, out, world.get());
-  return train_image_classifier(config, device, options, out, world.get());
+  if (contrastive) return train_contrastive(config, device, options, out, world);
+  return train_image_classifier(config, device, options, out, world);
 }
 
 }  // namespace
@@ -179,20 +200,9 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
-  // One run per output directory, held from before the wait for a device (queued jobs started together) to the
-  // end; a dry run writes nothing and takes no lock.
-  // With data parallelism rank 0 holds it for all ranks.
-  std::optional<RunLock> lock;
-  if (!options.dry_run && (!environment || environment->rank == 0))
-    lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
-  const auto device = resolve_device(device_config);
-  std::unique_ptr<distributed::Communicator> world;
-  if (environment && !options.dry_run) {
-    world = distributed::Communicator::connect(
-        *environment, device.device,
-        std::chrono::seconds(static_cast<int64_t>(std::ceil(config.distributed.timeout_s))));
-    world->check_same_config(config_to_json(config, -1), kPerRankKeys);
-  }
+  RunStart started = start_run(config, options, environment, device_config);
+  const ResolvedDevice& device = started.device;
+  distributed::Communicator* world = started.world.get();
 
   const auto& t = config.training;
   out << "Plan:\n";
@@ -218,10 +228,8 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
       << "\n";
   if (environment) {
     const int64_t n = environment->world_size;
-    out << "  ranks        " << n << " (this is rank " << environment->rank << ", local rank "
-        << environment->local_rank << "; backend " << (device.device.is_cuda() ? "nccl" : "gloo") << ", rendezvous "
-        << environment->master_addr << ":" << environment->master_port
-        << (environment->agent_store ? " (torchrun's store)" : "") << "); each rank trains "
+    print_ranks_line(*environment, device, out);
+    out << "each rank trains "
         << (t.micro_batch_tokens > 0 ? "a token-balanced share" : "about " + std::to_string((t.batch_size + n - 1) / n) +
                                                                     " examples")
         << " of every effective batch and tokenizes 1/" << n << " of the records (exchanged with the others)\n";
@@ -243,7 +251,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
     out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
     return kExitOk;
   }
-  return train(config, device, options, out, world.get());
+  return train(config, device, options, out, world);
 }
 
 }  // namespace trainer
