@@ -71,6 +71,31 @@ int64_t check_batch(const std::vector<ContrastiveMicroBatch>& micro_batches, boo
   return total;
 }
 
+// Pass (c) of gradient caching: each micro-batch's towers run again with autograd and back-propagate their rows
+// (from `offset` on) of the gradients of the whole batch's embeddings. One tower at a time, so only one tower's
+// activations are alive.
+void backward_micro_batches(ClipModel& model, const std::vector<ContrastiveMicroBatch>& micro_batches,
+                            const ContrastiveOptions& options, const at::Tensor& image_grads,
+                            const at::Tensor& text_grads, int64_t offset, ContrastiveResult& result) {
+  const c10::Device device = model.logit_scale().device();
+  for (const auto& mb : micro_batches) {
+    const int64_t b = mb.pixel_values.size(0);
+    if (options.image_tower_trainable && image_grads.defined()) {
+      const at::Tensor embeds = embed_images(model, mb, options, device);
+      if (embeds.requires_grad())
+        torch::autograd::backward({embeds}, {image_grads.slice(0, offset, offset + b).to(embeds.scalar_type())});
+      ++result.tower_forwards;
+    }
+    if (options.text_tower_trainable && text_grads.defined()) {
+      const at::Tensor embeds = embed_texts(model, mb, options, device);
+      if (embeds.requires_grad())
+        torch::autograd::backward({embeds}, {text_grads.slice(0, offset, offset + b).to(embeds.scalar_type())});
+      ++result.tower_forwards;
+    }
+    offset += b;
+  }
+}
+
 ContrastiveResult cached_batch_negatives(ClipModel& model, const std::vector<ContrastiveMicroBatch>& micro_batches,
                                          const ContrastiveOptions& options, int64_t total) {
   ContrastiveResult result;
@@ -100,25 +125,8 @@ ContrastiveResult cached_batch_negatives(ClipModel& model, const std::vector<Con
     image_grads = all_images.grad();
     text_grads = all_texts.grad();
   }
-  // (c) Each micro-batch again, with autograd, back-propagating its slice of the embedding gradients. One tower at a
-  // time, so only one tower's activations are alive.
-  int64_t offset = 0;
-  for (const auto& mb : micro_batches) {
-    const int64_t b = mb.pixel_values.size(0);
-    if (options.image_tower_trainable && image_grads.defined()) {
-      const at::Tensor embeds = embed_images(model, mb, options, device);
-      if (embeds.requires_grad())
-        torch::autograd::backward({embeds}, {image_grads.slice(0, offset, offset + b).to(embeds.scalar_type())});
-      ++result.tower_forwards;
-    }
-    if (options.text_tower_trainable && text_grads.defined()) {
-      const at::Tensor embeds = embed_texts(model, mb, options, device);
-      if (embeds.requires_grad())
-        torch::autograd::backward({embeds}, {text_grads.slice(0, offset, offset + b).to(embeds.scalar_type())});
-      ++result.tower_forwards;
-    }
-    offset += b;
-  }
+  // (c) Each micro-batch again, with autograd, back-propagating its slice of the embedding gradients.
+  backward_micro_batches(model, micro_batches, options, image_grads, text_grads, 0, result);
   return result;
 }
 
@@ -184,23 +192,7 @@ ContrastiveResult gathered_batch_negatives(ClipModel& model, const std::vector<C
     text_grads = all_texts.grad();
   }
   // (c) This rank's micro-batches again, with autograd, each with its rows of the embedding gradients.
-  int64_t offset = ranks.offset;
-  for (const auto& mb : micro_batches) {
-    const int64_t b = mb.pixel_values.size(0);
-    if (options.image_tower_trainable && image_grads.defined()) {
-      const at::Tensor embeds = embed_images(model, mb, options, device);
-      if (embeds.requires_grad())
-        torch::autograd::backward({embeds}, {image_grads.slice(0, offset, offset + b).to(embeds.scalar_type())});
-      ++result.tower_forwards;
-    }
-    if (options.text_tower_trainable && text_grads.defined()) {
-      const at::Tensor embeds = embed_texts(model, mb, options, device);
-      if (embeds.requires_grad())
-        torch::autograd::backward({embeds}, {text_grads.slice(0, offset, offset + b).to(embeds.scalar_type())});
-      ++result.tower_forwards;
-    }
-    offset += b;
-  }
+  backward_micro_batches(model, micro_batches, options, image_grads, text_grads, ranks.offset, result);
   return result;
 }
 
