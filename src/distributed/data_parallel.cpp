@@ -12,6 +12,8 @@
 #include <cmath>
 #include <functional>
 
+#include "models/module.h"
+
 namespace trainer::distributed {
 
 std::pair<int64_t, int64_t> share_of(std::span<const Example> examples, int rank, int world, bool by_tokens) {
@@ -326,6 +328,15 @@ std::function<std::vector<int64_t>(int64_t kept)> kept_counts_exchange(Communica
     for (const double c : counts) out.push_back(static_cast<int64_t>(std::llround(c)));
     return out;
   };
+}
+
+std::unique_ptr<DataParallel> make_data_parallel(Communicator& world, Module& trainable, int64_t bucket_bytes,
+                                                 std::vector<int> owners) {
+  std::vector<at::Tensor> parameters;
+  trainable.for_each_parameter([&](const std::string&, at::Tensor& p) {
+    if (p.requires_grad()) parameters.push_back(p);
+  });
+  return std::make_unique<DataParallel>(world, std::move(parameters), bucket_bytes, std::move(owners));
 }
 
 RecordShare record_share(Communicator* world) {

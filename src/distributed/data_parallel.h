@@ -20,6 +20,10 @@
 #include "train/step.h"
 #include "trainer/data.h"
 
+namespace trainer {
+class Module;
+}
+
 namespace trainer::distributed {
 
 // Rank `rank`'s contiguous share [begin, begin + count) of `examples` among `world` ranks: equal example counts
@@ -40,6 +44,14 @@ RecordShare record_share(Communicator* world);
 // The image loaders' count exchange (ImageShard::gather_kept): every rank calls it once per effective batch with
 // the images it kept and gets every rank's count, in rank order; `what` names the collective in errors.
 std::function<std::vector<int64_t>(int64_t kept)> kept_counts_exchange(Communicator* world, std::string what);
+
+class DataParallel;
+
+// A run's DataParallel: the parameters of `trainable` that take gradients, in its order (the optimizer's, the same
+// on every rank), summed in buckets of `bucket_bytes`; `owners` per parameter when the optimizer state is sharded
+// (empty otherwise).
+std::unique_ptr<DataParallel> make_data_parallel(Communicator& world, Module& trainable, int64_t bucket_bytes,
+                                                 std::vector<int> owners);
 
 class DataParallel : public StepSync {
  public:

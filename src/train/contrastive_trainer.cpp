@@ -267,12 +267,8 @@ void ContrastiveRun::set_up() {
                               optimizer_shard);
   policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
   if (world_) {
-    std::vector<at::Tensor> parameters;
-    trainable.for_each_parameter([&](const std::string&, at::Tensor& p) {
-      if (p.requires_grad()) parameters.push_back(p);
-    });
-    data_parallel_ = std::make_unique<distributed::DataParallel>(
-        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes),
+    data_parallel_ = distributed::make_data_parallel(
+        *world_, trainable, static_cast<int64_t>(config_.distributed.bucket_size.bytes),
         optimizer_shard.world > 1 ? optimizer_->owners() : std::vector<int>{});
   }
   if (config_.precision.mode == PrecisionMode::kFp16Mixed) {

@@ -229,14 +229,9 @@ void ImageTrainingRun::set_up() {
   step_options.seed = static_cast<uint64_t>(config_.training.seed);
   step_options.linear_probe = config_.training.linear_probe;
   if (world_) {
-    // The trainable parameters in the optimizer's order (the same on every rank); their gradients are summed once
-    // per optimizer step.
-    std::vector<at::Tensor> parameters;
-    trainable.for_each_parameter([&](const std::string&, at::Tensor& p) {
-      if (p.requires_grad()) parameters.push_back(p);
-    });
-    data_parallel_ = std::make_unique<distributed::DataParallel>(
-        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes),
+    // Their gradients are summed once per optimizer step.
+    data_parallel_ = distributed::make_data_parallel(
+        *world_, trainable, static_cast<int64_t>(config_.distributed.bucket_size.bytes),
         optimizer_shard.world > 1 ? optimizer_->owners() : std::vector<int>{});
     step_options.sync = data_parallel_.get();
   }

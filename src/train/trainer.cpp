@@ -710,12 +710,8 @@ void TrainingRun::build_optimizer_and_step() {
   options.packing = config_.data.packing;
   options.pack_capacity = pack_capacity(config_.data, family_);
   if (world_) {
-    std::vector<at::Tensor> parameters;
-    trainable.for_each_parameter([&](const std::string&, at::Tensor& p) {
-      if (p.requires_grad()) parameters.push_back(p);
-    });
-    data_parallel_ = std::make_unique<distributed::DataParallel>(
-        *world_, std::move(parameters), static_cast<int64_t>(config_.distributed.bucket_size.bytes),
+    data_parallel_ = distributed::make_data_parallel(
+        *world_, trainable, static_cast<int64_t>(config_.distributed.bucket_size.bytes),
         shard.world > 1 ? optimizer_->owners() : std::vector<int>{});
     data_parallel_->set_overlap(config_.distributed.overlap_grad_reduce);
     options.sync = data_parallel_.get();

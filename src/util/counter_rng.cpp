@@ -18,7 +18,13 @@ constexpr uint32_t kMul1 = 0x21f0aaadu;
 constexpr uint32_t kMul2 = 0x735a2d97u;
 constexpr int64_t kLow32 = 0xffffffffLL;
 
-inline uint32_t mix(uint32_t v) {
+#pragma GCC diagnostic ignored "-Wpsabi"  // Lanes never crosses a call boundary: mix() is always inlined
+using Lanes = uint32_t __attribute__((vector_size(32)));  // eight uint32 (GCC/Clang vector type)
+constexpr Lanes kLane = {0, 1, 2, 3, 4, 5, 6, 7};
+
+// The mixer on one uint32 or on eight (Lanes).
+template <typename U>
+__attribute__((always_inline)) inline U mix(U v) {
   v ^= v >> 16;
   v *= kMul1;
   v ^= v >> 15;
@@ -41,25 +47,13 @@ at::Tensor mix(at::Tensor v) {
   return v.bitwise_xor(v.bitwise_right_shift(15));
 }
 
-// The innermost loops of the CPU keep-mask and stochastic rounding, eight lanes at a time in GCC/Clang vector
-// types: on x86-64 compiled twice (AVX2, and the baseline SSE2) and picked when the program loads.
+// The innermost loop of the CPU keep-mask, eight lanes at a time: on x86-64 compiled twice (AVX2, and the
+// baseline SSE2) and picked when the program loads.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TRAINER_CPU_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define TRAINER_CPU_CLONES
 #endif
-#pragma GCC diagnostic ignored "-Wpsabi"  // Lanes never crosses a call boundary: mix() is always inlined
-using Lanes = uint32_t __attribute__((vector_size(32)));  // eight uint32
-constexpr Lanes kLane = {0, 1, 2, 3, 4, 5, 6, 7};
-
-__attribute__((always_inline)) inline Lanes mix(Lanes v) {
-  v ^= v >> 16;
-  v *= kMul1;
-  v ^= v >> 15;
-  v *= kMul2;
-  v ^= v >> 15;
-  return v;
-}
 
 // out[i] = (bits of counter (hi << 32) + lo + i * stride) >= threshold for i < n, where lo + (n - 1) * stride stays
 // below 2^32 (the caller checks), so the upper half is the same for the whole line.
