@@ -44,12 +44,32 @@ inline std::vector<std::string> with(std::vector<std::string> args, const std::v
 // Runs `world` ranks of trainer at once (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT as
 // torchrun sets them; GLOO_SOCKET_IFNAME=lo, one thread each, `environment` added), each under `timeout`, in the
 // source directory (the configs' relative paths): rank r gets args + extra[r], and its command starts with
-// prefix[r] (e.g. another timeout that signals it). Returns every rank's exit code and output.
+// prefix[r] (e.g. another timeout that signals it). Returns every rank's exit code and output. Without a `port`
+// the kernel picks a free one; if another process takes it before rank 0 binds it (the ranks then stop at once
+// with "the port is in use"), the ranks run again on another port, up to three times in all.
+inline std::vector<ProcessResult> run_ranks_on(int world, const std::vector<std::string>& args,
+                                               const std::vector<std::vector<std::string>>& extra, int port,
+                                               const std::string& environment, const std::vector<std::string>& prefix);
+
 inline std::vector<ProcessResult> run_ranks(int world, const std::vector<std::string>& args,
                                             const std::vector<std::vector<std::string>>& extra = {}, int port = 0,
                                             const std::string& environment = "",
                                             const std::vector<std::string>& prefix = {}) {
-  if (port == 0) port = free_port();
+  if (port != 0) return run_ranks_on(world, args, extra, port, environment, prefix);
+  std::vector<ProcessResult> results;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    results = run_ranks_on(world, args, extra, free_port(), environment, prefix);
+    const bool port_taken = std::any_of(results.begin(), results.end(), [](const ProcessResult& r) {
+      return r.err.find("the port is in use") != std::string::npos;
+    });
+    if (!port_taken) break;
+  }
+  return results;
+}
+
+inline std::vector<ProcessResult> run_ranks_on(int world, const std::vector<std::string>& args,
+                                               const std::vector<std::vector<std::string>>& extra, int port,
+                                               const std::string& environment, const std::vector<std::string>& prefix) {
   TempDir logs;
   // Every rank in the source directory: `cd X && (a) & (b)` would leave b where ctest runs the test.
   std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1; ";
