@@ -81,7 +81,7 @@ std::string error_payload(std::exception_ptr error) {
     hint = e.hint();
   } catch (const std::exception& e) {
     message = e.what();
-  } catch (...) {
+  } catch (...) {  // not a std::exception: still sent (as "an unknown exception"), so no rank waits for this one
   }
   put_u32(out, static_cast<std::uint32_t>(code));
   put_bytes(out, message);
@@ -193,56 +193,51 @@ void Pipeline::work_loop() {
   }
 }
 
+std::optional<Pipeline::Chunk> Pipeline::take_chunk() {
+  std::exception_ptr error;
+  if (workers_ == 0) {
+    Chunk chunk;
+    chunk.first = inline_read_;
+    RawRecord record;
+    try {
+      while (chunk.raw.size() < kChunkRecords && stream_->next(record)) chunk.raw.push_back(std::move(record));
+    } catch (...) {  // whatever the read threw, carried as the reader thread's is (read_loop)
+      error = std::current_exception();
+    }
+    if (!error) {
+      inline_read_ += chunk.raw.size();
+      if (chunk.raw.empty()) return std::nullopt;
+      map_chunk(chunk);
+      return chunk;
+    }
+  } else {
+    std::unique_lock lock(mutex_);
+    done_ready_.wait(lock, [&] { return done_.count(consumed_) > 0 || (reader_finished_ && consumed_ == produced_); });
+    if (done_.count(consumed_) > 0) {
+      auto node = done_.extract(consumed_++);
+      lock.unlock();
+      room_ready_.notify_one();
+      return std::move(node.mapped());
+    }
+    error = reader_error_;
+    if (!error) return std::nullopt;
+  }
+  if (share_.world > 1) exchange_error(error);  // throws the first failing rank's error, on every rank
+  std::rethrow_exception(error);
+}
+
 bool Pipeline::next(MappedRecord& out) {
   while (current_pos_ >= current_.mapped.size()) {
     if (ended_) return false;
     current_ = Chunk{};
     current_pos_ = 0;
-    if (workers_ == 0) {
-      RawRecord record;
-      current_.first = inline_read_;
-      try {
-        while (current_.raw.size() < kChunkRecords && stream_->next(record)) current_.raw.push_back(std::move(record));
-      } catch (...) {
-        ended_ = true;
-        if (share_.world > 1) exchange_error(std::current_exception());
-        throw;
-      }
-      inline_read_ += current_.raw.size();
-      if (current_.raw.empty()) {
-        ended_ = true;
-        return false;
-      }
-      map_chunk(current_);
-    } else {
-      std::unique_lock lock(mutex_);
-      done_ready_.wait(lock, [&] { return done_.count(consumed_) > 0 || (reader_finished_ && consumed_ == produced_); });
-      if (done_.count(consumed_) == 0) {
-        ended_ = true;
-        const std::exception_ptr error = reader_error_;
-        lock.unlock();
-        if (error && share_.world > 1) exchange_error(error);
-        if (error) std::rethrow_exception(error);
-        return false;
-      }
-      auto node = done_.extract(consumed_++);
-      lock.unlock();
-      room_ready_.notify_one();
-      current_ = std::move(node.mapped());
-    }
-    if (share_.world > 1) {
-      try {
-        exchange(current_);
-      } catch (...) {  // a failed collective or another rank's error ends the records here
-        ended_ = true;
-        current_ = Chunk{};
-        throw;
-      }
-    }
-    if (current_.error) {
-      ended_ = true;
-      std::rethrow_exception(current_.error);
-    }
+    ended_ = true;  // until a whole chunk is here: the end of the records, or any error below, ends them
+    std::optional<Chunk> chunk = take_chunk();
+    if (!chunk) return false;
+    if (share_.world > 1) exchange(*chunk);
+    if (chunk->error) std::rethrow_exception(chunk->error);
+    ended_ = false;
+    current_ = std::move(*chunk);
   }
   out = std::move(current_.mapped[current_pos_++]);
   return true;

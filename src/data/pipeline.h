@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -55,6 +56,9 @@ class Pipeline {
   void read_loop();
   void work_loop();
   void map_chunk(Chunk& chunk) const;
+  // The next chunk in order, mapped (here, or by the worker threads); none at the end of the records. A read error
+  // is thrown, with a share the first failing rank's on every rank.
+  std::optional<Chunk> take_chunk();
   bool mine(std::uint64_t position) const;
   // Data parallelism: sends this rank's outcomes of `chunk` (or its error) and fills in the other ranks'; throws
   // the error of the first rank that had one, the same on every rank.
