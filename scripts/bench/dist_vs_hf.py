@@ -46,11 +46,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (BENCH_DIR, HF_STACK, PY, ROOT, TINY_MODELS, TRAINER, ensure_data, fresh_dir,  # noqa: E402
                     load_average, log, machine_notes, median, ratio, table, write_json)
-from vs_hf import LR, SEED, hf_spec, ours_config  # noqa: E402
+from vs_hf import LR, SEED, hf_spec, ours_config, trainer_steps  # noqa: E402
 from vs_hf import model_dir as vs_hf_model_dir  # noqa: E402
 
 MIB = 2**20
-STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss")
 HF_STEP = re.compile(r"^BENCH step (\d+) loss (\S+) tokens (\d+)")
 MICRO_LINE = re.compile(r"micro-batch (\d+)")
 # the end summary's per-rank figures: "    rank 0: 1.18 GiB, 2.5 s" (peak memory, time in collectives)
@@ -228,15 +227,7 @@ def run_ours(trainer, config_path, nproc, timeout):
     command = [trainer, "launch", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), "--",
                "--config", config_path]
     run = run_group(command, rank_env(), timeout)
-    times = {int(m.group(1)): t for t, line in run.lines if (m := STEP_LINE.search(line))}
-    steps, previous = [], 0
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            for record in map(json.loads, f):
-                if "loss" in record and record["step"] in times:
-                    steps.append((times[record["step"]], record["tokens"] - previous, record["loss"]))
-                    previous = record["tokens"]
-    return run, steps
+    return run, trainer_steps(run, metrics)
 
 
 def run_hf(spec, nproc, timeout):

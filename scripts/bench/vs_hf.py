@@ -279,6 +279,12 @@ def run_ours(config_path, threads=None, timeout=3600):
     if os.path.exists(metrics):
         os.remove(metrics)
     run = run_measured([TRAINER, "--config", config_path], env=env_for(threads), timeout=timeout)
+    return run, trainer_steps(run, metrics)
+
+
+def trainer_steps(run, metrics):
+    """[(t, target tokens, loss)] of a trainer run: each step's time from its progress line (the run's output, rank
+    0's under data parallelism), its tokens and loss from metrics.jsonl (the tokens counter's difference)."""
     times = {int(m.group(1)): t for t, line in run.lines if (m := STEP_LINE.search(line))}
     steps, previous = [], 0
     if os.path.exists(metrics):
@@ -287,7 +293,7 @@ def run_ours(config_path, threads=None, timeout=3600):
                 if "loss" in record and record["step"] in times:
                     steps.append((times[record["step"]], record["tokens"] - previous, record["loss"]))
                     previous = record["tokens"]
-    return run, steps
+    return steps
 
 
 def run_hf(spec, threads=None, preexec_fn=None, timeout=3600):
