@@ -9,6 +9,7 @@
 
 #if TRAINER_WITH_CUDA
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
 #endif
@@ -48,6 +49,12 @@ bool dump_allocator_snapshot(const std::string& path) {
   return true;
 }
 
+bool flash_attention_device(const c10::Device& device) {
+  if (!device.is_cuda()) return false;
+  const c10::DeviceIndex index = device.has_index() ? device.index() : at::accelerator::getDeviceIndex();
+  return at::cuda::getDeviceProperties(index)->major >= 8;
+}
+
 #else  // a CPU build of LibTorch: no CUDA headers, nothing to cap or record
 
 bool cuda_extras_available() { return false; }
@@ -61,6 +68,8 @@ void cap_device_memory(const c10::Device& device, int64_t /*bytes*/) {
 void start_recording_allocations() {}
 
 bool dump_allocator_snapshot(const std::string& /*path*/) { return false; }
+
+bool flash_attention_device(const c10::Device& /*device*/) { return false; }
 
 #endif
 

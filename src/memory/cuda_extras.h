@@ -27,4 +27,8 @@ void start_recording_allocations();
 // Returns false in a CPU build or when recording was not started.
 bool dump_allocator_snapshot(const std::string& path);
 
+// Whether ATen's flash-attention kernels run on `device`: a CUDA device of compute capability 8.0 or newer
+// (Ampere, Ada, Hopper, Blackwell). False in a CPU build and for any other device.
+bool flash_attention_device(const c10::Device& device);
+
 }  // namespace trainer

@@ -117,10 +117,12 @@ class LlamaAttention : public Module {
 
   // x (B, T, D); cos/sin (B or 1, T, head_dim); mask (B, 1, T, Tk) bool. With a cache, keys and values of
   // earlier positions are prepended and the new ones appended to it. With a segment layout (packed rows) the
-  // attention runs per segment and `mask` is unused.
+  // attention runs per segment, with a varlen layout as one variable-length flash attention within `window`
+  // (CUDA); either way `mask` is unused.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
                      at::Tensor* cache_keys = nullptr, at::Tensor* cache_values = nullptr,
-                     const SegmentLayout* layout = nullptr) {
+                     const SegmentLayout* layout = nullptr, const VarlenLayout* varlen = nullptr,
+                     std::optional<int64_t> window = std::nullopt) {
     const int64_t b = x.size(0), t = x.size(1);
     at::Tensor q = q_proj->forward(x).view({b, t, heads_, head_dim_}).transpose(1, 2);     // (B, H, T, hd)
     at::Tensor k = k_proj->forward(x).view({b, t, kv_heads_, head_dim_}).transpose(1, 2);  // (B, Hkv, T, hd)
@@ -136,6 +138,7 @@ class LlamaAttention : public Module {
       *cache_keys = k;
       *cache_values = v;
     }
+    if (varlen) return o_proj->forward(attend_varlen(*varlen, q, k, v, window));
     if (layout) {
       return o_proj->forward(attend_per_segment(
           *layout, q, k, v,
@@ -195,9 +198,10 @@ class LlamaBlock : public Module {
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
                      at::Tensor* cache_keys = nullptr, at::Tensor* cache_values = nullptr,
-                     const SegmentLayout* layout = nullptr) {
+                     const SegmentLayout* layout = nullptr, const VarlenLayout* varlen = nullptr,
+                     std::optional<int64_t> window = std::nullopt) {
     at::Tensor h = x + self_attn->forward(llama_rms_norm(x, input_layernorm->weight, eps_), cos, sin, mask,
-                                          cache_keys, cache_values, layout);
+                                          cache_keys, cache_values, layout, varlen, window);
     return h + mlp->forward(llama_rms_norm(h, post_attention_layernorm->weight, eps_));
   }
   std::shared_ptr<LlamaAttention> self_attn;
@@ -267,8 +271,9 @@ class LlamaModel : public LanguageModel {
   }
 
   // Runs the blocks over (B, T) ids; with a state, uses and extends its cache. Packed rows (segment and
-  // position ids) attend within their segments and rotate by their positions within them: per segment when
-  // plan_segment_attention chooses it (one layout per distinct sliding window), else over the row with the mask.
+  // position ids) attend within their segments and rotate by their positions within them: as one varlen flash
+  // attention on a CUDA card (varlen_attention_runs), per segment when plan_segment_attention chooses it (one
+  // layout per distinct sliding window), else over the row with the mask.
   at::Tensor body(const at::Tensor& ids, const at::Tensor& key_mask, int64_t offset, LlamaGenerationState* state,
                   const at::Tensor& segments = {}, const at::Tensor& positions = {}) {
     at::Tensor x = model->embed_tokens->forward(ids);
@@ -281,9 +286,14 @@ class LlamaModel : public LanguageModel {
     };
     std::optional<at::Tensor> full_mask;
     std::map<std::optional<int64_t>, std::shared_ptr<const SegmentLayout>> layouts;  // per window
+    // On a CUDA card in bf16/fp16 without attention dropout: one variable-length flash attention per layer.
+    std::shared_ptr<const VarlenLayout> varlen;
+    if (packed && !state && (!is_training() || h_.attention_dropout == 0.0) &&
+        varlen_attention_runs(x, h_.head_dim))
+      varlen = plan_varlen_attention(segments, positions);
     for (std::size_t i = 0; i < model->layers->items.size(); ++i) {
       std::shared_ptr<const SegmentLayout> layout;
-      if (packed && !state) {
+      if (packed && !state && !varlen) {
         auto found = layouts.find(h_.window[i]);
         if (found == layouts.end())
           found = layouts.emplace(h_.window[i], plan_segment_attention(segments, segments, positions, positions,
@@ -292,7 +302,7 @@ class LlamaModel : public LanguageModel {
         layout = found->second;
       }
       at::Tensor mask;
-      if (layout) {
+      if (layout || varlen) {
         // Per segment: no mask over the row. An empty tensor stands in (block inputs must be defined tensors for
         // activation checkpointing).
         mask = at::empty({0}, ids.options().dtype(at::kBool));
@@ -306,8 +316,8 @@ class LlamaModel : public LanguageModel {
       if (state) {
         x = block->forward(x, cos, sin, mask, &state->keys[i], &state->values[i]);
       } else {
-        x = run_block([block, layout](const std::vector<at::Tensor>& in) {
-          return block->forward(in[0], in[1], in[2], in[3], nullptr, nullptr, layout.get());
+        x = run_block([block, layout, varlen, window = h_.window[i]](const std::vector<at::Tensor>& in) {
+          return block->forward(in[0], in[1], in[2], in[3], nullptr, nullptr, layout.get(), varlen.get(), window);
         }, {x, cos, sin, mask});
       }
     }

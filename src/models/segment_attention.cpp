@@ -3,19 +3,38 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 
+#include "memory/cuda_extras.h"
 #include "models/dropout.h"
+#include "trainer/errors.h"
 
 namespace trainer {
 namespace {
 
-std::atomic<SegmentAttentionMode> current_mode{SegmentAttentionMode::kAuto};
+// TRAINER_PACKED_ATTENTION (auto, per-example, whole-row) sets the starting mode: benchmarks compare the paths.
+SegmentAttentionMode mode_from_environment() {
+  const char* value = std::getenv("TRAINER_PACKED_ATTENTION");
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return SegmentAttentionMode::kAuto;
+  if (std::strcmp(value, "per-example") == 0) return SegmentAttentionMode::kPerExample;
+  if (std::strcmp(value, "whole-row") == 0) return SegmentAttentionMode::kWholeRow;
+  throw UsageError(std::string("TRAINER_PACKED_ATTENTION=") + value + " is not a packed-attention path",
+                   "use auto (the default), per-example or whole-row, or unset it");
+}
+
+std::atomic<SegmentAttentionMode>& current_mode() {
+  static std::atomic<SegmentAttentionMode> mode{mode_from_environment()};
+  return mode;
+}
 std::atomic<int64_t> calls{0};
+std::atomic<int64_t> varlen_calls{0};
 
 constexpr int64_t kExampleShift = 40;  // dropout.cpp: an example's counters are (example << 40) + [0, 2^40)
 
@@ -59,9 +78,84 @@ struct Segment {
 
 }  // namespace
 
-void set_segment_attention_mode(SegmentAttentionMode mode) { current_mode.store(mode); }
-SegmentAttentionMode segment_attention_mode() { return current_mode.load(); }
+void set_segment_attention_mode(SegmentAttentionMode mode) { current_mode().store(mode); }
+SegmentAttentionMode segment_attention_mode() { return current_mode().load(); }
 int64_t per_example_attention_calls() { return calls.load(); }
+int64_t varlen_attention_calls() { return varlen_calls.load(); }
+
+namespace {
+bool half_precision(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// The dtype the kernel runs in: q's own when it is bf16 or fp16, else autocast's on CUDA, else none.
+std::optional<at::ScalarType> varlen_dtype(at::ScalarType t) {
+  if (half_precision(t)) return t;
+  if (at::autocast::is_autocast_enabled(at::kCUDA) && half_precision(at::autocast::get_autocast_dtype(at::kCUDA)))
+    return at::autocast::get_autocast_dtype(at::kCUDA);
+  return std::nullopt;
+}
+}  // namespace
+
+bool varlen_attention_runs(const at::Tensor& x, int64_t head_dim) {
+  return segment_attention_mode() == SegmentAttentionMode::kAuto && x.is_cuda() && head_dim % 8 == 0 &&
+         head_dim <= 256 && varlen_dtype(x.scalar_type()) && flash_attention_device(x.device());
+}
+
+std::shared_ptr<const VarlenLayout> plan_varlen_attention(const at::Tensor& segments, const at::Tensor& positions) {
+  const auto runs = find_runs(segments, positions);
+  if (!runs || runs->empty()) return nullptr;
+  const int64_t b = segments.size(0), t = segments.size(1);
+  std::vector<Run> ordered;  // (row * T + start, length), in stream order
+  ordered.reserve(runs->size());
+  for (const auto& [where, run] : *runs) ordered.push_back({where.first * t + run.start, run.length});
+  std::sort(ordered.begin(), ordered.end(), [](const Run& a, const Run& c) { return a.start < c.start; });
+  auto layout = std::make_shared<VarlenLayout>();
+  layout->batch = b;
+  layout->length = t;
+  layout->examples = static_cast<int64_t>(ordered.size());
+  std::vector<int32_t> cu{0};
+  std::vector<int64_t> index;
+  for (const Run& r : ordered) {
+    layout->total += r.length;
+    layout->max_length = std::max(layout->max_length, r.length);
+    cu.push_back(static_cast<int32_t>(layout->total));
+    for (int64_t j = 0; j < r.length; ++j) index.push_back(r.start + j);
+  }
+  TORCH_CHECK(layout->total <= std::numeric_limits<int32_t>::max(), "packed rows of ", layout->total,
+              " real positions are too many for the varlen kernel's int32 offsets");
+  const auto device = segments.device();
+  layout->cu_seqlens = at::tensor(cu, at::TensorOptions().dtype(at::kInt)).to(device);
+  if (layout->total < b * t) layout->real_index = at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(device);
+  return layout;
+}
+
+at::Tensor attend_varlen(const VarlenLayout& layout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         std::optional<int64_t> sliding_window) {
+  varlen_calls.fetch_add(1);
+  const int64_t b = q.size(0), heads = q.size(1), d = q.size(3), kv_heads = k.size(1);
+  TORCH_CHECK(b == layout.batch && q.size(2) == layout.length && k.size(2) == layout.length,
+              "varlen attention planned for ", layout.batch, " rows of ", layout.length, ", got q ", q.sizes(),
+              " and k ", k.sizes());
+  const auto dtype = varlen_dtype(q.scalar_type());
+  TORCH_CHECK(dtype, "varlen attention needs bf16 or fp16 (or autocast to one), got ", q.scalar_type());
+  // (total, heads, d): the stream of real positions, contiguous as the kernel wants it.
+  const auto stream = [&](const at::Tensor& x, int64_t n) {
+    at::Tensor flat = x.transpose(1, 2).reshape({b * layout.length, n, d}).to(*dtype);
+    return layout.real_index.defined() ? flat.index_select(0, layout.real_index) : flat.contiguous();
+  };
+  std::optional<int64_t> left, right;
+  if (sliding_window) {  // segment_mask: key k is seen by query q when q - W < k <= q
+    left = *sliding_window - 1;
+    right = 0;
+  }
+  at::Tensor out = std::get<0>(at::_flash_attention_forward(
+      stream(q, heads), stream(k, kv_heads), stream(v, kv_heads), layout.cu_seqlens, layout.cu_seqlens,
+      layout.max_length, layout.max_length, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false,
+      /*scale=*/std::nullopt, left, right));
+  out = out.reshape({layout.total, heads * d});
+  if (layout.real_index.defined())
+    out = at::zeros({b * layout.length, heads * d}, out.options()).index_copy(0, layout.real_index, out);
+  return out.view({b, layout.length, heads * d});
+}
 
 std::shared_ptr<const SegmentLayout> plan_segment_attention(const at::Tensor& query_segments,
                                                             const at::Tensor& key_segments,
@@ -114,6 +208,10 @@ std::shared_ptr<const SegmentLayout> plan_segment_attention(const at::Tensor& qu
   const int64_t row_pairs = b * tq * tk;
   const int64_t per_segment_cost = best[n] + kTokenCostPairs * (b * tq + b * tk);
   if (mode == SegmentAttentionMode::kAuto && per_segment_cost >= row_pairs + kGroupOverheadPairs) return nullptr;
+  // The cost rule is the CPU's. On an accelerator the groups' many small launches and host-side planning cost
+  // more than the pairs they save: qwen2-100m on an H100, bf16-mixed, per-example ran at 0.06x whole-row's
+  // tokens/s (scripts/bench/gpu_packing.py, docs/benchmarks.md). kAuto takes whole rows there.
+  if (mode == SegmentAttentionMode::kAuto && !query_segments.is_cpu()) return nullptr;
 
   auto layout = std::make_shared<SegmentLayout>();
   layout->batch = b;

@@ -38,8 +38,10 @@ struct SegmentLayout {
   int64_t row_pairs = 0;  // pairs whole-row attention scores: B * Tq * Tk
 };
 
-// Which path packed rows take. kAuto (the default) plans per-segment attention when its estimated cost is lower
-// than whole-row attention's (see plan_segment_attention); the others force a path (tests, benchmarks).
+// Which path packed rows take. kAuto (the default) takes the varlen path where it runs (varlen_attention_runs),
+// else plans per-segment attention when its estimated cost is lower than whole-row attention's (see
+// plan_segment_attention); the others force a path (tests, benchmarks). The environment variable
+// TRAINER_PACKED_ATTENTION=auto|per-example|whole-row sets the process's starting mode (UsageError otherwise).
 enum class SegmentAttentionMode { kAuto, kPerExample, kWholeRow };
 void set_segment_attention_mode(SegmentAttentionMode mode);  // process-wide
 SegmentAttentionMode segment_attention_mode();
@@ -49,7 +51,8 @@ int64_t per_example_attention_calls();
 // The layout for queries with segment ids (B, Tq) attending to keys with segment ids (B, Tk) (0 = padding), or
 // null when whole-row attention should run instead: in kWholeRow mode; when the rows are not what collate_packed
 // makes (a segment not contiguous, a position id that is not the offset within its segment, a query segment
-// without keys); or in kAuto mode when per-segment attention is not cheaper. The cost rule, in query-key pairs:
+// without keys); in kAuto mode on any device but the CPU (many small launches cost more there than the pairs
+// saved); or in kAuto mode when per-segment attention is not cheaper. The cost rule, in query-key pairs:
 // per-segment = sum over groups of count x Lq x Lk + kGroupOverheadPairs per group + kTokenCostPairs x (B x Tq +
 // B x Tk) for the gathers and the scatter; whole-row = B x Tq x Tk + kGroupOverheadPairs. Groups are chosen to
 // minimise the per-segment cost (segments sorted by length, an exact partition into runs). Positions (B, T) may
@@ -73,5 +76,38 @@ using GroupAttention = std::function<at::Tensor(const at::Tensor& q, const at::T
 // example).
 at::Tensor attend_per_segment(const SegmentLayout& layout, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v, const GroupAttention& attend);
+
+// Causal self-attention of packed rows on a CUDA card: ATen's variable-length flash attention. The real positions
+// of the rows form one stream, each example a run of it (cumulative lengths), so no pair across examples and no
+// padding is scored, and no (L x L) mask or score matrix exists. Grouped-query attention runs as such (no repeated
+// keys). Taken in kAuto mode where varlen_attention_runs says so; the per-segment and whole-row paths remain for
+// everything else (the CPU, fp32, attention dropout, T5's position bias).
+struct VarlenLayout {
+  int64_t batch = 0, length = 0;  // B, T of the rows
+  int64_t total = 0;              // real positions
+  int64_t max_length = 0;         // the longest example
+  int64_t examples = 0;
+  at::Tensor real_index;  // (total) int64: the real positions of the flattened (B * T) rows, in order; undefined
+                          // when every position is real
+  at::Tensor cu_seqlens;  // (examples + 1) int32: where each example starts in the stream, then `total`
+};
+
+// Whether packed causal rows of `x`'s device, with heads of `head_dim`, take the varlen path: kAuto mode, a CUDA
+// device flash attention runs on (compute capability 8.0+), head_dim a multiple of 8 up to 256, and bf16 or fp16
+// attention (x in that dtype, or autocast on CUDA with it). Attention dropout is the caller's to rule out (the
+// kernel's own dropout would not be keyed by example).
+bool varlen_attention_runs(const at::Tensor& x, int64_t head_dim);
+// Counts attend_varlen calls in this process (tests check that the path was taken).
+int64_t varlen_attention_calls();
+
+// The stream of packed rows with segment ids (B, T) (0 = padding) and positions within segments, or null when the
+// rows are not what collate_packed makes (see plan_segment_attention). Segment ids are read on the host.
+std::shared_ptr<const VarlenLayout> plan_varlen_attention(const at::Tensor& segments, const at::Tensor& positions);
+
+// q (B, H, T, d), k and v (B, Hkv, T, d) -> causal attention within examples, (B, T, H * d), zero at padding
+// positions; keys within `sliding_window` positions of the query when given (as segment_mask has it). q, k and v
+// in fp32 under autocast are cast to autocast's dtype, as scaled_dot_product_attention would be.
+at::Tensor attend_varlen(const VarlenLayout& layout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         std::optional<int64_t> sliding_window);
 
 }  // namespace trainer

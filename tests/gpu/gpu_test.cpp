@@ -12,12 +12,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "memory/cuda_extras.h"
+#include "models/layers.h"
 #include "models/model.h"
+#include "models/segment_attention.h"
 #include "support/metrics.h"
 #include "support/process.h"
 #include "support/tiny_models.h"
@@ -46,6 +49,25 @@ std::string why_no_gpu() {
   if (!has_cuda_device()) GTEST_SKIP() << why_no_gpu()
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// Segment and position ids (B, T) on the card of rows holding segments of the given lengths, padded to T.
+std::pair<at::Tensor, at::Tensor> packed_rows(const std::vector<std::vector<int64_t>>& rows, int64_t t) {
+  at::Tensor segments = at::zeros({static_cast<int64_t>(rows.size()), t}, at::kLong);
+  at::Tensor positions = at::zeros_like(segments);
+  for (std::size_t b = 0; b < rows.size(); ++b) {
+    int64_t at_position = 0, id = 1;
+    for (const int64_t length : rows[b]) {
+      for (int64_t j = 0; j < length; ++j, ++at_position) {
+        segments[static_cast<int64_t>(b)][at_position] = id;
+        positions[static_cast<int64_t>(b)][at_position] = j;
+      }
+      ++id;
+    }
+  }
+  return {segments.to(at::kCUDA), positions.to(at::kCUDA)};
+}
+
+double max_abs(const at::Tensor& x) { return x.abs().max().item<double>(); }
 
 // A run directory with a causal dataset whose records are long enough that activations, not the tiny model's
 // weights, dominate the memory of a step.
@@ -303,6 +325,167 @@ TEST(GpuDevice, WaitForDeviceWaitsAndTimesOut) {
   EXPECT_EQ(resolved.device, c10::Device(c10::kCUDA, index));
   EXPECT_GE(taken_after, 2.0);
   EXPECT_LT(taken_after, 30.0);
+}
+
+}  // namespace trainer::test
+
+namespace trainer::test {
+
+// Packed causal rows on the card take ATen's variable-length flash attention (models/segment_attention.h): in bf16,
+// and in fp32 under bf16 autocast, its output and the gradients of q, k and v agree with fp32 whole-row attention
+// under the block-diagonal mask (segment_mask) at every real position, within bf16 rounding; padding positions are
+// zero; grouped-query heads; with and without a sliding window; rows with padding, a one-token example and a row
+// that is one example.
+TEST(GpuPacking, VarlenFlashAttentionMatchesWholeRowAttention) {
+  SKIP_WITHOUT_GPU();
+  if (!flash_attention_device(c10::Device(at::kCUDA, 0)))
+    GTEST_SKIP() << "this card's compute capability is below 8.0: no flash attention kernels";
+  const auto [segments, positions] = packed_rows({{5, 1, 17, 9}, {40}, {12, 3}}, 40);
+  const int64_t b = 3, t = 40, heads = 4, kv_heads = 2, d = 32;
+  const auto layout = plan_varlen_attention(segments, positions);
+  ASSERT_NE(layout, nullptr);
+  EXPECT_EQ(layout->examples, 7);
+  EXPECT_EQ(layout->total, 32 + 40 + 15);
+  EXPECT_EQ(layout->max_length, 40);
+  const at::Tensor real = (segments != 0).unsqueeze(-1);  // (B, T, 1)
+  for (const std::optional<int64_t> window : {std::optional<int64_t>(), std::optional<int64_t>(4)}) {
+    for (const bool autocast : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "window " << window.value_or(0) << ", autocast " << autocast);
+      at::manual_seed(5);
+      const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+      const at::Tensor q0 = at::randn({b, heads, t, d}, f32), k0 = at::randn({b, kv_heads, t, d}, f32),
+                       v0 = at::randn({b, kv_heads, t, d}, f32), grad = at::randn({b, t, heads * d}, f32);
+      // The reference: fp32, whole rows, the mask.
+      const at::Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(),
+                       v = v0.clone().requires_grad_();
+      const at::Tensor mask = segment_mask(segments, segments, positions, positions, /*causal=*/true, window);
+      const at::Tensor expected = at::scaled_dot_product_attention(q, k, v, mask, 0.0, false, std::nullopt, true)
+                                      .transpose(1, 2)
+                                      .reshape({b, t, heads * d}) * real;
+      expected.backward(grad);
+      // The varlen path: bf16 inputs, or fp32 inputs under bf16 autocast.
+      const auto input = [&](const at::Tensor& x) {
+        return (autocast ? x.clone() : x.to(at::kBFloat16)).requires_grad_();
+      };
+      const at::Tensor qv = input(q0), kv = input(k0), vv = input(v0);
+      const int64_t calls = varlen_attention_calls();
+      at::Tensor actual;
+      {
+        at::autocast::set_autocast_enabled(at::kCUDA, autocast);
+        at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+        ASSERT_TRUE(varlen_attention_runs(qv, d));
+        actual = attend_varlen(*layout, qv, kv, vv, window);
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+      }
+      EXPECT_EQ(varlen_attention_calls(), calls + 1);
+      EXPECT_EQ(actual.scalar_type(), at::kBFloat16);
+      actual.backward(grad.to(at::kBFloat16) * real);
+      EXPECT_EQ(max_abs(actual.to(at::kFloat) * real.logical_not()), 0.0) << "padding positions are not zero";
+      const double out_error = max_abs(actual.to(at::kFloat) - expected);
+      EXPECT_LT(out_error, 0.02 * max_abs(expected)) << "max |varlen - whole row| " << out_error;
+      for (const auto& [name, got, want] : {std::tuple{"q", qv.grad(), q.grad()}, std::tuple{"k", kv.grad(), k.grad()},
+                                            std::tuple{"v", vv.grad(), v.grad()}}) {
+        const double error = max_abs(got.to(at::kFloat) - want);
+        EXPECT_LT(error, 0.03 * max_abs(want)) << "grad " << name << ": max difference " << error << " of "
+                                               << max_abs(want);
+      }
+    }
+  }
+  // The CPU, fp32 without autocast and the non-auto modes do not take the path.
+  EXPECT_FALSE(varlen_attention_runs(at::zeros({1}, at::kBFloat16), 32));
+  EXPECT_FALSE(varlen_attention_runs(at::zeros({1}, at::TensorOptions().device(at::kCUDA)), 32));
+  EXPECT_FALSE(varlen_attention_runs(at::zeros({1}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA)), 12));
+  set_segment_attention_mode(SegmentAttentionMode::kPerExample);
+  EXPECT_FALSE(varlen_attention_runs(at::zeros({1}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA)), 32));
+  set_segment_attention_mode(SegmentAttentionMode::kAuto);
+}
+
+// A packed Qwen2 model in bf16 on the card: the forward takes the varlen path (one call per layer), and its loss and
+// gradients agree with the per-segment path's within bf16 rounding; both agree with fp32 on the CPU.
+TEST(GpuPacking, PackedQwen2OnTheCardTakesTheVarlenPathWithTheSameLossAndGradients) {
+  SKIP_WITHOUT_GPU();
+  if (!flash_attention_device(c10::Device(at::kCUDA, 0)))
+    GTEST_SKIP() << "this card's compute capability is below 8.0: no flash attention kernels";
+  auto cpu = tiny_model("tiny-qwen2");
+  auto gpu = build_model(cpu->hf_config(), at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA));
+  {
+    at::NoGradGuard no_grad;
+    auto source = cpu->named_parameters();
+    for (auto& [name, p] : gpu->named_parameters())
+      for (auto& [other, value] : source)
+        if (other == name) p.copy_(value);
+  }
+  for (auto* model : {cpu.get(), gpu.get()})
+    model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  const auto [segments, positions] = packed_rows({{9, 14, 1, 6}, {30}, {11, 4}}, 30);
+  at::manual_seed(8);
+  Batch batch;
+  batch.input_ids = at::randint(3, 500, {3, 30}, at::kLong).to(at::kCUDA).masked_fill(segments == 0, 0);
+  batch.attention_mask = (segments != 0).to(at::kLong);
+  batch.labels = batch.input_ids.masked_fill(segments == 0, -100);
+  batch.segment_ids = segments;
+  batch.position_ids = positions;
+  struct Result {
+    double loss;
+    std::vector<at::Tensor> grads;
+  };
+  const auto run = [&](LanguageModel& model, const Batch& input) {
+    for (auto& [name, p] : model.named_parameters()) p.mutable_grad() = at::Tensor();
+    const auto out = forward_loss(model, input);
+    const at::Tensor loss = out.loss_sum.to(at::kFloat) / static_cast<double>(out.target_tokens);
+    loss.backward();
+    Result r{loss.item<double>(), {}};
+    for (auto& [name, p] : model.named_parameters())
+      r.grads.push_back(p.grad().defined() ? p.grad().to(at::kCPU, at::kFloat) : at::zeros(p.sizes()));
+    return r;
+  };
+  gpu->train(true);
+  cpu->train(true);
+  const int64_t calls = varlen_attention_calls();
+  const Result varlen = run(*gpu, batch);
+  EXPECT_EQ(varlen_attention_calls() - calls, 2) << "one varlen call per layer (tiny-qwen2 has 2)";
+  set_segment_attention_mode(SegmentAttentionMode::kPerExample);
+  const Result per_segment = run(*gpu, batch);
+  set_segment_attention_mode(SegmentAttentionMode::kAuto);
+  EXPECT_EQ(varlen_attention_calls() - calls, 2) << "kPerExample must not take the varlen path";
+  Batch on_cpu{batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.labels.cpu(), {}};
+  on_cpu.segment_ids = segments.cpu();
+  on_cpu.position_ids = positions.cpu();
+  const Result reference = run(*cpu, on_cpu);
+  EXPECT_NEAR(varlen.loss, reference.loss, 0.01 * reference.loss);
+  EXPECT_NEAR(varlen.loss, per_segment.loss, 0.01 * reference.loss);
+  ASSERT_EQ(varlen.grads.size(), reference.grads.size());
+  for (std::size_t i = 0; i < varlen.grads.size(); ++i) {
+    SCOPED_TRACE(i);
+    const double scale = max_abs(reference.grads[i]);
+    // bf16 parameters and activations through two layers: a few per cent of the largest gradient.
+    EXPECT_LT(max_abs(varlen.grads[i] - reference.grads[i]), 0.08 * scale + 1e-6);
+    EXPECT_LT(max_abs(varlen.grads[i] - per_segment.grads[i]), 0.08 * scale + 1e-6);
+  }
+}
+
+// End to end on the card: packed rows (varlen attention) train like padded rows, bf16-mixed, step for step.
+TEST(GpuPacking, PackedTrainingOnTheCardFollowsPaddedTraining) {
+  SKIP_WITHOUT_GPU();
+  const LongRun run("packing");
+  // The demo's short records (the run's long ones would each fill a row alone).
+  const std::vector<std::string> common = {
+      "--set", "data.train_files=[\"" + source_path("data/demo/recipes-causal.jsonl") + "\"]", "--set",
+      "precision.mode=bf16-mixed", "--set", "data.max_length=512", "--set", "training.max_steps=6", "--set",
+      "logging.every_steps=1"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), common.begin(), common.end());
+    return extra;
+  };
+  const auto padded = run.run("padded", with({"--set", "data.packing=false"}));
+  ASSERT_EQ(padded.exit_code, 0) << padded.err;
+  const auto packed = run.run("packed", with({"--set", "data.packing=true"}));
+  ASSERT_EQ(packed.exit_code, 0) << packed.err;
+  const auto a = metric_values(run.dir / "padded" / "metrics.jsonl", "loss");
+  const auto b = metric_values(run.dir / "packed" / "metrics.jsonl", "loss");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), a.size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 0.02 * a[i]) << "step " << i + 1;
 }
 
 }  // namespace trainer::test
