@@ -32,15 +32,14 @@ endif()
 
 add_library(trainer_torch INTERFACE)
 add_library(trainer::torch ALIAS trainer_torch)
-target_link_libraries(trainer_torch INTERFACE ${TORCH_LIBRARIES})
 # The pip wheels' libtorch_cpu.so / libtorch.so export copies of libstdc++'s std::filesystem that were linked
-# into them; at run time the first library in an executable's DT_NEEDED list that defines a symbol provides it, and
-# libstdc++ comes last. torch 2.11.0+cu130's libtorch.so copy of std::filesystem::remove_all jumps to address 0 on
-# Ubuntu 24.04 (scripts/gpu-check on an H100 found it). libstdc++ first: our calls use the libstdc++ whose headers
-# we compiled against.
-if(CMAKE_SYSTEM_NAME STREQUAL "Linux" AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-  target_link_options(trainer_torch INTERFACE "LINKER:--push-state,--no-as-needed" "-lstdc++" "LINKER:--pop-state")
-endif()
+# into them. torch 2.11.0+cu130's libtorch.so copy of std::filesystem::remove_all jumps to address 0 (found by
+# scripts/gpu-check on an H100 machine whose compiler links libstdc++ statically). Our objects must take these
+# symbols from our own libstdc++: it comes right after our static libraries, before LibTorch's, so a shared
+# libstdc++ is searched first at run time and a static one is linked into the executable before LibTorch's
+# exports can satisfy the references.
+target_link_libraries(trainer_torch INTERFACE "-Wl,--push-state,--no-as-needed" stdc++ "-Wl,--pop-state"
+                      ${TORCH_LIBRARIES})
 # TORCH_CXX_FLAGS carries the ABI define; keep it as a list of options.
 separate_arguments(_torch_flags UNIX_COMMAND "${TORCH_CXX_FLAGS}")
 target_compile_options(trainer_torch INTERFACE ${_torch_flags})

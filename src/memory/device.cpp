@@ -65,6 +65,9 @@ ResolvedDevice resolve_device(const DeviceConfig& config) {
       if (auto found = best_device(*type, only, config.min_free_memory.bytes)) {
         at::accelerator::setDeviceIndex(found->index);  // best_device left the last one it looked at current
         c10::Device device(c10::kCUDA, found->index);
+        // Initialise the device's runtime and caching allocator now: LibTorch 2.11 raises "Allocator not
+        // initialized for device" from memory statistics and caps asked for before the first allocation.
+        (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(device));
         return {device,
                 device.str() + " (" + human_bytes(static_cast<double>(found->free)) + " free of " +
                     human_bytes(static_cast<double>(found->total)) + ")",
