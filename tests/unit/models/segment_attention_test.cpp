@@ -187,5 +187,32 @@ TEST(SegmentAttention, PlanGroupsByLengthAndChoosesThePathByCost) {
   }
 }
 
+// The varlen layout (the CUDA path's stream of real positions): examples in stream order, cumulative lengths,
+// the real positions' indices (none when every position is real), the longest example; rows collate_packed does
+// not make are refused. On the CPU the path never runs, whatever the tensors.
+TEST(SegmentAttention, VarlenLayoutListsTheExamplesInStreamOrder) {
+  const auto [segments, positions] = rows_of({{3, 1, 4}, {6}, {2}}, 8);
+  const auto layout = plan_varlen_attention(segments, positions);
+  ASSERT_TRUE(layout);
+  EXPECT_EQ(layout->batch, 3);
+  EXPECT_EQ(layout->length, 8);
+  EXPECT_EQ(layout->examples, 5);
+  EXPECT_EQ(layout->total, 16);
+  EXPECT_EQ(layout->max_length, 6);
+  EXPECT_EQ(layout->cu_seqlens.scalar_type(), at::kInt);
+  EXPECT_TRUE(at::equal(layout->cu_seqlens, at::tensor({0, 3, 4, 8, 14, 16}, at::kInt)));
+  const std::vector<int64_t> real = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17};
+  EXPECT_TRUE(at::equal(layout->real_index, at::tensor(real, at::kLong)));
+  const auto [full, full_positions] = rows_of({{5, 3}, {8}}, 8);
+  const auto no_padding = plan_varlen_attention(full, full_positions);
+  ASSERT_TRUE(no_padding);
+  EXPECT_FALSE(no_padding->real_index.defined());
+  at::Tensor split = segments.clone();
+  split[0][4] = 1;  // segment 1 of row 0 split in two
+  EXPECT_FALSE(plan_varlen_attention(split, {}));
+  EXPECT_FALSE(plan_varlen_attention(segments, positions + 1));
+  EXPECT_FALSE(varlen_attention_runs(at::zeros({1}, at::kBFloat16), 64));
+}
+
 }  // namespace
 }  // namespace trainer
