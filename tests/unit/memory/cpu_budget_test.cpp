@@ -52,6 +52,48 @@ TEST(CpuBudget, RaisesOutOfMemoryPastTheLimitAndRecovers) {
   EXPECT_EQ(c.numel(), 6 << 20);
 }
 
+// Freed blocks of 1 MiB and more are kept and handed out again for a request of their size (up to 1/8 larger):
+// the same memory comes back, the budget counts only live bytes, smaller blocks are not kept, and under a limit
+// live plus kept bytes stay within it.
+TEST(CpuBudget, KeepsFreedLargeBlocksForReuseWithinTheLimit) {
+  BudgetScope scope(0);
+  empty_cpu_cache();
+  const int64_t base = cpu_memory_stats().allocated;
+  const void* first = nullptr;
+  {
+    at::Tensor t = at::empty({8 << 20}, at::kByte);
+    first = t.data_ptr();
+  }
+  EXPECT_EQ(cpu_memory_stats().allocated, base);
+  EXPECT_GE(cpu_memory_stats().cached, 8 << 20);
+  {
+    at::Tensor again = at::empty({(8 << 20) - 4096}, at::kByte);  // a little smaller: the kept block serves it
+    EXPECT_EQ(again.data_ptr(), first);
+    EXPECT_EQ(cpu_memory_stats().allocated - base, (8 << 20) - 4096);
+    at::Tensor other = at::empty({8 << 20}, at::kByte);  // the kept block is taken: a fresh one
+    EXPECT_NE(other.data_ptr(), first);
+  }
+  const int64_t kept = cpu_memory_stats().cached;
+  EXPECT_GE(kept, 16 << 20);
+  {
+    at::Tensor smaller = at::empty({6 << 20}, at::kByte);  // under 8/9 of the kept blocks: none serves it
+    EXPECT_EQ(cpu_memory_stats().cached, kept);
+  }
+  const int64_t with_smaller = cpu_memory_stats().cached;
+  { at::Tensor small = at::empty({64 << 10}, at::kByte); }
+  EXPECT_EQ(cpu_memory_stats().cached, with_smaller) << "blocks under 1 MiB are not kept";
+  // Under a limit: kept blocks are given back so that live + kept bytes fit.
+  set_cpu_budget_limit(base + (12 << 20));
+  EXPECT_LE(cpu_memory_stats().allocated + cpu_memory_stats().cached, base + (12 << 20));
+  {
+    at::Tensor big = at::empty({11 << 20}, at::kByte);
+    EXPECT_LE(cpu_memory_stats().allocated + cpu_memory_stats().cached, base + (12 << 20));
+  }
+  set_cpu_budget_limit(0);
+  empty_cpu_cache();
+  EXPECT_EQ(cpu_memory_stats().cached, 0);
+}
+
 TEST(CpuBudget, AnOutOfMemoryInBackwardUnwindsAndASmallerBatchFits) {
   auto model = load_model(test::source_path("configs/models/tiny-qwen2"), ModelInit::kRandom,
                           at::TensorOptions().dtype(at::kFloat), 1);
