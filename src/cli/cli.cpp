@@ -60,7 +60,10 @@ constexpr const char* kTrainEnvironmentHelp =
     "Environment: TRAINER_WEBHOOK_URL=https://... POSTs JSON on start, every checkpoint, finish and failure\n"
     "(a Discord webhook works as is); the URL is never printed. TRAINER_NUM_THREADS=N sets the intra-op threads\n"
     "(default: one per core; OMP_WAIT_POLICY=passive on shared machines, docs/benchmarks.md#threads).\n"
-    "TRAINER_FUSED_KERNELS=0 runs ATen's unfused RMSNorm instead of the fused CPU kernel.\n";
+    "TRAINER_FUSED_KERNELS=0 runs ATen's unfused RMSNorm instead of the fused CPU kernel. TRAINER_CPU_CACHE=0\n"
+    "stops the CPU allocator keeping freed blocks of 1 MiB and more for reuse (less memory, slower steps).\n"
+    "TRAINER_PACKED_ATTENTION=per-example|whole-row forces a path for packed rows (default auto: varlen flash\n"
+    "attention on a CUDA card, docs/packing.md).\n";
 
 constexpr const char* kExitCodeHelp =
     "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"
