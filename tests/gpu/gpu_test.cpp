@@ -22,6 +22,7 @@
 #include "models/model.h"
 #include "models/segment_attention.h"
 #include "support/metrics.h"
+#include "support/packed_rows.h"
 #include "support/process.h"
 #include "support/tiny_models.h"
 #include "trainer/device.h"
@@ -49,23 +50,6 @@ std::string why_no_gpu() {
   if (!has_cuda_device()) GTEST_SKIP() << why_no_gpu()
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-// Segment and position ids (B, T) on the card of rows holding segments of the given lengths, padded to T.
-std::pair<at::Tensor, at::Tensor> packed_rows(const std::vector<std::vector<int64_t>>& rows, int64_t t) {
-  at::Tensor segments = at::zeros({static_cast<int64_t>(rows.size()), t}, at::kLong);
-  at::Tensor positions = at::zeros_like(segments);
-  for (std::size_t b = 0; b < rows.size(); ++b) {
-    int64_t at_position = 0, id = 1;
-    for (const int64_t length : rows[b]) {
-      for (int64_t j = 0; j < length; ++j, ++at_position) {
-        segments[static_cast<int64_t>(b)][at_position] = id;
-        positions[static_cast<int64_t>(b)][at_position] = j;
-      }
-      ++id;
-    }
-  }
-  return {segments.to(at::kCUDA), positions.to(at::kCUDA)};
-}
 
 double max_abs(const at::Tensor& x) { return x.abs().max().item<double>(); }
 
@@ -340,7 +324,7 @@ TEST(GpuPacking, VarlenFlashAttentionMatchesWholeRowAttention) {
   SKIP_WITHOUT_GPU();
   if (!flash_attention_device(c10::Device(at::kCUDA, 0)))
     GTEST_SKIP() << "this card's compute capability is below 8.0: no flash attention kernels";
-  const auto [segments, positions] = packed_rows({{5, 1, 17, 9}, {40}, {12, 3}}, 40);
+  const auto [segments, positions] = packed_rows({{5, 1, 17, 9}, {40}, {12, 3}}, 40, at::kCUDA);
   const int64_t b = 3, t = 40, heads = 4, kv_heads = 2, d = 32;
   const auto layout = plan_varlen_attention(segments, positions);
   ASSERT_NE(layout, nullptr);
@@ -417,7 +401,7 @@ TEST(GpuPacking, PackedQwen2OnTheCardTakesTheVarlenPathWithTheSameLossAndGradien
   }
   for (auto* model : {cpu.get(), gpu.get()})
     model->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
-  const auto [segments, positions] = packed_rows({{9, 14, 1, 6}, {30}, {11, 4}}, 30);
+  const auto [segments, positions] = packed_rows({{9, 14, 1, 6}, {30}, {11, 4}}, 30, at::kCUDA);
   at::manual_seed(8);
   Batch batch;
   batch.input_ids = at::randint(3, 500, {3, 30}, at::kLong).to(at::kCUDA).masked_fill(segments == 0, 0);

@@ -9,27 +9,12 @@
 
 #include "models/layers.h"
 #include "models/segment_attention.h"
+#include "support/packed_rows.h"
 
 namespace trainer {
 namespace {
 
-// Segment and position ids (B, T) of rows holding segments of the given lengths, padded to T.
-std::pair<at::Tensor, at::Tensor> rows_of(const std::vector<std::vector<int64_t>>& rows, int64_t t) {
-  at::Tensor segments = at::zeros({static_cast<int64_t>(rows.size()), t}, at::kLong);
-  at::Tensor positions = at::zeros_like(segments);
-  for (std::size_t b = 0; b < rows.size(); ++b) {
-    int64_t at_position = 0, id = 1;
-    for (const int64_t length : rows[b]) {
-      for (int64_t j = 0; j < length; ++j) {
-        segments[static_cast<int64_t>(b)][at_position] = id;
-        positions[static_cast<int64_t>(b)][at_position] = j;
-        ++at_position;
-      }
-      ++id;
-    }
-  }
-  return {segments, positions};
-}
+using test::packed_rows;
 
 struct ForcePerExample {
   ForcePerExample() { set_segment_attention_mode(SegmentAttentionMode::kPerExample); }
@@ -58,8 +43,8 @@ void check(const Case& c) {
   const bool causal = c.shape == Shape::kT5Decoder || c.shape == Shape::kCausal || c.shape == Shape::kCausalWindow;
   const std::optional<int64_t> window =
       c.shape == Shape::kCausalWindow ? std::optional<int64_t>(3) : std::nullopt;
-  const auto [qs, qp] = rows_of(c.queries, c.tq);
-  const auto [ks_cross, kp_cross] = rows_of(cross ? c.keys : c.queries, cross ? c.tk : c.tq);
+  const auto [qs, qp] = packed_rows(c.queries, c.tq);
+  const auto [ks_cross, kp_cross] = packed_rows(cross ? c.keys : c.queries, cross ? c.tk : c.tq);
   const at::Tensor ks = cross ? ks_cross : qs, kp = cross ? kp_cross : qp;
   const int64_t b = qs.size(0), tq = qs.size(1), tk = ks.size(1), heads = 4, kv_heads = t5 ? 4 : 2, d = 8;
   const int64_t span = std::max(tq, tk);
@@ -156,21 +141,21 @@ TEST(SegmentAttention, CausalSelfAttentionWithGroupedHeadsAndASlidingWindowEqual
 
 TEST(SegmentAttention, PlanGroupsByLengthAndChoosesThePathByCost) {
   // Long rows of many short segments: per-segment attention scores far fewer pairs and auto mode takes it.
-  const auto [many, many_positions] = rows_of({{8, 8, 8, 8, 8, 8, 8, 8}, {8, 8, 8, 8, 8, 8, 8, 8}}, 64);
+  const auto [many, many_positions] = packed_rows({{8, 8, 8, 8, 8, 8, 8, 8}, {8, 8, 8, 8, 8, 8, 8, 8}}, 64);
   const auto layout = plan_segment_attention(many, many, many_positions, many_positions, true, std::nullopt);
   ASSERT_TRUE(layout);
   EXPECT_EQ(layout->pairs, 16 * 8 * 8);
   EXPECT_EQ(layout->row_pairs, 2 * 64 * 64);
   EXPECT_EQ(layout->groups.size(), 1u);
   // One segment per row: whole-row attention is as cheap, auto mode keeps it; forced, per-segment still plans.
-  const auto [one, one_positions] = rows_of({{30}, {30}}, 30);
+  const auto [one, one_positions] = packed_rows({{30}, {30}}, 30);
   EXPECT_FALSE(plan_segment_attention(one, one, one_positions, one_positions, true, std::nullopt));
   {
     const ForcePerExample force;
     EXPECT_TRUE(plan_segment_attention(one, one, one_positions, one_positions, true, std::nullopt));
   }
   // Very different lengths go into different groups when that saves more than a group costs.
-  const auto [mixed, mixed_positions] = rows_of({{200, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}, {200, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}}, 250);
+  const auto [mixed, mixed_positions] = packed_rows({{200, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}, {200, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}}, 250);
   const auto grouped = plan_segment_attention(mixed, mixed, mixed_positions, mixed_positions, false, std::nullopt);
   ASSERT_TRUE(grouped);
   EXPECT_EQ(grouped->groups.size(), 2u);
@@ -191,7 +176,7 @@ TEST(SegmentAttention, PlanGroupsByLengthAndChoosesThePathByCost) {
 // the real positions' indices (none when every position is real), the longest example; rows collate_packed does
 // not make are refused. On the CPU the path never runs, whatever the tensors.
 TEST(SegmentAttention, VarlenLayoutListsTheExamplesInStreamOrder) {
-  const auto [segments, positions] = rows_of({{3, 1, 4}, {6}, {2}}, 8);
+  const auto [segments, positions] = packed_rows({{3, 1, 4}, {6}, {2}}, 8);
   const auto layout = plan_varlen_attention(segments, positions);
   ASSERT_TRUE(layout);
   EXPECT_EQ(layout->batch, 3);
@@ -203,7 +188,7 @@ TEST(SegmentAttention, VarlenLayoutListsTheExamplesInStreamOrder) {
   EXPECT_TRUE(at::equal(layout->cu_seqlens, at::tensor({0, 3, 4, 8, 14, 16}, at::kInt)));
   const std::vector<int64_t> real = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17};
   EXPECT_TRUE(at::equal(layout->real_index, at::tensor(real, at::kLong)));
-  const auto [full, full_positions] = rows_of({{5, 3}, {8}}, 8);
+  const auto [full, full_positions] = packed_rows({{5, 3}, {8}}, 8);
   const auto no_padding = plan_varlen_attention(full, full_positions);
   ASSERT_TRUE(no_padding);
   EXPECT_FALSE(no_padding->real_index.defined());
