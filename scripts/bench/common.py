@@ -56,10 +56,13 @@ class Run:
 def run_measured(command, env=None, preexec_fn=None, timeout=None, echo=False):
     """Runs `command` from the repository root under GNU time, reads its stdout and stderr (merged) line by line
     and timestamps each line on arrival. The peak RSS is the command's own high-water mark, as GNU time reports
-    it: measuring from this Python process would count its RSS too, since a forked child inherits it."""
+    it: measuring from this Python process would count its RSS too, since a forked child inherits it. Without
+    /usr/bin/time (a bare GPU machine) the command runs as it is and the peak RSS is 0."""
+    gnu_time = os.path.exists("/usr/bin/time")
     with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
         start = time.perf_counter()
-        process = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", report.name, *command], cwd=ROOT, env=env,
+        wrapper = ["/usr/bin/time", "-f", "%M", "-o", report.name] if gnu_time else []
+        process = subprocess.Popen([*wrapper, *command], cwd=ROOT, env=env,
                                    preexec_fn=preexec_fn, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, bufsize=1, errors="replace")
         watchdog = threading.Timer(timeout, process.kill) if timeout else None

@@ -19,17 +19,13 @@ the Python with transformers that writes the model's config.json (vs_hf.model_di
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, TRAINER, ensure_data, fresh_dir, table, write_json  # noqa: E402
-from vs_hf import model_dir  # noqa: E402
+from common import ROOT, TRAINER, ensure_data, fresh_dir, run_measured, table, write_json  # noqa: E402
+from vs_hf import model_dir, tokens_per_second, trainer_steps  # noqa: E402
 
-STEP_LINE = re.compile(r"\] step (\d+)/\d+ loss ([\d.naif-]+)")
 SIDES = {
     "padded": ({"packing": False}, None),
     "whole-row": ({"packing": True}, "whole-row"),
@@ -58,26 +54,14 @@ def run_side(name, model, data, out, args):
     env.pop("TRAINER_PACKED_ATTENTION", None)
     if mode:
         env["TRAINER_PACKED_ATTENTION"] = mode
-    start = time.perf_counter()
-    process = subprocess.Popen([TRAINER, "--config", path], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    times, text = {}, []
-    for line in process.stdout:
-        text.append(line)
-        if m := STEP_LINE.search(line):
-            times[int(m.group(1))] = time.perf_counter() - start
-    if process.wait() != 0:
-        sys.exit(f"{name}: trainer exited {process.returncode}\n" + "".join(text[-30:]))
-    tokens, losses, peak = {}, {}, 0
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for record in map(json.loads, f):
-            if "loss" in record:
-                tokens[record["step"]] = record["tokens"]
-                losses[record["step"]] = record["loss"]
-            peak = max(peak, record.get("memory_peak", 0))
-    w, n = args.warmup, args.steps
-    rate = (tokens[n] - tokens[w]) / (times[n] - times[w])
-    return rate, peak, losses[n], tokens[n]
+    run = run_measured([TRAINER, "--config", path], env=env)
+    if run.returncode != 0:
+        sys.exit(f"{name}: trainer exited {run.returncode}\n" + run.text()[-3000:])
+    metrics = os.path.join(out, "metrics.jsonl")
+    steps = trainer_steps(run, metrics)  # [(seconds, target tokens, loss)]
+    with open(metrics) as f:
+        peak = max(record.get("memory_peak", 0) for record in map(json.loads, f))
+    return tokens_per_second(steps, args.warmup), peak, steps[-1][2], sum(tokens for _, tokens, _ in steps)
 
 
 def main():

@@ -117,9 +117,8 @@ Pipeline::~Pipeline() {
   for (auto& thread : threads_) thread.join();
 }
 
-bool Pipeline::mine(std::uint64_t position) const {
-  const auto world = static_cast<std::uint64_t>(share_.world);
-  return world <= 1 || position % world == static_cast<std::uint64_t>(share_.rank);
+int Pipeline::owner(std::uint64_t position) const {
+  return static_cast<int>(position % static_cast<std::uint64_t>(share_.world));
 }
 
 void Pipeline::map_chunk(Chunk& chunk) const {
@@ -131,7 +130,7 @@ void Pipeline::map_chunk(Chunk& chunk) const {
     mapped.file = raw.file;
     mapped.offset = raw.offset;
     mapped.line = raw.line;
-    mapped.mapped_here = mine(chunk.first + i);
+    mapped.mapped_here = owner(chunk.first + i) == share_.rank;
   }
   try {
     for (std::size_t i = 0; i < chunk.raw.size(); ++i)
@@ -280,7 +279,7 @@ void Pipeline::exchange(Chunk& chunk) {
     const std::string& part = all[static_cast<std::size_t>(r)];
     Unpacker in(std::string_view(part).substr(part.empty() ? 0 : 1), r);
     for (std::size_t i = 0; i < chunk.mapped.size(); ++i) {
-      if ((chunk.first + i) % static_cast<std::uint64_t>(share_.world) != static_cast<std::uint64_t>(r)) continue;
+      if (owner(chunk.first + i) != r) continue;
       Outcome& o = chunk.mapped[i].outcome;
       o.kind = static_cast<OutcomeKind>(in.u8());
       o.truncated = in.u8() != 0;

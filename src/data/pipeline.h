@@ -59,7 +59,7 @@ class Pipeline {
   // The next chunk in order, mapped (here, or by the worker threads); none at the end of the records. A read error
   // is thrown, with a share the first failing rank's on every rank.
   std::optional<Chunk> take_chunk();
-  bool mine(std::uint64_t position) const;
+  int owner(std::uint64_t position) const;  // the rank that maps the record at `position` of the epoch
   // Data parallelism: sends this rank's outcomes of `chunk` (or its error) and fills in the other ranks'; throws
   // the error of the first rank that had one, the same on every rank.
   void exchange(Chunk& chunk);

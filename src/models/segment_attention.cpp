@@ -164,6 +164,10 @@ std::shared_ptr<const SegmentLayout> plan_segment_attention(const at::Tensor& qu
                                                             std::optional<int64_t> sliding_window) {
   const SegmentAttentionMode mode = segment_attention_mode();
   if (mode == SegmentAttentionMode::kWholeRow) return nullptr;
+  // The cost rule is the CPU's. On an accelerator the groups' many small launches and host-side planning cost
+  // more than the pairs they save: qwen2-100m on an H100, bf16-mixed, per-example ran at 0.06x whole-row's
+  // tokens/s (scripts/bench/gpu_packing.py, docs/packing.md). kAuto takes whole rows there, before any planning.
+  if (mode == SegmentAttentionMode::kAuto && !query_segments.is_cpu()) return nullptr;
   const bool self = query_segments.is_same(key_segments);
   const auto query_runs = find_runs(query_segments, query_positions);
   if (!query_runs || query_runs->empty()) return nullptr;
@@ -208,10 +212,6 @@ std::shared_ptr<const SegmentLayout> plan_segment_attention(const at::Tensor& qu
   const int64_t row_pairs = b * tq * tk;
   const int64_t per_segment_cost = best[n] + kTokenCostPairs * (b * tq + b * tk);
   if (mode == SegmentAttentionMode::kAuto && per_segment_cost >= row_pairs + kGroupOverheadPairs) return nullptr;
-  // The cost rule is the CPU's. On an accelerator the groups' many small launches and host-side planning cost
-  // more than the pairs they save: qwen2-100m on an H100, bf16-mixed, per-example ran at 0.06x whole-row's
-  // tokens/s (scripts/bench/gpu_packing.py, docs/benchmarks.md). kAuto takes whole rows there.
-  if (mode == SegmentAttentionMode::kAuto && !query_segments.is_cpu()) return nullptr;
 
   auto layout = std::make_shared<SegmentLayout>();
   layout->batch = b;
