@@ -53,13 +53,14 @@ void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& stat
 
 fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, bool on_disk,
                                    const std::function<void(const fs::path&)>& save_model, Module& trained,
-                                   const Optimizer& optimizer, nlohmann::json state, Communicator* world) {
+                                   const Optimizer& optimizer, nlohmann::json state, Communicator* world,
+                                   const NamedTensors& extra) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   const bool primary = !world || world->rank() == 0;
   if (!world || optimizer.shard().world <= 1) {
     // Every rank holds the same weights and optimizer state: rank 0 writes them.
     if (!primary) return final_dir;
-    return write_training_checkpoint(output_dir, step, on_disk, save_model, trained, optimizer, state);
+    return write_training_checkpoint(output_dir, step, on_disk, save_model, trained, optimizer, state, extra);
   }
   // Sharded: no rank holds the whole optimizer state; each writes its part into the directory rank 0 prepares.
   const int ranks = world->world_size();
@@ -109,7 +110,9 @@ fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, boo
   CheckpointWrite write;
   write.write_files = [&](const fs::path& dir) {
     save_model(dir);
-    write_safetensors((dir / files.front()).string(), optimizer.state_tensors(), {});
+    auto tensors = optimizer.state_tensors();
+    tensors.insert(tensors.end(), extra.begin(), extra.end());
+    write_safetensors((dir / files.front()).string(), tensors, {});
     write_text_file((dir / "train_state.json").string(), state.dump(2) + "\n");
     agreed = true;
     if (const std::string missing = agree_on_parts(false); !missing.empty())

@@ -12,6 +12,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "train/checkpoint_dir.h"
+
 namespace trainer {
 class Module;
 class Optimizer;
@@ -34,10 +36,11 @@ void load_optimizer_parts(const std::filesystem::path& checkpoint, const nlohman
 // `world` (null: one process). Every rank calls it at the same step. Unsharded, rank 0 alone writes and the others
 // return at once; sharded, each rank writes its optimizer part and rank 0 the rest (`state` gets "optimizer_files"),
 // and all return once COMPLETE is written (or all throw DataError naming the parts that failed). `on_disk`: as for
-// write_checkpoint_dir. Returns the checkpoint's path.
+// write_checkpoint_dir. `extra`: tensors rank 0 writes beside its optimizer state (optimizer.safetensors). Returns the
+// checkpoint's path.
 std::filesystem::path write_checkpoint_on_ranks(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
                                                 const std::function<void(const std::filesystem::path&)>& save_model,
                                                 Module& trained, const Optimizer& optimizer, nlohmann::json state,
-                                                Communicator* world);
+                                                Communicator* world, const NamedTensors& extra = {});
 
 }  // namespace trainer::distributed

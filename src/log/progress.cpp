@@ -35,17 +35,17 @@ std::string format_status_line(const ProgressSnapshot& p, int bar_width) {
            std::string(static_cast<std::size_t>(bar_width - filled), '-') + "] ";
   }
   // ETA early: a narrow terminal cuts the line's end.
-  line += fmt::format("{}/{} {:.0f}% ETA {} | loss {:.4f} | lr {:.2e} | {} tok/s | mem {} (peak {}) | micro {}x{}",
+  line += fmt::format("{}/{} {:.0f}% ETA {} | loss {:.4f} | lr {:.2e} | {} {}/s | mem {} (peak {}) | micro {}x{}",
                       p.step, p.total_steps, 100 * done, format_duration(p.eta_seconds), p.loss, p.lr,
-                      format_rate(p.tokens_per_second), human_bytes(static_cast<double>(p.memory_allocated)),
+                      format_rate(p.tokens_per_second), p.unit == "tokens" ? "tok" : p.unit, human_bytes(static_cast<double>(p.memory_allocated)),
                       human_bytes(static_cast<double>(p.memory_peak)), p.micro_batch, p.micro_steps);
   return line;
 }
 
 std::string format_log_line(const ProgressSnapshot& p) {
   return fmt::format(
-      "step {}/{} loss {:.4f} lr {:.2e} grad_norm {:.3f} tokens/s {:.0f} memory {} (peak {}) micro-batch {} x {} ETA {}",
-      p.step, p.total_steps, p.loss, p.lr, p.grad_norm, p.tokens_per_second,
+      "step {}/{} loss {:.4f} lr {:.2e} grad_norm {:.3f} {}/s {:.0f} memory {} (peak {}) micro-batch {} x {} ETA {}",
+      p.step, p.total_steps, p.loss, p.lr, p.grad_norm, p.unit, p.tokens_per_second,
       human_bytes(static_cast<double>(p.memory_allocated)), human_bytes(static_cast<double>(p.memory_peak)),
       p.micro_batch, p.micro_steps, format_duration(p.eta_seconds));
 }

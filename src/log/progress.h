@@ -21,6 +21,7 @@ struct ProgressSnapshot {
   int64_t micro_batch = 0;
   int64_t micro_steps = 0;     // micro-batches per optimizer step (the accumulation)
   double eta_seconds = -1;     // negative: not known yet
+  std::string unit = "tokens";  // what the rate counts: tokens, images, pairs
 };
 
 // "45s", "3m05s", "2h07m", "3d04h"; "?" when unknown (negative or not finite).

@@ -186,7 +186,7 @@ void Reporter::on_start(const RunStart& start) {
   if (tensorboard_) tensorboard_->session_start(start.start_step + 1);
   out_ << "Training " << start.model_type << " (" << start.parameters << " parameters, " << start.trainable_parameters
        << " trainable) for " << start.total_steps << " steps of " << config_.training.batch_size
-       << " examples; ";
+       << (start.unit == "tokens" ? " examples" : " " + start.unit) << "; ";
   if (config_.training.micro_batch_tokens > 0) out_ << "micro-batches of at most " << start.micro_batch << " padded tokens\n";
   else out_ << "micro-batch " << start.micro_batch << "\n";
   out_.flush();
@@ -220,6 +220,11 @@ void Reporter::on_step(const StepMetrics& m) {
                             {"device_moves", m.device_moves},
                             {"memory_allocated", m.memory_allocated},
                             {"memory_peak", m.memory_peak}};
+  // Image and CLIP runs count images or pairs: those keys too ("tokens" stays, as the TensorBoard tags read it).
+  if (run_.unit != "tokens") {
+    record[run_.unit] = m.tokens_seen;
+    record[run_.unit + "_per_s"] = record["tokens_per_s"];
+  }
   if (m.loss_scaling) {
     // A skipped step has no gradient norm (its gradients overflowed): grad_norm is null there.
     record["loss_scale"] = m.loss_scaling->scale;
@@ -231,7 +236,7 @@ void Reporter::on_step(const StepMetrics& m) {
   if (console_ == Console::kOff) return;
   const ProgressSnapshot snapshot{m.step, run_.total_steps, m.loss, m.lr, m.grad_norm, clock_->tokens_per_second(),
                                   m.memory_allocated, m.memory_peak, m.micro_batch, m.micro_steps,
-                                  clock_->eta_seconds()};
+                                  clock_->eta_seconds(), run_.unit};
   const bool periodic = m.step % config_.logging.every_steps == 0 || m.step == run_.total_steps;
   if (console_ == Console::kPlain) {
     if (periodic) spdlog::info("{}", format_log_line(snapshot));

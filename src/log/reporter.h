@@ -36,6 +36,7 @@ struct RunStart {
   int64_t start_step = 0;         // above 0 when resuming
   int64_t tokens_seen = 0;        // at start_step
   std::string resumed_from;       // the checkpoint directory, when resuming
+  std::string unit = "tokens";    // what tokens_seen and the rate count: tokens, images, pairs (engine/task.h)
 };
 
 // fp16-mixed's dynamic loss scaling at one step (train/grad_scaler.h).
@@ -50,7 +51,7 @@ struct StepMetrics {
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;
-  int64_t target_tokens = 0;  // of this step
+  int64_t target_tokens = 0;  // of this step (images or pairs for image and CLIP runs: RunStart::unit)
   int64_t tokens_seen = 0;    // since step 0
   int64_t micro_batch = 0;
   int64_t micro_steps = 0;

@@ -69,11 +69,13 @@ fs::path write_checkpoint_dir(const fs::path& output_dir, int64_t step, bool on_
 std::filesystem::path write_training_checkpoint(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
                                                 const std::function<void(const std::filesystem::path&)>& save_model,
                                                 Module& trained, const Optimizer& optimizer,
-                                                const nlohmann::json& state) {
+                                                const nlohmann::json& state, const NamedTensors& extra) {
   CheckpointWrite write;
   write.write_files = [&](const std::filesystem::path& temp_dir) {
     save_model(temp_dir);
-    write_safetensors((temp_dir / "optimizer.safetensors").string(), optimizer.state_tensors(), {});
+    auto tensors = optimizer.state_tensors();
+    tensors.insert(tensors.end(), extra.begin(), extra.end());
+    write_safetensors((temp_dir / "optimizer.safetensors").string(), tensors, {});
     write_text_file((temp_dir / "train_state.json").string(), state.dump(2) + "\n");
   };
   trained.for_each_parameter(

@@ -8,6 +8,11 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -38,12 +43,15 @@ struct CheckpointWrite {
 std::filesystem::path write_checkpoint_dir(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
                                            const CheckpointWrite& write);
 
-// The checkpoint of a run whose whole state is in this process (image and contrastive runs): `save_model` writes the
-// model or adapter files into the temporary directory, then optimizer.safetensors (the optimizer's state tensors) and
+// Tensors written beside the optimizer state in optimizer.safetensors (the engine's RNG state).
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// The checkpoint of a run whose whole state is in this process: `save_model` writes the model or adapter files into
+// the temporary directory, then optimizer.safetensors (the optimizer's state tensors and `extra`) and
 // train_state.json (`state`); the space it needs is the trained parameters' and the optimizer state's bytes.
 std::filesystem::path write_training_checkpoint(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
                                                 const std::function<void(const std::filesystem::path&)>& save_model,
                                                 Module& trained, const Optimizer& optimizer,
-                                                const nlohmann::json& state);
+                                                const nlohmann::json& state, const NamedTensors& extra = {});
 
 }  // namespace trainer

@@ -1,6 +1,7 @@
 // The memory-adaptive image-classification step (see image_step.h).
 #include "train/image_step.h"
 
+#include <algorithm>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -55,6 +56,36 @@ bool ImageTrainStep::escalate(int64_t step) {
   return false;
 }
 
+// The image task's part of an attempt (StepWork for run_attempts): the share's images in micro-batches of the
+// policy's size.
+class ImageStepWork final : public StepWork {
+ public:
+  ImageStepWork(ImageTrainStep& step, const at::Tensor& pixels, const at::Tensor& labels, int64_t first,
+                double normaliser)
+      : step_(step), pixels_(pixels), labels_(labels), first_(first), normaliser_(normaliser) {}
+  void forward_backward(int64_t step, AttemptOutcome& outcome) override {
+    const auto parts = split_counts(labels_.size(0), step_.policy_.micro_batch());
+    for (const auto& part : parts) outcome.largest_part = std::max(outcome.largest_part, part.second);
+    outcome.micro_steps = static_cast<int64_t>(parts.size());
+    outcome.at_floor = outcome.largest_part <= 1;
+    // Dropout masks follow each image's place in the effective batch, so neither the split nor the ranks change them.
+    for (const auto& [begin, count] : parts)
+      outcome.loss_sum += step_.forward_backward(pixels_.narrow(0, begin, count), labels_.narrow(0, begin, count),
+                                                 first_ + begin, step, normaliser_);
+  }
+  bool escalate(int64_t step) override { return step_.escalate(step); }
+  std::string floor_hint() const override {
+    return "a smaller image size, training.activation_checkpointing=true, training.linear_probe=true or "
+           "lora.enabled=true, or a larger memory.limit";
+  }
+
+ private:
+  ImageTrainStep& step_;
+  at::Tensor pixels_, labels_;
+  int64_t first_;
+  double normaliser_;
+};
+
 StepResult ImageTrainStep::run(const ImageBatch& batch, int64_t step, double lr) {
   const int64_t images = batch.size();
   const at::Tensor pixels =
@@ -63,54 +94,9 @@ StepResult ImageTrainStep::run(const ImageBatch& batch, int64_t step, double lr)
   // The whole effective batch's images (every rank's share): what the loss is normalised by.
   const int64_t total = options_.sync ? batch.total : std::max(batch.total, images);
   const double normaliser = static_cast<double>(std::max<int64_t>(1, total));
-  StepResult result;
-  bool optimizer_retried = false;
-  for (int64_t attempt = 0;; ++attempt) {
-    optimizer_.zero_grad();
-    double loss_sum = 0;
-    std::vector<std::pair<int64_t, int64_t>> parts;
-    std::optional<std::string> out_of_memory;
-    try {
-      parts = split_counts(images, policy_.micro_batch());
-      // Dropout masks follow each image's place in the effective batch, so neither the split nor the ranks change
-      // them.
-      for (const auto& [begin, count] : parts)
-        loss_sum += forward_backward(pixels.narrow(0, begin, count), labels.narrow(0, begin, count),
-                                     batch.first + begin, step, normaliser);
-      if (options_.sync) options_.sync->prepare();
-    } catch (const c10::OutOfMemoryError& e) {
-      out_of_memory = e.what_without_backtrace();
-    }
-    int64_t largest = 0;
-    for (const auto& part : parts) largest = std::max(largest, part.second);
-    bool at_floor = largest <= 1;
-    if (options_.sync) {
-      // Every rank learns whether every rank fit before any gradient is reduced, and all decide alike (a rank with
-      // an empty share is at the floor).
-      const auto outcome = options_.sync->agree(!out_of_memory, at_floor ? std::min<int64_t>(largest, 1)
-                                                                          : std::max<int64_t>(largest, 2));
-      at_floor = outcome.largest_part <= 1;
-      if (!outcome.all_fit && !out_of_memory) out_of_memory = "rank(s) " + outcome.failed_ranks + " ran out of memory";
-      else if (out_of_memory) *out_of_memory = "rank(s) " + outcome.failed_ranks + ": " + *out_of_memory;
-    }
-    if (out_of_memory) {
-      adapt_to_out_of_memory(optimizer_, policy_, step, attempt, options_.max_retries, at_floor,
-                             [&] { return escalate(step); }, *out_of_memory,
-                             "a smaller image size, training.activation_checkpointing=true, "
-                             "training.linear_probe=true or lora.enabled=true, or a larger memory.limit");
-      continue;
-    }
-    if (options_.sync) loss_sum = options_.sync->reduce(loss_sum);
-    result.loss = loss_sum / normaliser;
-    result.micro_batch = largest;
-    result.micro_steps = static_cast<int64_t>(parts.size());
-    result.retries = attempt;
-    result.target_tokens = total;
-    const UpdatePhase phase{optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm, step, lr,
-                            total};
-    if (!apply_update(phase, result, optimizer_retried)) continue;
-    return result;
-  }
+  ImageStepWork work(*this, pixels, labels, batch.first, normaliser);
+  return run_attempts(work, {optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm,
+                             options_.max_retries, step, lr, total, normaliser, total});
 }
 
 at::Tensor image_logits(ImageClassifier& model, const at::Tensor& pixels, const c10::Device& device,

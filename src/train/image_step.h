@@ -55,6 +55,7 @@ class ImageTrainStep {
 
  private:
   bool escalate(int64_t step);
+  friend class ImageStepWork;
 
   ImageClassifier& model_;
   Optimizer& optimizer_;

@@ -239,7 +239,7 @@ std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohman
 }
 
 bool check_resume_data(const nlohmann::json& train_state, const nlohmann::json& current, const std::string& checkpoint,
-                       bool allow_change) {
+                       bool allow_change, const DataChanges& compare) {
   if (!train_state.contains("data_fingerprint")) {
     spdlog::warn("{} was written before checkpoints recorded their data: resuming without checking that the train "
                  "files and the tokenizer are those it was trained on",
@@ -249,7 +249,7 @@ bool check_resume_data(const nlohmann::json& train_state, const nlohmann::json& 
   std::vector<std::string> warnings;
   std::vector<std::string> changes;
   try {
-    changes = data_changes(train_state.at("data_fingerprint"), current, warnings);
+    changes = compare(train_state.at("data_fingerprint"), current, warnings);
   } catch (const nlohmann::json::exception& e) {
     throw DataError(checkpoint + "/train_state.json: data_fingerprint is malformed (" + e.what() + ")",
                     "the file was edited or damaged; resume from another checkpoint");

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -58,8 +59,11 @@ std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohman
 // (--allow-data-change) lets the run continue: the caller then starts a new epoch over the new data from the
 // checkpoint's step. Throws DataError (exit 3) naming what changed otherwise. A checkpoint without a fingerprint
 // (written before they existed) resumes with a warning.
+// `changes`: how the task compares two of its fingerprints (data_changes by default: text data).
+using DataChanges = std::function<std::vector<std::string>(const nlohmann::json& saved, const nlohmann::json& current,
+                                                           std::vector<std::string>& warnings)>;
 bool check_resume_data(const nlohmann::json& train_state, const nlohmann::json& current, const std::string& checkpoint,
-                       bool allow_change);
+                       bool allow_change, const DataChanges& changes = data_changes);
 
 // Where the loader goes on with changed data: the start of the next epoch (of this one, when the checkpoint was
 // taken at an epoch's start), same seed.

@@ -19,9 +19,8 @@
 #include "trainer/run.h"
 #include "trainer/version.h"
 #include "train/run_lock.h"
-#include "train/trainer.h"
-#include "train/contrastive_trainer.h"
-#include "train/image_trainer.h"
+#include "train/engine/engine.h"
+#include "train/tasks/contrastive/contrastive_task.h"
 #include "models/image_model.h"
 
 namespace trainer {
@@ -110,8 +109,8 @@ void print_ranks_line(const distributed::Environment& environment, const Resolve
       << (environment.agent_store ? " (torchrun's store)" : "") << "); ";
 }
 
-// An image classifier's or a CLIP contrastive run (train/image_trainer.h, train/contrastive_trainer.h): its own
-// plan lines, then the training loop. With data parallelism (`environment`) rank 0 holds the run's lock and every
+// An image classifier's or a CLIP contrastive run (train/tasks/image, train/tasks/contrastive): its own plan lines,
+// then the engine. With data parallelism (`environment`) rank 0 holds the run's lock and every
 // rank joins the group.
 int run_image_train(const Config& config, const TrainOptions& options, std::ostream& out,
                     const std::string& allocator_conf, const std::optional<distributed::Environment>& environment,
@@ -170,8 +169,7 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
     out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
     return kExitOk;
   }
-  if (contrastive) return train_contrastive(config, device, options, out, world);
-  return train_image_classifier(config, device, options, out, world);
+  return train(config, device, options, out, world);
 }
 
 }  // namespace
@@ -188,12 +186,15 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
 
   const std::string allocator_conf = export_allocator_conf(config.memory);
   const auto config_json = std::filesystem::path(config.model.path) / "config.json";
+  // A model directory that is missing (or has no config.json) gets the same error whatever the task.
+  if (!std::filesystem::exists(config_json))
+    inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
   const nlohmann::json model_config =
       std::filesystem::exists(config_json) ? read_json_file(config_json.string()) : nlohmann::json::object();
   if (config.training.objective == TrainingObjective::kContrastive && !is_clip_model_config(model_config))
     throw UsageError("training.objective=contrastive needs a CLIPModel directory (config.json with model_type \"clip\" "
                      "and a text_config); " + config.model.path + " is not one",
-                     "point model.path at a CLIP model, e.g. configs/models/tiny-clip or openai/clip-vit-base-patch32");
+                     "point model.path at a directory CLIPModel.save_pretrained wrote (configs/models/tiny-clip is the demo one)");
   if (is_image_model_config(model_config)) {
     return run_image_train(config, options, out, allocator_conf, environment, device_config);
   }

@@ -1,6 +1,7 @@
 // The memory-adaptive training step (see step.h).
 #include "train/step.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -30,12 +31,22 @@ int64_t largest_part(const std::vector<std::pair<int64_t, int64_t>>& parts) {
   return largest;
 }
 
-}  // namespace
+// The optimizer phase of a training step: what it works on.
+struct UpdatePhase {
+  Optimizer& optimizer;
+  MemoryPolicy& policy;
+  GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed
+  StepSync* sync = nullptr;      // data parallelism
+  double max_grad_norm = 1.0;
+  int64_t step = 0;
+  double lr = 0;
+  int64_t examples = 0;  // of the effective batch (all ranks), for the memory policy
+};
 
-void release_cached_memory() {
-  if (at::accelerator::getAccelerator(false).has_value()) at::accelerator::emptyCache();
-}
-
+// After an out-of-memory error in forward/backward (`what`): drops the attempt's gradients and cached memory, then
+// shrinks the micro-batch (or, at the floor, takes the next escalation `escalate` applies), so the caller retries the
+// same effective batch. Throws OutOfMemoryAtFloor when memory.max_retries or the ladder is used up; `floor_hint`
+// says what the user can change then.
 void adapt_to_out_of_memory(Optimizer& optimizer, MemoryPolicy& policy, int64_t step, int64_t attempt,
                             int64_t max_retries, bool at_floor, const std::function<bool()>& escalate,
                             const std::string& what, const std::string& floor_hint) {
@@ -54,6 +65,11 @@ void adapt_to_out_of_memory(Optimizer& optimizer, MemoryPolicy& policy, int64_t 
                            floor_hint);
 }
 
+// After a forward/backward attempt that fit, with the effective batch's gradients accumulated and result.loss set:
+// fp16-mixed's unscale and overflow check (an overflow skips the update, backs the scale off and sets
+// result.skipped; it is never an out-of-memory error), then the gradient norm, clipping and the optimizer update.
+// Returns false when the caller must run the same effective batch again: an out-of-memory error in the optimizer
+// step is retried once (`optimizer_retried`), then OutOfMemoryAtFloor is thrown.
 bool apply_update(const UpdatePhase& phase, StepResult& result, bool& optimizer_retried) {
   Optimizer& optimizer = phase.optimizer;
   const int64_t step = phase.step;
@@ -135,6 +151,58 @@ bool apply_update(const UpdatePhase& phase, StepResult& result, bool& optimizer_
   if (phase.scaler) phase.scaler->update(/*found_inf=*/false);
   phase.policy.step_succeeded(step, phase.examples);
   return true;
+}
+
+}  // namespace
+
+void release_cached_memory() {
+  if (at::accelerator::getAccelerator(false).has_value()) at::accelerator::emptyCache();
+}
+
+StepResult run_attempts(StepWork& work, const AttemptSettings& s) {
+  StepResult result;
+  bool optimizer_retried = false;
+  for (int64_t attempt = 0;; ++attempt) {
+    s.optimizer.zero_grad();
+    AttemptOutcome outcome;
+    std::optional<std::string> out_of_memory;  // what ran out of memory in this attempt's forward/backward
+    if (s.sync) s.sync->begin_attempt(work.may_overlap());
+    try {
+      work.forward_backward(s.step, outcome);
+      if (outcome.dropped) out_of_memory = *outcome.dropped;
+      else if (s.sync) s.sync->prepare();
+    } catch (const c10::OutOfMemoryError& e) {
+      // The attempt's activations were freed while unwinding. No parameter has changed: everything before the
+      // update only reads the parameters.
+      out_of_memory = e.what_without_backtrace();
+    }
+    bool at_floor = outcome.at_floor;
+    if (s.sync) {
+      // Every rank learns whether every rank fit before any gradient is reduced, and all decide alike (shrink,
+      // escalate, stop); at the floor is agreed as the largest part is (a rank with an empty share is at the floor).
+      const auto agreed = s.sync->agree(!out_of_memory, at_floor ? std::min<int64_t>(outcome.largest_part, 1)
+                                                                 : std::max<int64_t>(outcome.largest_part, 2));
+      at_floor = agreed.largest_part <= 1;
+      if (!agreed.all_fit && !out_of_memory) out_of_memory = "rank(s) " + agreed.failed_ranks + " ran out of memory";
+      else if (out_of_memory) *out_of_memory = "rank(s) " + agreed.failed_ranks + ": " + *out_of_memory;
+    }
+    if (out_of_memory) {
+      adapt_to_out_of_memory(s.optimizer, s.policy, s.step, attempt, s.max_retries, at_floor,
+                             [&] { return work.escalate(s.step); }, *out_of_memory, work.floor_hint());
+      continue;
+    }
+    const double loss_sum = s.sync ? s.sync->reduce(outcome.loss_sum) : outcome.loss_sum;
+    result = StepResult{};
+    result.loss = loss_sum / s.normaliser;
+    result.micro_batch = outcome.largest_part;
+    result.micro_steps = outcome.micro_steps;
+    result.retries = attempt;
+    result.target_tokens = s.counted;
+    const UpdatePhase phase{s.optimizer, s.policy, s.scaler, s.sync, s.max_grad_norm, s.step, s.lr, s.examples};
+    if (!apply_update(phase, result, optimizer_retried)) continue;
+    if (!result.skipped) work.after_update();
+    return result;
+  }
 }
 
 double TrainStep::forward_backward(std::span<const Example> examples, double normaliser) {
@@ -239,6 +307,68 @@ bool TrainStep::escalate(int64_t step) {
   return false;
 }
 
+// The text task's part of an attempt (StepWork for run_attempts).
+class TextStepWork final : public StepWork {
+ public:
+  TextStepWork(TrainStep& step, std::span<const Example> examples, int64_t share_begin, double normaliser)
+      : step_(step), examples_(examples), share_begin_(share_begin), normaliser_(normaliser) {}
+  void forward_backward(int64_t step, AttemptOutcome& outcome) override {
+    step_.attempt(examples_, share_begin_, step, normaliser_, outcome);
+  }
+  bool escalate(int64_t step) override { return step_.escalate(step); }
+  // Overlap (distributed.overlap_grad_reduce) waits for each gradient's single accumulation; activation
+  // checkpointing's recomputation runs nested backward passes, so it sums after backward instead.
+  bool may_overlap() const override { return !step_.model_.has_block_runner(); }
+
+ private:
+  TrainStep& step_;
+  std::span<const Example> examples_;
+  int64_t share_begin_;
+  double normaliser_;
+};
+
+void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, int64_t step, double normaliser,
+                        AttemptOutcome& outcome) {
+  const bool seq2seq = model_.family() == ModelFamily::kSeq2Seq;
+  // Before the last micro-batch of the attempt: its backward may start the buckets' sums.
+  auto last_part = [&](std::size_t index, std::size_t count) {
+    if (options_.sync && index + 1 == count) options_.sync->before_last_backward();
+  };
+  std::vector<std::pair<int64_t, int64_t>> parts;
+  if (options_.packing) {
+    // Packed rows: the policy splits rows as it splits examples (and in token mode packs shorter rows).
+    const std::vector<PackedRow> rows = pack(examples);
+    parts = policy_.split_rows(row_sizes(rows, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal));
+    outcome.largest_part = largest_part(parts);
+    outcome.micro_steps = static_cast<int64_t>(parts.size());
+    // At the floor: rows of one example each.
+    outcome.at_floor = outcome.largest_part <= 1 &&
+                       std::all_of(rows.begin(), rows.end(), [](const PackedRow& row) { return row.examples.size() <= 1; });
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const auto& [begin, count] = parts[i];
+      last_part(i, parts.size());
+      outcome.loss_sum += forward_backward_packed(
+          examples,
+          std::span<const PackedRow>(rows).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+          step, normaliser, share_begin);
+    }
+    return;
+  }
+  parts = policy_.split(examples, seq2seq);
+  outcome.largest_part = largest_part(parts);
+  outcome.micro_steps = static_cast<int64_t>(parts.size());
+  outcome.at_floor = outcome.largest_part <= 1;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    const auto& [begin, count] = parts[i];
+    last_part(i, parts.size());
+    // Dropout masks follow the examples' places in the effective batch, so neither the split nor the ranks change
+    // them.
+    const DropoutScope dropout(options_.seed, step, share_begin + begin, count, options_.device);
+    outcome.loss_sum +=
+        forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)), normaliser);
+  }
+}
+
 StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) {
   const bool seq2seq = model_.family() == ModelFamily::kSeq2Seq;
   const std::span<const Example> all(batch.examples);
@@ -248,87 +378,10 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
                                               : std::pair<int64_t, int64_t>{0, static_cast<int64_t>(all.size())};
   const auto examples = all.subspan(static_cast<std::size_t>(share_begin), static_cast<std::size_t>(share_count));
   const double normaliser = static_cast<double>(std::max<int64_t>(1, batch.target_tokens));
-  StepResult result;
-  bool optimizer_retried = false;
-  std::vector<std::pair<int64_t, int64_t>> parts;
-  std::vector<PackedRow> rows;
-  // At the floor of token mode: one example per micro-batch (with packing: one row of one example).
-  auto single_examples = [&] {
-    if (largest_part(parts) > 1) return false;
-    for (const auto& row : rows)
-      if (row.examples.size() > 1) return false;
-    return true;
-  };
-  for (int64_t attempt = 0;; ++attempt) {
-    optimizer_.zero_grad();
-    double loss_sum = 0;
-    std::optional<std::string> out_of_memory;  // what ran out of memory in this attempt's forward/backward
-    // Overlap (distributed.overlap_grad_reduce) waits for each gradient's single accumulation; activation
-    // checkpointing's recomputation runs nested backward passes, so it sums after backward instead.
-    if (options_.sync) options_.sync->begin_attempt(!model_.has_block_runner());
-    // Before the last micro-batch of the attempt: its backward may start the buckets' sums.
-    auto last_part = [&](std::size_t index, std::size_t count) {
-      if (options_.sync && index + 1 == count) options_.sync->before_last_backward();
-    };
-    try {
-      if (options_.packing) {
-        // Packed rows: the policy splits rows as it splits examples (and in token mode packs shorter rows).
-        rows = pack(examples);
-        const auto sizes = row_sizes(rows, seq2seq ? DataFamily::kSeq2Seq : DataFamily::kCausal);
-        parts = policy_.split_rows(sizes);
-        for (std::size_t i = 0; i < parts.size(); ++i) {
-          const auto& [begin, count] = parts[i];
-          last_part(i, parts.size());
-          loss_sum += forward_backward_packed(
-              examples, std::span<const PackedRow>(rows).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
-              step, normaliser, share_begin);
-        }
-      } else {
-        parts = policy_.split(examples, seq2seq);
-        for (std::size_t i = 0; i < parts.size(); ++i) {
-          const auto& [begin, count] = parts[i];
-          last_part(i, parts.size());
-          // Dropout masks follow the examples' places in the effective batch, so neither the split nor the ranks
-          // change them.
-          const DropoutScope dropout(options_.seed, step, share_begin + begin, count, options_.device);
-          loss_sum += forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
-                                       normaliser);
-        }
-      }
-      if (options_.sync) options_.sync->prepare();
-    } catch (const c10::OutOfMemoryError& e) {
-      // The attempt's activations were freed while unwinding. No parameter has changed: everything before the
-      // update only reads the parameters.
-      out_of_memory = e.what_without_backtrace();
-    }
-    int64_t largest = largest_part(parts);
-    // At the floor: one example per micro-batch (with packing: rows of one example each). Agreed over the ranks
-    // as the largest part is, so every rank shrinks or escalates alike.
-    bool at_floor = options_.packing ? single_examples() : largest <= 1;
-    if (options_.sync) {
-      // Every rank learns whether every rank fit before any gradient is reduced, and all decide alike.
-      const auto outcome = options_.sync->agree(!out_of_memory, at_floor ? std::min<int64_t>(largest, 1)
-                                                                          : std::max<int64_t>(largest, 2));
-      at_floor = outcome.largest_part <= 1;
-      if (!outcome.all_fit && !out_of_memory) out_of_memory = "rank(s) " + outcome.failed_ranks + " ran out of memory";
-      else if (out_of_memory) *out_of_memory = "rank(s) " + outcome.failed_ranks + ": " + *out_of_memory;
-    }
-    if (out_of_memory) {
-      adapt_to_out_of_memory(optimizer_, policy_, step, attempt, options_.max_retries, at_floor,
-                             [&] { return escalate(step); }, *out_of_memory, "");
-      continue;
-    }
-    if (options_.sync) loss_sum = options_.sync->reduce(loss_sum);
-    result.loss = loss_sum / normaliser;
-    result.micro_batch = largest;
-    result.micro_steps = static_cast<int64_t>(parts.size());
-    result.retries = attempt;
-    result.target_tokens = batch.target_tokens;
-    const UpdatePhase phase{optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm,
-                            step, lr, static_cast<int64_t>(all.size())};
-    if (!apply_update(phase, result, optimizer_retried)) continue;
-    return result;
-  }
+  TextStepWork work(*this, examples, share_begin, normaliser);
+  return run_attempts(work, {optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm,
+                             options_.max_retries, step, lr, static_cast<int64_t>(all.size()), normaliser,
+                             batch.target_tokens});
 }
 
 }  // namespace trainer

@@ -101,6 +101,8 @@ struct StepOptions {
   GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed: dynamic loss scaling
 };
 
+struct AttemptOutcome;
+
 class TrainStep {
  public:
   TrainStep(LanguageModel& model, Optimizer& optimizer, MemoryPolicy& policy, StepOptions options)
@@ -132,6 +134,10 @@ class TrainStep {
   double loss_scale() const { return options_.scaler ? options_.scaler->scale() : 1.0; }
   // At the floor: applies the policy's next escalation that changes something; false when none is left.
   bool escalate(int64_t step);
+  // One attempt over this rank's share `examples` (starting at `share_begin` of the effective batch).
+  void attempt(std::span<const Example> examples, int64_t share_begin, int64_t step, double normaliser,
+               AttemptOutcome& outcome);
+  friend class TextStepWork;
 
   LanguageModel& model_;
   Optimizer& optimizer_;
@@ -142,31 +148,55 @@ class TrainStep {
 // Releases cached device memory after an out-of-memory error (no-op on the CPU).
 void release_cached_memory();
 
-// The optimizer phase of a training step, shared by the text and image steps: what it works on.
-struct UpdatePhase {
+// ---- the attempt loop, shared by every task's step -----------------------------------------------------------
+
+// What one forward/backward attempt over this rank's share of an effective batch did. The task fills in the split
+// as soon as it has made it (an out-of-memory error may end the attempt at any point after that), then the loss.
+struct AttemptOutcome {
+  double loss_sum = 0;        // what the step's loss is made of: loss_sum / AttemptSettings::normaliser
+  int64_t largest_part = 0;   // examples in the largest micro-batch (the progress line's micro-batch)
+  int64_t micro_steps = 0;    // forward/backward passes
+  bool at_floor = false;      // one example per micro-batch: only an escalation can help now
+  // The pass stopped because another rank ran out of memory (a task whose pass holds its own collectives: CLIP's
+  // gradient caching); the attempt is then an out-of-memory attempt on every rank.
+  std::optional<std::string> dropped;
+};
+
+// What a task's step plugs into run_attempts: forward and backward over its share of the effective batch at the
+// memory policy's current micro-batch, and the escalations that apply to it.
+class StepWork {
+ public:
+  virtual ~StepWork() = default;
+  // Forward and backward of every micro-batch of this attempt, gradients accumulated into the parameters.
+  virtual void forward_backward(int64_t step, AttemptOutcome& outcome) = 0;
+  // At the floor: applies the policy's next escalation that changes something for this task; false when none is left.
+  virtual bool escalate(int64_t step) = 0;
+  // Data parallelism may overlap the gradient sum with this attempt's backward (not under activation checkpointing).
+  virtual bool may_overlap() const { return false; }
+  // What the user can change when the ladder is used up.
+  virtual std::string floor_hint() const { return ""; }
+  // After a successful update (not a skipped fp16 step): what the task clamps or projects (CLIP's logit scale).
+  virtual void after_update() {}
+};
+
+struct AttemptSettings {
   Optimizer& optimizer;
   MemoryPolicy& policy;
   GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed
   StepSync* sync = nullptr;      // data parallelism
   double max_grad_norm = 1.0;
+  int64_t max_retries = 8;
   int64_t step = 0;
   double lr = 0;
-  int64_t examples = 0;  // of the effective batch (all ranks), for the memory policy
+  int64_t examples = 0;   // of the effective batch (all ranks), for the memory policy
+  double normaliser = 1;  // the step's loss is the ranks' summed loss_sum / normaliser
+  int64_t counted = 0;    // StepResult::target_tokens: target tokens, images or pairs of the effective batch
 };
 
-// After a forward/backward attempt that fit, with the effective batch's gradients accumulated and result.loss set:
-// fp16-mixed's unscale and overflow check (an overflow skips the update, backs the scale off and sets
-// result.skipped; it is never an out-of-memory error), then the gradient norm, clipping and the optimizer update.
-// Returns false when the caller must run the same effective batch again: an out-of-memory error in the optimizer
-// step is retried once (`optimizer_retried`), then OutOfMemoryAtFloor is thrown.
-bool apply_update(const UpdatePhase& phase, StepResult& result, bool& optimizer_retried);
-
-// After an out-of-memory error in forward/backward (`what`), in any training step: drops the attempt's gradients
-// and cached memory, then shrinks the micro-batch (or, at the floor, takes the next escalation `escalate` applies),
-// so the caller retries the same effective batch. Throws OutOfMemoryAtFloor when memory.max_retries or the ladder
-// is used up; `floor_hint` says what the user can change then.
-void adapt_to_out_of_memory(Optimizer& optimizer, MemoryPolicy& policy, int64_t step, int64_t attempt,
-                            int64_t max_retries, bool at_floor, const std::function<bool()>& escalate,
-                            const std::string& what, const std::string& floor_hint);
+// One optimizer step over an effective batch: attempts of `work` until one fits on every rank (on an out-of-memory
+// error everything of the attempt is dropped, the policy shrinks or escalates, and the same effective batch runs
+// again), then the gradient sum over the ranks, fp16-mixed's unscale and overflow check, clipping and the update.
+// Throws OutOfMemoryAtFloor when memory.max_retries or the ladder is used up.
+StepResult run_attempts(StepWork& work, const AttemptSettings& settings);
 
 }  // namespace trainer

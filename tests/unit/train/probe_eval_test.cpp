@@ -6,7 +6,11 @@
 #include "memory/cpu_budget.h"
 #include "models/weights.h"
 #include "support/paths.h"
-#include "train/trainer.h"
+#include "train/engine/engine.h"
+#include "train/optimizer.h"
+#include "train/tasks/text/text_task.h"
+#include "trainer/data.h"
+#include "trainer/tokenizer.h"
 
 namespace trainer {
 namespace {
@@ -39,13 +43,15 @@ struct TinyRun {
     policy = std::make_unique<MemoryPolicy>(config.memory, config.training);
     step = std::make_unique<TrainStep>(*model, *optimizer, *policy, StepOptions{});
   }
-  bool fits(int64_t n) {
+  std::vector<Example> worst_case(int64_t n) const {
     Example e;
     e.input_ids.assign(static_cast<std::size_t>(config.data.max_length), 5);
     e.labels = e.input_ids;
-    const std::vector<Example> examples(static_cast<std::size_t>(n), e);
+    return std::vector<Example>(static_cast<std::size_t>(n), e);
+  }
+  bool fits(int64_t n) {
     try {
-      step->forward_backward(examples, 1.0);
+      step->forward_backward(worst_case(n), 1.0);
       optimizer->zero_grad();
       return true;
     } catch (const c10::OutOfMemoryError&) {
@@ -67,7 +73,8 @@ TEST(AutoMicroBatch, PicksTheLargestThatFits) {
   // Room for a few examples but not for the whole batch of 16.
   s.config.memory.limit.bytes = static_cast<uint64_t>(base + 5 * one);
   set_cpu_budget_limit(base + 5 * one);
-  const int64_t chosen = probe_micro_batch(*s.step, *s.optimizer, s.config, DataFamily::kCausal, at::Device(at::kCPU));
+  const int64_t chosen = probe_micro_batch(s.config, at::Device(at::kCPU), s.config.training.batch_size, *s.optimizer,
+                                           [&](int64_t n) { s.step->forward_backward(s.worst_case(n), 1.0); });
   ASSERT_GT(chosen, 1);
   ASSERT_LT(chosen, s.config.training.batch_size);
   EXPECT_TRUE(s.fits(chosen));
@@ -80,22 +87,22 @@ TEST(Evaluation, AnOutOfMemoryShrinksOnlyTheEvaluationMicroBatch) {
   auto tokenizer = load_tokenizer(s.config.model.path);
   const int32_t pad = 0;
   const c10::Device cpu(at::kCPU);
-  int64_t free_micro = 16;
+  EvaluationMicroBatch free_micro(16, nullptr);
   auto loader = make_validation_loader(s.config, *tokenizer, DataFamily::kCausal, 16);
   ASSERT_TRUE(loader);
   const int64_t base = cpu_memory_stats().allocated;
   reset_cpu_peak();
-  const auto unconstrained = evaluate(*s.model, *loader, free_micro, s.config, cpu, pad);
+  const auto unconstrained = validation_loss(*s.model, *loader, free_micro, s.config, cpu, pad);
   const int64_t sixteen = cpu_memory_stats().peak - base;
-  EXPECT_EQ(free_micro, 16);
+  EXPECT_EQ(free_micro.value(), 16);
 
   const int64_t training_micro = s.policy->micro_batch();
   set_cpu_budget_limit(base + sixteen / 3);
-  int64_t micro = 16;
+  EvaluationMicroBatch micro(16, nullptr);
   loader = make_validation_loader(s.config, *tokenizer, DataFamily::kCausal, 16);
-  const auto constrained = evaluate(*s.model, *loader, micro, s.config, cpu, pad);
+  const auto constrained = validation_loss(*s.model, *loader, micro, s.config, cpu, pad);
   set_cpu_budget_limit(0);
-  EXPECT_LT(micro, 16) << "the evaluation micro-batch shrank";
+  EXPECT_LT(micro.value(), 16) << "the evaluation micro-batch shrank";
   EXPECT_EQ(s.policy->micro_batch(), training_micro) << "the training micro-batch did not";
   EXPECT_EQ(constrained.tokens, unconstrained.tokens);
   EXPECT_NEAR(constrained.loss, unconstrained.loss, 1e-5);
@@ -109,11 +116,11 @@ TEST(Evaluation, ChunkedLossGivesTheSameLossWithLessMemory) {
   auto tokenizer = load_tokenizer(s.config.model.path);
   const c10::Device cpu(at::kCPU);
   auto measure = [&](int64_t chunk) {
-    int64_t micro = 16;
+    EvaluationMicroBatch micro(16, nullptr);
     auto loader = make_validation_loader(s.config, *tokenizer, DataFamily::kCausal, 16);
     const int64_t base = cpu_memory_stats().allocated;
     reset_cpu_peak();
-    const auto result = evaluate(*s.model, *loader, micro, s.config, cpu, 0, chunk);
+    const auto result = validation_loss(*s.model, *loader, micro, s.config, cpu, 0, chunk);
     return std::make_pair(result, cpu_memory_stats().peak - base);
   };
   const auto [plain, plain_peak] = measure(0);

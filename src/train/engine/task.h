@@ -1,0 +1,197 @@
+// What a training task plugs into the one engine (engine.h). The engine owns everything a run does whatever it
+// trains: resume (finding, checking and restoring every piece of state), the optimizer, the memory policy, data
+// parallelism and loss scaling, the micro-batch probe, the loop and the agreed stop, the attempt loop (run_attempts
+// in train/step.h) with its out-of-memory retries, escalations and device moves, evaluation's schedule, its own
+// micro-batch and the ranks' agreement on it, the checkpoint writer, retention, reporting and the summary. A task
+// says what differs: the model, the data and its batches, forward and backward over a split, the evaluation's
+// metrics and the files a saved model consists of. A new task is one folder in src/train/tasks/ and one line in
+// make_task (tasks/registry.cpp).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/core/Device.h>
+#include <nlohmann/json_fwd.hpp>
+
+#include "train/step.h"
+#include "trainer/config.h"
+#include "trainer/data.h"
+#include "trainer/run.h"
+
+namespace trainer {
+
+class Module;
+class Optimizer;
+class MemoryPolicy;
+class GradScaler;
+class Reporter;
+namespace distributed {
+class Communicator;
+}
+
+// What every task is handed when it is made.
+struct TaskContext {
+  const Config& config;
+  distributed::Communicator* world = nullptr;  // data parallelism; null in one process
+  bool primary = true;                         // rank 0 (or one process): writes files and reports
+};
+
+// What a task counts per step: target tokens, images, image-caption pairs.
+struct Counted {
+  std::string state_key;  // train_state.json's key of the running total: "tokens_seen", "images_seen", "pairs_seen"
+  std::string name;       // the summary: "target tokens", "images", "image-caption pairs"
+  std::string unit;       // per second, in the progress line and the summary: "tokens", "images", "pairs"
+  bool eval_perplexity = true;  // exp(validation loss) is a perplexity (a language model's loss per token)
+};
+
+// One effective batch as the task's loader hands it out; the engine passes it back to the task's step.
+struct TaskBatch {
+  virtual ~TaskBatch() = default;
+  int64_t epoch = 0;  // of the loader's cursor when it was made
+};
+
+// What the engine built for the task's step.
+struct StepParts {
+  Optimizer& optimizer;
+  MemoryPolicy& policy;
+  StepSync* sync = nullptr;      // data parallelism
+  GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed
+  c10::Device device{c10::kCPU};
+};
+
+// Evaluation's own micro-batch (evaluation.micro_batch_size; kept from one evaluation to the next): an out-of-memory
+// error halves it and the same part runs again; training's memory policy is never touched. At micro-batch 1 one
+// process rethrows the error; with data parallelism this rank stops computing (run() returns false from then on) but
+// the task goes on through its batches so the ranks' exchanges stay matched, and the engine's agreement afterwards
+// stops every rank with one error that names the ranks.
+class EvaluationMicroBatch {
+ public:
+  EvaluationMicroBatch(int64_t start, distributed::Communicator* world) : micro_(start), world_(world) {}
+  // Runs `part` with the current micro-batch until it fits; false when this rank ran out of memory at 1.
+  bool run(const std::function<void(int64_t micro)>& part);
+  // Runs `part` once: work whose size no micro-batch changes (CLIP's scores over every validation pair). An
+  // out-of-memory error there is this rank's failure as at micro-batch 1 (rethrown in one process).
+  bool run_once(const std::function<void()>& part);
+  int64_t value() const { return micro_; }
+  bool failed() const { return failed_; }
+  // Every rank, after each evaluation: throws OutOfMemoryAtFloor on every rank when any ran out at micro-batch 1.
+  void agree();
+
+ private:
+  int64_t micro_;
+  distributed::Communicator* world_;
+  bool failed_ = false;
+};
+
+// What an evaluation measured. The engine reports it only once every rank evaluated.
+struct Evaluated {
+  std::optional<double> loss;              // what checkpoint.keep_best compares; none when nothing was evaluated
+  std::function<void(Reporter&)> report;  // metrics, progress log, TensorBoard
+};
+
+class Task {
+ public:
+  explicit Task(const TaskContext& context) : context_(context) {}
+  virtual ~Task() = default;
+
+  // ---- what it is -------------------------------------------------------------------------------------------------
+  // train_state.json's "task" ("text", "image", "contrastive"); a checkpoint without it is a text checkpoint.
+  virtual std::string name() const = 0;
+  virtual Counted counted() const = 0;
+  virtual std::string model_type() const = 0;
+
+  // ---- before anything loads --------------------------------------------------------------------------------------
+  // Settings and options this task refuses (UsageError).
+  virtual void check_settings(const TrainOptions& options) const { (void)options; }
+  // A checkpoint of another model or adapter shape cannot continue this run (the engine has checked its version and
+  // task already).
+  virtual void check_checkpoint(const std::filesystem::path& dir, const nlohmann::json& state) const {
+    (void)dir;
+    (void)state;
+  }
+  // Opens the training data (and what reading it needs: the tokenizer) and returns its fingerprint, stored in every
+  // checkpoint as "data_fingerprint".
+  virtual nlohmann::json open_data() = 0;
+  // What differs between a checkpoint's fingerprint and this run's, one line each; `warnings`: changes that leave
+  // the epoch order intact. Empty: the same data.
+  virtual std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohmann::json& current,
+                                                std::vector<std::string>& warnings) const = 0;
+
+  // ---- the model --------------------------------------------------------------------------------------------------
+  // Builds the model on `device`: weights (from `resume` when a full fine-tune resumes), LoRA (its adapters from
+  // `resume`), frozen parts, activation checkpointing. An out-of-memory error here is the engine's to report.
+  virtual void build_model(const std::optional<std::filesystem::path>& resume, const c10::Device& device) = 0;
+  virtual Module& model() = 0;
+  virtual Module* adapters() = 0;  // the LoRA adapters (they are not in the model's tree); null without LoRA
+  // What trains: the adapters with LoRA (plus what the task trains in full beside them), else the model.
+  virtual Module& trainable() = 0;
+
+  // ---- the data -------------------------------------------------------------------------------------------------
+  virtual void open_loader() = 0;
+  virtual uint64_t examples_per_epoch() const = 0;
+  virtual std::unique_ptr<TaskBatch> next_batch() = 0;  // null when the data is done
+  virtual LoaderCursor cursor() const = 0;
+  virtual void restore_cursor(const LoaderCursor& cursor) = 0;
+  virtual DataStats data_stats() const = 0;
+
+  // ---- the step -----------------------------------------------------------------------------------------------
+  virtual void build_step(const StepParts& parts) = 0;
+  // One optimizer step over `batch` (run_attempts with the task's StepWork).
+  virtual StepResult train_step(TaskBatch& batch, int64_t step, double lr) = 0;
+  // micro_batch_size=auto: the largest micro-batch worth trying (with data parallelism, a rank's largest share),
+  // and forward and backward of a worst-case step in micro-batches of `micro` (an out-of-memory error propagates).
+  virtual int64_t probe_limit() const = 0;
+  virtual void probe(int64_t micro) = 0;
+  // What a probe of `micro` ran, for its log line ("4 at maximum lengths").
+  virtual std::string probe_case(int64_t micro) const { return std::to_string(micro) + " at the worst case"; }
+  // When not even one example fits: what did not fit, and what to change.
+  virtual std::pair<std::string, std::string> probe_failure() const = 0;
+  // What shrinks a step of this task, for the report when even the floor did not fit (most effective first).
+  virtual std::vector<std::string> floor_suggestions() const = 0;
+  // The run moved to another device (train/device_move.h): where the next batches run.
+  virtual void set_device(const c10::Device& device) = 0;
+
+  // ---- evaluation ------------------------------------------------------------------------------------------------
+  // evaluation.micro_batch_size=auto starts from this.
+  virtual int64_t evaluation_micro_batch(const MemoryPolicy& policy) const;
+  // Over the validation data (every rank its share; sums over the ranks inside). Nothing is reported here.
+  virtual Evaluated evaluate(int64_t step, EvaluationMicroBatch& micro) = 0;
+  // After an evaluation every rank agreed on: what rank 0 alone shows (text: sample generations).
+  virtual void after_evaluation(int64_t step, Reporter& reporter) {
+    (void)step;
+    (void)reporter;
+  }
+
+  // ---- saving -------------------------------------------------------------------------------------------------
+  // The trained model (or adapter) with what loads it (tokenizer, preprocessing) into `dir`.
+  virtual void save(const std::filesystem::path& dir) = 0;
+  // What train_state.json holds beside the engine's keys (text with LoRA: the base model's config).
+  virtual void add_train_state(nlohmann::json& state) const { (void)state; }
+  // After the final save (rank 0): --merge.
+  virtual void after_final_save(const std::filesystem::path& output_dir, const TrainOptions& options) {
+    (void)output_dir;
+    (void)options;
+  }
+
+ protected:
+  const Config& config() const { return context_.config; }
+  distributed::Communicator* world() const { return context_.world; }
+  bool primary() const { return context_.primary; }
+  std::filesystem::path output_dir() const { return context_.config.checkpoint.output_dir; }
+
+ private:
+  TaskContext context_;
+};
+
+// The task the config trains: text (seq2seq and causal language models), image classification or contrastive
+// CLIP, from training.objective and model.path's config.json (tasks/registry.cpp).
+std::unique_ptr<Task> make_task(const TaskContext& context);
+
+}  // namespace trainer

@@ -1,0 +1,31 @@
+// The text task (seq2seq and causal language models): see text_task.cpp.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include <c10/core/Device.h>
+
+#include "train/engine/task.h"
+
+namespace trainer {
+
+class LanguageModel;
+class DataLoader;
+
+std::unique_ptr<Task> make_text_task(const TaskContext& context);
+
+struct ValidationLoss {
+  double loss = 0;  // mean per target token
+  int64_t tokens = 0;
+};
+// Validation loss in evaluation micro-batches (`micro`: halved on out-of-memory; the training policy is never
+// touched). With `loss_chunk_size` > 0 (training's chunked loss is on) the LM head and the loss run over that many
+// target tokens at a time, so the full logits never exist; the loss is the same. With `world` each rank evaluates its
+// share of every validation batch (the equal-count shares training uses) and the sums are summed over the ranks:
+// every rank returns the whole validation set's loss. Every rank must call it (a collective at the end).
+ValidationLoss validation_loss(LanguageModel& model, DataLoader& loader, EvaluationMicroBatch& micro,
+                               const Config& config, const c10::Device& device, int32_t pad_id,
+                               int64_t loss_chunk_size = 0, distributed::Communicator* world = nullptr);
+
+}  // namespace trainer
