@@ -31,17 +31,6 @@ int64_t largest_part(const std::vector<std::pair<int64_t, int64_t>>& parts) {
   return largest;
 }
 
-// The optimizer phase of a training step: what it works on.
-struct UpdatePhase {
-  Optimizer& optimizer;
-  MemoryPolicy& policy;
-  GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed
-  StepSync* sync = nullptr;      // data parallelism
-  double max_grad_norm = 1.0;
-  int64_t step = 0;
-  double lr = 0;
-  int64_t examples = 0;  // of the effective batch (all ranks), for the memory policy
-};
 
 // After an out-of-memory error in forward/backward (`what`): drops the attempt's gradients and cached memory, then
 // shrinks the micro-batch (or, at the floor, takes the next escalation `escalate` applies), so the caller retries the
@@ -70,7 +59,7 @@ void adapt_to_out_of_memory(Optimizer& optimizer, MemoryPolicy& policy, int64_t 
 // result.skipped; it is never an out-of-memory error), then the gradient norm, clipping and the optimizer update.
 // Returns false when the caller must run the same effective batch again: an out-of-memory error in the optimizer
 // step is retried once (`optimizer_retried`), then OutOfMemoryAtFloor is thrown.
-bool apply_update(const UpdatePhase& phase, StepResult& result, bool& optimizer_retried) {
+bool apply_update(const AttemptSettings& phase, StepResult& result, bool& optimizer_retried) {
   Optimizer& optimizer = phase.optimizer;
   const int64_t step = phase.step;
   if (phase.scaler) {
@@ -198,8 +187,7 @@ StepResult run_attempts(StepWork& work, const AttemptSettings& s) {
     result.micro_steps = outcome.micro_steps;
     result.retries = attempt;
     result.target_tokens = s.counted;
-    const UpdatePhase phase{s.optimizer, s.policy, s.scaler, s.sync, s.max_grad_norm, s.step, s.lr, s.examples};
-    if (!apply_update(phase, result, optimizer_retried)) continue;
+    if (!apply_update(s, result, optimizer_retried)) continue;
     if (!result.skipped) work.after_update();
     return result;
   }

@@ -144,7 +144,10 @@ TEST_P(Task, SigtermWritesACheckpointAndExitsZero) {
 }
 
 // A budget between the peaks of micro-batches of 4 and 16, with regrowth after 2 steps: the micro-batch falls at
-// step 1, grows back and falls again mid-run, and the run ends at the weights of a run without a limit.
+// step 1, grows back and falls again mid-run, and the run ends at the weights of a run without a limit. Within 3e-5:
+// another split sums the same gradients in another order (float32 rounding, about 1e-7 relative), and six AdamW steps
+// at a constant 1e-4 (each moves a weight by up to the learning rate, whatever the gradient's size) amplify it;
+// CLIP's gradient caching measured 1.2e-5 here.
 TEST_P(Task, OutOfMemoryMidRunReachesTheUnconstrainedWeights) {
   const std::vector<std::string> whole_batch = {"--set", "training.micro_batch_size=16", "--set",
                                                 "optimizer.lr=1e-4", "--set", "checkpoint.every_steps=0"};
@@ -173,7 +176,7 @@ TEST_P(Task, OutOfMemoryMidRunReachesTheUnconstrainedWeights) {
   double later_retries = 0;
   for (std::size_t i = 1; i < retries.size(); ++i) later_retries += retries[i];
   EXPECT_GE(later_retries, 1) << "regrowth must run out of memory again mid-run\n" << constrained.err;
-  EXPECT_LT(max_difference(weights(dir.path() / "free"), weights(dir.path() / "constrained")), 1e-5);
+  EXPECT_LT(max_difference(weights(dir.path() / "free"), weights(dir.path() / "constrained")), 3e-5);
 }
 
 // The end of the memory ladder: a budget that holds the model and its optimizer state but not one example's step, and
@@ -261,6 +264,27 @@ TEST_P(Task, AMissingModelDirectoryGetsOneError) {
   }
 }
 
+// memory.limit below the model's weights: exit 4 with what the weights, gradients and optimizer state need, as
+// `trainer plan` counts them, and a limit that would hold them.
+TEST_P(Task, AMemoryLimitBelowTheWeightsSaysWhatTheyNeed) {
+  auto r = run_trainer(args(dir.path() / "run", 1, {"--set", "memory.limit=16KiB"}));
+  EXPECT_EQ(r.exit_code, 4) << r.err;
+  for (const char* part : {"out of memory allocating the model's weights",
+                           "what the run needs before its first example (as `trainer plan` counts it):",
+                           "hint: a memory.limit of at least"})
+    EXPECT_TRUE(contains(r.err, part)) << part << "\n" << r.err;
+}
+
+// A fresh run in a directory that holds an earlier run's checkpoints says so, and how to continue that run instead.
+TEST_P(Task, AFreshRunBesideAnEarlierRunsCheckpointsSaysSo) {
+  auto first = run_trainer(args(dir.path() / "run", 2));
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_FALSE(contains(first.err, "earlier run")) << first.err;
+  auto second = run_trainer(args(dir.path() / "run", 2));
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_TRUE(contains(second.err, "already holds checkpoints of an earlier run (newest checkpoint-2)")) << second.err;
+}
+
 // The progress line and the summary count what the task counts: target tokens, images or image-caption pairs.
 TEST_P(Task, TheProgressCountsWhatTheTaskCounts) {
   auto r = run_trainer(args(dir.path() / "run", 2));
@@ -275,7 +299,7 @@ TEST_P(Task, TheProgressCountsWhatTheTaskCounts) {
 }
 
 INSTANTIATE_TEST_SUITE_P(IntegrationEngine, Task, ::testing::Values(kText, kImage, kClip),
-                         [](const ::testing::TestParamInfo<TaskCase>& info) { return info.param.name; });
+                         [](const ::testing::TestParamInfo<TaskCase>& param) { return param.param.name; });
 
 // Evaluation out of memory at evaluation micro-batch 1 on one of two ranks: every rank stops with exit 4 and one error
 // naming that rank, none waits in a collective for it. Rank 1's budget holds its training steps but not the scores

@@ -28,6 +28,7 @@
 #include "models/clip_zero_shot.h"
 #include "train/checkpointing_runner.h"
 #include "train/contrastive.h"
+#include "train/engine/loader_task.h"
 #include "train/grad_scaler.h"
 #include "train/optimizer.h"
 #include "train/precision.h"
@@ -132,13 +133,9 @@ double recall_at(const at::Tensor& scores, const std::vector<int64_t>& group, in
   return n > 0 ? static_cast<double>(hits) / static_cast<double>(n) : 0.0;
 }
 
-struct PairBatch final : TaskBatch {
-  ImageBatch batch;
-};
-
-class ContrastiveTask final : public Task {
+class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
  public:
-  using Task::Task;
+  using LoaderTask::LoaderTask;
 
   std::string name() const override { return "contrastive"; }
   Counted counted() const override { return {"pairs_seen", "image-caption pairs", "pairs", false}; }
@@ -167,8 +164,8 @@ class ContrastiveTask final : public Task {
                                         std::vector<std::string>& warnings) const override {
     (void)warnings;
     if (saved == current) return {};
-    return {"the training pairs: " + saved.at("records").dump() + " records in the checkpoint, " +
-            current.at("records").dump() + " now (or other images or captions)"};
+    return {"the training pairs differ from those the checkpoint was trained on (" + saved.at("records").dump() +
+            " records then, " + current.at("records").dump() + " now, or other images or captions)"};
   }
 
   void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override;
@@ -179,18 +176,6 @@ class ContrastiveTask final : public Task {
   void open_loader() override {
     loader_ = make_caption_loader(config(), dataset_, spec_, true, config().training.batch_size, shard());
   }
-  uint64_t examples_per_epoch() const override { return loader_->examples_per_epoch(); }
-  std::unique_ptr<TaskBatch> next_batch() override {
-    auto next = loader_->next();
-    if (!next) return nullptr;
-    auto batch = std::make_unique<PairBatch>();
-    batch->epoch = next->epoch;
-    batch->batch = std::move(*next);
-    return batch;
-  }
-  LoaderCursor cursor() const override { return loader_->cursor(); }
-  void restore_cursor(const LoaderCursor& cursor) override { loader_->restore(cursor); }
-  DataStats data_stats() const override { return loader_->stats(); }
 
   void build_step(const StepParts& parts) override {
     optimizer_ = &parts.optimizer;
@@ -271,7 +256,6 @@ class ContrastiveTask final : public Task {
   std::string lora_base_;                   // the adapter's base_model_name_or_path
   std::unique_ptr<CaptionTokenizer> tokenizer_;
   data::ImageProcessorSpec spec_;
-  std::unique_ptr<ImageLoader> loader_;
   Optimizer* optimizer_ = nullptr;
   MemoryPolicy* policy_ = nullptr;
   StepSync* sync_ = nullptr;
@@ -424,7 +408,7 @@ bool ContrastiveTask::escalate(int64_t step) {
 // One optimizer step over the effective batch: split by the policy, gradients of the whole batch's loss (or the
 // micro-batch mode's objective), then clipping, the update and CLIP's cap on the logit scale.
 StepResult ContrastiveTask::train_step(TaskBatch& task_batch, int64_t step, double lr) {
-  const ImageBatch& batch = static_cast<PairBatch&>(task_batch).batch;
+  const ImageBatch& batch = batch_of(task_batch);
   // Data parallelism: `batch` is this rank's share (pairs [first, first + count) of the effective batch's `pairs`);
   // the negatives (batch mode) are still every pair's, gathered.
   const at::Tensor pixels = pixels_of(batch);

@@ -21,6 +21,7 @@
 #include "models/image_lora.h"
 #include "models/image_model.h"
 #include "train/checkpointing_runner.h"
+#include "train/engine/loader_task.h"
 #include "train/image_step.h"
 #include "trainer/model_dir.h"
 
@@ -35,13 +36,9 @@ void save_classifier_dir(ImageClassifier& model, const data::ImageProcessorSpec&
   write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec));
 }
 
-struct ImageTaskBatch final : TaskBatch {
-  ImageBatch batch;
-};
-
-class ImageTask final : public Task {
+class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
  public:
-  using Task::Task;
+  using LoaderTask::LoaderTask;
 
   std::string name() const override { return "image"; }
   Counted counted() const override { return {"images_seen", "images", "images", true}; }
@@ -75,15 +72,15 @@ class ImageTask final : public Task {
                                         std::vector<std::string>& warnings) const override {
     (void)warnings;
     if (saved == current) return {};
-    const std::string what = "the training images: " + saved.at("records").dump() + " records in " +
-                             std::to_string(saved.at("classes").size()) + " classes in the checkpoint, " +
-                             current.at("records").dump() + " in " + std::to_string(current.at("classes").size()) +
-                             " now";
+    const std::string what = "the training images differ from those the checkpoint was trained on (" +
+                             saved.at("records").dump() + " records in " + std::to_string(saved.at("classes").size()) +
+                             " classes then, " + current.at("records").dump() + " in " +
+                             std::to_string(current.at("classes").size()) + " now";
     if (saved.at("classes") != current.at("classes"))
-      throw DataError(what + ", and other classes",
+      throw DataError(what + "; other classes)",
                       "restore the data, or start a new run (another checkpoint.output_dir) from the checkpoint's "
                       "weights: other classes need another head");
-    return {what + " (same classes)"};
+    return {what + "; same classes)"};
   }
 
   void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override;
@@ -92,18 +89,6 @@ class ImageTask final : public Task {
   Module& trainable() override { return lora_ ? static_cast<Module&>(*lora_) : *model_; }
 
   void open_loader() override { loader_ = make_image_train_loader(config(), dataset_, spec_, shard()); }
-  uint64_t examples_per_epoch() const override { return loader_->examples_per_epoch(); }
-  std::unique_ptr<TaskBatch> next_batch() override {
-    auto next = loader_->next();
-    if (!next) return nullptr;
-    auto batch = std::make_unique<ImageTaskBatch>();
-    batch->epoch = next->epoch;
-    batch->batch = std::move(*next);
-    return batch;
-  }
-  LoaderCursor cursor() const override { return loader_->cursor(); }
-  void restore_cursor(const LoaderCursor& cursor) override { loader_->restore(cursor); }
-  DataStats data_stats() const override { return loader_->stats(); }
 
   void build_step(const StepParts& parts) override {
     ImageStepOptions options;
@@ -119,7 +104,7 @@ class ImageTask final : public Task {
     step_ = std::make_unique<ImageTrainStep>(*model_, parts.optimizer, parts.policy, options);
   }
   StepResult train_step(TaskBatch& batch, int64_t step, double lr) override {
-    return step_->run(static_cast<ImageTaskBatch&>(batch).batch, step, lr);
+    return step_->run(batch_of(batch), step, lr);
   }
   // With data parallelism a micro-batch never holds more than a rank's share of the effective batch.
   int64_t probe_limit() const override {
@@ -175,7 +160,6 @@ class ImageTask final : public Task {
   std::unique_ptr<ImageLoraAdapters> lora_;
   std::string lora_base_;  // the adapter's base_model_name_or_path
   data::ImageProcessorSpec spec_;
-  std::unique_ptr<ImageLoader> loader_;
   std::unique_ptr<ImageTrainStep> step_;
   c10::Device device_{c10::kCPU};
 };

@@ -20,6 +20,7 @@
 #include "models/lora.h"
 #include "models/weights.h"
 #include "train/checkpointing.h"
+#include "train/engine/loader_task.h"
 #include "train/resume_check.h"
 #include "train/step.h"
 #include "trainer/data.h"
@@ -69,14 +70,9 @@ std::pair<double, int64_t> evaluation_loss(LanguageModel& model, const Batch& ba
   return {sum, rows.numel()};
 }
 
-// An effective batch of tokenized examples.
-struct TextBatch final : TaskBatch {
-  EffectiveBatch batch;
-};
-
-class TextTask final : public Task {
+class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
  public:
-  using Task::Task;
+  using LoaderTask::LoaderTask;
 
   std::string name() const override { return "text"; }
   Counted counted() const override { return {"tokens_seen", "target tokens", "tokens", true}; }
@@ -144,18 +140,6 @@ class TextTask final : public Task {
     // Data parallelism: each rank tokenizes only its share of the records and gets the rest from the others.
     loader_ = make_train_loader(config(), *tokenizer_, family_, distributed::record_share(world()));
   }
-  uint64_t examples_per_epoch() const override { return loader_->examples_per_epoch(); }
-  std::unique_ptr<TaskBatch> next_batch() override {
-    auto next = loader_->next();
-    if (!next) return nullptr;
-    auto batch = std::make_unique<TextBatch>();
-    batch->epoch = next->epoch;
-    batch->batch = std::move(*next);
-    return batch;
-  }
-  LoaderCursor cursor() const override { return loader_->cursor(); }
-  void restore_cursor(const LoaderCursor& cursor) override { loader_->restore(cursor); }
-  DataStats data_stats() const override { return loader_->stats(); }
 
   void build_step(const StepParts& parts) override {
     StepOptions options;
@@ -174,7 +158,7 @@ class TextTask final : public Task {
     step_ = std::make_unique<TrainStep>(*model_, parts.optimizer, parts.policy, options);
   }
   StepResult train_step(TaskBatch& batch, int64_t step, double lr) override {
-    return step_->run(static_cast<TextBatch&>(batch).batch, step, lr);
+    return step_->run(batch_of(batch), step, lr);
   }
   int64_t probe_limit() const override { return config().training.batch_size; }
   void probe(int64_t micro) override {
@@ -242,7 +226,6 @@ class TextTask final : public Task {
   std::string lora_base_;  // the adapter's base_model_name_or_path
   DataFamily family_ = DataFamily::kCausal;
   int32_t pad_id_ = 0;
-  std::unique_ptr<DataLoader> loader_;
   std::unique_ptr<TrainStep> step_;
   c10::Device device_{c10::kCPU};
 };
