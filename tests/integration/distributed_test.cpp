@@ -57,14 +57,15 @@ std::pair<int64_t, int64_t> buckets_started_during_backward(const std::string& l
   return most;
 }
 
-// Trains `args` in one process and on `world` ranks; the saved weights (`file` in final/) must agree to 1e-5.
+// Trains `args` in one process and on `world` ranks; the saved weights (`file` in final/) must agree to `tolerance`.
 void expect_same_weights(const std::vector<std::string>& args_for_dir_one, const std::vector<std::string>& args_for_dir_n,
-                         const fs::path& one, const fs::path& n, int world, const std::string& file) {
+                         const fs::path& one, const fs::path& n, int world, const std::string& file,
+                         double tolerance = 1e-5) {
   const auto single = run_trainer(args_for_dir_one, "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
   const auto ranks = run_ranks(world, args_for_dir_n);
   for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
-  EXPECT_LE(max_difference(one / "final" / file, n / "final" / file), 1e-5);
+  EXPECT_LE(max_difference(one / "final" / file, n / "final" / file), tolerance);
   // The same losses too: rank 0 reports the whole effective batch's loss.
   const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(n / "metrics.jsonl", "loss");
   ASSERT_EQ(a.size(), b.size());
@@ -245,7 +246,11 @@ static void expect_same_evaluation(const std::string& config, int world, int mic
   const auto a = metric_values(one / "metrics.jsonl", "eval_loss"), b = metric_values(n / "metrics.jsonl", "eval_loss");
   ASSERT_EQ(a.size(), 2u);
   ASSERT_EQ(b.size(), 2u);
-  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-6) << "evaluation " << i + 1;
+  // Relative 1e-7: the ranks sum the same float32 gradients in another order, and the weights after 4 steps differ in
+  // the last bits; on an AVX2-only CPU (AMD EPYC, no AVX-512) the losses (30.17 and 18.52) differed by 0.9e-6 and
+  // 1.03e-6 absolute, the same with the binary before the one engine, past the former absolute 1e-6.
+  for (std::size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(a[i], b[i], 1e-7 * std::abs(a[i])) << "evaluation " << i + 1;
   const auto tokens = metric_values(n / "metrics.jsonl", "eval_tokens");
   EXPECT_EQ(metric_values(one / "metrics.jsonl", "eval_tokens"), tokens);
   // 40 validation examples in batches of 8: rank 0's share is 3 of each batch of 8 (3 ranks) or 4 (2 ranks).
@@ -494,7 +499,11 @@ TEST(IntegrationDistributed, ACheckpointWithAMissingOptimizerPartIsRefusedNaming
 
 // fp16-mixed with a loss scale that overflows (2^20 on this model) and, doubling after every clean step, overflows
 // again and again: the ranks take one overflow decision (each checks the summed gradients it holds: all of them,
-// or with a sharded optimizer its own parameters'), skip the steps one process skips and reach its weights.
+// or with a sharded optimizer its own parameters'), skip the steps one process skips and reach its weights: within
+// 1e-4 here, because fp16 autocast with lr 3e-3 amplifies the summation order (two ranks sum two micro-batches each
+// and then each other's; one process sums four): on an AVX2-only CPU (AMD EPYC) the weights differed by 3.1e-5,
+// with the binary before the one engine too, where AVX-512 machines stayed under 1e-5. The skip decisions and loss
+// scales must be equal.
 TEST(IntegrationDistributed, TwoRanksSkipTheFp16OverflowStepsOfOneProcess) {
   TempDir dir;
   const auto one = dir.path() / "one", two = dir.path() / "two";
@@ -502,7 +511,7 @@ TEST(IntegrationDistributed, TwoRanksSkipTheFp16OverflowStepsOfOneProcess) {
                                          "precision.initial_loss_scale=1048576", "--set",
                                          "precision.loss_scale_growth_interval=1"};
   expect_same_weights(with(short_run("configs/tiny-qwen2.json", one, 6), fp16),
-                      with(short_run("configs/tiny-qwen2.json", two, 6), fp16), one, two, 2, "model.safetensors");
+                      with(short_run("configs/tiny-qwen2.json", two, 6), fp16), one, two, 2, "model.safetensors", 1e-4);
   const auto a = metric_values(one / "metrics.jsonl", "skipped_steps");
   const auto b = metric_values(two / "metrics.jsonl", "skipped_steps");
   EXPECT_EQ(a, b);
@@ -513,7 +522,7 @@ TEST(IntegrationDistributed, TwoRanksSkipTheFp16OverflowStepsOfOneProcess) {
   const auto ranks = run_ranks(
       2, with(with(with(short_run("configs/tiny-qwen2.json", sharded, 6), fp16), kSharded), kSmallBuckets));
   for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
-  EXPECT_LE(max_difference(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors"), 1e-5);
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors"), 1e-4);
   EXPECT_EQ(a, metric_values(sharded / "metrics.jsonl", "skipped_steps"));
 }
 
