@@ -12,7 +12,7 @@
 #include "distributed/process_group.h"
 #include "models/module.h"
 #include "train/checkpoint_dir.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"
 #include "trainer/safetensors.h"

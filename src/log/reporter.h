@@ -39,7 +39,7 @@ struct RunStart {
   std::string unit = "tokens";    // what tokens_seen and the rate count: tokens, images, pairs (engine/task.h)
 };
 
-// fp16-mixed's dynamic loss scaling at one step (train/grad_scaler.h).
+// fp16-mixed's dynamic loss scaling at one step (train/optim/grad_scaler.h).
 struct LossScaling {
   double scale = 0;           // the loss scale this step's backward used
   bool skipped = false;       // its gradients held an inf or NaN: no update

@@ -29,8 +29,8 @@
 #include "models/inspect.h"
 #include "models/lora.h"
 #include "models/model.h"
-#include "train/grad_scaler.h"
-#include "train/optimizer.h"
+#include "train/optim/grad_scaler.h"
+#include "train/optim/optimizer.h"
 #include "trainer/device.h"
 #include "trainer/model_dir.h"
 

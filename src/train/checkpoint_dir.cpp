@@ -9,7 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "models/module.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 #include "train/retention.h"
 #include "trainer/config.h"
 #include "trainer/errors.h"

@@ -12,7 +12,7 @@
 #include "memory/cpu_budget.h"
 #include "memory/policy.h"
 #include "models/module.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 #include "train/step.h"
 
 namespace trainer {

@@ -10,7 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include "models/dropout.h"
-#include "train/checkpointing_runner.h"
+#include "train/activation_checkpointing.h"
 #include "train/precision.h"
 
 namespace trainer {

@@ -16,8 +16,8 @@
 #include "data/image_loader.h"
 #include "memory/policy.h"
 #include "models/image_model.h"
-#include "train/grad_scaler.h"
-#include "train/optimizer.h"
+#include "train/optim/grad_scaler.h"
+#include "train/optim/optimizer.h"
 #include "train/step.h"
 #include "trainer/config.h"
 
@@ -30,7 +30,7 @@ struct ImageStepOptions {
   int64_t max_retries = 8;
   uint64_t seed = 0;
   bool linear_probe = false;  // the backbone is frozen: features run without autograd, only the head trains
-  GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed: dynamic loss scaling (train/grad_scaler.h)
+  GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed: dynamic loss scaling (train/optim/grad_scaler.h)
   // Data parallelism: the batch is this rank's share (ImageBatch::first, total); the ranks agree on out-of-memory
   // errors and sum the gradients, as in the text step.
   StepSync* sync = nullptr;

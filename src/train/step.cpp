@@ -13,7 +13,7 @@
 
 #include "memory/cpu_budget.h"
 #include "models/dropout.h"
-#include "train/checkpointing.h"
+#include "train/activation_checkpointing.h"
 #include "train/fused_loss.h"
 #include "train/precision.h"
 

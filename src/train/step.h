@@ -17,8 +17,8 @@
 #include "data/packing.h"
 #include "memory/policy.h"
 #include "models/model.h"
-#include "train/grad_scaler.h"
-#include "train/optimizer.h"
+#include "train/optim/grad_scaler.h"
+#include "train/optim/optimizer.h"
 #include "trainer/config.h"
 #include "trainer/data.h"
 #include "trainer/errors.h"
@@ -40,7 +40,7 @@ struct StepResult {
   int64_t retries = 0;     // attempts lost to out-of-memory errors
   int64_t target_tokens = 0;
   // fp16-mixed: the loss scale this step's backward used (0 without loss scaling), and whether its gradients held
-  // an inf or NaN, so that the update was skipped (train/grad_scaler.h).
+  // an inf or NaN, so that the update was skipped (train/optim/grad_scaler.h).
   double loss_scale = 0;
   bool skipped = false;
 };

@@ -45,7 +45,7 @@
 #include "models/image_model.h"
 #include "memory/cpu_budget.h"
 #include "train/contrastive.h"
-#include "train/checkpointing_runner.h"
+#include "train/activation_checkpointing.h"
 #include "trainer/errors.h"
 #include "trainer/safetensors.h"
 #include "trainer/tokenizer.h"

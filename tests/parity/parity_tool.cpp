@@ -66,7 +66,7 @@
 #include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 #include "train/step.h"
 #include "trainer/errors.h"
 #include "trainer/peft.h"

@@ -18,7 +18,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "models/vit.h"
-#include "train/checkpointing_runner.h"
+#include "train/activation_checkpointing.h"
 #include "trainer/errors.h"
 #include "trainer/safetensors.h"
 

@@ -12,7 +12,7 @@
 #include "models/weights.h"
 #include "support/paths.h"
 #include "support/temp_dir.h"
-#include "train/checkpointing.h"
+#include "train/activation_checkpointing.h"
 #include "train/step.h"
 #include "trainer/model_dir.h"
 

@@ -14,7 +14,7 @@
 #include "models/weights.h"
 #include "support/paths.h"
 #include "train/device_move.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 
 namespace trainer {
 namespace {

@@ -13,7 +13,7 @@
 #include "models/model.h"
 #include "support/paths.h"
 #include "train/fused_loss.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 #include "train/precision.h"
 #include "train/step.h"
 #include "trainer/model_dir.h"

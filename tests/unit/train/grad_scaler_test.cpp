@@ -12,8 +12,8 @@
 #include "memory/policy.h"
 #include "models/weights.h"
 #include "support/paths.h"
-#include "train/grad_scaler.h"
-#include "train/optimizer.h"
+#include "train/optim/grad_scaler.h"
+#include "train/optim/optimizer.h"
 #include "train/step.h"
 #include "trainer/errors.h"
 

@@ -12,9 +12,9 @@
 #include "models/image_model.h"
 #include "support/paths.h"
 #include "support/temp_dir.h"
-#include "train/checkpointing_runner.h"
+#include "train/activation_checkpointing.h"
 #include "train/image_step.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 #include "trainer/errors.h"
 
 namespace trainer {

@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "memory/cpu_budget.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 #include "trainer/errors.h"
 
 namespace trainer {

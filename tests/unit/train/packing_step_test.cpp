@@ -18,8 +18,8 @@
 #include "models/segment_attention.h"
 #include "models/weights.h"
 #include "support/paths.h"
-#include "train/checkpointing.h"
-#include "train/optimizer.h"
+#include "train/activation_checkpointing.h"
+#include "train/optim/optimizer.h"
 #include "train/step.h"
 #include "trainer/model_dir.h"
 

@@ -7,7 +7,7 @@
 #include "models/weights.h"
 #include "support/paths.h"
 #include "train/engine/engine.h"
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 #include "train/tasks/text/text_task.h"
 #include "trainer/data.h"
 #include "trainer/tokenizer.h"

@@ -20,7 +20,7 @@
 #include "memory/policy.h"
 #include "models/image_lora.h"
 #include "models/image_model.h"
-#include "train/checkpointing_runner.h"
+#include "train/activation_checkpointing.h"
 #include "train/engine/loader_task.h"
 #include "train/image_step.h"
 #include "trainer/model_dir.h"

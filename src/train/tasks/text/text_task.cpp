@@ -19,7 +19,7 @@
 #include "memory/policy.h"
 #include "models/lora.h"
 #include "models/weights.h"
-#include "train/checkpointing.h"
+#include "train/activation_checkpointing.h"
 #include "train/engine/loader_task.h"
 #include "train/resume_check.h"
 #include "train/step.h"

@@ -1,5 +1,5 @@
 // Dynamic loss scaling for fp16-mixed (see grad_scaler.h).
-#include "train/grad_scaler.h"
+#include "train/optim/grad_scaler.h"
 
 #include <array>
 #include <cmath>

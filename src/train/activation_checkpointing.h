@@ -11,4 +11,8 @@ namespace trainer {
 void apply_activation_checkpointing(LanguageModel& model);
 void remove_activation_checkpointing(LanguageModel& model);
 
+// The block runner by itself, for models outside the LanguageModel interface (the image classifiers, CLIP): install
+// it with the model's set_block_runner. apply_activation_checkpointing installs the same.
+BlockRunner activation_checkpointing_runner();
+
 }  // namespace trainer

@@ -7,7 +7,7 @@
 #include "models/model.h"
 #include "models/weights.h"
 #include "support/paths.h"
-#include "train/checkpointing.h"
+#include "train/activation_checkpointing.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {

@@ -1,5 +1,5 @@
 // The optimizer interface, AdamW and the learning-rate schedule (see optimizer.h); Adafactor is in adafactor.cpp.
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 
 #include <algorithm>
 #include <map>

@@ -17,7 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
-#include "train/optimizer.h"
+#include "train/optim/optimizer.h"
 
 namespace trainer {
 namespace {

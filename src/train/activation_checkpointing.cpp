@@ -1,6 +1,5 @@
 // Activation checkpointing as a custom autograd Function (LibTorch has no torch.utils.checkpoint).
-#include "train/checkpointing.h"
-#include "train/checkpointing_runner.h"
+#include "train/activation_checkpointing.h"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
