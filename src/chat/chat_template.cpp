@@ -174,13 +174,25 @@ std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const
                               "once the conversation goes on)",
                           hint);
     }
-    if (full.compare(0, turn.size(), turn) != 0 || full.size() < turn.size()) {
+    // A template may close the conversation after its last turn (Phi-3 writes eos_token then): that tail is not in
+    // the longer conversation, so the span ends where this rendering and the whole conversation's part.
+    if (full.compare(0, prompt.size(), prompt) != 0 || full.size() < prompt.size()) {
       throw ChatDataError("cannot find the span of " + which +
-                              ": the conversation rendered up to it is not a prefix of the whole conversation's "
-                              "rendering (the template renders this turn differently when more messages follow)",
+                              ": the conversation before it is not a prefix of the whole conversation's rendering "
+                              "(the template renders earlier turns differently when more messages follow)",
                           hint);
     }
-    spans.emplace_back(prompt.size(), turn.size());
+    std::size_t end = prompt.size();
+    while (end < turn.size() && end < full.size() && turn[end] == full[end]) ++end;
+    // Never end inside a UTF-8 character.
+    while (end > prompt.size() && end < full.size() && (static_cast<unsigned char>(full[end]) & 0xC0) == 0x80) --end;
+    if (end == prompt.size() && turn.size() > prompt.size()) {
+      throw ChatDataError("cannot find the span of " + which +
+                              ": the whole conversation's rendering differs from the conversation rendered up to it "
+                              "right where the assistant's text begins",
+                          hint);
+    }
+    spans.emplace_back(prompt.size(), end);
   }
   return spans;
 }

@@ -52,10 +52,12 @@ ModelChatTemplate load_chat_template(const std::filesystem::path& model_dir, boo
 nlohmann::ordered_json special_tokens_from_config(const nlohmann::ordered_json& tokenizer_config);
 
 // For templates without {% generation %}: each assistant message's span, found by rendering prefix by prefix.
-// For assistant message i, messages[:i] rendered with add_generation_prompt=true must be a prefix of
-// messages[:i+1] rendered without it; the span is what the longer adds (content and end-of-turn marker). The spans
-// are byte ranges of the full conversation's rendering (options.add_generation_prompt as given), which must
-// extend messages[:i+1]'s too. Throws Error (kExitData) with a hint when a rendering is not a prefix of the next.
+// For assistant message i, messages[:i] rendered with add_generation_prompt=true (the prompt) must be a prefix of
+// messages[:i+1] rendered without it (the turn); the span is what the turn adds after the prompt (the content and
+// the end-of-turn marker), cut where the whole conversation's rendering (options.add_generation_prompt as given)
+// stops agreeing with the turn, since a template may close a conversation with text that is not part of the turn
+// (Phi-3's eos_token). Spans are byte ranges of the whole conversation's rendering. Throws Error (kExitData) with
+// a hint (data.train_on=all, or a template with {% generation %}) when the renderings are not prefixes.
 std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
                                             const ChatOptions& options);
 

@@ -2536,7 +2536,8 @@ Value apply_filter(Context& ctx, const std::string& name, const Value& value, Ar
     std::string method = args.get(1, "method") ? to_str(*args.get(1, "method")) : "common";
     double scale = std::pow(10.0, static_cast<double>(precision));
     double x = value.as_double() * scale;
-    double r = method == "ceil" ? std::ceil(x) : method == "floor" ? std::floor(x) : std::round(x);
+    // Python's round() goes half to even, which nearbyint does in the default rounding mode.
+    double r = method == "ceil" ? std::ceil(x) : method == "floor" ? std::floor(x) : std::nearbyint(x);
     return Value::from_float(r / scale);
   }
   if (name == "sum") {
