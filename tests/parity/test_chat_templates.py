@@ -436,6 +436,15 @@ def cases():
                 if template.startswith("llama3"):  # Llama takes a tool call's assistant turn without content
                     tool_messages = [m for m in TOOL_CONVERSATION]
                 out.append((template, "tool-calls", tool_messages, [WEATHER_TOOL], add_generation_prompt))
+    # Conversations the templates refuse with raise_exception: we must refuse them with the same message.
+    two_users = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    two_calls = [dict(TOOL_CONVERSATION[2], tool_calls=TOOL_CONVERSATION[2]["tool_calls"] * 2)]
+    out += [("gemma", "refused-system", WITH_SYSTEM["system+one-turn"], None, False),
+            ("gemma", "refused-two-users", two_users, None, True),
+            ("llama2", "refused-two-users", two_users, None, True),
+            ("mistral-v0.3", "refused-two-users", two_users, None, False),
+            ("mistral-v0.3", "refused-role", [{"role": "critic", "content": "x"}], None, False),
+            ("llama3.1", "refused-two-tool-calls", TOOL_CONVERSATION[:2] + two_calls, [WEATHER_TOOL], False)]
     return out
 
 
@@ -512,7 +521,10 @@ def test_rendering_matches_transformers(chat, template, conversation, messages, 
 def test_suite_covers_what_it_claims():
     # The cases must exercise tool calls, generation spans and refusals, or the parity above proves less than it says.
     with_spans = [c for c in CASES if "generation" in c[0] and c[1] != "single"]
-    assert len(CASES) > 200 and with_spans
+    refused = [c for c in CASES if c[1].startswith("refused")]
+    assert len(CASES) > 200 and with_spans and refused
+    for template, _, messages, tools, add_generation_prompt in refused:
+        assert "error" in reference(TEMPLATES[template], messages, tools, add_generation_prompt, **SPECIAL)
     assert any(c[1] == "tool-calls" for c in CASES)
     assert reference(GEMMA, WITH_SYSTEM["system+single"]).get("error") == "System role not supported"
 
