@@ -1,10 +1,10 @@
 // The chat template tests' helper (tests/parity/test_chat_templates.py): one JSON request a line on stdin, one JSON
 // answer a line on stdout, so one process renders a whole suite.
 //
-// Request: {"template": str, "messages": [...], "tools": [...] | null, "add_generation_prompt": bool,
+// Request: {"template": str (or "model_dir": str, whose template and special tokens are loaded), "messages": [...], "tools": [...] | null, "add_generation_prompt": bool,
 //           "bos_token": str, "eos_token": str, "special_tokens": {...}, "extra": {...},
 //           "prefix_spans": bool, "max_steps": int, "max_output_bytes": int}
-// Answer:  {"text": str, "generation_spans": [[b, e], ...], "prefix_spans": [[b, e], ...] | {"error": str}}
+// Answer:  {"text": str, "origin": str (with model_dir), "generation_spans": [[b, e], ...], "prefix_spans": [[b, e], ...] | {"error": str}}
 //          or {"error": str, "kind": "syntax" | "render" | "raised" | "limit" | "other", "message": str,
 //              "line": int, "column": int}
 // Spans are byte offsets into the UTF-8 text.
@@ -39,7 +39,13 @@ ordered_json spans_json(const std::vector<trainer::chat::Span>& spans) {
 
 ordered_json answer(const ordered_json& request, std::string& cached_source,
                     std::unique_ptr<trainer::chat::Template>& cached) {
-  const std::string source = request.at("template").get<std::string>();
+  trainer::chat::ModelChatTemplate loaded;
+  const bool from_model_dir = request.contains("model_dir");
+  if (from_model_dir) {
+    const bool with_tools = request.contains("tools") && !request["tools"].is_null();
+    loaded = trainer::chat::load_chat_template(request["model_dir"].get<std::string>(), with_tools);
+  }
+  const std::string source = from_model_dir ? loaded.source : request.at("template").get<std::string>();
   if (!cached || source != cached_source) {
     cached.reset();
     cached = std::make_unique<trainer::chat::Template>(source);
@@ -48,7 +54,8 @@ ordered_json answer(const ordered_json& request, std::string& cached_source,
   trainer::chat::ChatOptions options;
   options.add_generation_prompt = request.value("add_generation_prompt", false);
   if (request.contains("tools")) options.tools = request["tools"];
-  if (request.contains("special_tokens")) options.special_tokens = request["special_tokens"];
+  if (from_model_dir) options.special_tokens = loaded.special_tokens;
+  if (request.contains("special_tokens")) options.special_tokens.update(request["special_tokens"]);
   for (const char* key : {"bos_token", "eos_token"}) {
     if (request.contains(key)) options.special_tokens[key] = request[key];
   }
@@ -60,6 +67,7 @@ ordered_json answer(const ordered_json& request, std::string& cached_source,
   auto rendering = trainer::chat::render_chat(*cached, messages, options);
   ordered_json out = ordered_json::object();
   out["text"] = rendering.text;
+  if (from_model_dir) out["origin"] = loaded.origin;
   out["generation_spans"] = spans_json(rendering.generation_spans);
   if (request.value("prefix_spans", false)) {
     try {

@@ -741,3 +741,56 @@ def test_undefined_behaves_as_jinja2_default(chat):
 def test_lists_are_immutable(chat):
     got = ours(chat, "{% set l = [1] %}{{ l.append(2) }}", [])
     assert got["kind"] == "render" and "immutable" in got["error"]
+
+
+# ---- The template of a model directory, found as transformers finds it ------------------------------------------
+
+
+def save_tokenizer(directory):
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "a": 3}
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, "<unk>")),
+                                  bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.save_pretrained(directory)
+    for leftover in ("chat_template.jinja",):
+        (directory / leftover).unlink(missing_ok=True)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    # Special tokens as AddedToken objects, as older tokenizer_config.json files write them.
+    config["bos_token"] = {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False,
+                           "rstrip": False, "single_word": False}
+    config["eos_token"] = "</s>"
+    return config_path, config
+
+
+@pytest.mark.parametrize("layout", ["config-string", "config-list-default", "config-list-tool-use", "jinja-file"])
+def test_model_directory_template(chat, tmp_path, layout):
+    from transformers import AutoTokenizer
+
+    config_path, config = save_tokenizer(tmp_path)
+    if layout == "config-string":
+        config["chat_template"] = ZEPHYR
+    elif layout.startswith("config-list"):
+        config["chat_template"] = [{"name": "default", "template": LLAMA2}, {"name": "tool_use", "template": QWEN25}]
+    else:
+        config["chat_template"] = LLAMA2  # the file beside it takes priority
+        (tmp_path / "chat_template.jinja").write_text(ZEPHYR)
+    config_path.write_text(json.dumps(config))
+    tools = [WEATHER_TOOL] if layout == "config-list-tool-use" else None
+    messages = WITH_SYSTEM["system+multi-turn"]
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    expected = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    got = chat(model_dir=str(tmp_path), messages=messages, tools=tools, add_generation_prompt=True)
+    assert got.get("text") == expected, got
+    assert got["origin"].endswith("chat_template.jinja" if layout == "jinja-file" else "(chat_template)")
+
+
+def test_model_directory_without_template(chat, tmp_path):
+    config_path, config = save_tokenizer(tmp_path)
+    config_path.write_text(json.dumps(config))
+    got = chat(model_dir=str(tmp_path), messages=[])
+    assert "no chat template" in got["error"] and str(tmp_path) in got["error"]
