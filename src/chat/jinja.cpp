@@ -244,28 +244,42 @@ std::string float_repr(double d) {
   return negative ? "-" + out : out;
 }
 
+std::vector<std::pair<std::uint32_t, std::size_t>> code_points(const std::string& s);
+
+// Characters Python's repr() escapes (str.isprintable() false): controls, separators other than the space, and the
+// common format characters. Unassigned code points, which need Unicode tables, print as they are.
+bool repr_escapes(std::uint32_t cp) {
+  return cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200F) ||
+         (cp >= 0x2028 && cp <= 0x202F) || (cp >= 0x205F && cp <= 0x2064) || (cp >= 0x2066 && cp <= 0x206F) ||
+         cp == 0x3000 || cp == 0xFEFF || (cp >= 0xD800 && cp <= 0xDFFF) || (cp >= 0xE000 && cp <= 0xF8FF) ||
+         (cp >= 0xFFF9 && cp <= 0xFFFB);
+}
+
 std::string string_repr(const std::string& s) {
   bool has_single = s.find('\'') != std::string::npos;
   bool has_double = s.find('"') != std::string::npos;
   char quote = has_single && !has_double ? '"' : '\'';
   std::string out(1, quote);
-  for (char c : s) {
-    auto u = static_cast<unsigned char>(c);
-    if (c == quote || c == '\\') {
+  for (const auto& [cp, offset] : code_points(s)) {
+    if (cp == static_cast<unsigned char>(quote) || cp == '\\') {
       out += '\\';
-      out += c;
-    } else if (c == '\n') {
+      out += static_cast<char>(cp);
+    } else if (cp == '\n') {
       out += "\\n";
-    } else if (c == '\r') {
+    } else if (cp == '\r') {
       out += "\\r";
-    } else if (c == '\t') {
+    } else if (cp == '\t') {
       out += "\\t";
-    } else if (u < 0x20 || u == 0x7F) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", u);
+    } else if (repr_escapes(cp)) {
+      char buf[16];
+      if (cp < 0x100) std::snprintf(buf, sizeof buf, "\\x%02x", cp);
+      else if (cp < 0x10000) std::snprintf(buf, sizeof buf, "\\u%04x", cp);
+      else std::snprintf(buf, sizeof buf, "\\U%08x", cp);
       out += buf;
     } else {
-      out += c;
+      std::size_t n = 1;
+      while (offset + n < s.size() && (static_cast<unsigned char>(s[offset + n]) & 0xC0) == 0x80) ++n;
+      out.append(s, offset, n);
     }
   }
   out += quote;
@@ -2064,16 +2078,48 @@ std::string capitalize(std::string s) {
   return s;
 }
 
+// (code point, byte offset) of each character; an invalid byte reads as itself, so nothing is lost.
+std::vector<std::pair<std::uint32_t, std::size_t>> code_points(const std::string& s) {
+  std::vector<std::pair<std::uint32_t, std::size_t>> out;
+  for (std::size_t i = 0; i < s.size();) {
+    auto b = static_cast<unsigned char>(s[i]);
+    std::size_t n = b < 0x80 ? 1 : (b >> 5) == 0x6 ? 2 : (b >> 4) == 0xE ? 3 : (b >> 3) == 0x1E ? 4 : 1;
+    if (i + n > s.size()) n = 1;
+    std::uint32_t cp = n == 1 ? b : b & (0x7F >> n);
+    for (std::size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+    out.emplace_back(cp, i);
+    i += n;
+  }
+  return out;
+}
+
+// Python's str.isspace(): what strip(), trim and split() remove, NBSP and ideographic space included.
+bool is_unicode_space(std::uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
+         cp == 0x3000;
+}
+
 std::string strip_chars(const std::string& s, const Value* chars, bool left, bool right) {
-  std::string set = chars && chars->type == Type::kString ? chars->text : std::string(" \t\n\r\f\v");
-  std::size_t begin = 0, end = s.size();
+  const auto cps = code_points(s);
+  const bool by_set = chars && chars->type == Type::kString;
+  std::vector<std::uint32_t> set;
+  if (by_set) {
+    for (const auto& [cp, offset] : code_points(chars->text)) set.push_back(cp);
+  }
+  auto strippable = [&](std::uint32_t cp) {
+    return by_set ? std::find(set.begin(), set.end(), cp) != set.end() : is_unicode_space(cp);
+  };
+  std::size_t begin = 0, end = cps.size();
   if (left) {
-    while (begin < end && set.find(s[begin]) != std::string::npos) ++begin;
+    while (begin < end && strippable(cps[begin].first)) ++begin;
   }
   if (right) {
-    while (end > begin && set.find(s[end - 1]) != std::string::npos) --end;
+    while (end > begin && strippable(cps[end - 1].first)) --end;
   }
-  return s.substr(begin, end - begin);
+  std::size_t from = begin < cps.size() ? cps[begin].second : s.size();
+  std::size_t to = end < cps.size() ? cps[end].second : s.size();
+  return s.substr(from, to - from);
 }
 
 std::string require_string(const Value& v, const char* what, Pos pos) {
@@ -2113,19 +2159,19 @@ std::string replace_all(const std::string& s, const std::string& from, const std
 List split(const std::string& s, const Value* sep, std::int64_t maxsplit) {
   List out;
   if (!sep || sep->type == Type::kNone || sep->type == Type::kUndefined) {
+    const auto cps = code_points(s);
+    auto offset = [&](std::size_t k) { return k < cps.size() ? cps[k].second : s.size(); };
     std::size_t i = 0;
     while (true) {
-      while (i < s.size() && is_space(s[i])) ++i;
-      if (i >= s.size()) break;
+      while (i < cps.size() && is_unicode_space(cps[i].first)) ++i;
+      if (i >= cps.size()) break;
       if (maxsplit >= 0 && static_cast<std::int64_t>(out.size()) >= maxsplit) {
-        std::string rest = s.substr(i);
-        while (!rest.empty() && is_space(rest.back())) rest.pop_back();
-        out.push_back(Value::from_string(rest));
+        out.push_back(Value::from_string(s.substr(offset(i))));  // Python keeps the remainder's trailing space
         break;
       }
       std::size_t j = i;
-      while (j < s.size() && !is_space(s[j])) ++j;
-      out.push_back(Value::from_string(s.substr(i, j - i)));
+      while (j < cps.size() && !is_unicode_space(cps[j].first)) ++j;
+      out.push_back(Value::from_string(s.substr(offset(i), offset(j) - offset(i))));
       i = j;
     }
     return out;

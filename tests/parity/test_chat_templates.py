@@ -393,6 +393,10 @@ ALTERNATING = {
         {"role": "assistant", "content": "はい、元気です 🎉 — ¿y tú?"},
     ],
     "empty-content": [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
+    "unicode-whitespace": [
+        {"role": "user", "content": "\u00a0\u3000 padded\u2003text \u00a0\n"},
+        {"role": "assistant", "content": "\u2028answer\u00a0"},
+    ],
     "template-like-content": [
         {"role": "user", "content": "{{ not a template }} {% if %} <|im_end|> [INST]"},
         {"role": "assistant", "content": "{# still text #}"},
@@ -640,6 +644,8 @@ SNIPPETS = [
     "{{ dict(a=1, b=2) }} {{ namespace(a=1).a }} {{ range(3) | list }} {{ [1, 2, 3] | map('string') | join }}",
     "{% for a in [[1, 2], [3, 4]] %}{% for b in a %}{{ loop.index }}{{ b }}{% endfor %}{{ loop.index }}{% endfor %}",
     "{% macro rec(n) %}{% if n > 0 %}{{ n }}{{ rec(n - 1) }}{% endif %}{% endmacro %}{{ rec(4) }}",
+    "{{ s.strip() }}|{{ s | trim }}|{{ s.split() }}|{{ s.split(none, 1) }}|{{ s.lstrip() }}|{{ 'éaé'.strip('é') }}|{{ 'xéx'.strip('x') }}",
+    "{{ ['\\u00a0', '\\u200b', 'é日🙂', '\\x7f\\x01', 'it\\'s', 'say \"hi\"', 'both \\' \"'] }}",
     "{{ 'abc' | list }} {{ {'x': 1} | list }} {{ 'a b c' | wordcount }} {{ [[1, 'b'], [0, 'a']] | sort | first }}",
 ]
 
@@ -652,6 +658,7 @@ def test_jinja_snippet_matches_jinja2(chat, index):
                   {"name": "bob", "active": False, "role": "user", "info": {"age": 42}}],
         "data": {"b": "é", "a": [1, 2.5, None, True], "nested": {"list": [1, 2, 3]}, "empty": {}},
         "raw_ok": "r",
+        "s": "\u00a0\u3000 a\u2003b \tc\u00a0\n",
     }
     expected = reference(template, [], None, False, **variables)
     got = ours(chat, template, [], extra=variables)
