@@ -1089,29 +1089,43 @@ struct SliceExpr : Expr {
 };
 
 struct BinOp : Expr {
+  enum class Code { kAnd, kOr, kEq, kNe, kLt, kLe, kGt, kGe, kIn, kNotIn, kArithmetic };
   std::string op;
+  Code code = Code::kArithmetic;  // resolved once from op, so evaluation does not compare strings
   ExprPtr left, right;
+
+  void resolve() {
+    static const std::pair<const char*, Code> kCodes[] = {
+        {"and", Code::kAnd}, {"or", Code::kOr}, {"==", Code::kEq}, {"!=", Code::kNe}, {"<", Code::kLt},
+        {"<=", Code::kLe},   {">", Code::kGt},  {">=", Code::kGe}, {"in", Code::kIn}, {"notin", Code::kNotIn}};
+    for (const auto& [name, c] : kCodes) {
+      if (op == name) code = c;
+    }
+  }
+
   Value eval(Context& ctx) const override {
     ctx.step(pos);
-    if (op == "and") {
+    if (code == Code::kAnd) {
       Value l = left->eval(ctx);
       return truthy(l) ? right->eval(ctx) : l;
     }
-    if (op == "or") {
+    if (code == Code::kOr) {
       Value l = left->eval(ctx);
       return truthy(l) ? l : right->eval(ctx);
     }
     Value l = left->eval(ctx);
     Value r = right->eval(ctx);
-    if (op == "==") return Value::from_bool(equal(l, r));
-    if (op == "!=") return Value::from_bool(!equal(l, r));
-    if (op == "<") return Value::from_bool(compare(l, r, pos) < 0);
-    if (op == "<=") return Value::from_bool(compare(l, r, pos) <= 0);
-    if (op == ">") return Value::from_bool(compare(l, r, pos) > 0);
-    if (op == ">=") return Value::from_bool(compare(l, r, pos) >= 0);
-    if (op == "in") return Value::from_bool(contains(r, l, pos));
-    if (op == "notin") return Value::from_bool(!contains(r, l, pos));
-    return arithmetic(op, l, r, pos);
+    switch (code) {
+      case Code::kEq: return Value::from_bool(equal(l, r));
+      case Code::kNe: return Value::from_bool(!equal(l, r));
+      case Code::kLt: return Value::from_bool(compare(l, r, pos) < 0);
+      case Code::kLe: return Value::from_bool(compare(l, r, pos) <= 0);
+      case Code::kGt: return Value::from_bool(compare(l, r, pos) > 0);
+      case Code::kGe: return Value::from_bool(compare(l, r, pos) >= 0);
+      case Code::kIn: return Value::from_bool(contains(r, l, pos));
+      case Code::kNotIn: return Value::from_bool(!contains(r, l, pos));
+      default: return arithmetic(op, l, r, pos);
+    }
   }
 };
 
@@ -1276,28 +1290,34 @@ struct ForStmt : Stmt {
       return;
     }
     auto n = static_cast<std::int64_t>(items.size());
+    // One loop object for the whole loop, advanced in place, as jinja2's LoopContext is one object that advances.
+    auto loop = std::make_shared<Dict>();
+    loop->items = {{"index", {}},  {"index0", {}}, {"revindex", {}}, {"revindex0", {}},
+                   {"first", {}},  {"last", {}},   {"length", Value::from_int(n)},
+                   {"depth", Value::from_int(1)}, {"depth0", Value::from_int(0)},
+                   {"previtem", {}}, {"nextitem", {}}, {"cycle", {}}};
+    std::weak_ptr<Dict> weak_loop = loop;
+    loop->items[11].second = Value::from_callable("cycle", [weak_loop](Context&, Args& args) {
+      if (args.positional.empty()) fail(Kind::kRender, "no items for cycling given", args.pos);
+      auto self = weak_loop.lock();
+      std::int64_t index0 = self ? self->items[1].second.integer : 0;
+      return args.positional[static_cast<std::size_t>(index0) % args.positional.size()];
+    });
+    Value loop_value;
+    loop_value.type = Type::kDict;
+    loop_value.dict = loop;
+    ctx.assign("loop", loop_value);
     for (std::int64_t i = 0; i < n; ++i) {
       ctx.step(pos);
-      auto loop = std::make_shared<Dict>();
-      loop->items = {{"index", Value::from_int(i + 1)},
-                     {"index0", Value::from_int(i)},
-                     {"revindex", Value::from_int(n - i)},
-                     {"revindex0", Value::from_int(n - i - 1)},
-                     {"first", Value::from_bool(i == 0)},
-                     {"last", Value::from_bool(i == n - 1)},
-                     {"length", Value::from_int(n)},
-                     {"depth", Value::from_int(1)},
-                     {"depth0", Value::from_int(0)},
-                     {"previtem", i > 0 ? items[static_cast<std::size_t>(i - 1)] : Value::undefined("previtem")},
-                     {"nextitem", i + 1 < n ? items[static_cast<std::size_t>(i + 1)] : Value::undefined("nextitem")}};
-      loop->items.emplace_back("cycle", Value::from_callable("cycle", [i](Context&, Args& args) {
-        if (args.positional.empty()) fail(Kind::kRender, "no items for cycling given", args.pos);
-        return args.positional[static_cast<std::size_t>(i) % args.positional.size()];
-      }));
-      Value loop_value;
-      loop_value.type = Type::kDict;
-      loop_value.dict = std::move(loop);
-      ctx.assign("loop", loop_value);
+      auto& entries = loop->items;
+      entries[0].second = Value::from_int(i + 1);
+      entries[1].second = Value::from_int(i);
+      entries[2].second = Value::from_int(n - i);
+      entries[3].second = Value::from_int(n - i - 1);
+      entries[4].second = Value::from_bool(i == 0);
+      entries[5].second = Value::from_bool(i == n - 1);
+      entries[9].second = i > 0 ? items[static_cast<std::size_t>(i - 1)] : Value::undefined("previtem");
+      entries[10].second = i + 1 < n ? items[static_cast<std::size_t>(i + 1)] : Value::undefined("nextitem");
       bind_targets(ctx, targets, items[static_cast<std::size_t>(i)], pos);
       try {
         exec_body(body, ctx);
@@ -1718,6 +1738,7 @@ class Parser {
     b->op = std::move(op);
     b->left = std::move(left);
     b->right = std::move(right);
+    b->resolve();
     return b;
   }
 

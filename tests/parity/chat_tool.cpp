@@ -3,11 +3,13 @@
 //
 // Request: {"template": str (or "model_dir": str, whose template and special tokens are loaded), "messages": [...], "tools": [...] | null, "add_generation_prompt": bool,
 //           "bos_token": str, "eos_token": str, "special_tokens": {...}, "extra": {...},
-//           "prefix_spans": bool, "max_steps": int, "max_output_bytes": int}
+//           "prefix_spans": bool, "max_steps": int, "max_output_bytes": int,
+//           "repeat": int (render this many times more and report "seconds_per_render": a benchmark)}
 // Answer:  {"text": str, "origin": str (with model_dir), "generation_spans": [[b, e], ...], "prefix_spans": [[b, e], ...] | {"error": str}}
 //          or {"error": str, "kind": "syntax" | "render" | "raised" | "limit" | "other", "message": str,
 //              "line": int, "column": int}
 // Spans are byte offsets into the UTF-8 text.
+#include <chrono>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -66,6 +68,12 @@ ordered_json answer(const ordered_json& request, std::string& cached_source,
 
   auto rendering = trainer::chat::render_chat(*cached, messages, options);
   ordered_json out = ordered_json::object();
+  if (const auto repeat = request.value("repeat", 0); repeat > 0) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < repeat; ++i) trainer::chat::render_chat(*cached, messages, options);
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    out["seconds_per_render"] = took.count() / repeat;
+  }
   out["text"] = rendering.text;
   if (from_model_dir) out["origin"] = loaded.origin;
   out["generation_spans"] = spans_json(rendering.generation_spans);
@@ -82,6 +90,7 @@ ordered_json answer(const ordered_json& request, std::string& cached_source,
 }  // namespace
 
 int main() {
+  std::ios::sync_with_stdio(false);
   std::string line;
   std::string cached_source;
   std::unique_ptr<trainer::chat::Template> cached;
