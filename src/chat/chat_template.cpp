@@ -33,13 +33,15 @@ ChatRendering render_chat(const Template& chat_template, const nlohmann::ordered
   }
   // The same names and precedence as apply_chat_template: special tokens, then keyword arguments over them; then
   // messages, tools, documents and add_generation_prompt.
-  nlohmann::ordered_json variables = nlohmann::ordered_json::object();
-  for (const auto& [key, value] : options.special_tokens.items()) variables[key] = value;
-  for (const auto& [key, value] : options.extra.items()) variables[key] = value;
-  variables["messages"] = messages;
-  variables["tools"] = options.tools;
-  if (!variables.contains("documents")) variables["documents"] = nullptr;
-  variables["add_generation_prompt"] = options.add_generation_prompt;
+  static const nlohmann::ordered_json kNone = nullptr;
+  const nlohmann::ordered_json add_generation_prompt = options.add_generation_prompt;
+  Template::VariableRefs variables;
+  for (const auto& [key, value] : options.special_tokens.items()) variables.emplace_back(key, &value);
+  variables.emplace_back("documents", &kNone);
+  for (const auto& [key, value] : options.extra.items()) variables.emplace_back(key, &value);
+  variables.emplace_back("messages", &messages);
+  variables.emplace_back("tools", &options.tools);
+  variables.emplace_back("add_generation_prompt", &add_generation_prompt);
   RenderResult result = chat_template.render(variables, options.limits);
   return {std::move(result.text), std::move(result.generation_spans)};
 }

@@ -2750,13 +2750,19 @@ RenderResult Template::render(const nlohmann::ordered_json& variables, const Ren
   if (!variables.is_object() && !variables.is_null()) {
     throw TemplateError(Kind::kRender, "template variables must be a JSON object", 1, 1);
   }
+  VariableRefs refs;
+  if (variables.is_object()) {
+    for (const auto& [key, value] : variables.items()) refs.emplace_back(key, &value);
+  }
+  return render(refs, limits);
+}
+
+RenderResult Template::render(const VariableRefs& variables, const RenderLimits& limits) const {
   Context ctx;
   ctx.limits = limits;
   ctx.frames.emplace_back();
   install_globals(ctx.frames[0]);
-  if (variables.is_object()) {
-    for (const auto& [key, value] : variables.items()) ctx.frames[0].vars[key] = from_json(value);
-  }
+  for (const auto& [key, value] : variables) ctx.frames[0].vars[key] = from_json(*value);
   ctx.buffers.emplace_back();
   try {
     exec_body(impl_->body, ctx);

@@ -65,6 +65,11 @@ class Template {
   // globals transformers provides: raise_exception, strftime_now, namespace, dict, range.
   RenderResult render(const nlohmann::ordered_json& variables, const RenderLimits& limits = {}) const;
 
+  // The same with variables given by reference, so large values (messages, tools) are not copied into a JSON
+  // object first; a later entry of the same name replaces an earlier one.
+  using VariableRefs = std::vector<std::pair<std::string, const nlohmann::ordered_json*>>;
+  RenderResult render(const VariableRefs& variables, const RenderLimits& limits = {}) const;
+
   struct Impl;
 
  private:
