@@ -752,11 +752,12 @@ struct Context {
       if (it != frames[i].vars.end()) return it->second;
       if (frames[i].macro_barrier) {
         auto top = frames[0].vars.find(name);
-        return top != frames[0].vars.end() ? top->second : Value::undefined(name);
+        return top != frames[0].vars.end() ? top->second : global(name);
       }
     }
-    return Value::undefined(name);
+    return global(name);
   }
+  static Value global(const std::string& name);
   void assign(const std::string& name, Value value) { frames.back().vars[name] = std::move(value); }
   std::string capture(const Body& body);
 };
@@ -2691,6 +2692,19 @@ Value make_namespace(Args& args) {
   return v;
 }
 
+void install_globals(Frame& frame);
+
+// The globals are stateless functions: built once, shared by every render (and thread).
+Value Context::global(const std::string& name) {
+  static const Frame globals = [] {
+    Frame frame;
+    install_globals(frame);
+    return frame;
+  }();
+  auto it = globals.vars.find(name);
+  return it != globals.vars.end() ? it->second : Value::undefined(name);
+}
+
 void install_globals(Frame& frame) {
   frame.vars["raise_exception"] = Value::from_callable("raise_exception", [](Context&, Args& args) -> Value {
     fail(Kind::kRaised, args.positional.empty() ? std::string() : to_str(args.positional[0]), args.pos);
@@ -2761,7 +2775,6 @@ RenderResult Template::render(const VariableRefs& variables, const RenderLimits&
   Context ctx;
   ctx.limits = limits;
   ctx.frames.emplace_back();
-  install_globals(ctx.frames[0]);
   for (const auto& [key, value] : variables) ctx.frames[0].vars[key] = from_json(*value);
   ctx.buffers.emplace_back();
   try {
