@@ -646,6 +646,9 @@ SNIPPETS = [
     "{% macro rec(n) %}{% if n > 0 %}{{ n }}{{ rec(n - 1) }}{% endif %}{% endmacro %}{{ rec(4) }}",
     "{{ s.strip() }}|{{ s | trim }}|{{ s.split() }}|{{ s.split(none, 1) }}|{{ s.lstrip() }}|{{ 'éaé'.strip('é') }}|{{ 'xéx'.strip('x') }}",
     "{{ ['\\u00a0', '\\u200b', 'é日🙂', '\\x7f\\x01', 'it\\'s', 'say \"hi\"', 'both \\' \"'] }}",
+    # Constructs of newer templates (Qwen3's reverse scan for the last user query, reasoning split).
+    "{% set ns = namespace(multi_step_tool=true, last_query_index=users|length - 1) %}{% for u in users[::-1] %}{% set index = (users|length - 1) - loop.index0 %}{% if ns.multi_step_tool and u.role == 'user' %}{% set ns.multi_step_tool = false %}{% set ns.last_query_index = index %}{% endif %}{% endfor %}{{ ns.last_query_index }}",
+    "{% set c = '<think>\\nwhy\\n</think>\\n\\nanswer' %}{{ c.split('</think>')[-1].lstrip('\\n') }}|{{ c.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') }}|{{ (c is string) and c.startswith('<think>') }}",
     "{{ 'abc' | list }} {{ {'x': 1} | list }} {{ 'a b c' | wordcount }} {{ [[1, 'b'], [0, 'a']] | sort | first }}",
 ]
 
