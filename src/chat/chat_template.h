@@ -1,0 +1,64 @@
+// Chat rendering as transformers' apply_chat_template(tokenize=False) does it: the model's template found in its
+// directory, the variables it is given, and the assistant spans a loss mask needs.
+#pragma once
+
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "chat/jinja.h"
+
+namespace trainer::chat {
+
+struct ChatOptions {
+  bool add_generation_prompt = false;
+  nlohmann::ordered_json tools;  // a list of JSON function schemas, or null for none (the template sees none)
+  // bos_token, eos_token, pad_token, ...: strings, passed to the template as transformers passes special_tokens_map.
+  nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object();
+  // Further template variables (date_string, enable_thinking, ...); they override special tokens of the same name.
+  nlohmann::ordered_json extra = nlohmann::ordered_json::object();
+  RenderLimits limits;
+};
+
+struct ChatRendering {
+  std::string text;
+  std::vector<Span> generation_spans;  // byte ranges of text that {% generation %} blocks rendered
+};
+
+// Renders messages (a JSON list of message objects). Throws TemplateError.
+ChatRendering render_chat(const Template& chat_template, const nlohmann::ordered_json& messages,
+                          const ChatOptions& options);
+ChatRendering render_chat(std::string_view template_text, const nlohmann::ordered_json& messages,
+                          const ChatOptions& options);
+
+// The chat template of a model directory and the special tokens its tokenizer_config.json names.
+struct ModelChatTemplate {
+  std::string source;  // the template's text
+  std::string origin;  // where it came from, for messages: "DIR/chat_template.jinja", "DIR/tokenizer_config.json"
+  nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object();
+};
+
+// Finds the template as transformers does: chat_template.jinja (and chat_templates/NAME.jinja) beside
+// tokenizer_config.json take priority over its chat_template entry, which is a string or a list of
+// {"name", "template"} objects. With several templates, "tool_use" is picked when with_tools, else "default".
+// Throws Error (kExitData) naming the directory when there is no template, with a hint.
+ModelChatTemplate load_chat_template(const std::filesystem::path& model_dir, bool with_tools);
+
+// Special tokens from a tokenizer_config.json object: every "*_token" key whose value is a string or an
+// AddedToken object ({"content": ...}).
+nlohmann::ordered_json special_tokens_from_config(const nlohmann::ordered_json& tokenizer_config);
+
+// For templates without {% generation %}: each assistant message's span, found by rendering prefix by prefix.
+// For assistant message i, messages[:i] rendered with add_generation_prompt=true (the prompt) must be a prefix of
+// messages[:i+1] rendered without it (the turn); the span is what the turn adds after the prompt (the content and
+// the end-of-turn marker), cut where the whole conversation's rendering (options.add_generation_prompt as given)
+// stops agreeing with the turn, since a template may close a conversation with text that is not part of the turn
+// (Phi-3's eos_token). Spans are byte ranges of the whole conversation's rendering. Throws Error (kExitData) with
+// a hint (data.train_on=all, or a template with {% generation %}) when the renderings are not prefixes.
+std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
+                                            const ChatOptions& options);
+
+}  // namespace trainer::chat

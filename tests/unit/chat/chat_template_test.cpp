@@ -1,0 +1,169 @@
+// Unit tests of the chat template interpreter and chat rendering (src/chat); byte-for-byte parity with
+// transformers is tests/parity/test_chat_templates.py's job.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "chat/chat_template.h"
+
+namespace trainer::chat {
+namespace {
+
+using nlohmann::ordered_json;
+
+const char* kChatml =
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content + '<|im_end|>' }}{% endgeneration %}{% else %}{{ m.content + '<|im_end|>' }}{% endif %}"
+    "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+ordered_json conversation() {
+  return ordered_json::parse(R"([{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "wörld"},
+                                 {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}])");
+}
+
+std::string text_of(const ChatRendering& r, const Span& s) { return r.text.substr(s.first, s.second - s.first); }
+
+TEST(ChatTemplate, GenerationSpansAreByteRangesOfTheAssistantText) {
+  auto r = render_chat(kChatml, conversation(), {});
+  ASSERT_EQ(r.generation_spans.size(), 2u);
+  EXPECT_EQ(text_of(r, r.generation_spans[0]), "wörld<|im_end|>");
+  EXPECT_EQ(text_of(r, r.generation_spans[1]), "ok<|im_end|>");
+}
+
+TEST(ChatTemplate, PrefixSpansAgreeWithGenerationSpans) {
+  Template t(kChatml);
+  ChatOptions options;
+  auto spans = assistant_spans_by_prefix(t, conversation(), options);
+  auto r = render_chat(t, conversation(), options);
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_EQ(text_of(r, spans[0]), "wörld<|im_end|>\n");  // the prefix method also takes the newline after the turn
+  EXPECT_EQ(spans[1].first, r.generation_spans[1].first);
+}
+
+TEST(ChatTemplate, PrefixSpansFailWithAHintWhenTheTemplateRewritesEarlierTurns) {
+  Template t("{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content }};{% endfor %}");
+  try {
+    assistant_spans_by_prefix(t, conversation(), {});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("assistant message 1"), std::string::npos) << e.what();
+    EXPECT_NE(e.hint().find("data.train_on=all"), std::string::npos);
+    EXPECT_EQ(e.exit_code(), kExitData);
+  }
+}
+
+TEST(ChatTemplate, SyntaxErrorNamesLineAndColumn) {
+  try {
+    Template t("a\n{% if x %}\n  {{ 1 + }}\n{% endif %}");
+    FAIL() << "expected a syntax error";
+  } catch (const TemplateError& e) {
+    EXPECT_EQ(e.kind(), TemplateError::Kind::kSyntax);
+    EXPECT_EQ(e.line(), 3);
+    EXPECT_EQ(e.column(), 10);
+    EXPECT_NE(std::string(e.what()).find("line 3, column 10"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ChatTemplate, RaiseExceptionCarriesTheTemplatesMessage) {
+  try {
+    render_chat("{{ raise_exception('roles must alternate') }}", ordered_json::array(), {});
+    FAIL() << "expected an error";
+  } catch (const TemplateError& e) {
+    EXPECT_EQ(e.kind(), TemplateError::Kind::kRaised);
+    EXPECT_EQ(e.template_message(), "roles must alternate");
+  }
+}
+
+TEST(ChatTemplate, LimitsStopRunawayTemplates) {
+  ChatOptions options;
+  options.limits.max_steps = 10000;
+  try {
+    render_chat("{% for i in range(100000) %}{% endfor %}", ordered_json::array(), options);
+    FAIL() << "expected the step limit";
+  } catch (const TemplateError& e) {
+    EXPECT_EQ(e.kind(), TemplateError::Kind::kLimit);
+  }
+  options = {};
+  options.limits.max_output_bytes = 1000;
+  EXPECT_THROW(render_chat("{% for i in range(1000) %}xx{% endfor %}", ordered_json::array(), options), TemplateError);
+}
+
+TEST(ChatTemplate, VariablesFollowTransformersPrecedence) {
+  ChatOptions options;
+  options.special_tokens = {{"bos_token", "<s>"}, {"eos_token", "</s>"}};
+  options.extra = {{"eos_token", "<override>"}, {"date_string", "1 Jan 2026"}};
+  options.tools = ordered_json::array({{{"name", "f"}}});
+  options.add_generation_prompt = true;
+  auto r = render_chat("{{ bos_token }}{{ eos_token }}{{ date_string }}{{ tools | length }}{{ add_generation_prompt }}"
+                       "{{ documents is none }}",
+                       ordered_json::array(), options);
+  EXPECT_EQ(r.text, "<s><override>1 Jan 20261TrueTrue");
+}
+
+TEST(ChatTemplate, OneTemplateRendersOnManyThreads) {
+  Template t(kChatml);
+  const std::string expected = render_chat(t, conversation(), {}).text;
+  std::vector<std::thread> threads;
+  std::vector<int> ok(4, 0);
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&, i] {
+      for (int k = 0; k < 50; ++k) ok[static_cast<std::size_t>(i)] += render_chat(t, conversation(), {}).text == expected;
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int n : ok) EXPECT_EQ(n, 50);
+}
+
+class ModelDirectory : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("trainer_chat_test_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void write(const std::string& name, const std::string& text) { std::ofstream(dir_ / name) << text; }
+  std::filesystem::path dir_;
+};
+
+TEST_F(ModelDirectory, ReadsTheTemplateAndSpecialTokensFromTokenizerConfig) {
+  write("tokenizer_config.json", R"({"chat_template": "{{ bos_token }}x", "bos_token": {"content": "<s>",
+      "lstrip": false}, "eos_token": "</s>", "pad_token": null, "model_max_length": 10})");
+  auto found = load_chat_template(dir_, false);
+  EXPECT_EQ(found.source, "{{ bos_token }}x");
+  EXPECT_EQ(found.special_tokens, ordered_json({{"bos_token", "<s>"}, {"eos_token", "</s>"}}));
+}
+
+TEST_F(ModelDirectory, PicksToolUseWhenToolsAreGivenAndDefaultOtherwise) {
+  write("tokenizer_config.json", R"({"chat_template": [{"name": "default", "template": "D"},
+      {"name": "tool_use", "template": "T"}]})");
+  EXPECT_EQ(load_chat_template(dir_, false).source, "D");
+  EXPECT_EQ(load_chat_template(dir_, true).source, "T");
+}
+
+TEST_F(ModelDirectory, AJinjaFileTakesPriority) {
+  write("tokenizer_config.json", R"({"chat_template": "from config"})");
+  write("chat_template.jinja", "from file");
+  auto found = load_chat_template(dir_, false);
+  EXPECT_EQ(found.source, "from file");
+  EXPECT_NE(found.origin.find("chat_template.jinja"), std::string::npos);
+}
+
+TEST_F(ModelDirectory, NoTemplateIsADataErrorWithAHint) {
+  write("tokenizer_config.json", R"({"eos_token": "</s>"})");
+  try {
+    load_chat_template(dir_, false);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.exit_code(), kExitData);
+    EXPECT_NE(std::string(e.what()).find(dir_.string()), std::string::npos);
+    EXPECT_NE(e.hint().find("data.chat_template"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace trainer::chat
