@@ -116,6 +116,12 @@ FIXED_PAIRS = [
     ("Don't stop-believing... ok?!", "dont stop believing ok"),
     ("   ", "\n\n"),
     ("!!!", "???"),
+    # Exact match after Python's lower(): final sigma (ς only at a word's end), dotted capital I (i + U+0307).
+    ("\u039f\u0394\u039f\u03a3.", "\u03bf\u03b4\u03bf\u03c2"),
+    ("\u039f\u0394\u039f\u03a3", "\u03bf\u03b4\u03bf\u03c3"),
+    ("\u03a3\u0391\u03a3 the", "\u03c3\u03b1\u03c2"),
+    ("\u0130stanbul", "i\u0307stanbul"),
+    ("Theatre a-n the_a", "theatre an the_a"),
 ]
 
 
