@@ -66,6 +66,8 @@ Quantized4bit quantize_4bit(const void* values, int64_t numel, FloatDtype dtype,
 // The per-block scale that dequantization uses (nested: code[q] * nested_absmax + offset).
 std::vector<float> block_scales(const Quantized4bit& q);
 // Dequantized values in `dtype` (floats or raw 16-bit patterns) into `out` (numel elements of that dtype).
-void dequantize_4bit(const Quantized4bit& q, FloatDtype dtype, void* out);
+// `last_dim` is the weight's shape[-1]: bitsandbytes' CPU library (used when it is even) decodes FP4 nibble 8 as
+// -0.0 where its torch fallback (odd last dimension) gives +0.0; everything else is identical.
+void dequantize_4bit(const Quantized4bit& q, FloatDtype dtype, void* out, int64_t last_dim);
 
 }  // namespace trainer::quant

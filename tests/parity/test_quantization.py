@@ -1,0 +1,222 @@
+"""4-bit (NF4/FP4) and 8-bit blockwise quantization and AdamW8bit against bitsandbytes 0.50.2 on the CPU.
+
+src/quant must give bitsandbytes' bytes exactly: quantize_4bit's packed nibbles, block absmax and double-quantized
+statistics, dequantize_4bit's values in every dtype, the 8-bit dynamic map and blockwise codes, and AdamW8bit's
+weights and states after several steps (an fp32-state tensor under min_8bit_size and 8-bit ones), also across a
+save and restore of our state midway. The C++ side runs through build/trainer_quant_tool.
+"""
+import os
+import pathlib
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+import bitsandbytes.functional as F  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.fixture(scope="session")
+def quant_tool():
+    binary = os.environ.get("TRAINER_BINARY", str(ROOT / "build" / "trainer"))
+    path = pathlib.Path(os.environ.get("TRAINER_QUANT_TOOL", pathlib.Path(binary).parent / "trainer_quant_tool"))
+    if not path.exists():
+        pytest.fail(f"{path} does not exist: build first (cmake --build build --target trainer_quant_tool)")
+    assert bnb.__version__ == "0.50.2", f"parity is pinned to bitsandbytes 0.50.2, found {bnb.__version__}"
+    return path
+
+
+def run_tool(tool, *args):
+    result = subprocess.run([str(tool), *map(str, args)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    t = t.contiguous().reshape(-1)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def read(path, dtype):
+    return np.fromfile(path, dtype=dtype)
+
+
+def assert_same_bits(ours: np.ndarray, theirs: torch.Tensor, what: str):
+    theirs_np = np.frombuffer(raw_bytes(theirs), dtype=ours.dtype)
+    assert ours.shape == theirs_np.shape, f"{what}: {ours.shape} vs {theirs_np.shape}"
+    diff = np.flatnonzero(ours != theirs_np)
+    assert diff.size == 0, f"{what}: {diff.size} of {ours.size} differ, first at {diff[:5]}: ours {ours[diff[:5]]} bnb {theirs_np[diff[:5]]}"
+
+
+def make_weights(numel: int, blocksize: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Gaussian weights at a few scales, one all-zero block, and values that sit exactly on NF4/FP4 midpoints."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(numel, generator=g) * torch.logspace(-3, 1, numel)[torch.randperm(numel, generator=g)]
+    if numel >= 3 * blocksize:
+        w[blocksize : 2 * blocksize] = 0.0
+        # A block whose absmax is 1 holding the bucket boundaries themselves: ties must go to the same side.
+        edges = torch.cat([(F.get_4bit_type(t, "cpu").sort().values[:-1] + F.get_4bit_type(t, "cpu").sort().values[1:]) / 2
+                           for t in ("nf4", "fp4")])
+        block = torch.zeros(blocksize)
+        block[0] = 1.0
+        block[1 : 1 + min(edges.numel(), blocksize - 1)] = edges[: blocksize - 1]
+        w[2 * blocksize : 3 * blocksize] = block
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("signed", ["signed", "unsigned"])
+def test_dynamic_map(quant_tool, tmp_path, signed):
+    run_tool(quant_tool, "dynamic_map", signed, tmp_path / "map")
+    assert_same_bits(read(tmp_path / "map", np.uint32), F.create_dynamic_map(signed=signed == "signed"), "dynamic map")
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_4bit_code(quant_tool, tmp_path, quant_type):
+    run_tool(quant_tool, "code4", quant_type, tmp_path / "code")
+    assert_same_bits(read(tmp_path / "code", np.uint32), F.get_4bit_type(quant_type, "cpu"), "4-bit code")
+
+
+@pytest.mark.parametrize("numel", [1, 255, 256, 1000, 4097, 100_003])
+@pytest.mark.parametrize("blocksize", [64, 256, 4096])
+@pytest.mark.parametrize("signed", ["signed", "unsigned"])
+def test_quantize_blockwise_8bit(quant_tool, tmp_path, numel, blocksize, signed):
+    g = torch.Generator().manual_seed(numel + blocksize)
+    x = torch.randn(numel, generator=g) * torch.logspace(-8, 2, numel)
+    if signed == "unsigned":
+        x = x * x
+    if numel > 2 * blocksize:
+        x[:blocksize] = 0.0
+    (tmp_path / "in").write_bytes(raw_bytes(x))
+    run_tool(quant_tool, "quantize8", tmp_path / "in", numel, blocksize, signed, tmp_path / "out")
+    codes, state = F.quantize_blockwise(x, code=F.create_dynamic_map(signed=signed == "signed"), blocksize=blocksize)
+    assert_same_bits(read(tmp_path / "out" / "codes", np.uint8), codes, "codes")
+    assert_same_bits(read(tmp_path / "out" / "absmax", np.uint32), state.absmax, "absmax")
+
+
+CASES_4BIT = [
+    (numel, blocksize)
+    for numel, blocksize in [(4096, 64), (70_001, 64), (333, 64), (1_000_001, 64), (12_345, 128), (65_537, 256),
+                             (9_999, 1024), (200_000, 2048), (50_001, 4096), (77, 4096)]
+]
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "double"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("numel,blocksize", CASES_4BIT)
+def test_quantize_dequantize_4bit(quant_tool, tmp_path, numel, blocksize, quant_type, dtype, compress):
+    w = make_weights(numel, blocksize, DTYPES[dtype], seed=numel * 7 + blocksize)
+    (tmp_path / "in").write_bytes(raw_bytes(w))
+    out = tmp_path / "ours"
+    run_tool(quant_tool, "quantize4", tmp_path / "in", dtype, numel, blocksize, quant_type, int(compress), out)
+    packed, state = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=compress, quant_type=quant_type)
+    assert_same_bits(read(out / "packed", np.uint8), packed, "packed")
+    if compress:
+        assert_same_bits(read(out / "nested_codes", np.uint8), state.absmax, "nested codes (absmax)")
+        assert_same_bits(read(out / "nested_absmax", np.uint32), state.state2.absmax, "nested_absmax")
+        assert_same_bits(read(out / "nested_offset", np.uint32), state.offset.reshape(1), "nested offset")
+        assert state.state2.blocksize == 256
+        assert torch.equal(state.state2.code, F.create_dynamic_map(signed=True))
+    else:
+        assert_same_bits(read(out / "absmax", np.uint32), state.absmax, "absmax")
+
+    # Dequantize bitsandbytes' own state (not ours), so this checks dequantization on its own.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "packed").write_bytes(raw_bytes(packed))
+    if compress:
+        (theirs / "nested_codes").write_bytes(raw_bytes(state.absmax))
+        (theirs / "nested_absmax").write_bytes(raw_bytes(state.state2.absmax))
+        (theirs / "nested_offset").write_bytes(raw_bytes(state.offset.reshape(1)))
+    else:
+        (theirs / "absmax").write_bytes(raw_bytes(state.absmax))
+    run_tool(quant_tool, "dequantize4", theirs, numel, blocksize, quant_type, int(compress), dtype, tmp_path / "deq")
+    expected = F.dequantize_4bit(packed, state)
+    width = np.uint32 if dtype == "float32" else np.uint16
+    assert_same_bits(read(tmp_path / "deq", width), expected, "dequantized")
+
+
+ADAM = dict(lr=1e-3, betas=(0.9, 0.995), eps=1e-6, weight_decay=0.1)
+ADAM_SIZES = [1000, 4095, 4096, 5000, 70_000]  # under and over min_8bit_size=4096
+
+
+def bnb_adamw(params, grads_per_step):
+    torch_params = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = bnb.optim.AdamW8bit(torch_params, **ADAM)
+    for grads in grads_per_step:
+        for p, g in zip(torch_params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return torch_params, opt
+
+
+def run_ours(tool, tmp_path, name, param, grads, state_in):
+    (tmp_path / f"{name}.param").write_bytes(raw_bytes(param))
+    (tmp_path / f"{name}.grads").write_bytes(b"".join(raw_bytes(g) for g in grads))
+    out = tmp_path / name
+    run_tool(tool, "adamw", tmp_path / f"{name}.param", tmp_path / f"{name}.grads", param.numel(), len(grads),
+             ADAM["lr"], ADAM["betas"][0], ADAM["betas"][1], ADAM["eps"], ADAM["weight_decay"], 4096,
+             state_in, out)
+    return out
+
+
+def test_adamw8bit_steps_and_resume(quant_tool, tmp_path):
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(n, generator=g) * 0.02 for n in ADAM_SIZES]
+    steps = 6
+    grads = [[torch.randn(n, generator=g) * 10 ** float(torch.empty(1).uniform_(-4, 0, generator=g))
+              for n in ADAM_SIZES] for _ in range(steps)]
+    for grads_of_step in grads:
+        grads_of_step[3][:512] = 0.0  # zero gradients: the unsigned second moment's zero code
+    torch_params, opt = bnb_adamw(params, grads)
+    for i, (p0, p) in enumerate(zip(params, torch_params)):
+        whole = run_ours(quant_tool, tmp_path, f"whole{i}", p0, [s[i] for s in grads], "-")
+        first = run_ours(quant_tool, tmp_path, f"first{i}", p0, [s[i] for s in grads[:3]], "-")
+        resumed = run_ours(quant_tool, tmp_path, f"resumed{i}", read(first / "param", np.float32),
+                           [s[i] for s in grads[3:]], first / "state")
+        state = opt.state[p]
+        assert state["step"] == steps
+        is_8bit = p.numel() >= 4096
+        assert (state["state1"].dtype == torch.uint8) == is_8bit
+        for out in (whole, resumed):
+            assert_same_bits(read(out / "param", np.uint32), p.data, f"param {p.numel()}")
+            if is_8bit:
+                assert_same_bits(read(out / "state1", np.uint8), state["state1"], "state1")
+                assert_same_bits(read(out / "state2", np.uint8), state["state2"], "state2")
+                assert_same_bits(read(out / "absmax1", np.uint32), state["absmax1"], "absmax1")
+                assert_same_bits(read(out / "absmax2", np.uint32), state["absmax2"], "absmax2")
+            else:
+                assert_same_bits(read(out / "state1", np.uint32), state["state1"], "state1")
+                assert_same_bits(read(out / "state2", np.uint32), state["state2"], "state2")
+        assert (whole / "state").read_bytes() == (resumed / "state").read_bytes()
+    # The updates really moved the weights (a test that passes on unchanged weights proves nothing).
+    assert all(not torch.equal(p0, p.data) for p0, p in zip(params, torch_params))
+
+
+def test_bad_inputs(quant_tool, tmp_path):
+    (tmp_path / "in").write_bytes(raw_bytes(torch.ones(100)))
+    result = subprocess.run([str(quant_tool), "quantize4", tmp_path / "in", "float32", "100", "100", "nf4", "0",
+                             tmp_path / "out"], capture_output=True, text=True)
+    assert result.returncode == 1 and "block size 100 is not allowed" in result.stderr
+    result = subprocess.run([str(quant_tool), "quantize4", tmp_path / "in", "float32", "100", "64", "int4", "0",
+                             tmp_path / "out"], capture_output=True, text=True)
+    assert result.returncode == 1 and "unknown 4-bit quant type 'int4'" in result.stderr
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 255, 257, 511,
+                                    513, 1023, 1025, 2049, 4097, 8191, 16385, 32767])
+def test_double_quant_offset_many_block_counts(quant_tool, tmp_path, blocks):
+    """The nested offset is torch's fp32 absmax.mean(): its summation order shows in the last bit."""
+    numel = blocks * 64 - 17
+    w = torch.randn(numel, generator=torch.Generator().manual_seed(blocks)) * 3.7
+    (tmp_path / "in").write_bytes(raw_bytes(w))
+    run_tool(quant_tool, "quantize4", tmp_path / "in", "float32", numel, 64, "nf4", 1, tmp_path / "out")
+    _, state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    assert_same_bits(read(tmp_path / "out" / "nested_offset", np.uint32), state.offset.reshape(1), "nested offset")
+    assert_same_bits(read(tmp_path / "out" / "nested_absmax", np.uint32), state.state2.absmax, "nested_absmax")
+    assert_same_bits(read(tmp_path / "out" / "nested_codes", np.uint8), state.absmax, "nested codes")
