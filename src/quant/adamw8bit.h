@@ -10,26 +10,26 @@ namespace trainer::quant {
 
 // Mirrors AdamW8bit's constructor arguments (Python floats, hence double) and their defaults.
 struct AdamW8bitConfig {
-    double lr = 1e-3;
-    double beta1 = 0.9;
-    double beta2 = 0.999;
-    double eps = 1e-8;
-    double weight_decay = 1e-2;
-    int64_t min_8bit_size = 4096;  // tensors with fewer elements keep fp32 moments
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  int64_t min_8bit_size = 4096;  // tensors with fewer elements keep fp32 moments
 };
 
 // One parameter's optimizer state: 8-bit codes with per-256 absmax, or plain fp32 moments for small tensors.
 struct AdamW8bitState {
-    static constexpr int64_t kBlocksize = 256;  // bitsandbytes' BLOCKSIZE_2STATE on the CPU
-    int64_t numel = 0;
-    int64_t step = 0;
-    bool is_8bit = false;
-    std::vector<uint8_t> state1;    // first moment, signed dynamic map
-    std::vector<uint8_t> state2;    // second moment, unsigned dynamic map
-    std::vector<float> absmax1;
-    std::vector<float> absmax2;
-    std::vector<float> state1_fp32; // used when !is_8bit
-    std::vector<float> state2_fp32;
+  static constexpr int64_t kBlocksize = 256;  // bitsandbytes' BLOCKSIZE_2STATE on the CPU
+  int64_t numel = 0;
+  int64_t step = 0;
+  bool is_8bit = false;
+  std::vector<uint8_t> state1;  // first moment, signed dynamic map
+  std::vector<uint8_t> state2;  // second moment, unsigned dynamic map
+  std::vector<float> absmax1;
+  std::vector<float> absmax2;
+  std::vector<float> state1_fp32;  // used when !is_8bit
+  std::vector<float> state2_fp32;
 };
 
 AdamW8bitState make_adamw8bit_state(int64_t numel, const AdamW8bitConfig& config);

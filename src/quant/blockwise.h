@@ -1,5 +1,6 @@
-// Blockwise 4-bit (NF4/FP4) and 8-bit (dynamic map) quantization equal bit for bit to bitsandbytes 0.50.2 on the
-// CPU, on plain buffers (no LibTorch) so it is testable in isolation and reusable by the loader and the optimizer.
+// Blockwise 4-bit (NF4/FP4) and 8-bit (dynamic map) quantization equal bit for bit to bitsandbytes 0.50.2 on
+// the CPU, on plain buffers (no LibTorch) so it is testable in isolation and reusable by the loader and the
+// optimizer.
 #pragma once
 
 #include <array>
@@ -28,13 +29,14 @@ uint16_t float_to_fp16_bits(float value);
 
 // The 16-entry code tables of bitsandbytes.functional.get_4bit_type (index = stored nibble).
 const std::array<float, 16>& four_bit_code(QuantType type);
-// bitsandbytes.functional.create_dynamic_map(signed) with max_exponent_bits=7, total_bits=8: 256 sorted floats.
+// bitsandbytes.functional.create_dynamic_map(signed) with max_exponent_bits=7, total_bits=8: 256 sorted
+// floats.
 std::vector<float> create_dynamic_map(bool is_signed);
 
 // 8-bit blockwise quantization of fp32 values with a 256-entry sorted code (cquantize_blockwise_cpu_fp32).
 struct Blockwise8bit {
-    std::vector<uint8_t> codes;  // one per element
-    std::vector<float> absmax;   // one per block
+  std::vector<uint8_t> codes;  // one per element
+  std::vector<float> absmax;   // one per block
 };
 void quantize_blockwise_8bit(std::span<const float> values, std::span<const float> code, int64_t blocksize,
                              std::span<uint8_t> codes_out, std::span<float> absmax_out);
@@ -46,28 +48,28 @@ void dequantize_blockwise_8bit(std::span<const uint8_t> codes, std::span<const f
 
 // Result of quantize_4bit; with double quantization `absmax` is empty and the nested fields are filled.
 struct Quantized4bit {
-    QuantType type = QuantType::kNf4;
-    int64_t blocksize = 64;
-    int64_t numel = 0;
-    std::vector<uint8_t> packed;   // (numel + 1) / 2 bytes, element 2j in the high nibble
-    std::vector<float> absmax;     // one per block (no double quantization)
-    bool nested = false;
-    std::vector<uint8_t> nested_codes;   // absmax - offset, 8-bit, one per block
-    std::vector<float> nested_absmax;    // one per 256 blocks
-    float nested_offset = 0.0f;          // mean of the absmax
-    static constexpr int64_t kNestedBlocksize = 256;
+  QuantType type = QuantType::kNf4;
+  int64_t blocksize = 64;
+  int64_t numel = 0;
+  std::vector<uint8_t> packed;  // (numel + 1) / 2 bytes, element 2j in the high nibble
+  std::vector<float> absmax;    // one per block (no double quantization)
+  bool nested = false;
+  std::vector<uint8_t> nested_codes;  // absmax - offset, 8-bit, one per block
+  std::vector<float> nested_absmax;   // one per 256 blocks
+  float nested_offset = 0.0f;         // mean of the absmax
+  static constexpr int64_t kNestedBlocksize = 256;
 };
 
 void check_4bit_blocksize(int64_t blocksize);  // 32..4096 powers of two, as bitsandbytes accepts
 
 // `values` holds numel elements: floats for kFp32, raw 16-bit patterns (as uint16_t) for kBf16/kFp16.
-Quantized4bit quantize_4bit(const void* values, int64_t numel, FloatDtype dtype, int64_t blocksize, QuantType type,
-                            bool compress_statistics);
+Quantized4bit quantize_4bit(const void* values, int64_t numel, FloatDtype dtype, int64_t blocksize,
+                            QuantType type, bool compress_statistics);
 // The per-block scale that dequantization uses (nested: code[q] * nested_absmax + offset).
 std::vector<float> block_scales(const Quantized4bit& q);
 // Dequantized values in `dtype` (floats or raw 16-bit patterns) into `out` (numel elements of that dtype).
-// `last_dim` is the weight's shape[-1]: bitsandbytes' CPU library (used when it is even) decodes FP4 nibble 8 as
-// -0.0 where its torch fallback (odd last dimension) gives +0.0; everything else is identical.
+// `last_dim` is the weight's shape[-1]: bitsandbytes' CPU library (used when it is even) decodes FP4 nibble 8
+// as -0.0 where its torch fallback (odd last dimension) gives +0.0; everything else is identical.
 void dequantize_4bit(const Quantized4bit& q, FloatDtype dtype, void* out, int64_t last_dim);
 
 }  // namespace trainer::quant
