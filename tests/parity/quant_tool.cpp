@@ -8,11 +8,17 @@
 //       reads the files quantize4 writes from DIR and writes NUMEL values of DTYPE to OUT
 //   trainer_quant_tool dynamic_map signed|unsigned OUT            the 256 float32 entries
 //   trainer_quant_tool code4 nf4|fp4 OUT                           the 16 float32 entries (index = nibble)
-//   trainer_quant_tool quantize8 IN NUMEL BLOCKSIZE signed|unsigned OUTDIR   OUTDIR/codes, OUTDIR/absmax
-//   trainer_quant_tool adamw PARAM GRADS NUMEL STEPS LR BETA1 BETA2 EPS WD MIN_8BIT STATE_IN|- OUTDIR
+//   trainer_quant_tool layout IN DTYPE BLOCKSIZE nf4|fp4 DOUBLE(0|1) SHAPE OUTDIR
+//       quantize4 of IN (SHAPE: comma-separated dims) saved as bitsandbytes' QuantState.as_dict(packed=True):
+//       OUTDIR/<key> raw bytes and OUTDIR/<key>.meta ("<safetensors dtype> d0,d1,...") for every tensor
+//   trainer_quant_tool float_repr VALUE...                         Python's repr of each (as a double), a
+//   line each trainer_quant_tool quantize8 IN NUMEL BLOCKSIZE signed|unsigned OUTDIR   OUTDIR/codes,
+//   OUTDIR/absmax trainer_quant_tool adamw PARAM GRADS NUMEL STEPS LR BETA1 BETA2 EPS WD MIN_8BIT STATE_IN|-
+//   OUTDIR
 //       STEPS AdamW8bit steps over GRADS (STEPS x NUMEL float32) from PARAM (and STATE_IN, a state written
 //       before); writes OUTDIR/param, state (our serialised bytes), state1, state2 (uint8 or float32),
 //       absmax1, absmax2 (8-bit only)
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -23,6 +29,7 @@
 
 #include "quant/adamw8bit.h"
 #include "quant/blockwise.h"
+#include "quant/bnb_layout.h"
 
 namespace {
 
@@ -148,6 +155,29 @@ void adamw(const std::vector<std::string>& args) {
   }
 }
 
+void layout(const std::vector<std::string>& args) {
+  const quant::FloatDtype dtype = quant::parse_float_dtype(args[1]);
+  std::vector<int64_t> shape;
+  int64_t numel = 1;
+  for (size_t start = 0; start <= args[5].size();) {
+    const size_t comma = std::min(args[5].find(',', start), args[5].size());
+    shape.push_back(to_int(args[5].substr(start, comma - start)));
+    numel *= shape.back();
+    start = comma + 1;
+  }
+  const std::vector<uint8_t> input =
+      read_array<uint8_t>(args[0], static_cast<size_t>(numel) * dtype_size(dtype));
+  const quant::Quantized4bit q = quant::quantize_4bit(input.data(), numel, dtype, to_int(args[2]),
+                                                      quant::parse_quant_type(args[3]), args[4] == "1");
+  std::filesystem::create_directories(args[6]);
+  for (const auto& [key, tensor] : quant::bnb_saved_tensors(q, dtype, shape)) {
+    write_array(args[6] + "/" + key, tensor.bytes);
+    std::ofstream meta(args[6] + "/" + key + ".meta");
+    meta << tensor.dtype << " ";
+    for (size_t i = 0; i < tensor.shape.size(); ++i) meta << (i ? "," : "") << tensor.shape[i];
+  }
+}
+
 void run(const std::string& command, const std::vector<std::string>& args) {
   const auto need = [&](size_t count) {
     if (args.size() != count) {
@@ -170,6 +200,11 @@ void run(const std::string& command, const std::vector<std::string>& args) {
     need(2);
     const auto& code = quant::four_bit_code(quant::parse_quant_type(args[0]));
     write_array(args[1], std::vector<float>(code.begin(), code.end()));
+  } else if (command == "layout") {
+    need(7);
+    layout(args);
+  } else if (command == "float_repr") {
+    for (const std::string& value : args) std::cout << quant::python_float_repr(std::stod(value)) << "\n";
   } else if (command == "quantize8") {
     need(5);
     quantize8(args);
@@ -177,8 +212,9 @@ void run(const std::string& command, const std::vector<std::string>& args) {
     need(12);
     adamw(args);
   } else {
-    throw std::invalid_argument("unknown command '" + command +
-                                "'; hint: quantize4, dequantize4, dynamic_map, code4, quantize8 or adamw");
+    throw std::invalid_argument(
+        "unknown command '" + command +
+        "'; hint: quantize4, dequantize4, dynamic_map, code4, layout, float_repr, quantize8 or adamw");
   }
 }
 

@@ -275,3 +275,32 @@ def test_double_quant_offset_many_block_counts(quant_tool, tmp_path, blocks):
     assert_same_bits(read(tmp_path / "out" / "nested_offset", np.uint32), state.offset.reshape(1), "nested offset")
     assert_same_bits(read(tmp_path / "out" / "nested_absmax", np.uint32), state.state2.absmax, "nested_absmax")
     assert_same_bits(read(tmp_path / "out" / "nested_codes", np.uint8), state.absmax, "nested codes")
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "double"])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype,shape", [("bfloat16", (300, 70)), ("float32", (33, 17)), ("float16", (4096,))])
+def test_saved_layout(quant_tool, tmp_path, dtype, shape, quant_type, compress):
+    """Our tensors and JSON equal QuantState.as_dict(packed=True), what transformers writes to safetensors."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).to(DTYPES[dtype])
+    (tmp_path / "in").write_bytes(raw_bytes(w))
+    run_tool(quant_tool, "layout", tmp_path / "in", dtype, 64, quant_type, int(compress),
+             ",".join(map(str, shape)), tmp_path / "out")
+    packed, state = F.quantize_4bit(w, blocksize=64, compress_statistics=compress, quant_type=quant_type)
+    expected = {"weight": packed, **state.as_dict(packed=True)}
+    written = sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.endswith(".meta"))
+    assert written == sorted(expected)
+    names = {torch.uint8: "U8", torch.float32: "F32"}
+    for key, tensor in expected.items():
+        meta = (tmp_path / "out" / f"{key}.meta").read_text().split(" ")
+        assert meta[0] == names[tensor.dtype], key
+        assert tuple(int(d) for d in meta[1].split(",")) == tuple(tensor.shape), key
+        assert (tmp_path / "out" / key).read_bytes() == raw_bytes(tensor), key
+
+
+def test_python_float_repr(quant_tool):
+    values = [2.6060030460357666, 0.0001, 0.00012345, 1e-05, 1.5e-07, 123456789.0, 1e16, 1.2345e16, 1e17, 0.5,
+              -3.0, 0.0, 100.0, 3.4028234663852886e38, 1.401298464324817e-45]
+    result = subprocess.run([str(quant_tool), "float_repr", *map(repr, values)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [repr(v) for v in values]
