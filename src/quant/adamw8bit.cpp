@@ -106,8 +106,9 @@ constexpr char kMagic[8] = {'T', 'Q', 'A', 'W', '8', 'B', '0', '1'};
 
 template <typename T>
 void append(std::vector<uint8_t>& out, const T* data, size_t count) {
-  const auto* bytes = reinterpret_cast<const uint8_t*>(data);
-  out.insert(out.end(), bytes, bytes + count * sizeof(T));
+  const size_t offset = out.size();
+  out.resize(offset + count * sizeof(T));
+  if (count > 0) std::memcpy(out.data() + offset, data, count * sizeof(T));
 }
 
 class Reader {
@@ -177,6 +178,11 @@ std::vector<float> adamw8bit_moment(const AdamW8bitState& state, int which) {
 
 std::vector<uint8_t> serialize_adamw8bit_state(const AdamW8bitState& state) {
   std::vector<uint8_t> out;
+  // Reserved up front: one allocation for the whole state.
+  const size_t n = static_cast<size_t>(state.numel);
+  const size_t blocks = state.absmax1.size();
+  out.reserve(sizeof(kMagic) + 2 * sizeof(int64_t) + 1 +
+              (state.is_8bit ? 2 * n + 2 * blocks * sizeof(float) : 2 * n * sizeof(float)));
   append(out, kMagic, sizeof(kMagic));
   append(out, &state.numel, 1);
   append(out, &state.step, 1);

@@ -36,25 +36,36 @@ std::string python_float_repr(double value) {
     if (c != '.') digits += c;
   }
   const int decimal_point = exponent + 1;  // digits d1 d2 ... with the point after decimal_point of them
+  // Built with append(), not operator+: GCC 12 reports a false -Wrestrict on string concatenation at -O3.
   std::string out;
+  if (negative) out.push_back('-');
   if (decimal_point > -4 && decimal_point <= 16) {
     if (decimal_point <= 0) {
-      out = "0." + std::string(static_cast<size_t>(-decimal_point), '0') + digits;
+      out.append("0.");
+      out.append(static_cast<size_t>(-decimal_point), '0');
+      out.append(digits);
     } else if (static_cast<size_t>(decimal_point) >= digits.size()) {
-      out = digits + std::string(static_cast<size_t>(decimal_point) - digits.size(), '0') + ".0";
+      out.append(digits);
+      out.append(static_cast<size_t>(decimal_point) - digits.size(), '0');
+      out.append(".0");
     } else {
-      out = digits.substr(0, static_cast<size_t>(decimal_point)) + "." +
-            digits.substr(static_cast<size_t>(decimal_point));
+      out.append(digits, 0, static_cast<size_t>(decimal_point));
+      out.push_back('.');
+      out.append(digits, static_cast<size_t>(decimal_point));
     }
-  } else {
-    out = digits.substr(0, 1);
-    if (digits.size() > 1) out += "." + digits.substr(1);
-    const int shown = decimal_point - 1;
-    out += shown < 0 ? "e-" : "e+";
-    const std::string exp_digits = std::to_string(std::abs(shown));
-    out += exp_digits.size() < 2 ? "0" + exp_digits : exp_digits;
+    return out;
   }
-  return negative ? "-" + out : out;
+  out.push_back(digits[0]);
+  if (digits.size() > 1) {
+    out.push_back('.');
+    out.append(digits, 1);
+  }
+  const int shown = decimal_point - 1;
+  out.append(shown < 0 ? "e-" : "e+");
+  const std::string exp_digits = std::to_string(std::abs(shown));
+  if (exp_digits.size() < 2) out.push_back('0');
+  out.append(exp_digits);
+  return out;
 }
 
 std::string bnb_quant_state_json(const Quantized4bit& q, FloatDtype dtype, std::span<const int64_t> shape) {
