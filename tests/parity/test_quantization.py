@@ -50,7 +50,9 @@ def assert_same_bits(ours: np.ndarray, theirs: torch.Tensor, what: str):
     theirs_np = np.frombuffer(raw_bytes(theirs), dtype=ours.dtype)
     assert ours.shape == theirs_np.shape, f"{what}: {ours.shape} vs {theirs_np.shape}"
     diff = np.flatnonzero(ours != theirs_np)
-    assert diff.size == 0, f"{what}: {diff.size} of {ours.size} differ, first at {diff[:5]}: ours {ours[diff[:5]]} bnb {theirs_np[diff[:5]]}"
+    first = diff[:5]
+    assert diff.size == 0, (
+        f"{what}: {diff.size} of {ours.size} differ, first at {first}: ours {ours[first]} bnb {theirs_np[first]}")
 
 
 def make_weights(numel: int, blocksize: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -60,8 +62,8 @@ def make_weights(numel: int, blocksize: int, dtype: torch.dtype, seed: int) -> t
     if numel >= 3 * blocksize:
         w[blocksize : 2 * blocksize] = 0.0
         # A block whose absmax is 1 holding the bucket boundaries themselves: ties must go to the same side.
-        edges = torch.cat([(F.get_4bit_type(t, "cpu").sort().values[:-1] + F.get_4bit_type(t, "cpu").sort().values[1:]) / 2
-                           for t in ("nf4", "fp4")])
+        codes = [F.get_4bit_type(t, "cpu").sort().values for t in ("nf4", "fp4")]
+        edges = torch.cat([(c[:-1] + c[1:]) / 2 for c in codes])
         block = torch.zeros(blocksize)
         block[0] = 1.0
         block[1 : 1 + min(edges.numel(), blocksize - 1)] = edges[: blocksize - 1]
