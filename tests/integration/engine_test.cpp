@@ -43,19 +43,6 @@ const TaskCase kText{"Text", "configs/tiny-t5.json", "tok", {"--set", "evaluatio
 const TaskCase kImage{"Image", "configs/tiny-vit.json", "images", {}};
 const TaskCase kClip{"Contrastive", "configs/tiny-clip.json", "pairs", {}};
 
-// The largest difference between two saved models' tensors (infinity when their names or shapes differ).
-double max_difference(const fs::path& a, const fs::path& b) {
-  const auto x = SafetensorsFile::open(a.string()), y = SafetensorsFile::open(b.string());
-  if (x.tensors().size() != y.tensors().size()) return INFINITY;
-  double worst = 0;
-  for (const auto& t : x.tensors()) {
-    const at::Tensor u = x.load(t.name, at::kFloat), v = y.load(t.name, at::kFloat);
-    if (!u.sizes().equals(v.sizes())) return INFINITY;
-    worst = std::max(worst, (u - v).abs().max().item<double>());
-  }
-  return worst;
-}
-
 bool same_bytes(const fs::path& a, const fs::path& b) { return read_text(a) == read_text(b); }
 
 class Task : public ::testing::TestWithParam<TaskCase> {

@@ -22,6 +22,18 @@ def trainer_binary():
 
 
 @pytest.fixture(scope="session")
+def built_tool():
+    """A helper binary the build puts beside trainer (trainer_chat_tool, ...), or the path in `variable`."""
+    def find(name, variable):
+        binary = os.environ.get("TRAINER_BINARY", str(ROOT / "build" / "trainer"))
+        path = pathlib.Path(os.environ.get(variable, pathlib.Path(binary).parent / name))
+        if not path.exists():
+            pytest.fail(f"{path} does not exist: build first (cmake --build build --target {name})")
+        return path
+    return find
+
+
+@pytest.fixture(scope="session")
 def run_trainer(trainer_binary):
     def run(*args, check=True):
         result = subprocess.run([str(trainer_binary), *map(str, args)], cwd=ROOT, capture_output=True, text=True,

@@ -4,8 +4,6 @@ transformers' generation indices; prefix-by-prefix assistant spans; and the erro
 The tool is found beside TRAINER_BINARY (or at TRAINER_CHAT_TOOL)."""
 import datetime
 import json
-import os
-import pathlib
 import subprocess
 
 import pytest
@@ -13,7 +11,6 @@ import pytest
 transformers = pytest.importorskip("transformers")
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # ---- The templates: the chat_template strings of the models' tokenizer_config.json files ------------------------
 
@@ -475,12 +472,8 @@ class ChatTool:
 
 
 @pytest.fixture(scope="module")
-def chat():
-    binary = os.environ.get("TRAINER_BINARY", str(ROOT / "build" / "trainer"))
-    path = pathlib.Path(os.environ.get("TRAINER_CHAT_TOOL", pathlib.Path(binary).parent / "trainer_chat_tool"))
-    if not path.exists():
-        pytest.fail(f"{path} does not exist: build first (cmake --build build --target trainer_chat_tool)")
-    tool = ChatTool(path)
+def chat(built_tool):
+    tool = ChatTool(built_tool("trainer_chat_tool", "TRAINER_CHAT_TOOL"))
     yield tool
     tool.close()
 

@@ -4,8 +4,6 @@ the per-pair F-measures we report), BLEU and chrF against sacrebleu's corpus_ble
 and our Porter stemmer against nltk's PorterStemmer(). The C++ side runs through build/trainer_metrics_tool.
 """
 import json
-import os
-import pathlib
 import random
 import re
 import string
@@ -16,18 +14,13 @@ import sacrebleu
 from nltk.stem.porter import PorterStemmer
 from rouge_score import rouge_scorer
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROUGE_TYPES = ["rouge1", "rouge2", "rougeL", "rougeLsum"]
 TOLERANCE = 1e-9
 
 
 @pytest.fixture(scope="session")
-def metrics_tool():
-    binary = os.environ.get("TRAINER_BINARY", str(ROOT / "build" / "trainer"))
-    path = pathlib.Path(os.environ.get("TRAINER_METRICS_TOOL", pathlib.Path(binary).parent / "trainer_metrics_tool"))
-    if not path.exists():
-        pytest.fail(f"{path} does not exist: build first (cmake --build build --target trainer_metrics_tool)")
-    return path
+def metrics_tool(built_tool):
+    return built_tool("trainer_metrics_tool", "TRAINER_METRICS_TOOL")
 
 
 def run_tool(tool, predictions, references, use_stemmer, stem_words=None):

@@ -5,27 +5,21 @@ statistics, dequantize_4bit's values in every dtype, the 8-bit dynamic map and b
 weights and states after several steps (an fp32-state tensor under min_8bit_size and 8-bit ones), also across a
 save and restore of our state midway. The C++ side runs through build/trainer_quant_tool.
 """
-import os
-import pathlib
 import subprocess
 
 import numpy as np
 import pytest
 import torch
 
-bnb = pytest.importorskip("bitsandbytes")
+import bitsandbytes as bnb  # noqa: E402  (requirements.txt pins it: a missing library is a failure, not a skip)
 import bitsandbytes.functional as F  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @pytest.fixture(scope="session")
-def quant_tool():
-    binary = os.environ.get("TRAINER_BINARY", str(ROOT / "build" / "trainer"))
-    path = pathlib.Path(os.environ.get("TRAINER_QUANT_TOOL", pathlib.Path(binary).parent / "trainer_quant_tool"))
-    if not path.exists():
-        pytest.fail(f"{path} does not exist: build first (cmake --build build --target trainer_quant_tool)")
+def quant_tool(built_tool):
+    path = built_tool("trainer_quant_tool", "TRAINER_QUANT_TOOL")
     assert bnb.__version__ == "0.50.2", f"parity is pinned to bitsandbytes 0.50.2, found {bnb.__version__}"
     return path
 
