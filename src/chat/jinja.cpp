@@ -767,16 +767,15 @@ void exec_body(const Body& body, Context& ctx) {
 }
 
 std::string Context::capture(const Body& body) {
+  // The capture buffer goes however the body ends: an error leaves the enclosing buffer current again.
+  struct PopBuffer {
+    std::vector<std::string>& buffers;
+    ~PopBuffer() { buffers.pop_back(); }
+  };
   buffers.emplace_back();
-  try {
-    exec_body(body, *this);
-  } catch (...) {
-    buffers.pop_back();
-    throw;
-  }
-  std::string out = std::move(buffers.back());
-  buffers.pop_back();
-  return out;
+  const PopBuffer pop{buffers};
+  exec_body(body, *this);
+  return std::move(buffers.back());
 }
 
 // ---- Operations shared by expressions, filters and tests ---------------------------------------------------------

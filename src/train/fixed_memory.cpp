@@ -26,8 +26,7 @@ std::optional<MemoryPlan> plan_image_run(const Config& config, const nlohmann::j
   int64_t parameters = 0, trained = 0;
   const bool clip = config.training.objective == TrainingObjective::kContrastive;
   if (!clip && !is_image_model_config(hf_config)) return std::nullopt;
-  auto count = [&](const std::string& name, at::Tensor& p, bool trains) {
-    (void)name;
+  auto count = [&](const at::Tensor& p, bool trains) {
     parameters += p.numel();
     if (trains && !config.lora.enabled) trained += p.numel();
   };
@@ -37,13 +36,13 @@ std::optional<MemoryPlan> plan_image_run(const Config& config, const nlohmann::j
       bool trains = true;
       if (config.contrastive.freeze_image_tower)
         for (const char* prefix : ClipModel::kVisionPrefixes) trains = trains && !name.starts_with(prefix);
-      count(name, p, trains);
+      count(p, trains);
     });
   } else {
     auto model = load_image_classifier(config.model.path, ModelInit::kRandom, meta);
     const std::string head = model->head_prefix();
     model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
-      count(name, p, !config.training.linear_probe || name.starts_with(head));
+      count(p, !config.training.linear_probe || name.starts_with(head));
     });
   }
   MemoryPlan plan;
