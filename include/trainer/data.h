@@ -50,7 +50,8 @@ struct DataStats {
   int64_t bad_records_skipped = 0;  // with data.on_bad_record = skip
   int64_t truncated = 0;            // over-length examples cut to the maximum
   int64_t overlength_skipped = 0;   // with data.on_overlength = skip
-  std::vector<std::string> first_problems;  // "file:line: what is wrong", the first few
+  std::vector<std::string> first_problems;  // "file:line: what is wrong", the first kProblemsKept
+  static constexpr std::size_t kProblemsKept = 10;  // further problems are only counted
   // Records this process parsed and tokenized itself: records_read in one process; about records_read / N on each
   // of N data-parallel ranks (RecordShare), which get the others' from them.
   int64_t records_mapped = 0;

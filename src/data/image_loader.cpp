@@ -15,7 +15,6 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr uint64_t kImageEpochSalt = 0x51A3E7C0D94B2F61ull;
-constexpr std::size_t kProblemsKept = 10;
 
 }  // namespace
 
@@ -64,7 +63,7 @@ std::optional<ImageBatch> ImageLoader::next() {
     stats_.examples += total;
     stats_.bad_records_skipped += static_cast<int64_t>(count) - total;
     for (auto& problem : decoded.problems)
-      if (stats_.first_problems.size() < kProblemsKept) stats_.first_problems.push_back(std::move(problem));
+      if (stats_.first_problems.size() < DataStats::kProblemsKept) stats_.first_problems.push_back(std::move(problem));
     if (total == 0) continue;
     ImageBatch batch;
     batch.first = first;

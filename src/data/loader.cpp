@@ -19,8 +19,6 @@ using data::Dataset;
 
 // Batches per length-grouping mega-batch, as transformers' LengthGroupedSampler (mega_batch_mult = 50).
 constexpr std::uint64_t kMegaBatchBatches = 50;
-// Problems kept word for word in DataStats::first_problems; the rest are only counted.
-constexpr std::size_t kProblemsKept = 10;
 constexpr std::uint64_t kGroupSalt = 0x6B0C4ED1B47C4E5Dull;
 
 struct LoaderOptions {
@@ -144,10 +142,10 @@ class JsonlLoader final : public DataLoader {
 
   // The first few are shown as they happen as well; the rest are counted (the summaries print the counts).
   void keep_problem(const data::MappedRecord& mapped) {
-    if (stats_.first_problems.size() >= kProblemsKept) return;
+    if (stats_.first_problems.size() >= DataStats::kProblemsKept) return;
     stats_.first_problems.push_back(where(mapped) + ": " + mapped.outcome.problem);
     spdlog::warn("data: skipped {}{}", stats_.first_problems.back(),
-                 stats_.first_problems.size() == kProblemsKept ? " (further problems are only counted)" : "");
+                 stats_.first_problems.size() == DataStats::kProblemsKept ? " (further problems are only counted)" : "");
   }
 
   // Batches in the epoch's order; the cursor is the slot after the last example handed out.

@@ -22,7 +22,7 @@
 namespace trainer {
 namespace {
 
-constexpr int64_t kChunk = 1 << 22;  // elements per chunk: 16 MiB of fp32 scratch each
+constexpr int64_t kFactoredChunk = 1 << 22;  // elements per chunk: 16 MiB of fp32 scratch each
 
 // The sum of all elements of `x` as a double, through the 0-dim `sum` (no allocation).
 double sum_of(at::Tensor& sum, const at::Tensor& x) {
@@ -64,7 +64,7 @@ Adafactor::Adafactor(Module& model, const OptimizerConfig& config, uint64_t seed
   }
   const auto device = params_.empty() ? at::Device(at::kCPU) : params_.front().param->device();
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  chunk_ = std::max(std::min(largest, kChunk), largest_cols);  // at least one whole row
+  chunk_ = std::max(std::min(largest, kFactoredChunk), largest_cols);  // at least one whole row
   scratch_a_ = at::empty({chunk_}, fp32);
   scratch_b_ = at::empty({chunk_}, fp32);
   scratch_c_ = at::empty({chunk_}, fp32);

@@ -18,7 +18,7 @@
 namespace trainer {
 namespace {
 
-constexpr int64_t kChunk = 1 << 22;  // elements per update chunk: 16 MiB of fp32 scratch each
+constexpr int64_t kUpdateChunk = 1 << 22;  // elements per update chunk: 16 MiB of fp32 scratch each
 
 }  // namespace
 
@@ -241,7 +241,7 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed, bool a
     step_count_ = at::zeros({}, fp32);
     return;  // no scratch: the kernel updates each tensor in place
   }
-  const int64_t chunk = std::min(largest, kChunk);
+  const int64_t chunk = std::min(largest, kUpdateChunk);
   scratch_a_ = at::empty({chunk}, fp32);
   scratch_b_ = at::empty({chunk}, fp32);
   if (config.state_dtype == StateDtype::kBf16) {
@@ -298,8 +298,8 @@ void AdamW::step(double lr) {
     at::Tensor param = p.view({-1});
     const at::Tensor grad = p.grad().view({-1});
     const at::Tensor m = exp_avg_[i].view({-1}), v = exp_avg_sq_[i].view({-1});
-    for (int64_t begin = 0; begin < param.numel(); begin += kChunk) {
-      const int64_t n = std::min(kChunk, param.numel() - begin);
+    for (int64_t begin = 0; begin < param.numel(); begin += kUpdateChunk) {
+      const int64_t n = std::min(kUpdateChunk, param.numel() - begin);
       at::Tensor m_state = m.narrow(0, begin, n), v_state = v.narrow(0, begin, n);
       // bf16 moments are updated in fp32 copies and rounded back; fp32 moments in place.
       at::Tensor mc = bf16_state ? scratch_m_.narrow(0, 0, n).copy_(m_state) : m_state;
