@@ -1,6 +1,7 @@
 // Chat records through the real binary: configs/tiny-qwen2-chat.json trains the tiny Qwen2 on the demo
 // conversations (loss falls, the saved model carries its chat template); `trainer data` marks the trained tokens and
 // --dump writes what is trained; bad chat records exit 3 with file:line or are counted with skip.
+#include <algorithm>
 #include <filesystem>
 #include <sstream>
 
@@ -116,6 +117,52 @@ TEST(IntegrationChatData, BadChatRecordsExitThreeWithFileAndLineOrAreSkipped) {
                    "data.chat_template=" + dir.file("raises.jinja")});
   EXPECT_EQ(r.exit_code, 3) << r.out << r.err;
   EXPECT_TRUE(contains(r.err, path + ":1: chat template raised an exception: Only user turns, please")) << r.err;
+}
+
+// The new ids `trainer generate` printed ("ids: 5 17 42").
+std::vector<std::string> generated_ids(const std::string& out) {
+  std::vector<std::string> ids;
+  const auto at = out.find("ids:");
+  if (at == std::string::npos) return ids;
+  std::istringstream line(out.substr(at + 4, out.find('\n', at) - at - 4));
+  for (std::string id; line >> id;) ids.push_back(id);
+  return ids;
+}
+
+TEST(IntegrationChatData, GenerateRendersTheChatAndStopsAtTheEndOfTurnIds) {
+  TempDir dir;
+  const fs::path model = dir.path() / "model";
+  fs::create_directories(model);
+  for (const char* name : {"config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"})
+    fs::copy_file(std::string(TRAINER_SOURCE_DIR) + "/configs/models/tiny-qwen2/" + name, model / name);
+  const std::vector<std::string> args = {"generate", "--model", model.string(), "--random-init", "--seed", "3",
+                                         "--system", "Be brief.", "--chat", "What goes into soup?",
+                                         "--max-new-tokens", "6"};
+  const ProcessResult free = run_trainer(args);
+  ASSERT_EQ(free.exit_code, 0) << free.err;
+  // system + user, rendered by the directory's template with the generation prompt.
+  EXPECT_TRUE(contains(free.out, "chat prompt: 2 message(s), ")) << free.out;
+  EXPECT_TRUE(contains(free.out, "chat_template.jinja")) << free.out;
+  const auto ids = generated_ids(free.out);
+  ASSERT_EQ(ids.size(), 6u) << free.out;
+  // generation_config.json's eos_token_id list stops generation at the first of them that comes.
+  write_file((model / "generation_config.json").string(), "{\"eos_token_id\": [9999, " + ids[2] + "]}");
+  const ProcessResult stopped = run_trainer(args);
+  ASSERT_EQ(stopped.exit_code, 0) << stopped.err;
+  const auto first = std::find(ids.begin(), ids.end(), ids[2]) - ids.begin();
+  EXPECT_EQ(generated_ids(stopped.out).size(), static_cast<std::size_t>(first + 1)) << stopped.out;
+
+  // A messages file with tools picks the same template and renders the tools.
+  write_file(dir.file("messages.json"), R"({"tools": [{"type": "function", "function": {"name": "set_timer"}}],)"
+                                        R"( "messages": [{"role": "user", "content": "Start a timer."}]})");
+  const ProcessResult with_tools = run_trainer(
+      {"generate", "--model", model.string(), "--random-init", "--messages", dir.file("messages.json"),
+       "--max-new-tokens", "2"});
+  ASSERT_EQ(with_tools.exit_code, 0) << with_tools.err;
+  EXPECT_TRUE(contains(with_tools.out, "chat prompt: 1 message(s), ")) << with_tools.out;
+  const ProcessResult both = run_trainer({"generate", "--model", model.string(), "--random-init", "--prompt", "x",
+                                          "--chat", "y"});
+  EXPECT_EQ(both.exit_code, 2) << both.out << both.err;
 }
 
 }  // namespace
