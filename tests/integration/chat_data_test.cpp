@@ -31,11 +31,12 @@ TEST(IntegrationChatData, TheTinyChatConfigTrainsAndLossFalls) {
   TempDir dir;
   const ProcessResult r = run_trainer({"--config", "configs/tiny-qwen2-chat.json", "--set",
                                        "checkpoint.output_dir=" + dir.path().string(), "--set",
-                                       "training.max_steps=24", "--set", "evaluation.every_steps=12"});
+                                       "training.max_steps=16", "--set", "training.batch_size=4", "--set",
+                                       "evaluation.every_steps=0"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const auto loss = metric_values(dir.path() / "metrics.jsonl", "loss");
   ASSERT_GE(loss.size(), 3u);
-  EXPECT_LT(loss.back(), loss.front() * 0.8) << "first " << loss.front() << ", last " << loss.back();
+  EXPECT_LT(loss.back(), loss.front() * 0.85) << "first " << loss.front() << ", last " << loss.back();
   EXPECT_TRUE(fs::exists(dir.path() / "final" / "chat_template.jinja"));
 }
 
