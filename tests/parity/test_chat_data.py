@@ -41,6 +41,10 @@ def model_dir(root, tmp_path, template):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(root / "configs" / "models" / "tiny-qwen2" / name, directory / name)
     (directory / "chat_template.jinja").write_text(template, encoding="utf-8")
+    # Templates that open with bos_token (Llama 2, Mistral) need one: transformers leaves an undefined name an error.
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["bos_token"] = "<|endoftext|>"
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
 
 
@@ -56,7 +60,7 @@ def dump(run_trainer, tmp_path, directory, records, train_on):
         "data": {"train_files": [str(data)], "train_on": train_on, "max_length": 100000, "on_bad_record": "skip"},
         "device": {"type": "cpu"}}))
     out = run_trainer("data", "--config", config, "--dump", len(records), data).stdout
-    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in out.split("\n") if line.startswith("{")]  # not splitlines: U+2028 in text
     assert len(lines) == len(records)
     return lines
 
@@ -113,7 +117,7 @@ def test_ids_and_assistant_mask_equal_transformers(root, tmp_path, run_trainer, 
     cases = conversations(template)
     ours = dump(run_trainer, tmp_path, directory, [(m, t) for _, m, t in cases], "assistant")
     generation = template in GENERATION_TEMPLATES
-    checked = 0
+    checked = refused = 0
     for (name, messages, tools), got in zip(cases, ours):
         expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                                  return_assistant_tokens_mask=generation)
@@ -122,17 +126,21 @@ def test_ids_and_assistant_mask_equal_transformers(root, tmp_path, run_trainer, 
         else:
             spans = prefix_spans(tokenizer, messages, tools)
             if spans is None:
+                # The template renders earlier turns differently once the conversation goes on (Mistral moves the
+                # system message into the last user turn): trainer refuses the record, as this reference does.
                 assert "cannot find the span" in got.get("skipped", ""), (name, got)
+                refused += 1
                 continue
             text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
             mask = mask_of_spans(tokenizer, text, spans)
         assert "skipped" not in got, (name, got)
         assert got["input_ids"] == list(expected["input_ids"]), name
         assert got["text"] == tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), name
+        assert 0 < sum(mask) < len(mask), name  # some tokens trained, not all
         assert trained(got["labels"]) == list(mask), name
         assert all(label in (-100, token) for label, token in zip(got["labels"], got["input_ids"])), name
         checked += 1
-    assert checked >= len(cases) - 2
+    assert checked >= 1 and checked + refused == len(cases)
 
 
 def test_train_on_last_assistant_and_all(root, tmp_path, run_trainer):
