@@ -41,7 +41,8 @@ std::string check_messages(const ordered_json& messages) {
   for (std::size_t i = 0; i < messages.size(); ++i) {
     const ordered_json& message = messages[i];
     const std::string at = std::string(kMessagesField) + "[" + std::to_string(i) + "]";
-    if (!message.is_object()) return at + " must be an object with \"role\" and \"content\", not " + message.type_name();
+    if (!message.is_object())
+      return at + " must be an object with \"role\" and \"content\", not " + message.type_name();
     const auto role = message.find("role");
     if (role == message.end()) return at + " has no \"role\"";
     if (!role->is_string()) return at + ".role must be a string, not " + std::string(role->type_name());
@@ -129,9 +130,9 @@ std::shared_ptr<const ChatSetup> load_chat_setup(const Config& config) {
   return setup;
 }
 
-std::optional<std::vector<std::pair<std::size_t, std::size_t>>> token_byte_ranges(
-    const Tokenizer& tokenizer, std::string_view text, const std::vector<std::int32_t>& ids) {
-  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+std::optional<TokenRanges> token_byte_ranges(const Tokenizer& tokenizer, std::string_view text,
+                                             const std::vector<std::int32_t>& ids) {
+  TokenRanges ranges;
   ranges.reserve(ids.size());
   const std::span<const std::int32_t> all(ids);
   std::size_t pos = 0, k = 0;
@@ -153,8 +154,7 @@ std::optional<std::vector<std::pair<std::size_t, std::size_t>>> token_byte_range
   return ranges;
 }
 
-std::vector<bool> tokens_in_spans(const std::vector<std::pair<std::size_t, std::size_t>>& token_ranges,
-                                  const std::vector<chat::Span>& spans) {
+std::vector<bool> tokens_in_spans(const TokenRanges& token_ranges, const std::vector<chat::Span>& spans) {
   std::vector<bool> mask(token_ranges.size(), false);
   // The token whose bytes hold `byte` (char_to_token), if any.
   const auto token_at = [&](std::size_t byte) -> std::optional<std::size_t> {
@@ -177,7 +177,8 @@ std::vector<bool> tokens_in_spans(const std::vector<std::pair<std::size_t, std::
 Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Tokenizer& tokenizer) {
   if (spec.family != DataFamily::kCausal || !spec.chat)
     return bad(std::string("a chat record (field \"") + kMessagesField + "\") needs a causal model",
-               "train a causal model (Llama, Qwen2, Mistral) on chat records, or write seq2seq records as input/target");
+               "train a causal model (Llama, Qwen2, Mistral) on chat records, or write seq2seq records as "
+               "input/target");
   const ChatSetup& setup = *spec.chat;
   const ordered_json& messages = record.at(kMessagesField);
   if (std::string problem = check_messages(messages); !problem.empty()) return bad(std::move(problem));

@@ -49,13 +49,12 @@ Outcome map_chat(const nlohmann::ordered_json& record, const MappingSpec& spec, 
 // Token k of `ids` covers bytes [ranges[k].first, ranges[k].second) of `text` (tokens that share a UTF-8 character
 // cover all of it). Nothing when the tokens do not decode back to the text (a normalizer changed it, or a
 // SentencePiece prefix space), so byte spans cannot be placed on tokens.
-std::optional<std::vector<std::pair<std::size_t, std::size_t>>> token_byte_ranges(const Tokenizer& tokenizer,
-                                                                                    std::string_view text,
-                                                                                    const std::vector<std::int32_t>& ids);
+using TokenRanges = std::vector<std::pair<std::size_t, std::size_t>>;
+std::optional<TokenRanges> token_byte_ranges(const Tokenizer& tokenizer, std::string_view text,
+                                             const std::vector<std::int32_t>& ids);
 
 // transformers' return_assistant_tokens_mask from byte spans: for each span, the tokens from the one holding its
 // first byte through the one holding its last byte. Spans beyond the tokens stop the marking (as there).
-std::vector<bool> tokens_in_spans(const std::vector<std::pair<std::size_t, std::size_t>>& token_ranges,
-                                  const std::vector<chat::Span>& spans);
+std::vector<bool> tokens_in_spans(const TokenRanges& token_ranges, const std::vector<chat::Span>& spans);
 
 }  // namespace trainer::data

@@ -140,8 +140,8 @@ std::string fnv1a64_of_text(std::string_view text) {
   return fmt::format("{:016x}", hash);
 }
 
-// How chat records become examples: data.train_on and the template text (whichever file it came from: data.chat_template,
-// chat_template.jinja or tokenizer_config.json). Empty templates when there is none (data without chat records).
+// How chat records become examples: data.train_on and the template text (whichever file it came from:
+// data.chat_template, chat_template.jinja or tokenizer_config.json). Empty when there is none (no chat records).
 nlohmann::json chat_fingerprint(const Config& config) {
   const auto setup = data::load_chat_setup(config);
   std::string train_on;

@@ -215,8 +215,10 @@ TEST(ChatRecord, OverLengthIsTruncatedWithLabelsInPlaceOrSkipped) {
   Outcome o = map_record(kTwoTurns, f.spec, qwen2_tokenizer());
   ASSERT_EQ(o.kind, OutcomeKind::kExample);
   EXPECT_TRUE(o.truncated);
-  EXPECT_EQ(o.example.input_ids, std::vector<int32_t>(whole.example.input_ids.begin(), whole.example.input_ids.end() - 3));
-  EXPECT_EQ(o.example.labels, std::vector<int32_t>(whole.example.labels.begin(), whole.example.labels.end() - 3));
+  const auto& ids = whole.example.input_ids;
+  const auto& labels = whole.example.labels;
+  EXPECT_EQ(o.example.input_ids, std::vector<int32_t>(ids.begin(), ids.end() - 3));
+  EXPECT_EQ(o.example.labels, std::vector<int32_t>(labels.begin(), labels.end() - 3));
   f.spec.on_overlength = OverlengthPolicy::kSkip;
   EXPECT_EQ(map_record(kTwoTurns, f.spec, qwen2_tokenizer()).kind, OutcomeKind::kOverlengthSkipped);
 }
