@@ -4,7 +4,11 @@
     scripts/make_demo_data.py --form seq2seq --records 1000000 --seed 1 --out data/recipes-1m.jsonl
 
 seq2seq records: {"input": "...", "target": "..."}; causal: {"prompt": "...", "completion": "..."};
-text: {"text": "..."}. Streams to the file, so a million records need no memory.
+text: {"text": "..."}; chat: {"messages": [...]} conversations of two assistant turns, about a third of them
+calling a kitchen-timer tool ({"tools": [...]}, assistant "tool_calls", a "tool" reply). Streams to the file, so a
+million records need no memory.
+
+    scripts/make_demo_data.py --form chat --records 300 --seed 3 --out data/demo/chat.jsonl
 """
 import argparse
 import gzip
@@ -41,8 +45,35 @@ def recipe(rng):
     return title, quantities, steps
 
 
+TIMER_TOOL = {"type": "function", "function": {
+    "name": "set_timer", "description": "Start a kitchen timer.",
+    "parameters": {"type": "object", "properties": {"minutes": {"type": "integer"}}, "required": ["minutes"]}}}
+
+
+def conversation(rng, title, quantities, steps):
+    dish = title.lower()
+    if rng.random() < 0.35:
+        minutes = rng.choice([5, 10, 15, 20, 30, 45])
+        return {"tools": [TIMER_TOOL], "messages": [
+            {"role": "user", "content": f"Start a timer for the {dish}: {minutes} minutes."},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"type": "function", "function": {"name": "set_timer", "arguments": {"minutes": minutes}}}]},
+            {"role": "tool", "content": json.dumps({"timer": "started", "minutes": minutes})},
+            {"role": "assistant", "content": f"The timer is set for {minutes} minutes. {steps[-1]}"}]}
+    messages = []
+    if rng.random() < 0.5:
+        messages.append({"role": "system", "content": "You are a helpful cooking assistant."})
+    messages += [{"role": "user", "content": f"What goes into {dish}?"},
+                 {"role": "assistant", "content": f"{title} needs {', '.join(quantities)}."},
+                 {"role": "user", "content": "And the steps?"},
+                 {"role": "assistant", "content": " ".join(steps)}]
+    return {"messages": messages}
+
+
 def record(rng, form):
     title, quantities, steps = recipe(rng)
+    if form == "chat":
+        return conversation(rng, title, quantities, steps)
     if form == "seq2seq":
         return {"input": f"Write the steps for {title}. Ingredients: {', '.join(quantities)}.",
                 "target": " ".join(steps)}
@@ -54,7 +85,7 @@ def record(rng, form):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--form", choices=["seq2seq", "causal", "text"], default="seq2seq")
+    parser.add_argument("--form", choices=["seq2seq", "causal", "text", "chat"], default="seq2seq")
     parser.add_argument("--records", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="-", help="output file (.gz compresses); - for stdout")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the tiny model directories the CPU configs use: config.json (made by transformers itself, so it is a
-real Hugging Face config) and a tokenizer trained on the demo data. No weights: the tiny configs initialise
-randomly (model.init = "random").
+real Hugging Face config) and a tokenizer trained on the demo data (tiny-qwen2's with Qwen2.5's chat template).
+No weights: the tiny configs initialise randomly (model.init = "random").
 
     scripts/make_tiny_models.py            # rewrites configs/models/tiny-t5 and configs/models/tiny-qwen2
 
@@ -54,6 +54,65 @@ QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
+# Qwen2.5-Instruct's chat template (ChatML with tools), so the tiny Qwen2 trains on chat records
+# (configs/tiny-qwen2-chat.json) and `trainer generate --chat` speaks it, as the real model does.
+QWEN25_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+
 def tiny_qwen2(out_dir, data):
     os.makedirs(out_dir, exist_ok=True)
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -74,6 +133,8 @@ def tiny_qwen2(out_dir, data):
     for name in os.listdir(out_dir):
         if name not in ("tokenizer.json", "tokenizer_config.json"):
             os.remove(os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(QWEN25_CHAT_TEMPLATE)
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     # Qwen2 in miniature: q/k/v biases, grouped-query attention, tied embeddings.
     Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,

@@ -67,6 +67,12 @@ inline constexpr EnumName<BadRecordPolicy> kBadRecordPolicyNames[] = {{BadRecord
                                                                       {BadRecordPolicy::kSkip, "skip"}};
 inline std::span<const EnumName<BadRecordPolicy>> enum_names(BadRecordPolicy) { return kBadRecordPolicyNames; }
 
+// Which tokens of a chat record (`messages`) the loss trains on: every assistant turn, the last one, or all tokens.
+enum class TrainOn { kAssistant, kLastAssistant, kAll };
+inline constexpr EnumName<TrainOn> kTrainOnNames[] = {
+    {TrainOn::kAssistant, "assistant"}, {TrainOn::kLastAssistant, "last_assistant"}, {TrainOn::kAll, "all"}};
+inline std::span<const EnumName<TrainOn>> enum_names(TrainOn) { return kTrainOnNames; }
+
 enum class OptimizerName { kAdamW, kAdafactor };
 inline constexpr EnumName<OptimizerName> kOptimizerNames[] = {{OptimizerName::kAdamW, "adamw"},
                                                               {OptimizerName::kAdafactor, "adafactor"}};
@@ -187,6 +193,8 @@ struct DataConfig {
   std::string text_field = "text";
   std::string prompt_field = "prompt";
   std::string completion_field = "completion";
+  std::string chat_template;
+  TrainOn train_on = TrainOn::kAssistant;
   std::int64_t max_input_length = 512;
   std::int64_t max_target_length = 128;
   std::int64_t max_length = 1024;
@@ -208,6 +216,12 @@ struct DataConfig {
     v("text_field", text_field, "causal: record field with the whole text (all tokens trained)");
     v("prompt_field", prompt_field, "causal: record field with the prompt (masked out of the loss)");
     v("completion_field", completion_field, "causal: record field with the completion (trained)");
+    v("chat_template", chat_template,
+      "causal chat records (\"messages\"): a Jinja template file to render them with instead of the model's own "
+      "(tokenizer_config.json's chat_template or chat_template.jinja); docs/data.md");
+    v("train_on", train_on,
+      "chat records: the tokens the loss trains on: assistant (every assistant turn and its end-of-turn marker), "
+      "last_assistant, or all");
     v("max_input_length", max_input_length, "seq2seq: encoder tokens per example");
     v("max_target_length", max_target_length, "seq2seq: decoder tokens per example");
     v("max_length", max_length, "causal: tokens per example");

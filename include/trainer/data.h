@@ -116,8 +116,16 @@ CollatedBatch collate(std::span<const Example> examples, int32_t pad_id, const c
 
 namespace trainer {
 
+// `trainer data --dump N [FILE]`: instead of the pass, the first N examples of FILE (default: the first train file)
+// as record mapping makes them, one JSON line each.
+struct DataCommandOptions {
+  int64_t dump = -1;  // < 0: no dump
+  std::string dump_file;
+};
+
 // `trainer data`: streams train (and validation) data once through the loader and collation, and prints the
-// counts, the first problems and the throughput. Returns the exit code; throws DataError for bad data.
-int run_data(const Config& config, std::ostream& out);
+// counts, the first problems and the throughput, and the first chat record with its trained tokens marked. Returns
+// the exit code; throws DataError for bad data.
+int run_data(const Config& config, std::ostream& out, const DataCommandOptions& options = {});
 
 }  // namespace trainer

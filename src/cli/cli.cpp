@@ -1,6 +1,8 @@
 // CLI11 front end. `train` is the default subcommand, so `trainer --config x.json` trains.
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <cstring>
 #include <iomanip>
 #include <ostream>
@@ -10,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include "chat/chat_template.h"
 #include "cli/predict.h"
 #include "distributed/launch.h"
 #include "log/console.h"
@@ -22,6 +25,7 @@
 #include "trainer/config.h"
 #include "trainer/data.h"
 #include "trainer/errors.h"
+#include "trainer/model_dir.h"
 #include "trainer/run.h"
 #include "trainer/tokenizer.h"
 #include "trainer/version.h"
@@ -73,12 +77,77 @@ struct GenerateCommand {
   std::string model_dir;
   std::vector<int64_t> ids;
   std::string prompt;
+  std::string chat;           // --chat: one user message, rendered by the model's chat template
+  std::string messages_file;  // --messages: a JSON list of messages, or {"messages": [...], "tools": [...]}
+  std::string system;         // --system: a system message before them
   std::string tokenizer;
   GenerateOptions options;
   std::optional<uint64_t> seed;
   bool random_init = false;
   std::string dtype = "fp32";
 };
+
+// The end-of-turn ids a chat model stops at: generation_config.json's eos_token_id (an id or a list), as
+// transformers' generate does; nothing when the file has none (the model's EOS still stops).
+std::vector<int64_t> generation_stop_ids(const std::string& model_dir) {
+  const auto path = std::filesystem::path(model_dir) / "generation_config.json";
+  if (!std::filesystem::exists(path)) return {};
+  const nlohmann::json config = read_json_file(path.string());
+  std::vector<int64_t> ids;
+  const auto it = config.find("eos_token_id");
+  if (it == config.end()) return ids;
+  if (it->is_number_integer()) ids.push_back(it->get<int64_t>());
+  if (it->is_array())
+    for (const auto& id : *it)
+      if (id.is_number_integer()) ids.push_back(id.get<int64_t>());
+  return ids;
+}
+
+// --chat / --messages / --system: the conversation rendered by the model's chat template with the generation
+// prompt (as apply_chat_template(add_generation_prompt=True)), tokenized without added special tokens.
+std::vector<int64_t> chat_prompt_ids(const GenerateCommand& command, const Tokenizer& tokenizer, std::ostream& out) {
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  nlohmann::ordered_json tools = nullptr;
+  if (!command.messages_file.empty()) {
+    std::ifstream in(command.messages_file, std::ios::binary);
+    if (!in) throw UsageError("--messages: cannot read " + command.messages_file);
+    nlohmann::ordered_json file;
+    try {
+      file = nlohmann::ordered_json::parse(in);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw DataError(command.messages_file + ": invalid JSON (" + e.what() + ")",
+                      "give a JSON list of {\"role\", \"content\"} messages, or {\"messages\": [...], \"tools\": [...]}");
+    }
+    if (file.is_object() && file.contains("messages")) {
+      if (file.contains("tools")) tools = file["tools"];
+      file = file["messages"];
+    }
+    if (!file.is_array())
+      throw DataError(command.messages_file + ": the messages must be a JSON list, not " + file.type_name(),
+                      "give a JSON list of {\"role\", \"content\"} messages, or {\"messages\": [...]}");
+    messages = std::move(file);
+  }
+  if (!command.system.empty()) {
+    const nlohmann::ordered_json system = {{"role", "system"}, {"content", command.system}};
+    messages.insert(messages.begin(), system);
+  }
+  if (!command.chat.empty()) {
+    const nlohmann::ordered_json user = {{"role", "user"}, {"content", command.chat}};
+    messages.push_back(user);
+  }
+  std::filesystem::path dir(command.tokenizer.empty() ? command.model_dir : command.tokenizer);
+  if (std::filesystem::is_regular_file(dir)) dir = dir.parent_path();
+  const chat::ModelChatTemplate found = chat::load_chat_template(dir, !tools.is_null());
+  chat::ChatOptions options;
+  options.add_generation_prompt = true;
+  options.tools = tools;
+  options.special_tokens = found.special_tokens;
+  const std::string text = chat::render_chat(found.source, messages, options).text;
+  const auto ids = tokenizer.encode(text);
+  out << "chat prompt: " << messages.size() << " message(s), " << ids.size() << " tokens (template " << found.origin
+      << ")\n";
+  return {ids.begin(), ids.end()};
+}
 
 int run_generate(GenerateCommand& command, std::ostream& out) {
   const auto dtype = command.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
@@ -89,14 +158,23 @@ int run_generate(GenerateCommand& command, std::ostream& out) {
       throw UsageError("--ids: token id " + std::to_string(id) + " is outside the vocabulary (0.." +
                        std::to_string(model->vocab_size() - 1) + ")");
   std::unique_ptr<Tokenizer> tokenizer;
-  if (!command.prompt.empty() && command.tokenizer.empty() && !has_tokenizer(command.model_dir))
-    throw UsageError("--prompt needs a tokenizer to turn the text into ids, and " + command.model_dir +
+  const bool chat = !command.chat.empty() || !command.messages_file.empty();
+  const bool text = !command.prompt.empty() || chat;
+  if (text && command.tokenizer.empty() && !has_tokenizer(command.model_dir))
+    throw UsageError(std::string(chat ? "--chat and --messages need" : "--prompt needs") +
+                         " a tokenizer to turn the text into ids, and " + command.model_dir +
                          " has no tokenizer files (tokenizer.json, spiece.model or tokenizer.model)",
                      "pass the model's tokenizer with --tokenizer FILE_OR_DIR, or give the prompt as ids: --ids 5,17,42");
-  if (!command.prompt.empty() || !command.tokenizer.empty())
+  if (text || !command.tokenizer.empty())
     tokenizer = load_tokenizer(command.tokenizer.empty() ? command.model_dir : command.tokenizer);
   if (!command.prompt.empty()) command.ids = prompt_ids(*model, *tokenizer, command.prompt, /*add_eos=*/true);
-  if (command.ids.empty()) throw UsageError("generate needs a prompt: --prompt TEXT or --ids 1,2,3");
+  if (chat) {
+    command.ids = chat_prompt_ids(command, *tokenizer, out);
+    const auto stops = generation_stop_ids(command.model_dir);
+    command.options.stop_ids.insert(command.options.stop_ids.end(), stops.begin(), stops.end());
+  }
+  if (command.ids.empty())
+    throw UsageError("generate needs a prompt: --prompt TEXT, --ids 1,2,3, --chat TEXT or --messages FILE");
   command.options.seed = command.seed;
   const at::Tensor prompt = at::tensor(command.ids, at::kLong).unsqueeze(0);
   const auto tokens = generate(*model, prompt, command.options);
@@ -166,6 +244,14 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   data_cmd->add_option("--set", data_overrides, "Override one key: --set data.num_workers=4 (repeatable)")
       ->type_name("SECTION.KEY=VALUE")
       ->allow_extra_args(false);
+  DataCommandOptions data_options;
+  data_cmd->add_option("--dump", data_options.dump,
+                       "Write the first N examples of FILE (default: the first train file) as JSON lines: input_ids, "
+                       "labels (-100: not trained) and, for chat records, the rendered text; streams nothing else")
+      ->type_name("N")
+      ->check(CLI::NonNegativeNumber);
+  data_cmd->add_option("file", data_options.dump_file, "With --dump: the JSONL file (plain or .gz) to read")
+      ->type_name("FILE");
   data_cmd->footer(kExitCodeHelp);
 
   std::string plan_config_path;
@@ -214,9 +300,21 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   generate_cmd->add_option("--model", generate_command.model_dir, "Model directory")->required();
   auto* prompt_option = generate_cmd->add_option("--prompt", generate_command.prompt,
                                                  "Prompt text, tokenized with the model's tokenizer");
-  generate_cmd->add_option("--ids", generate_command.ids, "Or prompt token ids, comma-separated: --ids 5,17,42")
-      ->delimiter(',')
+  auto* ids_option =
+      generate_cmd->add_option("--ids", generate_command.ids, "Or prompt token ids, comma-separated: --ids 5,17,42")
+          ->delimiter(',')
       ->excludes(prompt_option);
+  auto* chat_option = generate_cmd->add_option(
+      "--chat", generate_command.chat,
+      "Or one user message, rendered by the model's chat template with the generation prompt; stops at "
+      "generation_config.json's eos_token_id list (the model's end-of-turn ids)");
+  auto* messages_option = generate_cmd->add_option(
+      "--messages", generate_command.messages_file,
+      "Or a JSON file: a list of messages, or {\"messages\": [...], \"tools\": [...]}, rendered the same way "
+      "(--chat adds a user message after them)");
+  generate_cmd->add_option("--system", generate_command.system, "With --chat or --messages: a system message first");
+  chat_option->excludes(prompt_option)->excludes(ids_option);
+  messages_option->excludes(prompt_option)->excludes(ids_option);
   generate_cmd->add_option("--tokenizer", generate_command.tokenizer,
                            "Tokenizer file or directory (default: the model directory); decodes the output");
   generate_cmd->add_option("--max-new-tokens", generate_command.options.max_new_tokens, "Stop after N new tokens")
@@ -317,7 +415,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   if (data_cmd->parsed()) {
     const Config config = load_config(data_config_path, data_overrides);
     configure_logging(config.logging);
-    return run_data(config, out);
+    if (!data_options.dump_file.empty() && data_options.dump < 0)
+      throw UsageError("trainer data: a FILE is only read with --dump N", "add --dump N, or leave the FILE out");
+    return run_data(config, out, data_options);
   }
   if (plan_cmd->parsed()) {
     if (plan_world_size == 0) {

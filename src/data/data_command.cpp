@@ -2,16 +2,22 @@
 // mapping, length policy and collation as training) and prints the counts, the first problems and the
 // throughput. For checking a data set before spending GPU time on it, and for the loader benchmark. An image
 // classifier's config streams its images through the image loader (decode, preprocess, augment) instead.
+// `--dump N [FILE]` writes the first N examples as JSON lines (input_ids, labels, and a chat record's rendered text),
+// so a user sees exactly what is trained; the pass prints the first chat record with its trained tokens marked.
 #include <sys/resource.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <ostream>
+#include <span>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
+#include "data/chat_record.h"
 #include "data/image_loader.h"
+#include "data/jsonl.h"
 #include "data/packing.h"
 #include "models/image_model.h"
 #include "trainer/data.h"
@@ -126,9 +132,75 @@ int run_image_data(const Config& config, std::ostream& out) {
   return kExitOk;
 }
 
+// The text of `ids` with the trained tokens (labels not -100) between [[ and ]].
+std::string mark_trained(const Tokenizer& tokenizer, const Example& example) {
+  std::string marked;
+  std::size_t t = 0;
+  const std::span<const std::int32_t> ids(example.input_ids);
+  while (t < ids.size()) {
+    const bool trained = example.labels[t] != -100;
+    std::size_t end = t;
+    while (end < ids.size() && (example.labels[end] != -100) == trained) ++end;
+    const std::string text = tokenizer.decode(ids.subspan(t, end - t), /*skip_special=*/false);
+    marked += trained ? "[[" + text + "]]" : text;
+    t = end;
+  }
+  return marked;
+}
+
+// `trainer data --dump`: the first `count` examples of `path`, in file order, one JSON object per line.
+void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily family,
+                   const DataCommandOptions& options, std::ostream& out) {
+  data::MappingSpec spec = data::mapping_spec(config, family);
+  spec.keep_chat_text = true;
+  data::LineReader reader(options.dump_file);
+  std::string record;
+  std::uint64_t line = 0, offset = 0;
+  int64_t written = 0;
+  while (written < options.dump && reader.next(record, line, offset)) {
+    const data::Outcome outcome = data::map_record(record, spec, tokenizer);
+    const std::string where = options.dump_file + ":" + std::to_string(line);
+    nlohmann::ordered_json entry = {{"line", line}};
+    if (outcome.kind == data::OutcomeKind::kBadRecord) {
+      if (config.data.on_bad_record == BadRecordPolicy::kError || outcome.fatal)
+        throw DataError(where + ": " + outcome.problem,
+                        !outcome.hint.empty() ? outcome.hint
+                                              : "fix or remove the record, or set data.on_bad_record = \"skip\"");
+      entry["skipped"] = outcome.problem;
+    } else if (outcome.kind == data::OutcomeKind::kOverlengthSkipped) {
+      entry["skipped"] = outcome.problem;
+    } else {
+      entry["input_ids"] = outcome.example.input_ids;
+      entry["labels"] = outcome.example.labels;
+      if (outcome.truncated) entry["truncated"] = true;
+      if (!outcome.chat_text.empty()) entry["text"] = outcome.chat_text;
+      ++written;
+    }
+    out << entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  }
+}
+
+// The first chat record among the first lines of the first train file, with its trained tokens marked.
+void preview_chat(const Config& config, const Tokenizer& tokenizer, std::ostream& out) {
+  constexpr std::uint64_t kLinesLooked = 1000;
+  const auto files = data::expand_globs(config.data.train_files, "data.train_files");
+  if (files.empty()) return;
+  data::LineReader reader(files.front());
+  std::string record;
+  std::uint64_t line = 0, offset = 0;
+  while (reader.next(record, line, offset) && line <= kLinesLooked) {
+    if (record.find(std::string("\"") + data::kMessagesField + "\"") == std::string::npos) continue;
+    const data::Outcome outcome = data::map_record(record, data::mapping_spec(config, DataFamily::kCausal), tokenizer);
+    if (outcome.kind != data::OutcomeKind::kExample) continue;
+    out << fmt::format("first chat record ({}:{}), trained tokens between [[ and ]] (data.train_on):\n{}\n",
+                       files.front(), line, mark_trained(tokenizer, outcome.example));
+    return;
+  }
+}
+
 }  // namespace
 
-int run_data(const Config& config, std::ostream& out) {
+int run_data(const Config& config, std::ostream& out, const DataCommandOptions& options) {
   const auto config_json = std::filesystem::path(config.model.path) / "config.json";
   if (std::filesystem::exists(config_json) && is_image_model_config(read_json_file(config_json.string())))
     return run_image_data(config, out);
@@ -136,6 +208,16 @@ int run_data(const Config& config, std::ostream& out) {
   const auto tokenizer = load_run_tokenizer(config, /*samples=*/false);
   const DataFamily family = model.family == "seq2seq" ? DataFamily::kSeq2Seq : DataFamily::kCausal;
   const int32_t pad_id = tokenizer->pad_id().value_or(tokenizer->eos_id().value_or(0));
+  if (options.dump >= 0) {
+    DataCommandOptions dump = options;
+    if (dump.dump_file.empty()) {
+      const auto files = data::expand_globs(config.data.train_files, "data.train_files");
+      if (files.empty()) throw UsageError("trainer data --dump needs a FILE or data.train_files", "name the JSONL file");
+      dump.dump_file = files.front();
+    }
+    dump_examples(config, *tokenizer, family, dump, out);
+    return kExitOk;
+  }
 
   // One pass, whatever the run length says.
   Config one_pass = config;
@@ -149,6 +231,7 @@ int run_data(const Config& config, std::ostream& out) {
   print_pass("train", stream_all(*train, pad_id, family, capacity), out);
   if (auto validation = make_validation_loader(one_pass, *tokenizer, family, config.training.batch_size))
     print_pass("validation", stream_all(*validation, pad_id, family, capacity), out);
+  if (family == DataFamily::kCausal && !is_ids_only(*tokenizer)) preview_chat(config, *tokenizer, out);
   out << fmt::format("peak RSS {:.1f} MiB\n", static_cast<double>(peak_rss_bytes()) / (1024.0 * 1024.0));
   return kExitOk;
 }

@@ -119,10 +119,12 @@ class JsonlLoader final : public DataLoader {
           example.source_index = mapped.slot;
           return true;
         case data::OutcomeKind::kBadRecord:
-          if (options_.on_bad_record == BadRecordPolicy::kError)
+          if (options_.on_bad_record == BadRecordPolicy::kError || mapped.outcome.fatal)
             throw DataError(where(mapped) + ": " + mapped.outcome.problem,
-                            "fix or remove the record, or set data.on_bad_record = \"skip\" to count and skip bad "
-                            "records");
+                            !mapped.outcome.hint.empty()
+                                ? mapped.outcome.hint
+                                : "fix or remove the record, or set data.on_bad_record = \"skip\" to count and skip "
+                                  "bad records");
           ++stats_.bad_records_skipped;
           keep_problem(mapped);
           break;

@@ -253,7 +253,9 @@ void Pipeline::exchange(Chunk& chunk) {
       const Outcome& o = mapped.outcome;
       mine_bytes.push_back(static_cast<char>(o.kind));
       mine_bytes.push_back(o.truncated ? 1 : 0);
+      mine_bytes.push_back(o.fatal ? 1 : 0);
       put_bytes(mine_bytes, o.problem);
+      put_bytes(mine_bytes, o.hint);
       put_ids(mine_bytes, o.example.input_ids);
       put_ids(mine_bytes, o.example.labels);
     }
@@ -283,7 +285,9 @@ void Pipeline::exchange(Chunk& chunk) {
       Outcome& o = chunk.mapped[i].outcome;
       o.kind = static_cast<OutcomeKind>(in.u8());
       o.truncated = in.u8() != 0;
+      o.fatal = in.u8() != 0;
       o.problem = in.bytes();
+      o.hint = in.bytes();
       o.example.input_ids = in.ids();
       o.example.labels = in.ids();
     }

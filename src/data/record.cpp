@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/chat_record.h"
+
 namespace trainer::data {
 namespace {
 
@@ -99,26 +101,6 @@ Outcome finish_seq2seq(Example example, const MappingSpec& spec, bool keep_eos, 
   return outcome;
 }
 
-// The length policy for causal models: one sequence of at most max_length tokens, cut at the end (an EOS is
-// not put back: a completion cut mid-sentence must not teach the model to stop there).
-Outcome finish_causal(Example example, const MappingSpec& spec) {
-  const auto max_length = static_cast<std::size_t>(spec.max_length);
-  Outcome outcome;
-  if (example.input_ids.size() > max_length) {
-    if (spec.on_overlength == OverlengthPolicy::kSkip)
-      return overlength_skipped(std::to_string(example.input_ids.size()) + " tokens, more than data.max_length = " +
-                                std::to_string(max_length));
-    example.input_ids.resize(max_length);
-    example.labels.resize(max_length);
-    outcome.truncated = true;
-    if (target_tokens(example, DataFamily::kCausal) == 0)
-      return overlength_skipped("the prompt fills data.max_length = " + std::to_string(max_length) +
-                                " tokens: no completion token is left to train on");
-  }
-  outcome.example = std::move(example);
-  return outcome;
-}
-
 Outcome map_pretokenized(const json& record, const MappingSpec& spec, const Tokenizer& tokenizer) {
   const std::int64_t vocab = tokenizer.vocab_size();
   Example example;
@@ -197,6 +179,26 @@ Outcome map_causal(const json& record, const MappingSpec& spec, const Tokenizer&
 
 }  // namespace
 
+// One sequence of at most max_length tokens, cut at the end (an EOS is not put back: a completion cut
+// mid-sentence must not teach the model to stop there).
+Outcome finish_causal(Example example, const MappingSpec& spec) {
+  const auto max_length = static_cast<std::size_t>(spec.max_length);
+  Outcome outcome;
+  if (example.input_ids.size() > max_length) {
+    if (spec.on_overlength == OverlengthPolicy::kSkip)
+      return overlength_skipped(std::to_string(example.input_ids.size()) + " tokens, more than data.max_length = " +
+                                std::to_string(max_length));
+    example.input_ids.resize(max_length);
+    example.labels.resize(max_length);
+    outcome.truncated = true;
+    if (target_tokens(example, DataFamily::kCausal) == 0)
+      return overlength_skipped("the prompt fills data.max_length = " + std::to_string(max_length) +
+                                " tokens: no completion token is left to train on");
+  }
+  outcome.example = std::move(example);
+  return outcome;
+}
+
 MappingSpec mapping_spec(const Config& config, DataFamily family) {
   const DataConfig& d = config.data;
   MappingSpec spec;
@@ -211,6 +213,7 @@ MappingSpec mapping_spec(const Config& config, DataFamily family) {
   spec.max_length = d.max_length;
   spec.on_overlength = d.on_overlength;
   spec.add_eos = config.tokenizer.add_eos;
+  if (family == DataFamily::kCausal) spec.chat = load_chat_setup(config);
   return spec;
 }
 
@@ -255,6 +258,10 @@ Outcome map_record(std::string_view line, const MappingSpec& spec, const Tokeniz
   }
   if (!record.is_object()) return bad(std::string("the record is a JSON ") + record.type_name() + ", not an object");
   if (record.contains("input_ids")) return map_pretokenized(record, spec, tokenizer);
+  if (record.contains(kMessagesField)) {
+    // Again with the keys in their order: templates write tools and tool-call arguments as given (tojson).
+    return map_chat(nlohmann::ordered_json::parse(line), spec, tokenizer);
+  }
   return spec.family == DataFamily::kSeq2Seq ? map_seq2seq(record, spec, tokenizer)
                                              : map_causal(record, spec, tokenizer);
 }

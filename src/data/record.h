@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -13,6 +14,8 @@
 
 namespace trainer::data {
 
+struct ChatSetup;  // data/chat_record.h: the chat template that renders "messages" records
+
 struct MappingSpec {
   DataFamily family = DataFamily::kSeq2Seq;
   std::string input_field = "input", target_field = "target";
@@ -20,6 +23,10 @@ struct MappingSpec {
   std::int64_t max_input_length = 512, max_target_length = 128, max_length = 1024;
   OverlengthPolicy on_overlength = OverlengthPolicy::kTruncate;
   bool add_eos = true;
+  // Chat records ("messages"): the template, its special tokens and data.train_on; loaded by mapping_spec for
+  // causal models (a missing or unparsable template is reported at the first chat record, not before).
+  std::shared_ptr<const ChatSetup> chat;
+  bool keep_chat_text = false;  // fill Outcome::chat_text (trainer data --dump); training leaves it off
 };
 MappingSpec mapping_spec(const Config& config, DataFamily family);
 
@@ -30,11 +37,19 @@ struct Outcome {
   Example example;         // kExample
   bool truncated = false;  // kExample cut to the maximum length
   std::string problem;     // kBadRecord, kOverlengthSkipped: what is wrong, without the file:line
+  std::string hint;        // kBadRecord: the likely fix, when it is not the generic one
+  bool fatal = false;      // kBadRecord that every record of its kind would have (no chat template): stop even
+                           // with data.on_bad_record = skip
+  std::string chat_text;   // chat records with MappingSpec::keep_chat_text: the rendered conversation
 };
 
 // Maps one record (a line of JSON, without its newline). Never throws for bad data: a bad record is an Outcome,
 // so the loader decides (in record order) whether to stop or to count and skip it.
 Outcome map_record(std::string_view line, const MappingSpec& spec, const Tokenizer& tokenizer);
+
+// The length policy for causal examples (data.max_length, data.on_overlength): cut at the end, labels with their
+// tokens; skipped when nothing trained is left.
+Outcome finish_causal(Example example, const MappingSpec& spec);
 
 // The byte offset of the first invalid UTF-8 sequence (overlong forms and surrogates included), or npos.
 std::size_t find_invalid_utf8(std::string_view text);

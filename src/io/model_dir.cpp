@@ -81,8 +81,8 @@ ModelDirInfo inspect_model_dir(const std::string& dir, bool need_weights) {
 }
 
 void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir) {
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
-                           "tokenizer.model", "generation_config.json"}) {
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                           "spiece.model", "tokenizer.model", "generation_config.json"}) {
     const fs::path from = fs::path(from_dir) / name;
     if (fs::exists(from)) fs::copy_file(from, fs::path(to_dir) / name, fs::copy_options::overwrite_existing);
   }

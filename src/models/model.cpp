@@ -1,6 +1,8 @@
 // The model registry, the loss of a micro-batch, and token generation: what is the same for every architecture.
 #include "models/model.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -86,6 +88,7 @@ std::vector<int64_t> generate(LanguageModel& model, const at::Tensor& prompt_ids
     const int64_t token = options.temperature > 0 ? sample(last, options, generator) : last.argmax().item<int64_t>();
     out.push_back(token);
     if (eos && token == *eos) break;
+    if (std::find(options.stop_ids.begin(), options.stop_ids.end(), token) != options.stop_ids.end()) break;
     if (i + 1 == options.max_new_tokens) break;
     logits = model.decode_step(*state, at::full({1, 1}, token, prompt_ids.options()));
   }

@@ -115,13 +115,14 @@ struct GenerateOptions {
   double temperature = 0.0;  // 0: greedy
   double top_p = 1.0;
   std::optional<uint64_t> seed;
+  std::vector<int64_t> stop_ids;  // also stop at these (included): a chat model's end-of-turn ids
 };
 // A text prompt as the model saw inputs in training: a seq2seq input with its EOS (when add_eos), a causal
 // prompt without one (the model continues it).
 std::vector<int64_t> prompt_ids(const LanguageModel& model, const Tokenizer& tokenizer, std::string_view prompt,
                                 bool add_eos);
 
-// New token ids after the prompt (1, T), ending at EOS (included) or max_new_tokens.
+// New token ids after the prompt (1, T), ending at EOS or one of options.stop_ids (included) or max_new_tokens.
 std::vector<int64_t> generate(LanguageModel& model, const at::Tensor& prompt_ids, const GenerateOptions& options);
 
 }  // namespace trainer

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "data/chat_record.h"
 #include "data/dataset.h"
 #include "data/jsonl.h"
 #include "trainer/errors.h"
@@ -45,6 +46,8 @@ std::string resume_refusal_reason(const std::string& key) {
       {"data.text_field", "which text becomes the examples"},
       {"data.prompt_field", "which text becomes the examples"},
       {"data.completion_field", "which text becomes the examples"},
+      {"data.chat_template", "how chat records become token ids"},
+      {"data.train_on", "which tokens of chat records are trained"},
       {"data.max_input_length", "the examples' lengths (truncation)"},
       {"data.max_target_length", "the examples' lengths (truncation)"},
       {"data.max_length", "the examples' lengths (truncation)"},
@@ -128,6 +131,28 @@ std::string fnv1a64_of_file(const std::string& path) {
   return fmt::format("{:016x}", hash);
 }
 
+std::string fnv1a64_of_text(std::string_view text) {
+  std::uint64_t hash = 14695981039346656037ull;
+  for (const char c : text) {
+    hash ^= static_cast<unsigned char>(c);
+    hash *= 1099511628211ull;
+  }
+  return fmt::format("{:016x}", hash);
+}
+
+// How chat records become examples: data.train_on and the template text (whichever file it came from:
+// data.chat_template, chat_template.jinja or tokenizer_config.json). Empty when there is none (no chat records).
+nlohmann::json chat_fingerprint(const Config& config) {
+  const auto setup = data::load_chat_setup(config);
+  std::string train_on;
+  for (const auto& entry : enum_names(config.data.train_on))
+    if (entry.value == config.data.train_on) train_on = entry.name;
+  return {{"train_on", train_on},
+          {"template", setup->error.empty() ? setup->plain_origin : std::string()},
+          {"template_fnv1a64", setup->error.empty() ? fnv1a64_of_text(setup->plain_source + '\0' + setup->tools_source)
+                                                    : std::string()}};
+}
+
 std::string absolute_path(const std::string& path) { return fs::absolute(path).lexically_normal().string(); }
 
 std::string file_summary(const nlohmann::json& file) {
@@ -169,7 +194,10 @@ nlohmann::json data_fingerprint(const Config& config, const Tokenizer& tokenizer
   spdlog::debug("data fingerprint: {} train file(s), {} records ({:.1f} ms); {} tokenizer file(s) hashed ({:.1f} ms)",
                 files.size(), train_records, ms(start, indexed), tokenizer_files.size(),
                 ms(indexed, std::chrono::steady_clock::now()));
-  return {{"train_files", files}, {"train_records", train_records}, {"tokenizer_files", tokenizer_files}};
+  return {{"train_files", files},
+          {"train_records", train_records},
+          {"tokenizer_files", tokenizer_files},
+          {"chat", chat_fingerprint(config)}};
 }
 
 std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohmann::json& current,
@@ -234,6 +262,19 @@ std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohman
                       it->second.at("size").dump() + " bytes, hash " + it->second.at("fnv1a64").get<std::string>() +
                       " in the checkpoint; " + g.at("size").dump() + " bytes, hash " +
                       g.at("fnv1a64").get<std::string>() + " now)");
+  }
+  // Chat records: another data.train_on or another template gives other labels or ids (older checkpoints have none).
+  if (saved.contains("chat") && current.contains("chat")) {
+    const auto& a = saved.at("chat");
+    const auto& b = current.at("chat");
+    if (a.value("train_on", std::string()) != b.value("train_on", std::string()))
+      changes.push_back("data.train_on is " + b.value("train_on", std::string()) + " now, " +
+                        a.value("train_on", std::string()) + " in the checkpoint (chat records train other tokens)");
+    if (a.value("template_fnv1a64", std::string()) != b.value("template_fnv1a64", std::string()))
+      changes.push_back("the chat template changed (" + a.value("template", std::string("none")) + ", hash " +
+                        a.value("template_fnv1a64", std::string()) + " in the checkpoint; " +
+                        b.value("template", std::string("none")) + ", hash " +
+                        b.value("template_fnv1a64", std::string()) + " now)");
   }
   return changes;
 }

@@ -212,12 +212,16 @@ class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
 
  private:
   void apply_lora_for_training(const std::optional<fs::path>& resume);
-  // The tokenizer files beside the saved weights, so a saved directory is complete for from_pretrained and for
-  // `trainer generate --prompt`.
+  // The tokenizer files (and the chat template) beside the saved weights, so a saved directory is complete for
+  // from_pretrained and for `trainer generate --prompt` / `--chat`.
   void copy_tokenizer_files_to(const fs::path& to) const {
     fs::path from(config().tokenizer.path.empty() ? config().model.path : config().tokenizer.path);
     if (!fs::is_directory(from)) from = from.parent_path();
     copy_tokenizer_files(from.string(), to.string());
+    // The template the run rendered chat records with is the one the saved model speaks (trainer generate --chat,
+    // transformers' apply_chat_template: chat_template.jinja takes priority over tokenizer_config.json's).
+    if (!config().data.chat_template.empty())
+      fs::copy_file(config().data.chat_template, to / "chat_template.jinja", fs::copy_options::overwrite_existing);
   }
 
   std::unique_ptr<Tokenizer> tokenizer_;
