@@ -138,7 +138,7 @@ def tiny_qwen2(out_dir, data):
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     # Qwen2 in miniature: q/k/v biases, grouped-query attention, tied embeddings.
     Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                 rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos,
                 eos_token_id=eos).save_pretrained(out_dir)
 
