@@ -60,6 +60,7 @@ struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction>
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto holder = c10::static_intrusive_pointer_cast<Weight4bitHolder>(ctx->saved_data["weight"].toCapsule());
     const at::Tensor& grad = grad_outputs[0];
+    if (!grad.defined()) return {at::Tensor(), at::Tensor()};
     const at::Tensor w = dequantize_weight(holder->packed, holder->state, grad.scalar_type());  // (out, in)
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     return {at::matmul(grad, w).to(x_dtype), at::Tensor()};

@@ -149,9 +149,7 @@ int train_step(const std::string& model_dir, const std::string& batch_path, cons
   trainer::save_model(*model, out_dir, 1ull << 40);
   at::NoGradGuard no_grad;
   const auto after = trainer::forward_loss(*model, batch, /*keep_logits=*/true);
-  trainer::NamedTensors out = {{"logits", after.logits.contiguous()}};
-  if (!losses.empty()) out.emplace_back("losses", at::tensor(losses, at::TensorOptions().dtype(at::kDouble)));
-  trainer::write_safetensors(out_dir + "/logits.safetensors", out, {});
+  trainer::write_safetensors(out_dir + "/logits.safetensors", {{"logits", after.logits.contiguous()}}, {});
   return 0;
 }
 
@@ -209,7 +207,9 @@ int lora_train(const std::string& model_dir, const std::string& batch_path, cons
   trainer::write_peft_adapter(out_dir, trainer::to_peft_adapter(*adapters, *model, model_dir));
   at::NoGradGuard no_grad;
   const auto after = trainer::forward_loss(*model, batch, /*keep_logits=*/true);
-  trainer::write_safetensors(out_dir + "/logits.safetensors", {{"logits", after.logits.contiguous()}}, {});
+  trainer::NamedTensors out = {{"logits", after.logits.contiguous()}};
+  if (!losses.empty()) out.emplace_back("losses", at::tensor(losses, at::TensorOptions().dtype(at::kDouble)));
+  trainer::write_safetensors(out_dir + "/logits.safetensors", out, {});
   return 0;
 }
 
