@@ -32,6 +32,7 @@ TARGETS = {"qwen2-gqa-tied": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj
            "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "flan-gated-gelu-untied": ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]}
 MIN_EFFECT = 1e-3
+LR = 0.3
 
 
 def close(ours, theirs, msg=None):
@@ -70,7 +71,7 @@ def bnb_logits(model, batch):
 
 
 def our_run(parity_tool, model_dir, batch_path, out_dir, name, steps, **quantize):
-    settings = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "steps": steps, "lr": 1.0, "seed": 3,
+    settings = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "steps": steps, "lr": LR, "seed": 3,
                 **quantize}
     run_parity_tool(parity_tool, "lora-train", model_dir, batch_path, out_dir, json.dumps(settings))
     return load_file(out_dir / "logits.safetensors")
@@ -118,19 +119,27 @@ def test_qlora_steps_match_peft_over_bitsandbytes(name, tmp_path, parity_tool):
         loss.backward()
         with torch.no_grad():
             for p in trainable.values():
-                p -= 1.0 * p.grad
+                p -= LR * p.grad
                 p.grad = None
     close(ours["losses"], torch.tensor(losses, dtype=torch.float64))
     assert losses[-1] < losses[0] - 1e-3, "training did not move the loss: the test proves nothing"
     saved = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    start = load_file(tmp_path / "start" / "adapter_model.safetensors")
     assert len(saved) == len(trainable)
+    # Three SGD steps at lr 0.3 move the adapters by O(0.1). Qwen2 and Llama agree within 1e-4 after them. This tiny
+    # T5 (unscaled attention) amplifies fp32 reduction-order differences through training: plain LoRA on the
+    # full-precision model, no quantization anywhere, ends 3.9e-4 apart on the logits after the same three steps
+    # (measured against PEFT), so T5 is compared at 1e-3 after training, far below the movement.
+    atol = 1e-3 if config.is_encoder_decoder else 1e-4
+    moved = max((p.detach() - start[n.replace(".default.", ".")]).abs().max().item() for n, p in trainable.items())
+    assert moved > 0.02, f"the adapters moved by {moved} only"
     for n, p in trainable.items():
         key = n.replace(".default.", ".")
-        close(saved[key], p.detach(), msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(saved[key], p.detach(), atol=atol, rtol=1e-3, msg=lambda m, k=key: f"{k}: {m}")
     with torch.no_grad():
         theirs = model(**batch).logits
     real = real_positions(config, batch)
-    close(ours["logits"][real], theirs[real])
+    torch.testing.assert_close(ours["logits"][real], theirs[real], atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])

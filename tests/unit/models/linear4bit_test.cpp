@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
 #include <nlohmann/json.hpp>
 
 #include "models/layers.h"
@@ -230,7 +231,7 @@ TEST(Linear4bit, BadQuantizedCheckpointsNameTheTensor) {
     return bad;
   };
   const std::string key = "model.layers.1.mlp.up_proj.weight";
-  const std::string missing = rewrite([&](auto& t) {
+  const std::string missing = rewrite([&](NamedTensors& t) {
     std::erase_if(t, [&](const auto& e) { return e.first == key + ".absmax"; });
   });
   try {
@@ -239,7 +240,7 @@ TEST(Linear4bit, BadQuantizedCheckpointsNameTheTensor) {
   } catch (const DataError& e) {
     EXPECT_NE(std::string(e.what()).find(key + ".absmax is missing"), std::string::npos) << e.what();
   }
-  const std::string unknown = rewrite([&](auto& t) {
+  const std::string unknown = rewrite([&](NamedTensors& t) {
     for (auto& [name, tensor] : t)
       if (name == key + ".quant_state.bitsandbytes__fp4") {
         std::string json(reinterpret_cast<const char*>(tensor.data_ptr<uint8_t>()), tensor.numel());
