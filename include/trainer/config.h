@@ -51,6 +51,12 @@ inline constexpr EnumName<ModelInit> kModelInitNames[] = {{ModelInit::kPretraine
                                                           {ModelInit::kRandom, "random"}};
 inline std::span<const EnumName<ModelInit>> enum_names(ModelInit) { return kModelInitNames; }
 
+// model.quantize: the frozen base's linear layers in 4 bits, as bitsandbytes' Linear4bit holds them (QLoRA).
+enum class QuantizeMode { kNone, kNf4, kFp4 };
+inline constexpr EnumName<QuantizeMode> kQuantizeModeNames[] = {
+    {QuantizeMode::kNone, "none"}, {QuantizeMode::kNf4, "nf4"}, {QuantizeMode::kFp4, "fp4"}};
+inline std::span<const EnumName<QuantizeMode>> enum_names(QuantizeMode) { return kQuantizeModeNames; }
+
 enum class TokenizerKind { kAuto, kSentencePiece, kBpe };
 inline constexpr EnumName<TokenizerKind> kTokenizerKindNames[] = {{TokenizerKind::kAuto, "auto"},
                                                                   {TokenizerKind::kSentencePiece, "sentencepiece"},
@@ -78,9 +84,10 @@ inline constexpr EnumName<OptimizerName> kOptimizerNames[] = {{OptimizerName::kA
                                                               {OptimizerName::kAdafactor, "adafactor"}};
 inline std::span<const EnumName<OptimizerName>> enum_names(OptimizerName) { return kOptimizerNames; }
 
-// The dtype AdamW keeps its two moments in.
-enum class StateDtype { kFp32, kBf16 };
-inline constexpr EnumName<StateDtype> kStateDtypeNames[] = {{StateDtype::kFp32, "fp32"}, {StateDtype::kBf16, "bf16"}};
+// The dtype AdamW keeps its two moments in; int8: blockwise 8-bit moments as bitsandbytes' AdamW8bit.
+enum class StateDtype { kFp32, kBf16, kInt8 };
+inline constexpr EnumName<StateDtype> kStateDtypeNames[] = {
+    {StateDtype::kFp32, "fp32"}, {StateDtype::kBf16, "bf16"}, {StateDtype::kInt8, "int8"}};
 inline std::span<const EnumName<StateDtype>> enum_names(StateDtype) { return kStateDtypeNames; }
 
 // How an update computed in fp32 is written into bf16 weights (precision.mode=bf16, bf16 LoRA adapters): rounded
@@ -161,11 +168,19 @@ inline constexpr std::int64_t kMinLossChunkSize = 128;
 struct ModelConfig {
   std::string path;
   ModelInit init = ModelInit::kPretrained;
+  QuantizeMode quantize = QuantizeMode::kNone;
+  std::int64_t quantize_block_size = 64;
+  bool double_quant = true;
 
   template <class V>
   void visit(V& v) {
     v("path", path, "Hugging Face model directory: config.json, safetensors weights, tokenizer files");
     v("init", init, "pretrained: load the weights in path; random: initialise from path/config.json alone");
+    v("quantize", quantize,
+      "none, nf4 or fp4: the frozen base's linear layers held in 4 bits as bitsandbytes' Linear4bit (QLoRA; "
+      "needs lora.enabled)");
+    v("quantize_block_size", quantize_block_size, "values per 4-bit scale: 64 (bitsandbytes' default) to 4096, a power of two");
+    v("double_quant", double_quant, "quantize the 4-bit block scales to 8 bits too (bnb_4bit_use_double_quant)");
   }
   bool operator==(const ModelConfig&) const = default;
 };
@@ -345,7 +360,8 @@ struct OptimizerConfig {
     v("decay_norms_biases_embeddings", decay_norms_biases_embeddings,
       "also decay norm weights, biases and embeddings (off, as is usual)");
     v("state_dtype", state_dtype,
-      "dtype of the two AdamW moments: fp32 (8 bytes per parameter) or bf16 (4; the update is still computed in fp32)");
+      "dtype of the two AdamW moments: fp32 (8 bytes per parameter), bf16 (4; the update is still computed in fp32) "
+      "or int8 (about 2: bitsandbytes' AdamW8bit, blockwise 8-bit moments; fp32 parameters only)");
     v("bf16_update", bf16_update,
       "how fp32 updates reach bf16 weights and bf16 moments: stochastic (unbiased rounding), kahan (+2 bytes per "
       "bf16 parameter of compensation) or nearest (small updates are lost; old behaviour)");

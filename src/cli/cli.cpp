@@ -292,7 +292,35 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   merge_cmd->add_option("--dtype", merge_options.dtype, "Weights of the merged model: auto (the base's), fp32 or bf16")
       ->check(CLI::IsMember({"auto", "fp32", "bf16"}))
       ->capture_default_str();
+  std::string merge_quantize = "none";
+  int64_t merge_block_size = 64;
+  merge_cmd->add_option("--quantize", merge_quantize,
+                        "The adapter was trained over a base quantized on load (model.quantize): quantize the base "
+                        "the same way (nf4 or fp4, block size --quantize-block-size, double quantization) before "
+                        "merging, so the merged weights are the dequantized ones it was trained with")
+      ->check(CLI::IsMember({"none", "nf4", "fp4"}))
+      ->capture_default_str();
+  merge_cmd->add_option("--quantize-block-size", merge_block_size, "Block size of --quantize")
+      ->check(CLI::IsMember({64, 128, 256, 512, 1024, 2048, 4096}))
+      ->capture_default_str();
   merge_cmd->footer(kExitCodeHelp);
+
+  std::string quantize_model_dir, quantize_output, quantize_type = "nf4";
+  int64_t quantize_block_size = 64;
+  bool quantize_no_double = false;
+  auto* quantize_cmd = app.add_subcommand(
+      "quantize", "Write a model with its linear layers in 4 bits, in the layout transformers + bitsandbytes save "
+                  "(load_in_4bit): transformers loads it with from_pretrained, trainer trains LoRA on it");
+  quantize_cmd->add_option("--model", quantize_model_dir, "Full-precision model directory")->required();
+  quantize_cmd->add_option("--output", quantize_output, "Directory for the 4-bit model")->required();
+  quantize_cmd->add_option("--type", quantize_type, "nf4 or fp4")
+      ->check(CLI::IsMember({"nf4", "fp4"}))
+      ->capture_default_str();
+  quantize_cmd->add_option("--block-size", quantize_block_size, "Values per 4-bit scale")
+      ->check(CLI::IsMember({64, 128, 256, 512, 1024, 2048, 4096}))
+      ->capture_default_str();
+  quantize_cmd->add_flag("--no-double-quant", quantize_no_double, "Keep the block scales in fp32");
+  quantize_cmd->footer(kExitCodeHelp);
 
   GenerateCommand generate_command;
   auto* generate_cmd = app.add_subcommand("generate", "Generate tokens from a model with a key-value cache "
@@ -369,7 +397,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   const bool has_subcommand =
       !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
                         args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
-                        args.back() == "predict" ||
+                        args.back() == "predict" || args.back() == "quantize" ||
                         args.back() == "launch" ||
                         is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
@@ -436,7 +464,17 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     return run_predict(predict_options, out);
   }
   if (launch_cmd->parsed()) return distributed::run_launch(launch_options);
+  if (quantize_cmd->parsed()) {
+    const Quantize4bitOptions options{quant::parse_quant_type(quantize_type), quantize_block_size, !quantize_no_double};
+    const auto result = quantize_model_dir_to(quantize_model_dir, quantize_output, options);
+    out << "Quantized " << result.layers << " linear layers of " << quantize_model_dir << " to "
+        << quantize_type << " (" << human_bytes(static_cast<double>(result.bytes)) << " in 4 bits with scales): "
+        << quantize_output << "\n";
+    return kExitOk;
+  }
   if (merge_cmd->parsed()) {
+    if (merge_quantize != "none")
+      merge_options.quantize = Quantize4bitOptions{quant::parse_quant_type(merge_quantize), merge_block_size, true};
     const auto merged = merge_adapter(merge_options);
     out << "Merged " << merged.layers << " LoRA layers of " << merge_options.adapter_dir << " into "
         << merged.base_dir << " (" << (merged.dtype == at::kBFloat16 ? "bf16" : merged.dtype == at::kFloat ? "fp32" : c10::toString(merged.dtype))

@@ -142,6 +142,13 @@ std::vector<ConfigProblem> validate(const Config& c) {
   check.require(o.name == OptimizerName::kAdafactor || !(o.relative_step || o.adafactor_beta1), "optimizer.name",
                 "optimizer.relative_step / adafactor_beta1 are Adafactor's: set optimizer.name=adafactor");
 
+  check.require(o.state_dtype != StateDtype::kInt8 || o.name == OptimizerName::kAdamW, "optimizer.state_dtype",
+                "int8 is AdamW's (bitsandbytes' AdamW8bit); Adafactor keeps factored fp32 statistics");
+  check.require(o.state_dtype != StateDtype::kInt8 || c.precision.mode != PrecisionMode::kBf16 || c.lora.enabled,
+                "optimizer.state_dtype",
+                "int8 moments update fp32 parameters (as bitsandbytes' CPU AdamW8bit): use precision.mode=bf16-mixed "
+                "or fp32 with it, or state_dtype=bf16 with precision.mode=bf16");
+
   const auto& s = c.scheduler;
   check.at_least(s.warmup_steps, 0, "scheduler.warmup_steps");
   check.in_range(s.warmup_ratio, 0.0, 1.0, "scheduler.warmup_ratio");
@@ -161,6 +168,16 @@ std::vector<ConfigProblem> validate(const Config& c) {
     check.in_range(l.dropout, 0.0, 1.0, "lora.dropout", false);
   }
   check.require(!l.base_in_bf16 || l.enabled, "lora.base_in_bf16", "only applies with lora.enabled=true");
+
+  const auto& mq = c.model;
+  const bool power_of_two = mq.quantize_block_size > 0 && (mq.quantize_block_size & (mq.quantize_block_size - 1)) == 0;
+  check.require(power_of_two && mq.quantize_block_size >= 64 && mq.quantize_block_size <= 4096,
+                "model.quantize_block_size",
+                "must be 64, 128, 256, 512, 1024, 2048 or 4096 (bitsandbytes' block sizes), got " +
+                    std::to_string(mq.quantize_block_size));
+  check.require(mq.quantize == QuantizeMode::kNone || l.enabled, "model.quantize",
+                "4-bit layers are frozen: quantizing leaves nothing of the base to train; set lora.enabled=true "
+                "(QLoRA) or model.quantize=none");
 
   const auto& m = c.memory;
   check.require(m.shrink_factor > 0 && m.shrink_factor < 1, "memory.shrink_factor",

@@ -27,6 +27,7 @@
 #include "models/hf_config.h"
 #include "models/image_model.h"
 #include "models/inspect.h"
+#include "models/linear4bit.h"
 #include "models/lora.h"
 #include "models/model.h"
 #include "train/optim/grad_scaler.h"
@@ -159,7 +160,9 @@ std::string optimizer_state_note(const Config& config) {
   const auto& o = config.optimizer;
   std::string note = o.name == OptimizerName::kAdafactor
                          ? std::string("fp32 row + column statistics per matrix") + (o.adafactor_beta1 ? ", fp32 first moment" : "")
-                         : std::string(o.state_dtype == StateDtype::kBf16 ? "two bf16" : "two fp32") +
+                         : std::string(o.state_dtype == StateDtype::kBf16   ? "two bf16"
+                                       : o.state_dtype == StateDtype::kInt8 ? "two blockwise 8-bit (AdamW8bit)"
+                                                                            : "two fp32") +
                                " moments per trainable parameter";
   if (o.bf16_update == Bf16Update::kKahan && config.precision.mode == PrecisionMode::kBf16 && !config.lora.enabled)
     note += " + bf16 Kahan compensation";
@@ -207,8 +210,20 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   // mask, when lora.dropout > 0, and A's output (r). Summed over the modules of the encoder/decoder stacks.
   double adapter_elements_input = 0, adapter_elements_target = 0;
   int64_t largest_trainable = 0;  // elements of the largest trainable tensor (the optimizer's scratch follows it)
+  // model.quantize: the linear layers' weights in 4 bits with their scales (models/linear4bit.h).
+  const auto quantize = quantize_options(config.model);
+  std::set<std::string> quantized;
+  if (quantize)
+    for (const auto& path : quantizable_layers(*model)) quantized.insert(path + ".weight");
+  double quantized_elements = 0, quantized_bytes = 0;
+  int64_t largest_quantized = 0;
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     plan.parameters += p.numel();
+    if (quantized.contains(name)) {
+      quantized_elements += static_cast<double>(p.numel());
+      quantized_bytes += static_cast<double>(quantized_weight_bytes(p.numel(), *quantize));
+      largest_quantized = std::max(largest_quantized, p.numel());
+    }
     if (!config.lora.enabled) largest_trainable = std::max(largest_trainable, p.numel());
     auto trainable = [&](int64_t numel, double state) {
       optimizer_state += state;
@@ -235,7 +250,7 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   if (config.lora.enabled) {
     plan.trainable_parameters = adapter;
     const double base_bytes = config.lora.base_in_bf16 || mode == PrecisionMode::kBf16 ? 2 : 4;
-    plan.weights = p * base_bytes + 4.0 * static_cast<double>(adapter);
+    plan.weights = (p - quantized_elements) * base_bytes + quantized_bytes + 4.0 * static_cast<double>(adapter);
     plan.gradients = 4.0 * static_cast<double>(adapter);
   } else {
     plan.trainable_parameters = plan.parameters;
@@ -245,14 +260,20 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   plan.optimizer_state = optimizer_state;
   // bf16-mixed, fp16-mixed: autocast keeps a 16-bit copy of every weight it casts until backward has used it.
   const bool mixed = mode == PrecisionMode::kBf16Mixed || mode == PrecisionMode::kFp16Mixed;
-  if (mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * p;
+  if (mixed && !(config.lora.enabled && config.lora.base_in_bf16)) plan.workspace += 2 * (p - quantized_elements);
+  // A 4-bit layer computes with its weight dequantized for the moment of its matmul (forward, and again in
+  // backward): one layer at a time, an fp32 copy, the compute-dtype one and the int32 index of its bytes.
+  plan.workspace += static_cast<double>(largest_quantized) * (4.0 + (mixed || mode == PrecisionMode::kBf16 ? 2.0 : 4.0) + 2.0);
   if (!device.is_cpu()) plan.workspace += 512.0 * 1024 * 1024;  // CUDA context, cuBLAS/cuDNN workspaces
   // The optimizer's update scratch (train/optimizer.cpp): two fp32 buffers (four with bf16 moments) of the largest
   // trainable tensor's size, at most 4M elements each. Tens of MiB; most of a tiny model's step with a large
   // vocabulary. None where AdamW runs ATen's fused kernel (fp32 parameters and moments).
   const bool bf16_trainable = !config.lora.enabled && mode == PrecisionMode::kBf16;
   if (!adamw_uses_fused_kernel(config.optimizer, bf16_trainable)) {
-    const double scratch_buffers = config.optimizer.state_dtype == StateDtype::kBf16 ? 4 : 2;
+    // int8 moments: the step dequantizes one parameter's moments to fp32 and copies its codes (12 bytes an element).
+    const double scratch_buffers = config.optimizer.state_dtype == StateDtype::kBf16   ? 4
+                                   : config.optimizer.state_dtype == StateDtype::kInt8 ? 3
+                                                                                       : 2;
     plan.workspace += scratch_buffers * 4.0 * static_cast<double>(std::min<int64_t>(largest_trainable, 1 << 22));
   }
 
@@ -307,7 +328,11 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
   out << "Memory plan (" << (config.lora.enabled ? "LoRA r=" + std::to_string(config.lora.r) : "full fine-tune")
       << ", precision " << precision_name(config.precision.mode) << ")\n";
   out << "  parameters " << plan.parameters << ", trainable " << plan.trainable_parameters << "\n\n";
-  row("weights", plan.weights, config.lora.enabled ? "frozen base + fp32 adapters" : "");
+  row("weights", plan.weights,
+      !config.lora.enabled                        ? ""
+      : config.model.quantize != QuantizeMode::kNone ? std::string("frozen base, linear layers in 4 bits (") +
+                                                         enum_name(config.model.quantize) + "), + fp32 adapters"
+                                                   : "frozen base + fp32 adapters");
   row("gradients", plan.gradients, "trainable parameters, kept across micro-batches");
   row(std::string("optimizer state (") + (config.optimizer.name == OptimizerName::kAdafactor ? "Adafactor" : "AdamW") +
           ")",

@@ -5,12 +5,14 @@
 #include <fstream>
 #include <iomanip>
 #include <map>
+#include <set>
 #include <ostream>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include "models/image_model.h"
+#include "models/linear4bit.h"
 #include "models/lora.h"
 #include "models/model.h"
 #include "trainer/config.h"
@@ -117,6 +119,16 @@ void inspect_model(const std::string& dir, const InspectOptions& options, std::o
     groups[group_of(name)] += p.numel();
     total += p.numel();
   });
+  // What model.quantize=nf4 (block 64, double quantization) holds in 4 bits: the layers quantization converts.
+  const Quantize4bitOptions nf4;
+  std::set<std::string> quantizable;
+  for (const auto& path : quantizable_layers(*model)) quantizable.insert(path + ".weight");
+  double quantized_elements = 0, quantized_bytes = 0;
+  model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    if (!quantizable.contains(name)) return;
+    quantized_elements += static_cast<double>(p.numel());
+    quantized_bytes += static_cast<double>(quantized_weight_bytes(p.numel(), nf4));
+  });
   // The adapters training would add, applied to the shape-only model by the same code.
   LoraConfig lora_config;
   lora_config.enabled = true;
@@ -156,6 +168,8 @@ void inspect_model(const std::string& dir, const InspectOptions& options, std::o
       {"bf16", 2 * p, 2 * p, 8 * p, "bf16 weights and grads; AdamW moments kept in fp32"},
       {"lora", 4 * p + 4 * l, 4 * l, 8 * l, "frozen fp32 base + fp32 adapters (grads and moments for adapters only)"},
       {"lora-bf16", 2 * p + 4 * l, 4 * l, 8 * l, "the same with lora.base_in_bf16=true (or precision.mode=bf16)"},
+      {"qlora", 2 * (p - quantized_elements) + quantized_bytes + 4 * l, 4 * l, 8 * l,
+       "model.quantize=nf4: linear layers in 4 bits with their scales, the rest bf16, + fp32 adapters"},
   };
   out << "Training memory before activations (weights + gradients + AdamW state):\n";
   out << "  mode        weights      grads        optimizer    total\n";
@@ -165,6 +179,8 @@ void inspect_model(const std::string& dir, const InspectOptions& options, std::o
         << std::setw(12) << human_bytes(r.weights + r.grads + r.optimizer) << " " << r.note << "\n";
   out << "  (lora: r=" << options.lora_r << " on " << targets << ", " << adapters->layers().size()
       << " layers: " << with_commas(lora) << " trainable parameters; AdamW keeps two fp32 moments for each)\n";
+  out << "  (qlora: " << with_commas(static_cast<int64_t>(quantized_elements)) << " weights of "
+      << quantizable.size() << " linear layers in NF4, block 64, double quantization)\n";
   out << "Activations come on top; they grow with the micro-batch and the sequence lengths.\n";
 }
 

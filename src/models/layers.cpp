@@ -5,11 +5,13 @@
 #include <ATen/ATen.h>
 
 #include "models/fused_ops.h"
+#include "models/linear4bit.h"
 #include "trainer/errors.h"
 
 namespace trainer {
 
-Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, const c10::TensorOptions& options) {
+Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, const c10::TensorOptions& options)
+    : in_features_(in_features), out_features_(out_features) {
   weight = at::empty({out_features, in_features}, options);
   register_parameter("weight", &weight);
   if (with_bias) {
@@ -19,8 +21,29 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, const 
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) const {
-  at::Tensor y = bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+  at::Tensor y = quant_                ? linear4bit(x, weight, *quant_, bias)
+                 : bias.defined()      ? at::linear(x, weight, bias)
+                                       : at::linear(x, weight);
   return output_hook_ ? output_hook_(x, y, is_training()) : y;
+}
+
+void Linear::set_quantized(at::Tensor packed, const QuantState4bit& state) {
+  unregister_parameters("weight.");
+  quant_ = std::make_shared<QuantState4bit>(state);
+  weight = std::move(packed);
+  register_parameter("weight.absmax", &quant_->absmax);
+  register_parameter("weight.quant_map", &quant_->quant_map);
+  if (quant_->nested) {
+    register_parameter("weight.nested_absmax", &quant_->nested_absmax);
+    register_parameter("weight.nested_quant_map", &quant_->nested_quant_map);
+  }
+  register_parameter("weight." + quant_->state_key(), &quant_->state_json);
+}
+
+void Linear::set_weight(at::Tensor full) {
+  unregister_parameters("weight.");
+  quant_.reset();
+  weight = std::move(full);
 }
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding, const c10::TensorOptions& options)

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <optional>
 
 #include <ATen/core/Tensor.h>
@@ -15,6 +16,8 @@ namespace trainer {
 // (input, output of x W^T + b, training) -> the output the layer returns. Models never set one.
 using LinearOutputHook = std::function<at::Tensor(const at::Tensor& x, const at::Tensor& y, bool training)>;
 
+struct QuantState4bit;  // models/linear4bit.h
+
 // y = x W^T (+ b). Weight (out, in) as in PyTorch and the checkpoints.
 class Linear : public Module {
  public:
@@ -22,10 +25,22 @@ class Linear : public Module {
   at::Tensor forward(const at::Tensor& x) const;
   void set_output_hook(LinearOutputHook hook) { output_hook_ = std::move(hook); }
   bool has_output_hook() const { return static_cast<bool>(output_hook_); }
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+
+  // A 4-bit weight, set from outside (models/linear4bit.h): `weight` then holds the packed codes and the state
+  // is registered beside it under bitsandbytes' names ("weight.absmax", ...). set_weight puts a full-precision
+  // (out, in) weight back. quantized() is null for a full-precision layer.
+  void set_quantized(at::Tensor packed, const QuantState4bit& state);
+  void set_weight(at::Tensor full);
+  const QuantState4bit* quantized() const { return quant_.get(); }
+
   at::Tensor weight;
   at::Tensor bias;  // undefined when the layer has none
 
  private:
+  int64_t in_features_, out_features_;
+  std::shared_ptr<QuantState4bit> quant_;
   LinearOutputHook output_hook_;
 };
 

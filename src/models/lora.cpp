@@ -5,11 +5,13 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 
+#include "models/linear4bit.h"
 #include "models/weights.h"
 #include "trainer/errors.h"
 #include "trainer/hf_weights.h"
@@ -31,11 +33,21 @@ std::map<std::string, Linear*> linear_layers(LanguageModel& model) {
   return out;
 }
 
-// No gradients for the base, so no optimizer state either; optionally held in bf16.
+// No gradients for the base, so no optimizer state either; optionally held in bf16 (4-bit layers keep their
+// codes and fp32 scales: only their bias converts).
 void freeze(LanguageModel& model, bool to_bf16) {
   at::NoGradGuard no_grad;
+  std::set<const c10::TensorImpl*> quant_state;
+  model.for_each_module([&](const std::string&, Module& m) {
+    auto* linear = dynamic_cast<Linear*>(&m);
+    if (linear == nullptr || linear->quantized() == nullptr) return;
+    linear->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+      if (name != "bias") quant_state.insert(p.unsafeGetTensorImpl());
+    });
+  });
   model.for_each_parameter([&](const std::string&, at::Tensor& p) {
-    if (to_bf16 && p.scalar_type() != at::kBFloat16) p = p.detach().to(at::kBFloat16);
+    if (to_bf16 && p.scalar_type() != at::kBFloat16 && !quant_state.count(p.unsafeGetTensorImpl()))
+      p = p.detach().to(at::kBFloat16);
     p.requires_grad_(false);
   });
 }
@@ -51,8 +63,8 @@ std::string join(const std::vector<std::string>& items) {
 LoraLinear::LoraLinear(Linear& base, int64_t r, double scaling, double dropout)
     : base_(&base), r_(r), scaling_(scaling) {
   const auto options = base.weight.options().dtype(at::kFloat);
-  lora_A = at::zeros({r, base.weight.size(1)}, options);
-  lora_B = at::zeros({base.weight.size(0), r}, options);
+  lora_A = at::zeros({r, base.in_features()}, options);
+  lora_B = at::zeros({base.out_features(), r}, options);
   lora_A.requires_grad_(true);
   lora_B.requires_grad_(true);
   register_parameter("lora_A.weight", &lora_A);
@@ -69,9 +81,11 @@ at::Tensor LoraLinear::adapt(const at::Tensor& x, const at::Tensor& y, bool trai
 
 at::Tensor LoraLinear::merged_weight() const {
   at::NoGradGuard no_grad;
-  const at::Tensor& w = base_->weight;
+  // A 4-bit base is dequantized first (PEFT's route for QLoRA: dequantize, merge, keep full precision).
+  const QuantState4bit* quant = base_->quantized();
+  const at::Tensor w = quant ? dequantize_weight(base_->weight, *quant, at::kFloat) : base_->weight;
   const at::Tensor delta = at::matmul(lora_B.to(at::kFloat), lora_A.to(at::kFloat)) * scaling_;  // (out, in)
-  return (w.to(at::kFloat) + delta).to(w.scalar_type());
+  return (w.to(at::kFloat) + delta).to(quant ? quant->dtype : w.scalar_type());
 }
 
 void LoraAdapters::add(const std::string& module_path, std::shared_ptr<LoraLinear> layer) {
@@ -169,12 +183,13 @@ std::unique_ptr<LoraAdapters> apply_peft_adapter(LanguageModel& model, const Pef
       problems.push_back(path + ": no such linear layer in the base model");
       continue;
     }
-    const auto& w = it->second->weight;
-    if (weights.lora_A.size(1) != w.size(1) || weights.lora_B.size(0) != w.size(0))
+    const Linear& base = *it->second;
+    const int64_t out = base.out_features(), in = base.in_features();
+    if (weights.lora_A.size(1) != in || weights.lora_B.size(0) != out)
       problems.push_back(path + ": lora_A " + std::to_string(weights.lora_A.size(0)) + " x " +
                          std::to_string(weights.lora_A.size(1)) + " and lora_B " +
                          std::to_string(weights.lora_B.size(0)) + " x " + std::to_string(weights.lora_B.size(1)) +
-                         " do not fit a " + std::to_string(w.size(0)) + " x " + std::to_string(w.size(1)) +
+                         " do not fit a " + std::to_string(out) + " x " + std::to_string(in) +
                          " weight");
   }
   if (!problems.empty()) {
@@ -249,7 +264,8 @@ void merge_lora(LoraAdapters& adapters) {
   for (const auto& [path, layer] : adapters.layers()) {
     Linear& base = layer->base();
     if (!base.has_output_hook()) continue;  // merged already
-    base.weight.copy_(layer->merged_weight());
+    if (base.quantized() != nullptr) base.set_weight(layer->merged_weight());
+    else base.weight.copy_(layer->merged_weight());
     base.set_output_hook({});
   }
 }
@@ -276,10 +292,12 @@ MergeResult merge_adapter(const MergeOptions& options) {
         break;
       }
   }
-  auto model = load_model(result.base_dir, ModelInit::kPretrained, at::TensorOptions().dtype(result.dtype));
+  auto model = load_model(result.base_dir, ModelInit::kPretrained, at::TensorOptions().dtype(result.dtype), 0,
+                          options.quantize);
   model->train(false);
   auto adapters = apply_peft_adapter(*model, adapter, options.adapter_dir);
   merge_lora(*adapters);
+  dequantize_model(*model, result.dtype);  // 4-bit layers without an adapter: full precision too
   save_model(*model, options.output_dir, options.max_shard_bytes);
   copy_tokenizer_files(result.base_dir, options.output_dir);
   copy_tokenizer_files(options.adapter_dir, options.output_dir);  // trainer saves the run's tokenizer there

@@ -15,6 +15,7 @@
 
 #include "models/dropout.h"
 #include "models/layers.h"
+#include "models/linear4bit.h"
 #include "models/model.h"
 #include "trainer/config.h"
 #include "trainer/hf_weights.h"
@@ -30,7 +31,8 @@ class LoraLinear : public Module {
   // The base layer's output `y` with the adapter's term added, in PEFT's order (dropout on A's input, scaling
   // after B) and dtypes (the input cast to the adapter's fp32, the sum cast back to y's dtype).
   at::Tensor adapt(const at::Tensor& x, const at::Tensor& y, bool training) const;
-  // W + scaling * B A, computed in fp32 and returned in W's dtype.
+  // W + scaling * B A, computed in fp32 and returned in W's dtype (a 4-bit W is dequantized first and the sum
+  // returned in the dtype it was quantized from).
   at::Tensor merged_weight() const;
 
   Linear& base() const { return *base_; }
@@ -103,6 +105,10 @@ struct MergeOptions {
   std::string output_dir;
   std::string dtype = "auto";  // auto (the base checkpoint's dtype), fp32 or bf16
   uint64_t max_shard_bytes = kDefaultMaxShardBytes;
+  // The adapter was trained over a base quantized on load (QLoRA): the base is quantized the same way, then every
+  // layer dequantized, so the merge adds the adapter to the weights it was trained with. A base saved in 4 bits
+  // is dequantized whatever this says.
+  std::optional<Quantize4bitOptions> quantize;
 };
 struct MergeResult {
   std::string base_dir;

@@ -9,6 +9,10 @@ void Module::for_each_parameter(const std::function<void(const std::string&, at:
   for (auto& [name, child] : children_) child->for_each_parameter(visit, prefix + name + ".");
 }
 
+void Module::unregister_parameters(const std::string& prefix) {
+  std::erase_if(parameters_, [&](const auto& entry) { return entry.first.starts_with(prefix); });
+}
+
 std::vector<std::pair<std::string, at::Tensor>> Module::named_parameters() {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for_each_parameter([&](const std::string& name, at::Tensor& t) { out.emplace_back(name, t); });

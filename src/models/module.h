@@ -35,6 +35,8 @@ class Module {
 
  protected:
   void register_parameter(std::string name, at::Tensor* slot) { parameters_.emplace_back(std::move(name), slot); }
+  // Removes the parameters whose names start with `prefix` (a layer changing its representation: 4-bit weights).
+  void unregister_parameters(const std::string& prefix);
   template <class M>
   std::shared_ptr<M> register_module(std::string name, std::shared_ptr<M> child) {
     children_.emplace_back(std::move(name), child);

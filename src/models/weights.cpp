@@ -3,11 +3,13 @@
 
 #include <filesystem>
 #include <map>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
+#include "models/layers.h"
 #include "trainer/errors.h"
 #include "trainer/hf_weights.h"
 #include "trainer/safetensors.h"
@@ -15,10 +17,39 @@
 
 namespace trainer {
 namespace fs = std::filesystem;
+namespace {
 
+std::map<std::string, Linear*> linear_layers(LanguageModel& model) {
+  std::map<std::string, Linear*> out;
+  model.for_each_module([&](const std::string& name, Module& m) {
+    if (auto* linear = dynamic_cast<Linear*>(&m)) out[name] = linear;
+  });
+  return out;
+}
+
+QuantState4bit state_to(QuantState4bit state, const c10::Device& device) {
+  for (at::Tensor* t : {&state.absmax, &state.quant_map, &state.nested_absmax, &state.nested_quant_map,
+                        &state.state_json})
+    if (t->defined()) *t = t->to(device);
+  return state;
+}
+
+// Quantizes `linear` in place: its full-precision weight is replaced by the 4-bit one.
+void quantize_layer(Linear& linear, const at::Tensor& full, const Quantize4bitOptions& options,
+                    const c10::Device& device) {
+  auto [packed, state] = quantize_weight(full, options, device);
+  linear.set_quantized(std::move(packed), state);
+}
+
+std::string tensor_text(const at::Tensor& bytes) {
+  const at::Tensor t = bytes.contiguous().to(at::kByte);
+  return {reinterpret_cast<const char*>(t.data_ptr<uint8_t>()), static_cast<std::size_t>(t.numel())};
+}
+
+}  // namespace
 
 std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init, const c10::TensorOptions& options,
-                                          uint64_t seed) {
+                                          uint64_t seed, const std::optional<Quantize4bitOptions>& quantize) {
   const auto info = inspect_model_dir(dir, init == ModelInit::kPretrained);
   const auto dtype = c10::typeMetaToScalarType(options.dtype());
   const auto device = options.device();
@@ -29,6 +60,13 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
     at::manual_seed(seed);
     model->init_weights();
     model->for_each_parameter([&](const std::string&, at::Tensor& p) { p = p.to(options); });
+    if (quantize) {
+      const auto layers = linear_layers(*model);
+      for (const auto& path : quantizable_layers(*model)) {
+        Linear& linear = *layers.at(path);
+        quantize_layer(linear, linear.weight, *quantize, device);
+      }
+    }
     return model;
   }
   auto model = build_model(read_json_file((fs::path(dir) / "config.json").string()), options.device(at::kMeta));
@@ -62,13 +100,68 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
     where.erase(it);
     got.erase(alias);
   }
+  // 4-bit layers saved by transformers + bitsandbytes: "X.weight" packed, the state under "X.weight.*". They
+  // stand for an (out, in) weight in the name and shape check.
+  const auto layers = linear_layers(*model);
+  std::map<std::string, std::pair<std::string, nlohmann::json>> prequantized;  // layer -> (state key, JSON)
+  for (const auto& [path, linear] : layers) {
+    for (const char* type : {"nf4", "fp4"}) {
+      const std::string key = path + ".weight.quant_state.bitsandbytes__" + type;
+      const auto it = where.find(key);
+      if (it == where.end()) continue;
+      const auto& file = files[it->second.first];
+      nlohmann::json state;
+      try {
+        state = nlohmann::json::parse(tensor_text(file.load(key)));
+        const auto shape = state.at("shape").get<std::vector<int64_t>>();
+        for (auto g = got.begin(); g != got.end();)
+          g = g->first.starts_with(path + ".weight.") ? got.erase(g) : std::next(g);
+        got[path + ".weight"] = shape;
+      } catch (const nlohmann::json::exception& e) {
+        throw DataError(file.path() + ": " + key + " is not bitsandbytes' quant_state JSON with a shape (" + e.what() +
+                        ")");
+      }
+      prequantized[path] = {key, state};
+    }
+  }
   ShapeMap expected;
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) { expected[name] = p.sizes().vec(); });
   check_state_dict(expected, got, info.dir);
 
+  // 4-bit layers first: loaded as saved, or quantized one at a time from their full-precision weight.
+  std::set<std::string> to_quantize;
+  if (quantize)
+    for (const auto& path : quantizable_layers(*model)) to_quantize.insert(path);
+  for (const auto& [path, linear] : layers) {
+    const std::string weight = path + ".weight";
+    if (const auto pre = prequantized.find(path); pre != prequantized.end()) {
+      const auto& [state_key, state_json] = pre->second;
+      const auto& file = files[where.at(weight).first];
+      auto load = [&](const std::string& suffix) {
+        const auto it = where.find(weight + "." + suffix);
+        return it == where.end() ? at::Tensor() : files[it->second.first].load(weight + "." + suffix);
+      };
+      QuantState4bit state = state_from_saved(weight, state_json, load("absmax"), load("quant_map"),
+                                              load("nested_absmax"), load("nested_quant_map"), load(state_key.substr(weight.size() + 1)),
+                                              file.path());
+      const at::Tensor packed = file.load(weight);
+      if (packed.scalar_type() != at::kByte || packed.numel() != (state.numel() + 1) / 2)
+        throw DataError(file.path() + ": " + weight + " holds " + std::to_string(packed.numel()) + " " +
+                            std::string(c10::toString(packed.scalar_type())) + " values; a 4-bit " +
+                            std::to_string(state.out_features) + " x " + std::to_string(state.in_features) +
+                            " weight packs into " + std::to_string((state.numel() + 1) / 2) + " bytes",
+                        "the checkpoint is damaged or not in bitsandbytes' 4-bit layout");
+      linear->set_quantized(packed.to(device), state_to(std::move(state), device));
+    } else if (to_quantize.count(path)) {
+      const auto& [file, tensor] = where.at(weight);
+      quantize_layer(*linear, files[file].load(tensor->name, dtype), *quantize, device);
+    }
+  }
+
   // The model was built on the meta device: each parameter becomes its loaded tensor, converted once, so the
   // weights never exist twice (peak: the model plus one tensor in conversion).
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    if (!p.is_meta()) return;  // a 4-bit layer's, loaded above
     const auto& [file, tensor] = where.at(name);
     at::Tensor loaded = files[file].load(tensor->name, dtype);
     p = device.is_cpu() ? loaded : loaded.to(device);
@@ -81,7 +174,49 @@ void save_model(LanguageModel& model, const std::string& dir, uint64_t max_shard
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) { tensors.emplace_back(name, p.detach()); });
   save_state_dict(dir, tensors, max_shard_bytes);
-  write_text_file((fs::path(dir) / "config.json").string(), model.hf_config().dump(2) + "\n");
+  nlohmann::json config = model.hf_config();
+  config.erase("quantization_config");
+  // With 4-bit layers, the quantization_config transformers needs to load them, naming the linear layers that are
+  // not quantized (and the LM head) as the ones to skip.
+  std::optional<Quantize4bitOptions> options;
+  at::ScalarType compute_dtype = at::kFloat;
+  std::vector<std::string> skipped = {"lm_head"};
+  for (const auto& [path, linear] : linear_layers(model)) {
+    if (const QuantState4bit* state = linear->quantized()) {
+      if (!options) options = Quantize4bitOptions{state->type, state->blocksize, state->nested};
+      compute_dtype = state->dtype;
+    } else {
+      skipped.push_back(path);
+    }
+  }
+  if (options) config["quantization_config"] = bnb_quantization_config(*options, compute_dtype, skipped);
+  write_text_file((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
+}
+
+QuantizeDirResult quantize_model_dir_to(const std::string& model_dir, const std::string& output_dir,
+                                        const Quantize4bitOptions& options, uint64_t max_shard_bytes) {
+  const auto info = inspect_model_dir(model_dir, /*need_weights=*/true);
+  if (read_json_file((fs::path(model_dir) / "config.json").string()).contains("quantization_config"))
+    throw DataError(model_dir + "/config.json has a quantization_config: the model is quantized already",
+                    "quantize the full-precision model it came from");
+  // The checkpoint's own float dtype (the dtype bitsandbytes records as the weights'): the first float tensor's.
+  at::ScalarType dtype = at::kFloat;
+  const auto file = SafetensorsFile::open(info.weight_files.front());
+  for (const auto& tensor : file.tensors())
+    if (at::isFloatingType(tensor.dtype)) {
+      dtype = tensor.dtype;
+      break;
+    }
+  auto model = load_model(model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(dtype), 0, options);
+  QuantizeDirResult result;
+  for (const auto& [path, linear] : linear_layers(*model))
+    if (const QuantState4bit* state = linear->quantized()) {
+      ++result.layers;
+      result.bytes += state->bytes();
+    }
+  save_model(*model, output_dir, max_shard_bytes);
+  copy_tokenizer_files(model_dir, output_dir);
+  return result;
 }
 
 }  // namespace trainer

@@ -51,7 +51,9 @@ std::optional<MemoryPlan> plan_image_run(const Config& config, const nlohmann::j
   plan.weights = static_cast<double>(parameters) * (config.precision.mode == PrecisionMode::kBf16 ? 2 : 4);
   plan.gradients = 4.0 * static_cast<double>(trained);
   plan.optimizer_state = config.optimizer.name == OptimizerName::kAdamW
-                             ? static_cast<double>(trained) * (config.optimizer.state_dtype == StateDtype::kBf16 ? 4 : 8)
+                             ? static_cast<double>(trained) * (config.optimizer.state_dtype == StateDtype::kBf16   ? 4
+                                                               : config.optimizer.state_dtype == StateDtype::kInt8 ? 2
+                                                                                                                   : 8)
                              : 0.0;
   return plan;
 }

@@ -14,7 +14,9 @@
 //   trainer_parity lora-train MODEL_DIR BATCH.safetensors OUT_DIR LORA_JSON
 //       LoRA applied as training applies it ({"r", "alpha", "rslora", "target_modules", "steps", "lr", "seed"}),
 //       `steps` SGD steps on the adapters, the adapter saved to OUT_DIR in PEFT's format, and
-//       OUT_DIR/logits.safetensors holding the adapted logits of the same batch after the steps
+//       OUT_DIR/logits.safetensors holding the adapted logits of the same batch after the steps (and "losses": the
+//       mean loss before each step). QLoRA: "quantize" (nf4 | fp4), "block_size", "double_quant" quantize the
+//       base on load; a MODEL_DIR saved in 4 bits loads as it is.
 //
 //   trainer_parity activations MODEL_DIR B T L
 //       bytes that forward keeps for backward (CPU budget allocator: allocated after forward minus the weights) for a
@@ -179,14 +181,23 @@ int lora_train(const std::string& model_dir, const std::string& batch_path, cons
   config.dropout = 0.0;
   config.rslora = settings.value("rslora", false);
   config.target_modules = settings.value("target_modules", std::vector<std::string>{});
-  auto model = trainer::load_model(model_dir, trainer::ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  std::optional<trainer::Quantize4bitOptions> quantize;
+  if (settings.contains("quantize"))
+    quantize = trainer::Quantize4bitOptions{trainer::quant::parse_quant_type(settings.at("quantize").get<std::string>()),
+                                            settings.value("block_size", int64_t{64}),
+                                            settings.value("double_quant", true)};
+  auto model = trainer::load_model(model_dir, trainer::ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat), 0,
+                                   quantize);
   auto adapters = trainer::apply_lora(*model, config, settings.value("seed", uint64_t{0}));
   model->train(false);  // no dropout: the result must be reproducible in Python
   const auto batch = read_batch(batch_path);
   const double lr = settings.at("lr").get<double>();
+  std::vector<double> losses;
   for (int64_t step = 0; step < settings.at("steps").get<int64_t>(); ++step) {
     auto result = trainer::forward_loss(*model, batch);
-    (result.loss_sum / static_cast<double>(result.target_tokens)).backward();
+    const at::Tensor loss = result.loss_sum / static_cast<double>(result.target_tokens);
+    losses.push_back(loss.item<double>());
+    loss.backward();
     at::NoGradGuard no_grad;
     adapters->for_each_parameter([&](const std::string&, at::Tensor& p) {
       p.sub_(p.grad(), lr);
@@ -196,7 +207,9 @@ int lora_train(const std::string& model_dir, const std::string& batch_path, cons
   trainer::write_peft_adapter(out_dir, trainer::to_peft_adapter(*adapters, *model, model_dir));
   at::NoGradGuard no_grad;
   const auto after = trainer::forward_loss(*model, batch, /*keep_logits=*/true);
-  trainer::write_safetensors(out_dir + "/logits.safetensors", {{"logits", after.logits.contiguous()}}, {});
+  trainer::NamedTensors out = {{"logits", after.logits.contiguous()}};
+  if (!losses.empty()) out.emplace_back("losses", at::tensor(losses, at::TensorOptions().dtype(at::kDouble)));
+  trainer::write_safetensors(out_dir + "/logits.safetensors", out, {});
   return 0;
 }
 
@@ -405,6 +418,10 @@ int optimizer(const std::string& in_path, const std::string& out_path, const std
     else if (key == "scale_parameter") config.scale_parameter = value.get<bool>();
     else if (key == "relative_step") config.relative_step = value.get<bool>();
     else if (key == "warmup_init") config.warmup_init = value.get<bool>();
+    else if (key == "state_dtype")
+      config.state_dtype = value == "int8"   ? trainer::StateDtype::kInt8
+                           : value == "bf16" ? trainer::StateDtype::kBf16
+                                             : trainer::StateDtype::kFp32;
     else throw trainer::UsageError("optimizer JSON: unknown key " + key, "");
   }
   config.decay_norms_biases_embeddings = true;  // transformers decays every parameter of the group

@@ -168,7 +168,7 @@ std::string floor_suggestions(const Config& config, const c10::Device& device, c
   if (config.optimizer.name == OptimizerName::kAdamW)
     s.push_back("optimizer.name=adafactor (its state is a few bytes per matrix row and column, not 8 per parameter)");
   if (config.optimizer.name == OptimizerName::kAdamW && config.optimizer.state_dtype == StateDtype::kFp32)
-    s.push_back("optimizer.state_dtype=bf16 (halves the AdamW state)");
+    s.push_back("optimizer.state_dtype=bf16 or int8 (halves, or quarters, the AdamW state)");
   if (config.precision.mode == PrecisionMode::kFp32)
     s.push_back("precision.mode=bf16-mixed (bf16 activations) or bf16 (bf16 weights and gradients too)");
   if (!config.device.allow_cpu_fallback)

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <cmath>
+#include <cstring>
 #include <numbers>
 
 #include <ATen/ATen.h>
@@ -12,6 +13,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "quant/adamw8bit.h"
 #include "trainer/errors.h"
 #include "util/counter_rng.h"
 
@@ -227,6 +229,22 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed, bool a
   int64_t largest = 0;
   exp_avg_.resize(params_.size());
   exp_avg_sq_.resize(params_.size());
+  if (config.state_dtype == StateDtype::kInt8) {
+    fused_ = false;
+    int8_state_.resize(params_.size());
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!owns(i)) continue;
+      const at::Tensor& p = *params_[i].param;
+      if (p.scalar_type() != at::kFloat)
+        throw UsageError("optimizer.state_dtype=int8: " + params_[i].name + " is " +
+                             std::string(c10::toString(p.scalar_type())) + "; 8-bit AdamW updates fp32 parameters",
+                         "use precision.mode=bf16-mixed or fp32 with int8 moments, or optimizer.state_dtype=bf16");
+      const auto bytes = quant::serialize_adamw8bit_state(quant::make_adamw8bit_state(p.numel(), {}));
+      int8_state_[i] = at::empty({static_cast<int64_t>(bytes.size())}, at::TensorOptions().dtype(at::kByte));
+      std::memcpy(int8_state_[i].data_ptr(), bytes.data(), bytes.size());
+    }
+    return;
+  }
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (!owns(i)) continue;  // ZeRO-1: another rank keeps its moments
     const at::Tensor& p = *params_[i].param;
@@ -278,8 +296,35 @@ void AdamW::fused_step(double lr) {
   }
 }
 
+void AdamW::int8_step(double lr) {
+  at::NoGradGuard no_grad;
+  ++step_;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = *params_[i].param;
+    if (!owns(i) || !p.grad().defined()) continue;
+    quant::AdamW8bitConfig c;
+    c.lr = lr;
+    c.beta1 = config_.beta1;
+    c.beta2 = config_.beta2;
+    c.eps = config_.eps;
+    c.weight_decay = params_[i].decay ? config_.weight_decay : 0.0;
+    at::Tensor& bytes = int8_state_[i];
+    auto state = quant::deserialize_adamw8bit_state({bytes.data_ptr<uint8_t>(), static_cast<std::size_t>(bytes.numel())});
+    // The update runs on the CPU (where bitsandbytes' arithmetic is reproduced); a CUDA parameter goes through the
+    // host and back.
+    at::Tensor param = p.is_cpu() && p.is_contiguous() ? p : p.detach().to(at::kCPU).contiguous();
+    const at::Tensor grad = p.grad().to(at::kCPU, at::kFloat).contiguous();
+    quant::adamw8bit_step(c, state, {param.data_ptr<float>(), static_cast<std::size_t>(param.numel())},
+                          {grad.data_ptr<float>(), static_cast<std::size_t>(grad.numel())});
+    if (!param.is_same(p)) p.copy_(param);
+    const auto updated = quant::serialize_adamw8bit_state(state);
+    std::memcpy(bytes.data_ptr(), updated.data(), updated.size());
+  }
+}
+
 void AdamW::step(double lr) {
   if (fused_) return fused_step(lr);
+  if (!int8_state_.empty()) return int8_step(lr);
   // Only tensor-tensor and Scalar-argument kernels below: a plain Scalar operand (x.mul_(0.9)) is wrapped into a
   // freshly allocated tensor, which could run out of memory half way through the parameters.
   at::NoGradGuard no_grad;
@@ -327,6 +372,10 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::own_state() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (!owns(i)) continue;
+    if (!int8_state_.empty()) {
+      out.emplace_back("adamw8bit." + params_[i].name, int8_state_[i]);
+      continue;
+    }
     out.emplace_back("exp_avg." + params_[i].name, exp_avg_[i]);
     out.emplace_back("exp_avg_sq." + params_[i].name, exp_avg_sq_[i]);
   }
@@ -336,13 +385,16 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::own_state() const {
 void AdamW::for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) {
   for (auto& t : exp_avg_) visit(t);
   for (auto& t : exp_avg_sq_) visit(t);
+  // int8 state stays in host memory whatever the device (the update runs there).
   for (at::Tensor* t : {&scratch_a_, &scratch_b_, &scratch_m_, &scratch_v_, &eps_, &decay_, &step_count_}) visit(*t);
 }
 
 int64_t AdamW::own_state_bytes() const {
   int64_t n = 0;
   for (std::size_t i = 0; i < params_.size(); ++i)
-    if (owns(i)) n += static_cast<int64_t>(exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes());
+    if (owns(i))
+      n += static_cast<int64_t>(int8_state_.empty() ? exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes()
+                                                    : int8_state_[i].nbytes());
   return n;
 }
 
@@ -376,6 +428,12 @@ int64_t optimizer_state_bytes(const OptimizerConfig& config, c10::IntArrayRef si
       bytes += 4 * numel;
     }
     if (config.adafactor_beta1) bytes += 4 * numel;
+  } else if (config.state_dtype == StateDtype::kInt8) {
+    // bitsandbytes' AdamW8bit: two uint8 codes and, per 256 elements, two fp32 absmax; fp32 moments below 4096
+    // elements (min_8bit_size); plus the serialized state's 25-byte header.
+    const quant::AdamW8bitConfig defaults;
+    bytes += numel >= defaults.min_8bit_size ? 2 * numel + 8 * ((numel + 255) / 256) : 8 * numel;
+    bytes += 25;
   } else {
     bytes += 2 * numel * (config.state_dtype == StateDtype::kBf16 ? 2 : 4);
   }

@@ -146,7 +146,13 @@ class AdamW final : public Optimizer {
   int64_t own_state_bytes() const override;
   void for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) override;
 
+  // state_dtype=int8: bitsandbytes' AdamW8bit step (src/quant/adamw8bit) on fp32 parameters, each parameter's
+  // state held as its serialized bytes (a uint8 CPU tensor: codes, block absmax, step), so checkpoints and
+  // resume take it like any state tensor and continue bit for bit. CUDA parameters step through the host.
+  void int8_step(double lr);
+
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // per parameter: optimizer.state_dtype (fp32 or bf16)
+  std::vector<at::Tensor> int8_state_;            // per parameter: state_dtype int8
   at::Tensor scratch_a_, scratch_b_;  // fp32 chunk buffers for the update
   at::Tensor scratch_m_, scratch_v_;  // fp32 copies of a chunk of bf16 moments (state_dtype bf16 only)
   at::Tensor eps_, decay_;            // 0-dim operands, refilled each step (no allocation during the update)

@@ -116,6 +116,14 @@ TEST(Config, ShippedConfigsSayWhatTheirIssueAsks) {
   EXPECT_EQ(qwen.lora.r, 128);
   EXPECT_EQ(qwen.training.batch_size, 16);
   EXPECT_EQ(qwen.data.max_length, 2048);
+  const Config qlora = load_config(test::source_path("configs/qwen2.5-7b-qlora.json"));
+  EXPECT_EQ(qlora.model.quantize, QuantizeMode::kNf4);
+  EXPECT_EQ(qlora.model.quantize_block_size, 64);
+  EXPECT_TRUE(qlora.model.double_quant);
+  EXPECT_EQ(qlora.lora.r, 128);
+  EXPECT_EQ(qlora.lora.target_modules.size(), 7u);
+  EXPECT_EQ(qlora.training.batch_size, 16);
+  EXPECT_EQ(qlora.data.max_length, 2048);
 }
 
 TEST(ConfigErrors, UnknownKeySuggestsTheClosest) {
@@ -156,6 +164,32 @@ TEST(ConfigErrors, WrongTypesNameTheKeyAndWhatWasGiven) {
 
 // fp16 weights are refused with the reason and the mode that works; fp16-mixed is a mode (refused for T5 only when
 // the model is loaded: IntegrationFp16.T5IsRefusedWithTheReason); its loss-scale keys are checked.
+TEST(ConfigErrors, QuantizeNeedsLoraAndABitsandbytesBlockSizeAndInt8IsAdamWs) {
+  auto with = [](const std::string& sections) {
+    return problems_of(R"({"model": {"path": "m"}, "data": {"train_files": ["d"]}, )" + sections + "}");
+  };
+  const auto full = with(R"("lora": {"enabled": false}, "training": {"batch_size": 4})");
+  EXPECT_TRUE(full.empty());
+  const auto no_lora = problems_of(R"({"model": {"path": "m", "quantize": "nf4"}, "data": {"train_files": ["d"]}})");
+  EXPECT_TRUE(contains(problem_at(no_lora, "model.quantize"), "lora.enabled=true"));
+  EXPECT_TRUE(problems_of(R"({"model": {"path": "m", "quantize": "fp4", "quantize_block_size": 128},
+                              "data": {"train_files": ["d"]}, "lora": {"enabled": true}})")
+                  .empty());
+  const auto block = problems_of(R"({"model": {"path": "m", "quantize": "nf4", "quantize_block_size": 100},
+                                     "data": {"train_files": ["d"]}, "lora": {"enabled": true}})");
+  EXPECT_TRUE(contains(problem_at(block, "model.quantize_block_size"), "got 100"));
+  EXPECT_TRUE(contains(problem_at(problems_of(R"({"model": {"path": "m", "quantize": "int4"}, "data": {"train_files": ["d"]}})"),
+                                  "model.quantize"),
+                       "nf4"));
+  EXPECT_TRUE(contains(problem_at(with(R"("optimizer": {"name": "adafactor", "state_dtype": "int8"})"),
+                                  "optimizer.state_dtype"),
+                       "AdamW"));
+  EXPECT_TRUE(contains(problem_at(with(R"("optimizer": {"state_dtype": "int8"}, "precision": {"mode": "bf16"})"),
+                                  "optimizer.state_dtype"),
+                       "fp32 parameters"));
+  EXPECT_TRUE(with(R"("optimizer": {"state_dtype": "int8"}, "precision": {"mode": "bf16-mixed"})").empty());
+}
+
 TEST(ConfigErrors, Fp16WeightsAreRefusedWithTheReasonAndFp16MixedIsAMode) {
   auto with_precision = [](const std::string& precision) {
     return problems_of(R"({"model": {"path": "m"}, "data": {"train_files": ["d"]}, "precision": )" + precision + "}");

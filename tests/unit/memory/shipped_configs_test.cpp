@@ -29,6 +29,15 @@ const nlohmann::json kQwen25_7B = {{"model_type", "qwen2"},        {"vocab_size"
                                    {"hidden_act", "silu"},         {"tie_word_embeddings", false},
                                    {"bos_token_id", 151643},       {"eos_token_id", 151643},
                                    {"attention_dropout", 0.0},     {"use_sliding_window", false}};
+// Qwen/Qwen2.5-14B.
+const nlohmann::json kQwen25_14B = {{"model_type", "qwen2"},        {"vocab_size", 152064},
+                                    {"hidden_size", 5120},          {"intermediate_size", 13824},
+                                    {"num_hidden_layers", 48},      {"num_attention_heads", 40},
+                                    {"num_key_value_heads", 8},     {"max_position_embeddings", 131072},
+                                    {"rms_norm_eps", 1e-5},         {"rope_theta", 1000000.0},
+                                    {"hidden_act", "silu"},         {"tie_word_embeddings", false},
+                                    {"bos_token_id", 151643},       {"eos_token_id", 151643},
+                                    {"attention_dropout", 0.0},     {"use_sliding_window", false}};
 const nlohmann::json kFlanT5XL = {{"model_type", "t5"},
                                   {"vocab_size", 32128},
                                   {"d_model", 2048},
@@ -82,6 +91,8 @@ const std::map<std::string, Card>& cards() {
   static const std::map<std::string, Card> table = {
       {"clip-cars.json", {kClipB32, 16.0 * (1ull << 30)}},
       {"qwen2.5-7b-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
+      {"qwen2.5-7b-qlora.json", {kQwen25_7B, 16.0 * (1ull << 30)}},
+      {"qwen2.5-14b-qlora.json", {kQwen25_14B, 24.0 * (1ull << 30)}},
       {"t5xl.json", {kFlanT5XL, 32.0 * (1ull << 30)}},
       {"vit-base-flowers-lora.json", {kVitBase16, 8.0 * (1ull << 30)}},
       {"vit-base-flowers-probe.json", {kVitBase16, 8.0 * (1ull << 30)}},

@@ -173,6 +173,51 @@ TEST(Bf16Update, ResumeIsExact) {
   }
 }
 
+TEST(Int8AdamW, MovesLikeFp32AdamWResumesExactlyAndKeepsAboutTwoBytesAParameter) {
+  // 5120 elements: 8-bit moments (bitsandbytes' min_8bit_size is 4096); the others keep fp32 moments.
+  at::manual_seed(5);
+  const std::vector<std::pair<std::string, at::Tensor>> start = {{"big.weight", at::randn({80, 64}) * 0.05},
+                                                                 {"layer.weight", at::randn({64, 48}) * 0.05},
+                                                                 {"layer.bias", at::randn({48}) * 0.05}};
+  const auto int8 = adamw(Bf16Update::kStochastic, StateDtype::kInt8);
+  Bag a(start), b(start);
+  auto o8 = make_optimizer(a, int8, 1);
+  auto o32 = make_optimizer(b, adamw(Bf16Update::kStochastic), 1);
+  run_steps(a, *o8, 0, 10, 1e-3);
+  run_steps(b, *o32, 0, 10, 1e-3);
+  // Same direction, nearly the same size: 8-bit moments are an approximation of the fp32 ones.
+  double moved = 0;
+  for (std::size_t i = 0; i < start.size(); ++i) moved += (b.tensors()[i].detach() - start[i].second).norm().item<double>();
+  EXPECT_GT(moved, 1e-3);
+  EXPECT_LT(difference(a, b), 0.05 * moved);
+  EXPECT_GT(difference(a, b), 0.0);
+  int64_t expected = 0;
+  for (auto& t : a.tensors()) expected += optimizer_state_bytes(int8, t.sizes(), false);
+  EXPECT_EQ(o8->state_bytes(), expected);
+  EXPECT_LT(optimizer_state_bytes(int8, {80, 64}, false), 2.1 * 80 * 64 + 25);
+  for (const auto& [name, t] : o8->state_tensors()) EXPECT_TRUE(name.starts_with("adamw8bit.")) << name;
+
+  // Resume: state saved after 4 steps and loaded into a fresh optimizer continues bit for bit.
+  Bag first(start);
+  auto o2 = make_optimizer(first, int8, 1);
+  run_steps(first, *o2, 0, 4, 1e-3);
+  std::vector<std::pair<std::string, at::Tensor>> saved, weights;
+  for (const auto& [name, t] : o2->state_tensors()) saved.emplace_back(name, t.clone());
+  for (std::size_t i = 0; i < start.size(); ++i) weights.emplace_back(start[i].first, first.tensors()[i].detach());
+  Bag resumed(weights);
+  auto o3 = make_optimizer(resumed, int8, 1);
+  o3->load_state(saved, o2->steps(), "optimizer.safetensors");
+  run_steps(resumed, *o3, 4, 10, 1e-3);
+  EXPECT_EQ(difference(a, resumed), 0.0);
+  const auto x = o8->state_tensors(), y = o3->state_tensors();
+  ASSERT_EQ(x.size(), y.size());
+  for (std::size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(at::equal(x[i].second, y[i].second)) << x[i].first;
+
+  // bf16 parameters are refused with the setting to change.
+  Bag bf16(start_tensors(at::kBFloat16));
+  EXPECT_THROW(make_optimizer(bf16, int8, 1), UsageError);
+}
+
 TEST(Bf16Update, KahanCompensationIsSavedAndCountedAtTwoBytesAParameter) {
   Bag bag(start_tensors(at::kBFloat16));
   auto stochastic = make_optimizer(bag, adamw(Bf16Update::kStochastic), 1);

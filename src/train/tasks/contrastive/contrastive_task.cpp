@@ -299,6 +299,10 @@ class ContrastiveStepWork final : public StepWork {
 };
 
 void ContrastiveTask::build_model(const std::optional<fs::path>& resume, const c10::Device& device) {
+  if (config().model.quantize != QuantizeMode::kNone)
+    throw UsageError("model.quantize: 4-bit layers are built for the text models (T5, Llama, Qwen2, Mistral), not for "
+                     "the image models (ViT, CLIP)",
+                     "set model.quantize=none (LoRA on ViT and CLIP trains on the full-precision base)");
   device_ = device;
   const nlohmann::json hf = read_json_file((fs::path(config().model.path) / "config.json").string());
   if (!is_clip_model_config(hf))

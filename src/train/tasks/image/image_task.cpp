@@ -167,6 +167,10 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
 // Resuming a full fine-tune loads the checkpoint's weights; with LoRA the base always comes from model.path (a
 // checkpoint holds the adapter and the head). A linear probe freezes everything but the head.
 void ImageTask::build_model(const std::optional<fs::path>& resume, const c10::Device& device) {
+  if (config().model.quantize != QuantizeMode::kNone)
+    throw UsageError("model.quantize: 4-bit layers are built for the text models (T5, Llama, Qwen2, Mistral), not for "
+                     "the image models (ViT, CLIP)",
+                     "set model.quantize=none (LoRA on ViT and CLIP trains on the full-precision base)");
   device_ = device;
   const auto options = at::TensorOptions()
                            .dtype(config().precision.mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat)

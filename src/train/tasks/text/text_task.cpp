@@ -207,6 +207,7 @@ class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
     merge.adapter_dir = (output_dir / "final").string();
     merge.output_dir = (output_dir / "final-merged").string();
     merge.max_shard_bytes = config().checkpoint.max_shard_size.bytes;
+    merge.quantize = quantize_options(config().model);
     merge_adapter(merge);
   }
 
@@ -252,11 +253,16 @@ void TextTask::build_model(const std::optional<fs::path>& resume, const c10::Dev
   model_ = resume && !config().lora.enabled
                ? load_model(resume->string(), ModelInit::kPretrained, options)
                : load_model(config().model.path, config().model.init, options,
-                            static_cast<uint64_t>(config().training.seed));
+                            static_cast<uint64_t>(config().training.seed), quantize_options(config().model));
   if (config().precision.mode == PrecisionMode::kFp16Mixed)
     check_fp16_supported(model_->model_type(), config().model.path);
+  if (!config().lora.enabled && has_quantized_layers(*model_))
+    throw UsageError(config().model.path + " holds 4-bit linear layers (bitsandbytes' layout), which cannot be trained",
+                     "train LoRA adapters on it: lora.enabled=true (QLoRA)");
   model_->train(true);
-  model_->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(true); });
+  model_->for_each_parameter([](const std::string&, at::Tensor& p) {
+    if (at::isFloatingType(p.scalar_type())) p.requires_grad_(true);
+  });
   if (config().lora.enabled) apply_lora_for_training(resume);
   if (config().training.activation_checkpointing) apply_activation_checkpointing(*model_);
   family_ = model_->family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;

@@ -1,0 +1,223 @@
+"""QLoRA (model.quantize) against transformers + bitsandbytes 0.50.2 + PEFT themselves, on the CPU.
+
+bitsandbytes runs 4-bit layers on the CPU: without AVX512-BF16 (this machine) its gemm_4bit dequantizes the weight to
+the input's dtype and calls an ordinary linear, and MatMul4Bit's backward multiplies by the dequantized weight again:
+what trainer's Linear4bit does. Quantization itself is bit for bit bitsandbytes' (tests/parity/test_quantization.py),
+so the 4-bit weights are the same bits on both sides and fp32 results differ only by summation order: within 1e-4
+absolute + 1e-4 relative, as the model and LoRA parity tests. If this machine had AVX512-BF16, bitsandbytes' CPU
+inference would switch to a bf16 kernel: the forward comparisons then run with gradients on, which keeps its
+dequantize-and-matmul path.
+
+(a) 4-bit forward (NF4 and FP4, with and without double quantization): trainer's logits equal transformers'
+    load_in_4bit model's, and quantization changes the logits by far more than the tolerance;
+(b) a few SGD steps of LoRA on every linear layer over the 4-bit base, from the same adapter: losses and adapter
+    weights equal PEFT's over bitsandbytes' Linear4bit;
+(c) `trainer quantize` writes the tensors transformers + bitsandbytes save, byte for byte, and transformers loads
+    the directory with the same logits; trainer loads a directory transformers saved in 4 bits with its logits;
+(d) `trainer merge --quantize nf4` and a QLoRA training run with --merge give full-precision models with PEFT's
+    adapted logits over the 4-bit base.
+"""
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from test_models import MODELS, make_batch, make_model_dir, parity_tool, real_positions, run_parity_tool  # noqa: F401
+
+NAMES = ["qwen2-gqa-tied", "llama", "flan-gated-gelu-untied"]
+TARGETS = {"qwen2-gqa-tied": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+           "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+           "flan-gated-gelu-untied": ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]}
+MIN_EFFECT = 1e-3
+LR = 0.3
+
+
+def close(ours, theirs, msg=None):
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4, msg=msg)
+
+
+def model_class(path):
+    config = transformers.AutoConfig.from_pretrained(path)
+    return config, (transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder
+                    else transformers.AutoModelForCausalLM)
+
+
+def bnb_model(path, quant_type="nf4", double_quant=True):
+    """transformers' load_in_4bit model: quantized on load when `path` is full precision, as saved otherwise."""
+    config, cls = model_class(path)
+    kwargs = {}
+    if not hasattr(config, "quantization_config"):
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=torch.float32)
+    model = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", attn_implementation="eager", **kwargs)
+    model.eval()
+    return model
+
+
+def full_model(path):
+    _, cls = model_class(path)
+    model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    return model
+
+
+def bnb_logits(model, batch):
+    # With gradients on: bitsandbytes' dequantize-and-matmul path whatever the CPU (see the module docstring).
+    return model(**batch).logits.detach()
+
+
+def our_run(parity_tool, model_dir, batch_path, out_dir, name, steps, **quantize):
+    settings = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "steps": steps, "lr": LR, "seed": 3,
+                **quantize}
+    run_parity_tool(parity_tool, "lora-train", model_dir, batch_path, out_dir, json.dumps(settings))
+    return load_file(out_dir / "logits.safetensors")
+
+
+def setup(name, tmp_path):
+    model_dir = make_model_dir(name, tmp_path / "model")
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    batch = make_batch(config.is_encoder_decoder)
+    save_file(batch, tmp_path / "batch.safetensors")
+    return model_dir, config, batch
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", True), ("nf4", False)])
+@pytest.mark.parametrize("name", NAMES)
+def test_4bit_logits_match_transformers_with_bitsandbytes(name, quant_type, double_quant, tmp_path, parity_tool):
+    model_dir, config, batch = setup(name, tmp_path)
+    # No steps: the adapter's B is zero, so these are the 4-bit base's logits.
+    ours = our_run(parity_tool, model_dir, tmp_path / "batch.safetensors", tmp_path / "ours", name, 0,
+                   quantize=quant_type, double_quant=double_quant)["logits"]
+    theirs = bnb_logits(bnb_model(model_dir, quant_type, double_quant), batch)
+    with torch.no_grad():
+        full = full_model(model_dir)(**batch).logits
+    real = real_positions(config, batch)
+    assert (theirs[real] - full[real]).abs().max() > MIN_EFFECT, "4 bits change nothing: the test proves nothing"
+    close(ours[real], theirs[real])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_qlora_steps_match_peft_over_bitsandbytes(name, tmp_path, parity_tool):
+    model_dir, config, batch = setup(name, tmp_path)
+    batch_path = tmp_path / "batch.safetensors"
+    our_run(parity_tool, model_dir, batch_path, tmp_path / "start", name, 0, quantize="nf4")
+    steps = 3
+    ours = our_run(parity_tool, model_dir, batch_path, tmp_path / "ours", name, steps, quantize="nf4")
+
+    model = peft.PeftModel.from_pretrained(bnb_model(model_dir), tmp_path / "start", is_trainable=True)
+    model.eval()  # no dropout, as trainer's tool runs
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        losses.append(loss.item())
+        loss.backward()
+        with torch.no_grad():
+            for p in trainable.values():
+                p -= LR * p.grad
+                p.grad = None
+    close(ours["losses"], torch.tensor(losses, dtype=torch.float64))
+    assert losses[-1] < losses[0] - 1e-3, "training did not move the loss: the test proves nothing"
+    saved = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    start = load_file(tmp_path / "start" / "adapter_model.safetensors")
+    assert len(saved) == len(trainable)
+    # Three SGD steps at lr 0.3 move the adapters by O(0.1). Qwen2 and Llama agree within 1e-4 after them. This tiny
+    # T5 (unscaled attention) amplifies fp32 reduction-order differences through training: plain LoRA on the
+    # full-precision model, no quantization anywhere, ends 3.9e-4 apart on the logits after the same three steps
+    # (measured against PEFT), so T5 is compared at 1e-3 after training, far below the movement.
+    atol = 1e-3 if config.is_encoder_decoder else 1e-4
+    moved = max((p.detach() - start[n.replace(".default.", ".")]).abs().max().item() for n, p in trainable.items())
+    assert moved > 0.02, f"the adapters moved by {moved} only"
+    for n, p in trainable.items():
+        key = n.replace(".default.", ".")
+        torch.testing.assert_close(saved[key], p.detach(), atol=atol, rtol=1e-3, msg=lambda m, k=key: f"{k}: {m}")
+    with torch.no_grad():
+        theirs = model(**batch).logits
+    real = real_positions(config, batch)
+    torch.testing.assert_close(ours["logits"][real], theirs[real], atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "flan-gated-gelu-untied"])
+def test_trainer_quantize_writes_what_transformers_saves(name, quant_type, tmp_path, run_trainer):
+    model_dir, config, batch = setup(name, tmp_path)
+    run_trainer("quantize", "--model", model_dir, "--output", tmp_path / "ours", "--type", quant_type)
+    reference = bnb_model(model_dir, quant_type)
+    reference.save_pretrained(tmp_path / "theirs")
+    ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("ours", "theirs"))
+    assert set(ours) == set(theirs)
+    assert any(k.endswith(f"quant_state.bitsandbytes__{quant_type}") for k in ours)
+    for key in theirs:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+    loaded = bnb_model(tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["quantization_config"]["load_in_4bit"]
+    real = real_positions(config, batch)
+    torch.testing.assert_close(bnb_logits(loaded, batch)[real], bnb_logits(reference, batch)[real], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_trainer_loads_a_4bit_model_transformers_saved(name, tmp_path, parity_tool):
+    model_dir, config, batch = setup(name, tmp_path)
+    reference = bnb_model(model_dir)
+    reference.save_pretrained(tmp_path / "saved")
+    ours = our_run(parity_tool, tmp_path / "saved", tmp_path / "batch.safetensors", tmp_path / "ours", name, 0)
+    real = real_positions(config, batch)
+    close(ours["logits"][real], bnb_logits(reference, batch)[real])
+
+
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "flan-gated-gelu-untied"])
+def test_merge_with_a_4bit_base_gives_peft_adapted_logits(name, tmp_path, run_trainer):
+    model_dir, config, batch = setup(name, tmp_path)
+    base = bnb_model(model_dir)
+    task = "SEQ_2_SEQ_LM" if config.is_encoder_decoder else "CAUSAL_LM"
+    model = peft.get_peft_model(base, peft.LoraConfig(task_type=task, r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=TARGETS[name]))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    model.save_pretrained(tmp_path / "adapter")
+    model.eval()
+    adapted = bnb_logits(model, batch)
+    run_trainer("merge", "--adapter", tmp_path / "adapter", "--base", model_dir, "--quantize", "nf4", "--output",
+                tmp_path / "merged")
+    merged_config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "quantization_config" not in merged_config
+    assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "merged" / "model.safetensors").values())
+    with torch.no_grad():
+        ours = full_model(tmp_path / "merged")(**batch).logits
+    real = real_positions(config, batch)
+    with torch.no_grad():
+        full = full_model(model_dir)(**batch).logits
+    assert (adapted[real] - full[real]).abs().max() > MIN_EFFECT
+    close(ours[real], adapted[real])
+
+
+def test_a_qlora_training_run_writes_an_adapter_peft_loads_over_the_4bit_base(root, tmp_path, run_trainer):
+    out = tmp_path / "run"
+    run_trainer("--config", "configs/tiny-qwen2.json", "--set", "lora.enabled=true", "--set", "model.quantize=nf4",
+                "--set", "lora.target_modules=" + json.dumps(TARGETS["qwen2-gqa-tied"]),
+                "--set", "training.max_steps=6", "--set", "evaluation.every_steps=0", "--set",
+                f"checkpoint.output_dir={out}", "--set", "lora.alpha=64", "--set", "optimizer.lr=0.05", "--merge")
+    base_dir = json.loads((out / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    # A random-weight base is saved as it was trained on: in 4 bits, which transformers loads as it is.
+    assert json.loads((out / "base" / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    config = transformers.AutoConfig.from_pretrained(base_dir)
+    batch = make_batch(config.is_encoder_decoder)
+    base = bnb_model(base_dir)
+    base_logits = bnb_logits(base, batch)
+    model = peft.PeftModel.from_pretrained(base, out / "final")
+    model.eval()
+    theirs = bnb_logits(model, batch)
+    with torch.no_grad():
+        ours = full_model(out / "final-merged")(**batch).logits
+    real = real_positions(config, batch)
+    assert (theirs[real] - base_logits[real]).abs().max() > 1e-2, "training changed nothing"
+    scale = theirs[real].abs().max().item()
+    torch.testing.assert_close(ours[real], theirs[real], atol=2e-5 * max(scale, 1.0), rtol=1e-4)

@@ -1,0 +1,272 @@
+// 4-bit linear layers: the ATen dequantization against src/quant's bitsandbytes-exact one, the layer's forward
+// and backward, quantization on load, saving and loading bitsandbytes' layout, LoRA on top, merging, and bad
+// checkpoints. Agreement with bitsandbytes + transformers + PEFT themselves is in tests/parity/test_qlora.py.
+#include <cstring>
+#include <filesystem>
+#include <functional>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
+#include <nlohmann/json.hpp>
+
+#include "models/layers.h"
+#include "models/linear4bit.h"
+#include "models/lora.h"
+#include "models/weights.h"
+#include "support/temp_dir.h"
+#include "support/tiny_models.h"
+#include "trainer/errors.h"
+#include "trainer/hf_weights.h"
+#include "trainer/model_dir.h"
+#include "trainer/safetensors.h"
+
+namespace trainer {
+namespace {
+
+using test::padded_batch;
+using test::tiny_model;
+
+Quantize4bitOptions options(quant::QuantType type, int64_t blocksize, bool nested) {
+  return Quantize4bitOptions{type, blocksize, nested};
+}
+
+// src/quant's dequantization (bit for bit bitsandbytes') of what quantize_weight produced.
+at::Tensor reference_dequantize(const at::Tensor& weight, const Quantize4bitOptions& o, at::ScalarType out) {
+  const at::Tensor w = weight.contiguous();
+  const auto in_dtype = w.scalar_type() == at::kBFloat16 ? quant::FloatDtype::kBf16 : quant::FloatDtype::kFp32;
+  const auto q = quant::quantize_4bit(w.data_ptr(), w.numel(), in_dtype, o.blocksize, o.type, o.double_quant);
+  at::Tensor result = at::empty(w.sizes(), at::TensorOptions().dtype(out));
+  quant::dequantize_4bit(q, out == at::kBFloat16 ? quant::FloatDtype::kBf16 : quant::FloatDtype::kFp32,
+                         result.data_ptr(), w.size(1));
+  return result;
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
+         std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(), a.nbytes()) == 0;
+}
+
+TEST(Linear4bit, AtenDequantizationEqualsTheBitsandbytesExactOneBitForBit) {
+  at::manual_seed(1);
+  struct Case {
+    int64_t out, in, blocksize;
+    quant::QuantType type;
+    bool nested;
+    at::ScalarType in_dtype, out_dtype;
+  };
+  const Case cases[] = {
+      {24, 64, 64, quant::QuantType::kNf4, true, at::kFloat, at::kFloat},
+      {7, 33, 64, quant::QuantType::kNf4, true, at::kFloat, at::kFloat},  // odd: padding in the last byte
+      {40, 96, 128, quant::QuantType::kNf4, false, at::kFloat, at::kBFloat16},
+      {130, 300, 64, quant::QuantType::kNf4, true, at::kBFloat16, at::kBFloat16},  // > 256 blocks: 2 nested
+      {24, 64, 64, quant::QuantType::kFp4, true, at::kFloat, at::kFloat},  // even: nibble 8 is -0.0
+      {5, 31, 64, quant::QuantType::kFp4, false, at::kFloat, at::kFloat},
+      {16, 512, 256, quant::QuantType::kFp4, true, at::kFloat, at::kBFloat16},
+  };
+  for (const auto& c : cases) {
+    at::Tensor w = at::randn({c.out, c.in}) * 0.05;
+    w[0][0] = 0.0;  // zeros decode to the code's zero (FP4: -0.0 in the library's table)
+    w = w.to(c.in_dtype);
+    const auto o = options(c.type, c.blocksize, c.nested);
+    const auto [packed, state] = quantize_weight(w, o, at::Device(at::kCPU));
+    EXPECT_EQ(packed.sizes(), (at::IntArrayRef{(c.out * c.in + 1) / 2, 1}));
+    EXPECT_EQ(state.nested, c.nested);
+    const at::Tensor ours = dequantize_weight(packed, state, c.out_dtype);
+    const at::Tensor reference = reference_dequantize(w, o, c.out_dtype);
+    EXPECT_TRUE(same_bits(ours, reference)) << c.out << "x" << c.in << " block " << c.blocksize
+                                            << " max diff " << (ours.to(at::kFloat) - reference.to(at::kFloat)).abs().max().item<float>();
+    // Quantization error is bounded by the code's spacing: 4 bits cannot be exact, but they must be close.
+    EXPECT_LT((ours.to(at::kFloat) - w.to(at::kFloat)).abs().max().item<float>(), 0.05f);
+  }
+}
+
+TEST(Linear4bit, ForwardAndBackwardEqualALinearOverTheDequantizedWeight) {
+  at::manual_seed(2);
+  Linear layer(48, 20, /*bias=*/true, at::TensorOptions().dtype(at::kFloat));
+  layer.weight.normal_(0.0, 0.1);
+  layer.bias.normal_(0.0, 0.1);
+  const auto [packed, state] = quantize_weight(layer.weight, options(quant::QuantType::kNf4, 64, true),
+                                               at::Device(at::kCPU));
+  layer.set_quantized(packed, state);
+  ASSERT_NE(layer.quantized(), nullptr);
+  EXPECT_EQ(layer.weight.scalar_type(), at::kByte);
+  const at::Tensor w = dequantize_weight(layer.weight, *layer.quantized(), at::kFloat);
+
+  const at::Tensor x = at::randn({3, 5, 48}).requires_grad_(true);
+  const at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+  const at::Tensor y = layer.forward(x);
+  const at::Tensor y_ref = at::linear(x_ref, w, layer.bias);
+  EXPECT_TRUE(at::equal(y, y_ref));
+  const at::Tensor g = at::randn_like(y);
+  y.backward(g);
+  y_ref.backward(g);
+  EXPECT_TRUE(at::allclose(x.grad(), x_ref.grad(), 1e-6, 1e-6));
+  // The graph keeps nothing of the weight but the packed codes: its backward node holds no (20, 48) tensor.
+  EXPECT_NE(y.grad_fn(), nullptr);
+  EXPECT_EQ(y.grad_fn()->name().find("Linear4bitFunction") != std::string::npos, true);
+
+  // Without gradients (evaluation) the same numbers, no graph.
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(layer.forward(x.detach()), y_ref.detach()));
+}
+
+TEST(Linear4bit, QuantizesOnLoadEveryLinearButT5sWoAndKeepsTheRestInFullPrecision) {
+  test::TempDir dir;
+  for (const std::string name : {"tiny-qwen2", "tiny-t5"}) {
+    auto reference = tiny_model(name);
+    const std::string model_dir = (dir.path() / name).string();
+    save_model(*reference, model_dir, kDefaultMaxShardBytes);
+    auto model = load_model(model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat), 0,
+                            options(quant::QuantType::kNf4, 64, true));
+    int quantized = 0, full = 0;
+    model->for_each_module([&](const std::string& path, Module& m) {
+      auto* linear = dynamic_cast<Linear*>(&m);
+      if (linear == nullptr) return;
+      const bool is_wo = path.ends_with(".wo");
+      EXPECT_EQ(linear->quantized() == nullptr, is_wo) << path;
+      (linear->quantized() ? quantized : full)++;
+    });
+    EXPECT_GT(quantized, 0);
+    EXPECT_EQ(full > 0, name == "tiny-t5");
+    // Embeddings and norms are untouched: the 4-bit model computes what the full-precision model computes with its
+    // quantized layers' weights replaced by dequantize(quantize(W)) (QLoRA's definition of the base).
+    const auto batch = padded_batch(name == "tiny-t5");
+    at::NoGradGuard no_grad;
+    auto emulated = tiny_model(name);
+    const at::Tensor unquantized = forward_loss(*emulated, batch, true).logits;
+    for (const auto& path : quantizable_layers(*emulated))
+      emulated->for_each_module([&](const std::string& p, Module& m) {
+        if (p != path) return;
+        auto& linear = dynamic_cast<Linear&>(m);
+        const auto [packed, state] = quantize_weight(linear.weight, options(quant::QuantType::kNf4, 64, true),
+                                                     at::Device(at::kCPU));
+        linear.weight = dequantize_weight(packed, state, at::kFloat);
+      });
+    model->train(false);
+    const at::Tensor b = forward_loss(*model, batch, true).logits;
+    EXPECT_FALSE(at::equal(unquantized, b));
+    EXPECT_TRUE(at::allclose(b, forward_loss(*emulated, batch, true).logits, 1e-5, 1e-5));
+  }
+}
+
+TEST(Linear4bit, SavedInBitsandbytesLayoutAndLoadedBackAsItIs) {
+  test::TempDir dir;
+  auto reference = tiny_model("tiny-qwen2");
+  const std::string full_dir = (dir.path() / "full").string(), q_dir = (dir.path() / "q").string();
+  save_model(*reference, full_dir, kDefaultMaxShardBytes);
+  const auto result = quantize_model_dir_to(full_dir, q_dir, options(quant::QuantType::kNf4, 64, true));
+  EXPECT_EQ(result.layers, 2u * 7u);  // tiny-qwen2: 2 layers x (q, k, v, o, gate, up, down)
+  const auto config = read_json_file(q_dir + "/config.json");
+  ASSERT_TRUE(config.contains("quantization_config"));
+  EXPECT_EQ(config["quantization_config"]["bnb_4bit_quant_type"], "nf4");
+  EXPECT_EQ(config["quantization_config"]["load_in_4bit"], true);
+  const auto file = SafetensorsFile::open(q_dir + "/model.safetensors");
+  const std::string w = "model.layers.0.self_attn.q_proj.weight";
+  for (const std::string suffix : {"", ".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map",
+                                   ".quant_state.bitsandbytes__nf4"})
+    EXPECT_NE(file.find(w + suffix), nullptr) << w + suffix;
+  EXPECT_EQ(file.find(w)->dtype, at::kByte);
+  EXPECT_EQ(file.find("model.embed_tokens.weight")->dtype, at::kFloat);
+
+  // Loaded as it is (no model.quantize): the same 4-bit weights, the same logits as quantizing on load.
+  auto loaded = load_model(q_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  auto on_load = load_model(full_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat), 0,
+                            options(quant::QuantType::kNf4, 64, true));
+  loaded->train(false);
+  on_load->train(false);
+  const auto batch = padded_batch(false);
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(forward_loss(*loaded, batch, true).logits, forward_loss(*on_load, batch, true).logits));
+  EXPECT_THROW(quantize_model_dir_to(q_dir, (dir.path() / "again").string(), options(quant::QuantType::kNf4, 64, true)),
+               DataError);
+}
+
+TEST(Linear4bit, LoraOnA4bitBaseTrainsOnlyTheAdaptersAndMergesIntoTheDequantizedWeight) {
+  auto model = tiny_model("tiny-qwen2");
+  test::TempDir dir;
+  save_model(*model, dir.path().string(), kDefaultMaxShardBytes);
+  auto q = load_model(dir.path().string(), ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat), 0,
+                      options(quant::QuantType::kNf4, 64, true));
+  LoraConfig config;
+  config.enabled = true;
+  config.r = 4;
+  config.alpha = 8;
+  config.dropout = 0.0;
+  config.target_modules = {"q_proj", "v_proj", "down_proj"};
+  auto adapters = apply_lora(*q, config, 1);
+  q->train(false);
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& [path, layer] : adapters->layers()) layer->lora_B.normal_(0.0, 0.2);
+  }
+  const auto batch = padded_batch(false);
+  auto result = forward_loss(*q, batch, true);
+  (result.loss_sum / static_cast<double>(result.target_tokens)).backward();
+  int with_grad = 0;
+  adapters->for_each_parameter([&](const std::string&, at::Tensor& p) { with_grad += p.grad().defined(); });
+  EXPECT_EQ(with_grad, 2 * 3 * 2);
+  q->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    EXPECT_FALSE(p.requires_grad()) << name;
+    if (name.ends_with(".absmax") || name.ends_with("_map")) EXPECT_NE(p.scalar_type(), at::kBFloat16) << name;
+  });
+  // Merging dequantizes the adapted layers (and every other 4-bit one): the merged model computes the same.
+  const at::Tensor adapted = result.logits.detach();
+  merge_lora(*adapters);
+  dequantize_model(*q, at::kFloat);
+  EXPECT_FALSE(has_quantized_layers(*q));
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::allclose(forward_loss(*q, batch, true).logits, adapted, 1e-4, 1e-4));
+}
+
+TEST(Linear4bit, BadQuantizedCheckpointsNameTheTensor) {
+  test::TempDir dir;
+  auto reference = tiny_model("tiny-qwen2");
+  const std::string full_dir = (dir.path() / "full").string(), q_dir = (dir.path() / "q").string();
+  save_model(*reference, full_dir, kDefaultMaxShardBytes);
+  quantize_model_dir_to(full_dir, q_dir, options(quant::QuantType::kFp4, 128, false));
+  const std::string file = q_dir + "/model.safetensors";
+  NamedTensors tensors;
+  const auto opened = SafetensorsFile::open(file);
+  for (const auto& info : opened.tensors()) tensors.emplace_back(info.name, opened.load(info.name));
+  auto rewrite = [&](const std::function<void(NamedTensors&)>& change) {
+    auto copy = tensors;
+    change(copy);
+    const std::string bad = (dir.path() / "bad").string();
+    std::filesystem::create_directories(bad);
+    std::filesystem::copy_file(q_dir + "/config.json", bad + "/config.json",
+                               std::filesystem::copy_options::overwrite_existing);
+    write_safetensors(bad + "/model.safetensors", copy, {{"format", "pt"}});
+    return bad;
+  };
+  const std::string key = "model.layers.1.mlp.up_proj.weight";
+  const std::string missing = rewrite([&](NamedTensors& t) {
+    std::erase_if(t, [&](const auto& e) { return e.first == key + ".absmax"; });
+  });
+  try {
+    load_model(missing, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+    FAIL() << "a missing absmax loaded";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find(key + ".absmax is missing"), std::string::npos) << e.what();
+  }
+  const std::string unknown = rewrite([&](NamedTensors& t) {
+    for (auto& [name, tensor] : t)
+      if (name == key + ".quant_state.bitsandbytes__fp4") {
+        std::string json(reinterpret_cast<const char*>(tensor.data_ptr<uint8_t>()), tensor.numel());
+        json.replace(json.find("\"fp4\""), 5, "\"int3\"");
+        tensor = at::empty({static_cast<int64_t>(json.size())}, at::kByte);
+        std::memcpy(tensor.data_ptr(), json.data(), json.size());
+      }
+  });
+  try {
+    load_model(unknown, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+    FAIL() << "an unknown quant type loaded";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("int3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace trainer
