@@ -18,7 +18,7 @@ namespace {
 using nlohmann::ordered_json;
 namespace fs = std::filesystem;
 
-Outcome bad(std::string what, std::string hint = {}, bool fatal = false) {
+Outcome chat_problem(std::string what, std::string hint = {}, bool fatal = false) {
   Outcome outcome;
   outcome.kind = OutcomeKind::kBadRecord;
   outcome.problem = std::move(what);
@@ -176,21 +176,21 @@ std::vector<bool> tokens_in_spans(const TokenRanges& token_ranges, const std::ve
 
 Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Tokenizer& tokenizer) {
   if (spec.family != DataFamily::kCausal || !spec.chat)
-    return bad(std::string("a chat record (field \"") + kMessagesField + "\") needs a causal model",
+    return chat_problem(std::string("a chat record (field \"") + kMessagesField + "\") needs a causal model",
                "train a causal model (Llama, Qwen2, Mistral) on chat records, or write seq2seq records as "
                "input/target");
   const ChatSetup& setup = *spec.chat;
   const ordered_json& messages = record.at(kMessagesField);
-  if (std::string problem = check_messages(messages); !problem.empty()) return bad(std::move(problem));
+  if (std::string problem = check_messages(messages); !problem.empty()) return chat_problem(std::move(problem));
 
   chat::ChatOptions options;
   if (const auto tools = record.find(kToolsField); tools != record.end() && !tools->is_null()) {
     if (!tools->is_array())
-      return bad(std::string("field \"") + kToolsField + "\" must be a list of function schemas, not " +
+      return chat_problem(std::string("field \"") + kToolsField + "\" must be a list of function schemas, not " +
                  tools->type_name());
     options.tools = *tools;
   }
-  if (!setup.error.empty()) return bad(setup.error, setup.hint, /*fatal=*/true);
+  if (!setup.error.empty()) return chat_problem(setup.error, setup.hint, /*fatal=*/true);
   const bool with_tools = !options.tools.is_null();
   const chat::Template& chat_template = with_tools ? *setup.with_tools : *setup.plain;
   const std::string& origin = with_tools ? setup.tools_origin : setup.plain_origin;
@@ -202,12 +202,12 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
     rendering = chat::render_chat(chat_template, messages, options);
   } catch (const chat::TemplateError& e) {
     if (e.kind() == chat::TemplateError::Kind::kRaised)
-      return bad(e.what(), "the template refuses this conversation (" + origin + "); fix the record or skip it");
-    return bad(origin + ": " + e.what());
+      return chat_problem(e.what(), "the template refuses this conversation (" + origin + "); fix the record or skip it");
+    return chat_problem(origin + ": " + e.what());
   }
   Example example;
   example.input_ids = tokenizer.encode(rendering.text);
-  if (example.input_ids.empty()) return bad("the chat template rendered the conversation as nothing");
+  if (example.input_ids.empty()) return chat_problem("the chat template rendered the conversation as nothing");
 
   if (setup.train_on == TrainOn::kAll) {
     example.labels = example.input_ids;
@@ -219,7 +219,7 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
       try {
         spans = chat::assistant_spans_by_prefix(chat_template, messages, options);
       } catch (const Error& e) {
-        return bad("the chat template of " + setup.model + " (" + origin + "): " + e.what(),
+        return chat_problem("the chat template of " + setup.model + " (" + origin + "): " + e.what(),
                    e.hint().empty() ? "set data.train_on=all, or use a chat template that marks the assistant's text "
                                       "with {% generation %}"
                                     : e.hint());
@@ -228,12 +228,12 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
     std::erase_if(spans, [](const chat::Span& s) { return s.second <= s.first; });
     if (setup.train_on == TrainOn::kLastAssistant && spans.size() > 1) spans.erase(spans.begin(), spans.end() - 1);
     if (spans.empty())
-      return bad(generation ? "no assistant text to train on: the template's {% generation %} blocks rendered nothing"
+      return chat_problem(generation ? "no assistant text to train on: the template's {% generation %} blocks rendered nothing"
                             : "no assistant message to train on",
                  "add the assistant's answer to the conversation, or set data.train_on=all");
     const auto ranges = token_byte_ranges(tokenizer, rendering.text, example.input_ids);
     if (!ranges)
-      return bad("the tokens of " + tokenizer.source() +
+      return chat_problem("the tokens of " + tokenizer.source() +
                      " do not decode back to the rendered conversation, so the assistant's text cannot be placed on "
                      "tokens",
                  "set data.train_on=all (every token trained), or use the model's byte-level tokenizer.json",
@@ -243,7 +243,7 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
     for (std::size_t t = 0; t < trained.size(); ++t) example.labels[t] = trained[t] ? example.input_ids[t] : -100;
   }
   if (target_tokens(example, DataFamily::kCausal) == 0)
-    return bad("no token of the assistant's text is trained (it is the conversation's first token)",
+    return chat_problem("no token of the assistant's text is trained (it is the conversation's first token)",
                "add the assistant's answer to the conversation, or set data.train_on=all");
   Outcome outcome = finish_causal(std::move(example), spec);
   if (spec.keep_chat_text) outcome.chat_text = std::move(rendering.text);
