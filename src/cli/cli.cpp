@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
+#include "cli/evaluate.h"
 #include "cli/predict.h"
 #include "distributed/launch.h"
 #include "log/console.h"
@@ -158,6 +159,25 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");
   train->footer(std::string(kTrainEnvironmentHelp) + kExitCodeHelp);
 
+  std::string evaluate_config_path;
+  std::vector<std::string> evaluate_overrides;
+  EvaluateOptions evaluate_options;
+  auto* evaluate_cmd = app.add_subcommand(
+      "evaluate", "Evaluate a saved model, checkpoint or PEFT adapter as training evaluates (validation loss; with "
+                  "evaluation.generate, generated answers scored by exact match, ROUGE, BLEU, chrF); trains nothing");
+  evaluate_cmd->add_option("-c,--config", evaluate_config_path, "JSON config file (data, evaluation, device)")
+      ->required();
+  evaluate_cmd->add_option("--model", evaluate_options.model_dir,
+                           "Model directory, checkpoint-N or PEFT adapter (default: model.path); an adapter is "
+                           "applied over its base_model_name_or_path, else model.path");
+  evaluate_cmd->add_option("--output", evaluate_options.output_dir,
+                           "Where predictions.jsonl and metrics.json go (default: "
+                           "checkpoint.output_dir/evaluations/evaluate)");
+  evaluate_cmd->add_option("--set", evaluate_overrides, "Override one key: --set evaluation.generate=true (repeatable)")
+      ->type_name("SECTION.KEY=VALUE")
+      ->allow_extra_args(false);
+  evaluate_cmd->footer(kExitCodeHelp);
+
   std::string data_config_path;
   std::vector<std::string> data_overrides;
   auto* data_cmd = app.add_subcommand("data", "Stream the configured data once through the loader: counts, bad "
@@ -270,7 +290,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   for (int i = argc - 1; i > 0; --i) args.emplace_back(argv[i]);  // CLI11 takes them reversed
   const bool has_subcommand =
       !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
-                        args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
+                        args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" || args.back() == "evaluate" ||
                         args.back() == "predict" ||
                         args.back() == "launch" ||
                         is_top_level_flag(args.back()));
@@ -313,6 +333,11 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     train_options.config_file = config_path;
     train_options.overrides = overrides;
     return run_train(config, train_options, out);
+  }
+  if (evaluate_cmd->parsed()) {
+    const Config config = load_config(evaluate_config_path, evaluate_overrides);
+    configure_logging(config.logging);
+    return run_evaluate(config, evaluate_options, out);
   }
   if (data_cmd->parsed()) {
     const Config config = load_config(data_config_path, data_overrides);
