@@ -332,7 +332,7 @@ struct EvaluationConfig {
     v("generate_length_penalty", generate_length_penalty,
       "beam search: exponent of the length a finished beam's log-probability is divided by (above 0 favours longer)");
     v("generate_early_stopping", generate_early_stopping,
-      "beam search: true stops at num_beams finished answers, false when none can improve, "never" at the "
+      "beam search: true stops at num_beams finished answers, false when none can improve, \"never\" at the "
       "longest possible (transformers' early_stopping)");
     v("generate_no_repeat_ngram_size", generate_no_repeat_ngram_size,
       "no n-gram of this size appears twice in an answer (prompt included for causal models); 0: off");

@@ -70,7 +70,8 @@ int run_evaluate(const Config& config, const EvaluateOptions& options, std::ostr
   out << fmt::format("{}: validation loss {:.4f} perplexity {:.2f} ({} tokens)\n", dir, loss.loss,
                      std::exp(loss.loss), loss.tokens);
   const fs::path output =
-      options.output_dir.empty() ? fs::path(config.checkpoint.output_dir) / "evaluations" / "evaluate" : options.output_dir;
+      options.output_dir.empty() ? fs::path(config.checkpoint.output_dir) / "evaluations" / "evaluate"
+                                 : fs::path(options.output_dir);
   fs::create_directories(output);
   if (config.evaluation.generate) {
     auto examples = make_validation_loader(config, *tokenizer, family, config.training.batch_size);
