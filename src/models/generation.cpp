@@ -182,7 +182,10 @@ std::vector<std::vector<int64_t>> beam_search(LanguageModel& model, PaddedPrompt
   int64_t length = prompt_length;
 
   auto [state, logits] = model.prefill(prompts.ids, prompts.mask);
-  model.select_rows(*state, at::arange(batch, at::kLong).repeat_interleave(beams));
+  // Every prompt's state and first logits, once per beam.
+  const at::Tensor expand = at::arange(batch, at::kLong).repeat_interleave(beams);
+  model.select_rows(*state, expand);
+  logits = logits.index_select(0, expand.to(logits.device()));
 
   std::vector<std::vector<Hypothesis>> running(static_cast<std::size_t>(batch)), kept(static_cast<std::size_t>(batch));
   for (auto& r : running) {
