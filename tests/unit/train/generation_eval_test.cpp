@@ -42,11 +42,11 @@ std::vector<nlohmann::json> read_lines(const fs::path& path) {
   return lines;
 }
 
-struct Setup {
+struct TinyEval {
   Config config;
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<LanguageModel> model;
-  explicit Setup(const std::string& name) : config(tiny_config(name)) {
+  explicit TinyEval(const std::string& name) : config(tiny_config(name)) {
     tokenizer = load_tokenizer(config.model.path);
     model = load_model(config.model.path, ModelInit::kRandom, at::TensorOptions().dtype(at::kFloat), 3);
   }
@@ -63,7 +63,7 @@ struct Setup {
 TEST(GenerationEval, ScoresAndWritesEveryAnswerForBothFamilies) {
   for (const char* name : {"tiny-t5", "tiny-qwen2"}) {
     SCOPED_TRACE(name);
-    Setup s(name);
+    TinyEval s(name);
     test::TempDir dir;
     EvaluationMicroBatch micro(5, nullptr);
     const auto scores = s.run(micro, predictions_path(dir.path(), 20));
@@ -93,7 +93,7 @@ TEST(GenerationEval, ScoresAndWritesEveryAnswerForBothFamilies) {
 
 TEST(GenerationEval, AnOutOfMemoryHalvesTheGenerationBatchAndChangesNoAnswer) {
   install_cpu_budget();
-  Setup s("tiny-t5");
+  TinyEval s("tiny-t5");
   s.config.evaluation.generate_num_beams = 2;
   test::TempDir dir;
   EvaluationMicroBatch free_micro(12, nullptr);
