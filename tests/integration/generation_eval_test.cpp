@@ -83,12 +83,12 @@ TEST(IntegrationGenerationEval, TinyT5ReportsRougeAtEachEvaluationKeepsTheBestAn
 }
 
 // Two data-parallel ranks each generate for half of the examples; the gathered scores and answers are one
-// process's. (lr 0: both runs evaluate the same weights, so only the sharing of the examples differs.)
+// process's. (lr 1e-12 leaves fp32 weights unchanged: both runs evaluate the same weights, so only the sharing of the examples differs.)
 TEST(IntegrationGenerationEval, TwoRanksScoreAsOneProcess) {
   TempDir dir;
   auto args_for = [&](const fs::path& out) {
     std::vector<std::string> args = {"--config", "configs/tiny-t5.json", "--set", "training.max_steps=2",
-                                     "--set", "training.batch_size=8", "--set", "optimizer.lr=0",
+                                     "--set", "training.batch_size=8", "--set", "optimizer.lr=1e-12",
                                      "--set", "evaluation.every_steps=0", "--set", "evaluation.sample_prompts=[]",
                                      "--set", "checkpoint.every_steps=0", "--set", "checkpoint.output_dir=" + out.string()};
     args.insert(args.end(), kGenerate.begin(), kGenerate.end());
