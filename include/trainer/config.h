@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -45,6 +46,15 @@ struct EnumName {
   E value;
   const char* name;
 };
+
+// Beam search's stopping rule, as transformers' GenerationConfig.early_stopping spells it: false, true or "never".
+enum class GenerateEarlyStopping { kFalse, kTrue, kNever };
+
+// How checkpoint.keep_best compares checkpoint.best_metric: auto is min for the loss, max for any other metric.
+enum class BestMode { kAuto, kMin, kMax };
+inline constexpr EnumName<BestMode> kBestModeNames[] = {
+    {BestMode::kAuto, "auto"}, {BestMode::kMin, "min"}, {BestMode::kMax, "max"}};
+inline std::span<const EnumName<BestMode>> enum_names(BestMode) { return kBestModeNames; }
 
 enum class ModelInit { kPretrained, kRandom };
 inline constexpr EnumName<ModelInit> kModelInitNames[] = {{ModelInit::kPretrained, "pretrained"},
@@ -314,6 +324,21 @@ struct EvaluationConfig {
   std::vector<std::string> sample_prompts;
   std::int64_t max_new_tokens = 64;
   std::vector<std::string> class_prompts;
+  // Evaluation by generation (text task). Unset (null) decoding keys take the model's generation_config.json,
+  // else transformers' defaults.
+  bool generate = false;
+  std::int64_t generate_examples = 0;
+  std::optional<std::int64_t> generate_max_new_tokens;
+  std::optional<std::int64_t> generate_num_beams;
+  std::optional<double> generate_length_penalty;
+  std::optional<GenerateEarlyStopping> generate_early_stopping;
+  std::optional<std::int64_t> generate_no_repeat_ngram_size;
+  std::optional<bool> generate_do_sample;
+  std::optional<double> generate_temperature;
+  std::optional<double> generate_top_p;
+  std::optional<std::int64_t> generate_top_k;
+  std::vector<std::string> generate_metrics = {"exact_match", "rouge1", "rouge2", "rougeL"};
+  bool generate_use_stemmer = true;
 
   template <class V>
   void visit(V& v) {
@@ -325,6 +350,29 @@ struct EvaluationConfig {
     v("class_prompts", class_prompts,
       "contrastive: prompt templates with {} for the class name (e.g. \"a photo of a {}.\"); with labelled "
       "validation records, evaluation adds zero-shot accuracy over the validation labels (templates averaged)");
+    v("generate", generate,
+      "text: generate an answer for validation examples at every evaluation and score it against the record's "
+      "target or completion (metrics.jsonl, TensorBoard, the log, evaluations/step-N/predictions.jsonl)");
+    v("generate_examples", generate_examples, "validation examples to generate for; 0: all");
+    v("generate_max_new_tokens", generate_max_new_tokens,
+      "length limit of generated answers; null: generation_config.json's max_new_tokens, else data.max_target_length "
+      "(seq2seq) or 64");
+    v("generate_num_beams", generate_num_beams, "beam search with N beams; 1: greedy; null: generation_config.json");
+    v("generate_length_penalty", generate_length_penalty,
+      "beam search: exponent of the length a finished beam's log-probability is divided by (above 0 favours longer)");
+    v("generate_early_stopping", generate_early_stopping,
+      "beam search: true stops at num_beams finished answers, false when none can improve, \"never\" at the "
+      "longest possible (transformers' early_stopping)");
+    v("generate_no_repeat_ngram_size", generate_no_repeat_ngram_size,
+      "no n-gram of this size appears twice in an answer (prompt included for causal models); 0: off");
+    v("generate_do_sample", generate_do_sample, "sample instead of greedy or beam search (seeded by training.seed)");
+    v("generate_temperature", generate_temperature, "sampling temperature (do_sample); transformers' default 1.0");
+    v("generate_top_p", generate_top_p, "sampling: nucleus probability mass; 1.0: off");
+    v("generate_top_k", generate_top_k, "sampling: only the k likeliest tokens; 0: off; transformers' default 50");
+    v("generate_metrics", generate_metrics,
+      "what to score: exact_match, exact_match_normalized (SQuAD normalisation), rouge1, rouge2, rougeL, rougeLsum "
+      "(rouge_score's, mean F-measure 0..1), bleu, chrf (sacrebleu's, 0..100)");
+    v("generate_use_stemmer", generate_use_stemmer, "ROUGE with rouge_score's Porter stemmer (use_stemmer=True)");
   }
   bool operator==(const EvaluationConfig&) const = default;
 };
@@ -501,6 +549,8 @@ struct CheckpointConfig {
   std::int64_t every_steps = 0;
   std::int64_t keep_last = 2;
   bool keep_best = false;
+  std::string best_metric = "loss";
+  BestMode best_mode = BestMode::kAuto;
   bool save_final = true;
   ByteSize max_shard_size{5'000'000'000};
 
@@ -512,6 +562,9 @@ struct CheckpointConfig {
     v("keep_best", keep_best,
       "also keep the checkpoint with the lowest validation loss (named in output_dir/best_checkpoint.json); "
       "checkpoint.every_steps must be a multiple of evaluation.every_steps");
+    v("best_metric", best_metric,
+      "what keep_best compares: loss (the validation loss) or a metric of evaluation.generate_metrics, e.g. rougeL");
+    v("best_mode", best_mode, "keep_best: min or max of best_metric; auto: min for loss, max for the others");
     v("save_final", save_final, "save the final model (or LoRA adapter) in Hugging Face format");
     v("max_shard_size", max_shard_size, "split saved weights into safetensors shards of at most this size");
   }
@@ -606,7 +659,7 @@ struct Config {
     v.section("tokenizer", tokenizer, "how text becomes token ids");
     v.section("data", data, "JSONL training and validation data");
     v.section("training", training, "the effective batch, length of the run, and what the memory policy may use");
-    v.section("evaluation", evaluation, "validation loss and sample generations");
+    v.section("evaluation", evaluation, "validation loss, evaluation by generation and sample generations");
     v.section("optimizer", optimizer, "AdamW or Adafactor");
     v.section("scheduler", scheduler, "learning-rate schedule");
     v.section("precision", precision, "numeric precision of weights and compute");

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "chat/chat_template.h"
+#include "cli/evaluate.h"
 #include "cli/predict.h"
 #include "distributed/launch.h"
 #include "log/console.h"
@@ -87,8 +88,8 @@ struct GenerateCommand {
   std::string dtype = "fp32";
 };
 
-// The end-of-turn ids a chat model stops at: generation_config.json's eos_token_id (an id or a list), as
-// transformers' generate does; nothing when the file has none (the model's EOS still stops).
+// The end-of-turn ids a chat model stops at: generation_config.json's eos_token_id (an id or a list), which replace
+// the model's EOS as in transformers' generate; nothing when the file has none (then the model's EOS stops).
 std::vector<int64_t> generation_stop_ids(const std::string& model_dir) {
   const auto path = std::filesystem::path(model_dir) / "generation_config.json";
   if (!std::filesystem::exists(path)) return {};
@@ -170,8 +171,8 @@ int run_generate(GenerateCommand& command, std::ostream& out) {
   if (!command.prompt.empty()) command.ids = prompt_ids(*model, *tokenizer, command.prompt, /*add_eos=*/true);
   if (chat) {
     command.ids = chat_prompt_ids(command, *tokenizer, out);
-    const auto stops = generation_stop_ids(command.model_dir);
-    command.options.stop_ids.insert(command.options.stop_ids.end(), stops.begin(), stops.end());
+    if (auto stops = generation_stop_ids(command.model_dir); !stops.empty())
+      command.options.eos_token_ids = std::move(stops);
   }
   if (command.ids.empty())
     throw UsageError("generate needs a prompt: --prompt TEXT, --ids 1,2,3, --chat TEXT or --messages FILE");
@@ -235,6 +236,25 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   train->add_flag("--print-config", print_config,
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");
   train->footer(std::string(kTrainEnvironmentHelp) + kExitCodeHelp);
+
+  std::string evaluate_config_path;
+  std::vector<std::string> evaluate_overrides;
+  EvaluateOptions evaluate_options;
+  auto* evaluate_cmd = app.add_subcommand(
+      "evaluate", "Evaluate a saved model, checkpoint or PEFT adapter as training evaluates (validation loss; with "
+                  "evaluation.generate, generated answers scored by exact match, ROUGE, BLEU, chrF); trains nothing");
+  evaluate_cmd->add_option("-c,--config", evaluate_config_path, "JSON config file (data, evaluation, device)")
+      ->required();
+  evaluate_cmd->add_option("--model", evaluate_options.model_dir,
+                           "Model directory, checkpoint-N or PEFT adapter (default: model.path); an adapter is "
+                           "applied over its base_model_name_or_path, else model.path");
+  evaluate_cmd->add_option("--output", evaluate_options.output_dir,
+                           "Where predictions.jsonl and metrics.json go (default: "
+                           "checkpoint.output_dir/evaluations/evaluate)");
+  evaluate_cmd->add_option("--set", evaluate_overrides, "Override one key: --set evaluation.generate=true (repeatable)")
+      ->type_name("SECTION.KEY=VALUE")
+      ->allow_extra_args(false);
+  evaluate_cmd->footer(kExitCodeHelp);
 
   std::string data_config_path;
   std::vector<std::string> data_overrides;
@@ -397,7 +417,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   const bool has_subcommand =
       !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
                         args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
-                        args.back() == "predict" || args.back() == "quantize" ||
+                        args.back() == "evaluate" || args.back() == "predict" || args.back() == "quantize" ||
                         args.back() == "launch" ||
                         is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
@@ -439,6 +459,11 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     train_options.config_file = config_path;
     train_options.overrides = overrides;
     return run_train(config, train_options, out);
+  }
+  if (evaluate_cmd->parsed()) {
+    const Config config = load_config(evaluate_config_path, evaluate_overrides);
+    configure_logging(config.logging);
+    return run_evaluate(config, evaluate_options, out);
   }
   if (data_cmd->parsed()) {
     const Config config = load_config(data_config_path, data_overrides);

@@ -161,6 +161,33 @@ std::string read_value(const json& j, E& out) {
   return "expected one of " + join_alternatives(names) + ", got " + describe(j);
 }
 
+std::string read_value(const json& j, GenerateEarlyStopping& out) {
+  if (j.is_boolean()) {
+    out = j.get<bool>() ? GenerateEarlyStopping::kTrue : GenerateEarlyStopping::kFalse;
+    return {};
+  }
+  if (j.is_string() && j.get<std::string>() == "never") {
+    out = GenerateEarlyStopping::kNever;
+    return {};
+  }
+  if (j.is_string() && (j.get<std::string>() == "true" || j.get<std::string>() == "false"))
+    return "expected true, false or \"never\", got " + describe(j) + "; write the boolean without quotes";
+  return "expected true, false or \"never\", got " + describe(j);
+}
+
+// An optional setting: null (the default) leaves it unset.
+template <class T>
+std::string read_value(const json& j, std::optional<T>& out) {
+  if (j.is_null()) {
+    out.reset();
+    return {};
+  }
+  T value{};
+  if (auto error = read_value(j, value); !error.empty()) return error;
+  out = value;
+  return {};
+}
+
 ordered_json write_value(bool v) { return v; }
 ordered_json write_value(std::int64_t v) { return v; }
 ordered_json write_value(double v) { return v; }
@@ -179,6 +206,14 @@ template <class E>
 ordered_json write_value(E v) {
   return enum_name(v);
 }
+ordered_json write_value(GenerateEarlyStopping v) {
+  if (v == GenerateEarlyStopping::kNever) return "never";
+  return v == GenerateEarlyStopping::kTrue;
+}
+template <class T>
+ordered_json write_value(const std::optional<T>& v) {
+  return v ? write_value(*v) : ordered_json(nullptr);
+}
 
 std::string type_name(bool) { return "boolean"; }
 std::string type_name(std::int64_t) { return "integer"; }
@@ -194,12 +229,19 @@ std::string type_name(E) {
   for (const auto& entry : enum_names(E{})) names += (names.empty() ? "" : "|") + std::string(entry.name);
   return names;
 }
+std::string type_name(GenerateEarlyStopping) { return "true|false|never"; }
+template <class T>
+std::string type_name(const std::optional<T>&) {
+  return type_name(T{}) + " or null";
+}
 
 // Whether a --set value for this type is taken as literal text when it is not a JSON string
 // (so that `--set model.path=123` or `--set logging.level=info` need no quotes).
 template <class T>
 constexpr bool kTextValued = std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::string>> ||
                              std::is_enum_v<T>;
+template <class T>
+constexpr bool kTextValued<std::optional<T>> = kTextValued<T>;
 
 // ---- visitors over the config -------------------------------------------------------------------------------
 

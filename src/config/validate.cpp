@@ -42,6 +42,18 @@ bool known_step(const std::string& step) {
                       [&](const char* s) { return step == s; }) != std::end(kEscalationSteps);
 }
 
+const std::vector<std::string>& generation_metric_names() {
+  // eval/metrics.h's compute_metrics knows these names.
+  static const std::vector<std::string> names = {"exact_match", "exact_match_normalized", "rouge1", "rouge2",
+                                                 "rougeL",      "rougeLsum",              "bleu",   "chrf"};
+  return names;
+}
+
+bool is_generation_metric(const std::string& name) {
+  const auto& names = generation_metric_names();
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
 bool is_device_spec(const std::string& spec) {
   static const std::regex pattern("auto|cpu|cuda(:[0-9]+)?");
   return std::regex_match(spec, pattern);
@@ -111,6 +123,24 @@ std::vector<ConfigProblem> validate(const Config& c) {
   if (!e.micro_batch_size.is_auto) check.at_least(e.micro_batch_size.value, 1, "evaluation.micro_batch_size");
   check.at_least(e.max_batches, 0, "evaluation.max_batches");
   check.at_least(e.max_new_tokens, 1, "evaluation.max_new_tokens");
+  check.at_least(e.generate_examples, 0, "evaluation.generate_examples");
+  if (e.generate_max_new_tokens) check.at_least(*e.generate_max_new_tokens, 1, "evaluation.generate_max_new_tokens");
+  if (e.generate_num_beams) check.at_least(*e.generate_num_beams, 1, "evaluation.generate_num_beams");
+  if (e.generate_no_repeat_ngram_size)
+    check.at_least(*e.generate_no_repeat_ngram_size, 0, "evaluation.generate_no_repeat_ngram_size");
+  if (e.generate_temperature)
+    check.require(*e.generate_temperature > 0, "evaluation.generate_temperature", "must be above 0");
+  if (e.generate_top_p) check.in_range(*e.generate_top_p, 0.0, 1.0, "evaluation.generate_top_p");
+  if (e.generate_top_k) check.at_least(*e.generate_top_k, 0, "evaluation.generate_top_k");
+  check.require(!(e.generate_do_sample.value_or(false) && e.generate_num_beams.value_or(1) > 1),
+                "evaluation.generate_do_sample", "beam search with sampling is not supported: set "
+                "evaluation.generate_num_beams=1 or generate_do_sample=false");
+  for (const auto& name : e.generate_metrics)
+    check.require(is_generation_metric(name), "evaluation.generate_metrics",
+                  "'" + name + "' is not one of " + join_alternatives(generation_metric_names()));
+  if (e.generate)
+    check.require(!c.data.validation_files.empty() || c.data.validation_fraction > 0, "evaluation.generate",
+                  "needs validation data: data.validation_files or data.validation_fraction");
   for (const auto& prompt : e.class_prompts)
     check.require(prompt.find("{}") != std::string::npos, "evaluation.class_prompts",
                   "\"" + prompt + "\" has no {} where the class name goes (e.g. \"a photo of a {}.\")");
@@ -232,6 +262,13 @@ std::vector<ConfigProblem> validate(const Config& c) {
                   "needs checkpoint.every_steps (" + std::to_string(ck.every_steps) +
                       ") to be a multiple of evaluation.every_steps (" + std::to_string(e.every_steps) +
                       "), both above 0, so that every checkpoint has a validation loss");
+    if (ck.best_metric != "loss") {
+      const bool measured = e.generate && std::find(e.generate_metrics.begin(), e.generate_metrics.end(),
+                                                    ck.best_metric) != e.generate_metrics.end();
+      check.require(measured, "checkpoint.best_metric",
+                    "'" + ck.best_metric + "' is not measured: use loss, or set evaluation.generate=true with '" +
+                        ck.best_metric + "' in evaluation.generate_metrics");
+    }
   }
 
   check.at_least(c.logging.every_steps, 1, "logging.every_steps");

@@ -78,7 +78,16 @@ std::vector<ScalarName> scalar_names() {
           {"eval_t2i_r5", "eval/text_to_image_recall@5"},
           {"eval_t2i_r10", "eval/text_to_image_recall@10"},
           {"eval_pairs", "eval/pairs"},
-          {"eval_zero_shot_top1", "eval/zero_shot_top1"}};
+          {"eval_zero_shot_top1", "eval/zero_shot_top1"},
+          {"eval_exact_match", "eval/exact_match"},
+          {"eval_exact_match_normalized", "eval/exact_match_normalized"},
+          {"eval_rouge1", "eval/rouge1"},
+          {"eval_rouge2", "eval/rouge2"},
+          {"eval_rougeL", "eval/rougeL"},
+          {"eval_rougeLsum", "eval/rougeLsum"},
+          {"eval_bleu", "eval/bleu"},
+          {"eval_chrf", "eval/chrf"},
+          {"eval_generated", "eval/generated"}};
 }
 
 std::string format_summary(const RunSummary& s) {
@@ -137,7 +146,8 @@ std::string format_summary(const RunSummary& s) {
   if (!s.merged_dir.empty()) text += "  merged model saved to " + s.merged_dir + "\n";
   text += "  last checkpoint " + (s.last_checkpoint.empty() ? std::string("(none)") : s.last_checkpoint) + "\n";
   if (!s.best_checkpoint.empty())
-    text += fmt::format("  best checkpoint {} (validation loss {:.4f})\n", s.best_checkpoint, s.best_eval_loss);
+    text += fmt::format("  best checkpoint {} ({} {:.4f})\n", s.best_checkpoint,
+                        s.best_metric == "loss" ? "validation loss" : s.best_metric, s.best_eval_loss);
   if (!s.metrics_file.empty()) text += "  metrics " + s.metrics_file + "\n";
   if (!s.tensorboard_dir.empty()) text += "  TensorBoard: tensorboard --logdir " + s.tensorboard_dir + "\n";
   return text;
@@ -276,6 +286,20 @@ void Reporter::on_eval_retrieval(int64_t step, const Retrieval& eval) {
                            {"eval_i2t_r5", i2t[1]}, {"eval_i2t_r10", i2t[2]},    {"eval_t2i_r1", t2i[0]},
                            {"eval_t2i_r5", t2i[1]}, {"eval_t2i_r10", t2i[2]},    {"eval_pairs", eval.pairs}};
   if (eval.zero_shot_top1) record["eval_zero_shot_top1"] = *eval.zero_shot_top1;
+  write_metrics(record);
+}
+
+void Reporter::on_eval_generation(int64_t step, const std::map<std::string, double>& metrics, int64_t examples,
+                                  const std::string& predictions) {
+  std::string values;
+  nlohmann::json record = {{"step", step}};
+  for (const auto& [name, value] : metrics) {
+    values += fmt::format(" {} {:.4f}", name, value);
+    record["eval_" + name] = value;
+  }
+  record["eval_generated"] = examples;
+  spdlog::info("eval step {}: generated {} answers:{}{}", step, examples, values,
+               predictions.empty() ? "" : " (" + predictions + ")");
   write_metrics(record);
 }
 

@@ -9,6 +9,7 @@
 #include <exception>
 #include <fstream>
 #include <iosfwd>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -84,8 +85,9 @@ struct RunSummary {
   bool model_is_adapter = false;  // model_dir holds a LoRA adapter (PEFT format)
   std::string merged_dir;       // train --merge: the full model with the adapter merged
   std::string last_checkpoint;  // empty when none
-  std::string best_checkpoint;  // checkpoint.keep_best: the one with the lowest validation loss
-  double best_eval_loss = 0;
+  std::string best_checkpoint;  // checkpoint.keep_best: the best by checkpoint.best_metric
+  double best_eval_loss = 0;    // that metric's value there (the validation loss by default)
+  std::string best_metric = "loss";
   std::string metrics_file;     // empty when off
   std::string tensorboard_dir;  // empty when off
   struct LossScalingSummary {
@@ -142,6 +144,10 @@ class Reporter {
     std::optional<double> zero_shot_top1;
   };
   void on_eval_retrieval(int64_t step, const Retrieval& eval);
+  // Evaluation by generation (evaluation.generate): the metrics ("rougeL" -> 0.41, ...) over `examples` answers,
+  // written as eval_<metric> (TensorBoard eval/<metric>), and where the answers are (predictions.jsonl).
+  void on_eval_generation(int64_t step, const std::map<std::string, double>& metrics, int64_t examples,
+                          const std::string& predictions);
   void on_sample(int64_t step, std::size_t index, const std::string& prompt, const std::string& generation);
   void on_checkpoint(int64_t step, const std::string& path);
   // A SIGINT or SIGTERM stopped the run after `step` with a checkpoint in `path`.

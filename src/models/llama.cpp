@@ -235,9 +235,9 @@ class LlamaBody : public Module {
 };
 
 struct LlamaGenerationState : GenerationState {
-  std::vector<at::Tensor> keys, values;  // per layer (1, Hkv, T, hd)
-  at::Tensor key_mask;                   // (1, T) ones
-  int64_t position = 0;
+  std::vector<at::Tensor> keys, values;  // per layer (B, Hkv, T, hd)
+  at::Tensor key_mask;                   // (B, T): 0 at the prompts' left padding
+  at::Tensor next_position;              // (B) long: the position id of each row's next token
 };
 
 class LlamaModel : public LanguageModel {
@@ -270,15 +270,16 @@ class LlamaModel : public LanguageModel {
     return {emb.cos().to(dtype), emb.sin().to(dtype)};
   }
 
-  // Runs the blocks over (B, T) ids; with a state, uses and extends its cache. Packed rows (segment and
-  // position ids) attend within their segments and rotate by their positions within them: as one varlen flash
+  // Runs the blocks over (B, T) ids; with a state, uses and extends its cache (`offset`: the cache's length).
+  // Position ids (B, T), when given, rotate instead of offset + t (left-padded generation). Packed rows (segment
+  // and position ids) attend within their segments and rotate by their positions within them: as one varlen flash
   // attention on a CUDA card (varlen_attention_runs), per segment when plan_segment_attention chooses it (one
   // layout per distinct sliding window), else over the row with the mask.
   at::Tensor body(const at::Tensor& ids, const at::Tensor& key_mask, int64_t offset, LlamaGenerationState* state,
                   const at::Tensor& segments = {}, const at::Tensor& positions = {}) {
     at::Tensor x = model->embed_tokens->forward(ids);
     const bool packed = segments.defined();
-    const auto [cos, sin] = packed ? rotary_at(positions, x.scalar_type())
+    const auto [cos, sin] = positions.defined() ? rotary_at(positions, x.scalar_type())
                                    : rotary(offset, ids.size(1), x.scalar_type(), x.device());
     auto mask_for = [&](std::optional<int64_t> window) {
       return packed ? segment_mask(segments, segments, positions, positions, /*causal=*/true, window)
@@ -364,22 +365,36 @@ class LlamaModel : public LanguageModel {
     if (h_.pad_token_id) model->embed_tokens->weight[*h_.pad_token_id].zero_();
   }
 
-  std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids) override {
+  std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids,
+                                                                  const at::Tensor& attention_mask) override {
     auto state = std::make_unique<LlamaGenerationState>();
     state->keys.resize(model->layers->items.size());
     state->values.resize(model->layers->items.size());
-    state->key_mask = at::ones_like(prompt_ids);
-    const at::Tensor hidden = body(prompt_ids, state->key_mask, 0, state.get());
-    state->position = prompt_ids.size(1);
+    state->key_mask = attention_mask;
+    // As transformers derives position ids for left padding: the count of real tokens before each one.
+    const at::Tensor mask = attention_mask.to(at::kLong);
+    const at::Tensor positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0);
+    const at::Tensor hidden = body(prompt_ids, state->key_mask, 0, state.get(), {}, positions);
+    state->next_position = mask.sum(-1);
     return {std::move(state), lm_head(hidden.select(1, hidden.size(1) - 1))};
   }
 
-  at::Tensor decode_step(GenerationState& generic, const at::Tensor& token) override {
+  at::Tensor decode_step(GenerationState& generic, const at::Tensor& tokens) override {
     auto& state = static_cast<LlamaGenerationState&>(generic);
-    state.key_mask = at::cat({state.key_mask, at::ones_like(token)}, 1);
-    const at::Tensor hidden = body(token, state.key_mask, state.position, &state);
-    state.position += 1;
+    const int64_t offset = state.key_mask.size(1);
+    state.key_mask = at::cat({state.key_mask, at::ones_like(tokens).to(state.key_mask.scalar_type())}, 1);
+    const at::Tensor hidden = body(tokens, state.key_mask, offset, &state, {}, state.next_position.unsqueeze(1));
+    state.next_position = state.next_position + 1;
     return lm_head(hidden.select(1, 0));
+  }
+
+  void select_rows(GenerationState& generic, const at::Tensor& rows) override {
+    auto& state = static_cast<LlamaGenerationState&>(generic);
+    const at::Tensor index = rows.to(state.key_mask.device());
+    for (auto* list : {&state.keys, &state.values})
+      for (auto& t : *list) t = t.index_select(0, index);
+    state.key_mask = state.key_mask.index_select(0, index);
+    state.next_position = state.next_position.index_select(0, index);
   }
 
   std::shared_ptr<LlamaBody> model;

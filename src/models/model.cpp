@@ -1,7 +1,6 @@
-// The model registry, the loss of a micro-batch, and token generation: what is the same for every architecture.
+// The model registry and the loss of a micro-batch: what is the same for every architecture (generation:
+// generation.cpp).
 #include "models/model.h"
-
-#include <algorithm>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -50,50 +49,10 @@ int64_t count_parameters(Module& model) {
   return total;
 }
 
-namespace {
-
-// Nucleus sampling: the smallest set of tokens whose probability reaches top_p, renormalised.
-int64_t sample(const at::Tensor& logits, const GenerateOptions& options, at::Generator& generator) {
-  at::Tensor probs = at::softmax(logits.to(at::kFloat) / options.temperature, -1);
-  if (options.top_p < 1.0) {
-    const auto [sorted, order] = probs.sort(-1, /*descending=*/true);
-    const at::Tensor before = sorted.cumsum(-1) - sorted;  // probability mass ahead of each token
-    const at::Tensor kept = sorted.masked_fill(before >= options.top_p, 0.0);
-    probs = at::zeros_like(probs).scatter(-1, order, kept);
-  }
-  return at::multinomial(probs, 1, false, generator).item<int64_t>();
-}
-
-}  // namespace
-
 std::vector<int64_t> prompt_ids(const LanguageModel& model, const Tokenizer& tokenizer, std::string_view prompt,
                                 bool add_eos) {
   const auto ids = encode_for_training(tokenizer, prompt, model.family() == ModelFamily::kSeq2Seq && add_eos);
   return {ids.begin(), ids.end()};
-}
-
-std::vector<int64_t> generate(LanguageModel& model, const at::Tensor& prompt_ids, const GenerateOptions& options) {
-  at::NoGradGuard no_grad;
-  const bool was_training = model.is_training();
-  model.train(false);
-  at::Generator generator = at::detail::getDefaultCPUGenerator();
-  if (options.seed) {
-    generator = at::detail::createCPUGenerator(*options.seed);
-  }
-  std::vector<int64_t> out;
-  auto [state, logits] = model.prefill(prompt_ids);
-  const auto eos = model.eos_token_id();
-  for (int64_t i = 0; i < options.max_new_tokens; ++i) {
-    const at::Tensor last = logits.reshape({-1}).to(at::kCPU);
-    const int64_t token = options.temperature > 0 ? sample(last, options, generator) : last.argmax().item<int64_t>();
-    out.push_back(token);
-    if (eos && token == *eos) break;
-    if (std::find(options.stop_ids.begin(), options.stop_ids.end(), token) != options.stop_ids.end()) break;
-    if (i + 1 == options.max_new_tokens) break;
-    logits = model.decode_step(*state, at::full({1, 1}, token, prompt_ids.options()));
-  }
-  model.train(was_training);
-  return out;
 }
 
 }  // namespace trainer

@@ -79,10 +79,17 @@ class LanguageModel : public Module {
   // Hugging Face's initialisation scheme for this architecture, from the global generator (seed it first).
   virtual void init_weights() = 0;
 
-  // Generation with a key-value cache, batch of one. Returns the state and the logits (1, V) of the next token.
-  virtual std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids) = 0;
-  // Feeds one token (1, 1); returns the logits (1, V) of the next.
-  virtual at::Tensor decode_step(GenerationState& state, const at::Tensor& token) = 0;
+  // Generation with a key-value cache over a batch of prompts (B, T) with their attention mask (B, T): causal
+  // prompts padded on the left (positions count the real tokens, as transformers derives position ids from the
+  // mask), seq2seq prompts padded anywhere (the encoder runs once). Returns the state and the logits (B, V) of
+  // each row's next token.
+  virtual std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids,
+                                                                          const at::Tensor& attention_mask) = 0;
+  // Feeds one token per row (B, 1); returns the logits (B, V) of the next.
+  virtual at::Tensor decode_step(GenerationState& state, const at::Tensor& tokens) = 0;
+  // Keeps the rows `rows` (long, on any device) of the state, in that order: repeats rows for beam search,
+  // reorders beams, drops finished rows.
+  virtual void select_rows(GenerationState& state, const at::Tensor& rows) = 0;
   virtual std::optional<int64_t> eos_token_id() const = 0;
 
  protected:
@@ -110,19 +117,32 @@ std::unique_ptr<LanguageModel> build_model(const nlohmann::json& config, const c
 // Parameter counts for `inspect` and `plan`.
 int64_t count_parameters(Module& model);
 
+// How generate() chooses tokens; the names and meanings are transformers' GenerationConfig's.
+enum class EarlyStopping {
+  kHeuristic,  // false: stop a prompt's beams when no running beam can beat the worst kept one at today's length
+  kWhenFull,   // true: stop as soon as num_beams hypotheses are finished
+  kNever,      // "never": as the heuristic, but assume the longest length when length_penalty > 0
+};
 struct GenerateOptions {
   int64_t max_new_tokens = 32;
-  double temperature = 0.0;  // 0: greedy
+  double temperature = 0.0;  // 0: greedy or beam search; above 0: sampling
   double top_p = 1.0;
+  int64_t top_k = 0;  // sampling from the k likeliest tokens only; 0: all
   std::optional<uint64_t> seed;
-  std::vector<int64_t> stop_ids;  // also stop at these (included): a chat model's end-of-turn ids
+  int64_t num_beams = 1;  // above 1: beam search (greedy only, not with sampling)
+  double length_penalty = 1.0;
+  EarlyStopping early_stopping = EarlyStopping::kHeuristic;
+  int64_t no_repeat_ngram_size = 0;     // no n-gram of this size occurs twice in a sequence (prompt included)
+  std::vector<int64_t> eos_token_ids;   // empty: the model's eos_token_id
+  std::optional<int64_t> pad_token_id;  // fills left padding; default the model's pad, else its EOS, else 0
 };
 // A text prompt as the model saw inputs in training: a seq2seq input with its EOS (when add_eos), a causal
 // prompt without one (the model continues it).
 std::vector<int64_t> prompt_ids(const LanguageModel& model, const Tokenizer& tokenizer, std::string_view prompt,
                                 bool add_eos);
 
-// New token ids after the prompt (1, T), ending at EOS or one of options.stop_ids (included) or max_new_tokens.
+// New token ids after the prompt (1, T), ending at EOS (included) or max_new_tokens. Batched generation:
+// models/generation.h.
 std::vector<int64_t> generate(LanguageModel& model, const at::Tensor& prompt_ids, const GenerateOptions& options);
 
 }  // namespace trainer

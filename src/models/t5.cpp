@@ -224,8 +224,8 @@ struct T5LayerCache {
 };
 
 struct T5GenerationState : GenerationState {
-  at::Tensor encoder_states;
-  at::Tensor cross_bias;  // (1, 1, 1, S)
+  at::Tensor encoder_states;  // (B, S, D)
+  at::Tensor cross_bias;      // (B, 1, 1, S): the prompts' padding
   std::vector<T5LayerCache> layers;
   int64_t position = 0;   // decoder positions already in the cache
 };
@@ -302,7 +302,7 @@ class T5Stack : public Module {
     return final_dropout->forward(t5_rms_norm(x, final_layer_norm->weight, h_.eps), is_training());
   }
 
-  // One decoder position with the cache. embedding (1, 1, D).
+  // One decoder position with the cache. embedding (B, 1, D): every row at the same position.
   at::Tensor decode_step(const at::Tensor& embedding, T5GenerationState& state) {
     const int64_t key_length = state.position + 1;
     const at::Tensor self_bias = position_bias(1, key_length, state.position, embedding.device());
@@ -480,24 +480,34 @@ class T5Model : public LanguageModel {
     }
   }
 
-  std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids) override {
+  std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids,
+                                                                  const at::Tensor& attention_mask) override {
     auto state = std::make_unique<T5GenerationState>();
-    const at::Tensor mask = at::ones_like(prompt_ids);
-    state->encoder_states = encode(prompt_ids, mask);
-    state->cross_bias = padding_bias(mask, shared->weight.scalar_type());
+    state->encoder_states = encode(prompt_ids, attention_mask);  // once; every step reuses its keys and values
+    state->cross_bias = padding_bias(attention_mask, shared->weight.scalar_type());
     for (auto& b : decoder->block->items) {
       auto& ca = *b->cross_attention->attention;
       state->layers.push_back({{}, {}, ca.heads(*ca.k, state->encoder_states), ca.heads(*ca.v, state->encoder_states)});
     }
-    const at::Tensor start = at::full({1, 1}, h_.decoder_start_token_id, prompt_ids.options());
+    const at::Tensor start = at::full({prompt_ids.size(0), 1}, h_.decoder_start_token_id, prompt_ids.options());
     at::Tensor logits = decode_step(*state, start);
     return {std::move(state), logits};
   }
 
-  at::Tensor decode_step(GenerationState& state, const at::Tensor& token) override {
+  at::Tensor decode_step(GenerationState& state, const at::Tensor& tokens) override {
     auto& s = static_cast<T5GenerationState&>(state);
-    const at::Tensor hidden = decoder->decode_step(shared->forward(token), s);
-    return lm_head(hidden).select(1, 0);  // (1, V)
+    const at::Tensor hidden = decoder->decode_step(shared->forward(tokens), s);
+    return lm_head(hidden).select(1, 0);  // (B, V)
+  }
+
+  void select_rows(GenerationState& state, const at::Tensor& rows) override {
+    auto& s = static_cast<T5GenerationState&>(state);
+    const at::Tensor index = rows.to(s.encoder_states.device());
+    s.encoder_states = s.encoder_states.index_select(0, index);
+    s.cross_bias = s.cross_bias.index_select(0, index);
+    for (auto& layer : s.layers)
+      for (auto* t : {&layer.self_keys, &layer.self_values, &layer.cross_keys, &layer.cross_values})
+        if (t->defined()) *t = t->index_select(0, index);
   }
 
   std::shared_ptr<Embedding> shared;

@@ -13,6 +13,8 @@
 namespace trainer {
 namespace fs = std::filesystem;
 
+std::string describe_metric(const std::string& metric) { return metric == "loss" ? "validation loss" : metric; }
+
 std::vector<std::pair<int64_t, fs::path>> checkpoint_dirs(const fs::path& dir) {
   std::vector<std::pair<int64_t, fs::path>> found;
   if (!fs::is_directory(dir)) return found;
@@ -27,8 +29,13 @@ std::vector<std::pair<int64_t, fs::path>> checkpoint_dirs(const fs::path& dir) {
   return found;
 }
 
-CheckpointRetention::CheckpointRetention(fs::path output_dir, int64_t keep_last, bool keep_best)
-    : output_dir_(std::move(output_dir)), keep_last_(keep_last), keep_best_(keep_best) {}
+CheckpointRetention::CheckpointRetention(fs::path output_dir, int64_t keep_last, bool keep_best, std::string metric,
+                                         bool maximize)
+    : output_dir_(std::move(output_dir)),
+      keep_last_(keep_last),
+      keep_best_(keep_best),
+      metric_(std::move(metric)),
+      maximize_(maximize) {}
 
 void CheckpointRetention::start(std::optional<int64_t> resume_step) {
   best_.reset();
@@ -42,15 +49,26 @@ void CheckpointRetention::start(std::optional<int64_t> resume_step) {
   const auto step = record.at("step").get<int64_t>();
   const auto path = output_dir_ / ("checkpoint-" + std::to_string(step));
   if (step > *resume_step || !fs::exists(path / "COMPLETE")) return;  // from a later, abandoned stretch of the run
-  best_ = BestCheckpoint{step, record.at("eval_loss").get<double>(), path};
-  spdlog::info("checkpoint.keep_best: the best so far is {} (validation loss {:.4f})", path.string(), best_->eval_loss);
+  // Records before checkpoint.best_metric existed hold only the loss.
+  const std::string metric = record.value("metric", std::string("loss"));
+  if (metric != metric_) {
+    spdlog::warn("checkpoint.keep_best: {} chose by {}, this run by {}; the best is chosen afresh",
+                 record_path().string(), metric, metric_);
+    return;
+  }
+  best_ = BestCheckpoint{step, record.contains("value") ? record.at("value").get<double>()
+                                                        : record.at("eval_loss").get<double>(),
+                         path};
+  spdlog::info("checkpoint.keep_best: the best so far is {} ({} {:.4f})", path.string(), describe_metric(metric_),
+               best_->value);
 }
 
-void CheckpointRetention::on_checkpoint(int64_t step, std::optional<double> eval_loss) {
-  if (keep_best_ && eval_loss && (!best_ || *eval_loss < best_->eval_loss)) {
-    best_ = BestCheckpoint{step, *eval_loss, output_dir_ / ("checkpoint-" + std::to_string(step))};
+void CheckpointRetention::on_checkpoint(int64_t step, std::optional<double> value) {
+  if (keep_best_ && value && (!best_ || better(*value, best_->value))) {
+    best_ = BestCheckpoint{step, *value, output_dir_ / ("checkpoint-" + std::to_string(step))};
     write_record();  // before any pruning: the record never names a deleted checkpoint
-    spdlog::info("best checkpoint so far: {} (validation loss {:.4f})", best_->path.string(), best_->eval_loss);
+    spdlog::info("best checkpoint so far: {} ({} {:.4f})", best_->path.string(), describe_metric(metric_),
+                 best_->value);
   }
   // keep_last counts this stretch's complete checkpoints (up to `step`). An incomplete one before `step` is
   // debris of a crash and goes; ones after `step` (a resume from an older checkpoint) are left alone: pruning by
@@ -70,9 +88,10 @@ void CheckpointRetention::write_record() const {
   const auto temp = output_dir_ / ".best_checkpoint.json.tmp";
   {
     std::ofstream file(temp);
-    file << nlohmann::json{{"step", best_->step}, {"eval_loss", best_->eval_loss}, {"path", best_->path.string()}}
-                .dump(2)
-         << "\n";
+    nlohmann::json record = {{"step", best_->step}, {"metric", metric_}, {"value", best_->value},
+                             {"path", best_->path.string()}};
+    if (metric_ == "loss") record["eval_loss"] = best_->value;
+    file << record.dump(2) << "\n";
   }
   fs::rename(temp, record_path());
 }

@@ -48,10 +48,19 @@
 //       "lrs": one learning rate per step) over the tensors param.<name> of IN, stepping with the gradients
 //       grad.<step>.<name>; OUT holds param.<name> after the steps and state.<tensor> of the optimizer state
 //
+//   trainer_parity generate MODEL_DIR REQUEST.json OUT.json
+//       batched generation (models/generation.h): REQUEST holds "prompts" (lists of ids, unpadded), "seed" and the
+//       generation_config.json keys (max_new_tokens, num_beams, length_penalty, early_stopping,
+//       no_repeat_ngram_size, do_sample, temperature, top_p, top_k, eos_token_id, pad_token_id) and optionally
+//       "batch_size" (batches of that many prompts, longest first, as evaluation by generation runs them); OUT holds
+//       {"outputs": the new ids of each prompt, "seconds": the generation's wall time}
+//
 // BATCH holds input_ids, attention_mask, labels (int64) and optionally decoder_attention_mask.
+#include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cstdlib>
+#include <ctime>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <string>
@@ -64,6 +73,7 @@
 #include "memory/cpu_budget.h"
 #include "models/dropout.h"
 #include "models/fused_ops.h"
+#include "models/generation.h"
 #include "models/layers.h"
 #include "models/lora.h"
 #include "models/model.h"
@@ -446,6 +456,35 @@ int optimizer(const std::string& in_path, const std::string& out_path, const std
   return 0;
 }
 
+int generate(const std::string& model_dir, const std::string& request_path, const std::string& out_path) {
+  using namespace trainer;
+  std::ifstream in(request_path);
+  const auto request = nlohmann::json::parse(in);
+  auto model = load_model(model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  GenerateOptions options;
+  apply_generation_config(request, model->family(), options);
+  if (request.contains("seed")) options.seed = request.at("seed").get<uint64_t>();
+  const auto prompts = request.at("prompts").get<std::vector<std::vector<int64_t>>>();
+  // "batch_size": as evaluation by generation runs, in batches of that many prompts, longest first; timed.
+  const auto batch = request.value("batch_size", static_cast<int64_t>(prompts.size()));
+  std::vector<std::size_t> order(prompts.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return prompts[a].size() > prompts[b].size(); });
+  std::vector<std::vector<int64_t>> outputs(prompts.size());
+  const auto start = std::chrono::steady_clock::now();
+  for (std::size_t begin = 0; begin < order.size(); begin += static_cast<std::size_t>(batch)) {
+    std::vector<std::vector<int64_t>> part;
+    const std::size_t end = std::min(order.size(), begin + static_cast<std::size_t>(batch));
+    for (std::size_t i = begin; i < end; ++i) part.push_back(prompts[order[i]]);
+    auto answers = generate_batch(*model, part, options);
+    for (std::size_t i = begin; i < end; ++i) outputs[order[i]] = std::move(answers[i - begin]);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::ofstream(out_path) << nlohmann::json{{"outputs", outputs}, {"seconds", seconds}}.dump() << "\n";
+  return 0;
+}
+
 int main(int argc, char** argv) {
   const std::vector<std::string> args(argv + 1, argv + argc);
   try {
@@ -464,6 +503,7 @@ int main(int argc, char** argv) {
       return adamw_cost(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]), std::stoll(args[5]));
     if (args.size() == 7 && args[0] == "norm-cost")
       return norm_cost(args[1], std::stoll(args[2]), std::stoll(args[3]), std::stoll(args[4]), std::stoll(args[5]), args[6]);
+    if (args.size() == 4 && args[0] == "generate") return generate(args[1], args[2], args[3]);
     if (args.size() == 5 && args[0] == "lora-train") return lora_train(args[1], args[2], args[3], args[4]);
   } catch (const trainer::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
@@ -475,6 +515,6 @@ int main(int argc, char** argv) {
                "       activations MODEL_DIR B T L | lora-forward MODEL_DIR ADAPTER_DIR BATCH OUT |\n"
                "       lora-train MODEL_DIR BATCH OUT_DIR LORA_JSON | dropout-cost MODEL_DIR B T L ROUNDS LORA_DROPOUT |\n"
                "       optimizer IN OUT OPTIMIZER_JSON | adamw-cost MODEL_DIR B T L ROUNDS |\n"
-               "       norm-cost MODEL_DIR B T L ROUNDS PRECISION\n";
+               "       norm-cost MODEL_DIR B T L ROUNDS PRECISION | generate MODEL_DIR REQUEST.json OUT.json\n";
   return 2;
 }

@@ -305,6 +305,7 @@ class Engine {
   int64_t seen_ = 0;  // what the task counts (counted_), since step 0
   int64_t step_index_ = 0;
   double last_eval_ = std::nan("");
+  std::map<std::string, double> last_eval_metrics_;  // the last evaluation's generation metrics (rougeL, ...)
   int64_t last_eval_step_ = -1;
   // The step whose state checkpoint-N in output_dir holds: the one resumed from, then each one written.
   std::optional<int64_t> on_disk_step_;
@@ -461,8 +462,9 @@ void Engine::start_retention() {
       spdlog::warn("{} already holds checkpoints of an earlier run (newest {}); this run starts from step 0 and "
                    "writes its own beside them. To continue that run instead, stop and add --resume",
                    output_dir_.string(), earlier->filename().string());
-  retention_ = std::make_unique<CheckpointRetention>(output_dir_, config_.checkpoint.keep_last,
-                                                     config_.checkpoint.keep_best);
+  const auto& ck = config_.checkpoint;
+  const bool maximize = ck.best_mode == BestMode::kMax || (ck.best_mode == BestMode::kAuto && ck.best_metric != "loss");
+  retention_ = std::make_unique<CheckpointRetention>(output_dir_, ck.keep_last, ck.keep_best, ck.best_metric, maximize);
   if (primary_) retention_->start(resume_.dir ? std::optional<int64_t>(step_index_) : std::nullopt);
   std::error_code same_error;
   if (resume_.dir &&
@@ -496,8 +498,13 @@ std::string Engine::checkpoint(const LoaderCursor& cursor, const nlohmann::json&
       task_.trainable(), *optimizer_, std::move(state), world_, rng);
   on_disk_step_ = step_index_;
   if (!primary_) return final_dir.string();
-  retention_->on_checkpoint(step_index_,
-                            last_eval_step_ == step_index_ ? std::optional<double>(last_eval_) : std::nullopt);
+  std::optional<double> best_value;  // checkpoint.best_metric at this step, when it was evaluated at this step
+  if (last_eval_step_ == step_index_) {
+    if (retention_->metric() == "loss") best_value = last_eval_;
+    else if (const auto it = last_eval_metrics_.find(retention_->metric()); it != last_eval_metrics_.end())
+      best_value = it->second;
+  }
+  retention_->on_checkpoint(step_index_, best_value);
   reporter_.on_checkpoint(step_index_, final_dir.string());
   return final_dir.string();
 }
@@ -599,6 +606,7 @@ void Engine::evaluate() {
   eval_micro_->agree();
   if (evaluated.loss) {
     last_eval_ = *evaluated.loss;
+    last_eval_metrics_ = evaluated.metrics;
     last_eval_step_ = step_index_;
     if (evaluated.report) evaluated.report(reporter_);
   }
@@ -628,7 +636,8 @@ int Engine::finish() {
   if (options_.merge) summary.merged_dir = (output_dir_ / "final-merged").string();
   if (const auto& best = retention_->best()) {
     summary.best_checkpoint = best->path.string();
-    summary.best_eval_loss = best->eval_loss;
+    summary.best_eval_loss = best->value;
+    summary.best_metric = retention_->metric();
   }
   distributed::add_rank_figures(world_, summary);
   reporter_.on_finish(std::move(summary));

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -94,6 +95,7 @@ class EvaluationMicroBatch {
 struct Evaluated {
   std::optional<double> loss;              // what checkpoint.keep_best compares; none when nothing was evaluated
   std::function<void(Reporter&)> report;  // metrics, progress log, TensorBoard
+  std::map<std::string, double> metrics;   // evaluation by generation ("rougeL", ...): checkpoint.best_metric
 };
 
 class Task {

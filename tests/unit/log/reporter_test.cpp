@@ -96,6 +96,32 @@ TEST(LogReporter, SummaryNamesEverythingTheUserLooksFor) {
   EXPECT_FALSE(contains(short_text, "validation loss")) << short_text;
 }
 
+TEST(LogReporter, GenerationMetricsGoToMetricsJsonlTensorboardAndTheLog) {
+  test::TempDir dir;
+  test::CapturedLog log("%v");
+  std::ostringstream out;
+  {
+    const auto config = config_in(dir.path());
+    Reporter reporter(config, out);
+    reporter.on_eval_generation(20, {{"rougeL", 0.41}, {"exact_match", 0.1}, {"bleu", 12.5}}, 40,
+                                "runs/x/evaluations/step-20/predictions.jsonl");
+  }
+  const auto records = test::read_jsonl(dir.path() / "metrics.jsonl");
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_EQ(records[0]["step"], 20);
+  EXPECT_DOUBLE_EQ(records[0]["eval_rougeL"].get<double>(), 0.41);
+  EXPECT_DOUBLE_EQ(records[0]["eval_exact_match"].get<double>(), 0.1);
+  EXPECT_DOUBLE_EQ(records[0]["eval_bleu"].get<double>(), 12.5);
+  EXPECT_EQ(records[0]["eval_generated"], 40);
+  std::vector<std::string> keys;
+  for (const auto& name : scalar_names()) keys.push_back(name.key);
+  for (const auto& [key, value] : records[0].items())
+    if (key != "step") EXPECT_NE(std::find(keys.begin(), keys.end(), key), keys.end()) << key << " has no tag";
+  EXPECT_TRUE(contains(log.text(), "eval step 20: generated 40 answers: bleu 12.5000 exact_match 0.1000 rougeL 0.4100"))
+      << log.text();
+  EXPECT_TRUE(contains(log.text(), "predictions.jsonl")) << log.text();
+}
+
 TEST(LogReporter, MetricsTensorboardAndPlainProgressLines) {
   test::TempDir dir;
   test::CapturedLog log("%v");

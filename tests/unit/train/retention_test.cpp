@@ -77,6 +77,34 @@ TEST(TrainRetention, TheBestSurvivesKeepLastAndIsReplacedByABetterOne) {
   EXPECT_EQ(record(dir.path())["step"], 50);
 }
 
+TEST(TrainRetention, KeepBestByAMetricToMaximise) {
+  test::TempDir dir;
+  CheckpointRetention retention(dir.path(), 1, /*keep_best=*/true, "rougeL", /*maximize=*/true);
+  retention.start(std::nullopt);
+  // The lowest value would win by loss; by rougeL, max, 20 (0.41) does, and a tie later (40) does not replace it.
+  const std::vector<std::pair<int64_t, std::optional<double>>> evals = {
+      {10, 0.12}, {20, 0.41}, {30, 0.05}, {40, 0.41}, {50, 0.3}};
+  for (const auto& [step, value] : evals) {
+    make_checkpoint(dir.path(), step);
+    retention.on_checkpoint(step, value);
+  }
+  EXPECT_EQ(steps_in(dir.path()), (std::vector<int64_t>{20, 50}));
+  ASSERT_TRUE(retention.best().has_value());
+  EXPECT_EQ(retention.best()->step, 20);
+  EXPECT_EQ(record(dir.path())["metric"], "rougeL");
+  EXPECT_DOUBLE_EQ(record(dir.path())["value"].get<double>(), 0.41);
+  EXPECT_FALSE(record(dir.path()).contains("eval_loss"));
+
+  // Resuming with the same metric keeps the record; with another metric the choice starts afresh.
+  CheckpointRetention same(dir.path(), 1, true, "rougeL", true);
+  same.start(50);
+  ASSERT_TRUE(same.best().has_value());
+  EXPECT_EQ(same.best()->step, 20);
+  CheckpointRetention other(dir.path(), 1, true, "loss", false);
+  other.start(50);
+  EXPECT_FALSE(other.best().has_value());
+}
+
 TEST(TrainRetention, ResumeKeepsTheRecordedBestUpToTheResumeStep) {
   test::TempDir dir;
   {
@@ -91,7 +119,7 @@ TEST(TrainRetention, ResumeKeepsTheRecordedBestUpToTheResumeStep) {
   resumed.start(20);
   ASSERT_TRUE(resumed.best().has_value());
   EXPECT_EQ(resumed.best()->step, 10);
-  EXPECT_DOUBLE_EQ(resumed.best()->eval_loss, 1.0);
+  EXPECT_DOUBLE_EQ(resumed.best()->value, 1.0);
   make_checkpoint(dir.path(), 30);
   resumed.on_checkpoint(30, 1.5);  // worse than the best before the resume
   EXPECT_EQ(steps_in(dir.path()), (std::vector<int64_t>{10, 30}));

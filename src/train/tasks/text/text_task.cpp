@@ -22,6 +22,7 @@
 #include "train/activation_checkpointing.h"
 #include "train/engine/loader_task.h"
 #include "train/resume_check.h"
+#include "train/tasks/text/generation_eval.h"
 #include "train/step.h"
 #include "trainer/data.h"
 #include "trainer/model_dir.h"
@@ -303,7 +304,24 @@ Evaluated TextTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
   if (!validation) return {};
   const auto result = validation_loss(*model_, *validation, micro, config(), device_, pad_id_,
                                       step_->chunked_loss() ? step_->loss_chunk_size() : 0, world());
-  return {result.loss, [step, result](Reporter& reporter) { reporter.on_eval(step, result.loss, result.tokens); }};
+  if (!config().evaluation.generate)
+    return {result.loss, [step, result](Reporter& reporter) { reporter.on_eval(step, result.loss, result.tokens); }};
+  // Evaluation by generation over the validation examples, read again from the start.
+  auto examples = make_validation_loader(config(), *tokenizer_, family_, config().training.batch_size,
+                                         distributed::record_share(world()));
+  const auto options = evaluation_generate_options(config(), model_->family(), config().model.path);
+  const fs::path predictions = primary() ? predictions_path(output_dir(), step) : fs::path();
+  const auto scores = evaluate_by_generation(*model_, *tokenizer_, *examples, config(), options, micro, world(),
+                                             predictions);
+  if (scores.skipped > 0 && primary())
+    spdlog::warn("evaluation.generate: {} validation examples have no prompt (plain text records) and were not "
+                 "generated for; prompt/completion records give a prompt and a reference", scores.skipped);
+  return {result.loss,
+          [step, result, scores, predictions](Reporter& reporter) {
+            reporter.on_eval(step, result.loss, result.tokens);
+            reporter.on_eval_generation(step, scores.metrics, scores.examples, predictions.string());
+          },
+          scores.metrics};
 }
 
 // Generations from evaluation.sample_prompts, logged as text: what the model has learned, at a glance.
