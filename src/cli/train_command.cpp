@@ -80,15 +80,15 @@ void print_length_and_memory(const Config& config, const std::string& allocator_
 // What a run holds from before the wait for a device (queued jobs started together) to its end: the output
 // directory's lock (one run per directory; rank 0 holds it for all ranks; a dry run writes nothing and takes none),
 // the device, and with data parallelism (`environment`) the ranks' group, joined and with the configs compared.
-struct RunStart {
+struct StartedRun {
   std::optional<RunLock> lock;
   ResolvedDevice device;
   std::unique_ptr<distributed::Communicator> world;
 };
 
-RunStart start_run(const Config& config, const TrainOptions& options,
+StartedRun start_run(const Config& config, const TrainOptions& options,
                    const std::optional<distributed::Environment>& environment, const DeviceConfig& device_config) {
-  RunStart started;
+  StartedRun started;
   if (!options.dry_run && (!environment || environment->rank == 0))
     started.lock.emplace(RunLock::acquire(config.checkpoint.output_dir));
   started.device = resolve_device(device_config);
@@ -117,7 +117,7 @@ int run_image_train(const Config& config, const TrainOptions& options, std::ostr
                     const DeviceConfig& device_config) {
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
-  RunStart started = start_run(config, options, environment, device_config);
+  StartedRun started = start_run(config, options, environment, device_config);
   const ResolvedDevice& device = started.device;
   distributed::Communicator* world = started.world.get();
   const auto& t = config.training;
@@ -201,7 +201,7 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
   const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
   const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
   const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
-  RunStart started = start_run(config, options, environment, device_config);
+  StartedRun started = start_run(config, options, environment, device_config);
   const ResolvedDevice& device = started.device;
   distributed::Communicator* world = started.world.get();
 

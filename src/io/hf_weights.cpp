@@ -17,19 +17,12 @@
 #include <set>
 
 #include "trainer/errors.h"
+#include "util/strings.h"
 
 namespace trainer {
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string in_quotes(const std::string& s) { return "\"" + s + "\""; }
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
-}
 
 // Appends at most `limit` lines "  <prefix><item>" and a count of the rest, so that loading a checkpoint of the
 // wrong architecture gives a readable message, not thousands of lines.

@@ -21,6 +21,7 @@
 #include <set>
 
 #include "trainer/errors.h"
+#include "util/strings.h"
 
 namespace trainer {
 
@@ -39,8 +40,6 @@ constexpr int kMaxHeaderDepth = 3;
 
 const char* const kReadHint = "the file is truncated, corrupt or not a safetensors file: download or save it again";
 
-std::string in_quotes(const std::string& s) { return "\"" + s + "\""; }
-
 DataError file_error(const std::string& path, const std::string& problem, const std::string& hint = kReadHint) {
   return DataError(path + ": " + problem, hint);
 }
@@ -55,12 +54,6 @@ std::string dtype_name_of(at::ScalarType dtype) {
   for (const auto& [name, type] : safetensors_dtypes())
     if (type == dtype) return name;
   return {};
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
 }
 
 // Thrown from inside the JSON parser callback to stop parsing early; turned into a DataError by the caller.

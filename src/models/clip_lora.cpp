@@ -16,15 +16,11 @@
 #include "trainer/errors.h"
 #include "trainer/peft.h"
 #include "trainer/safetensors.h"
+#include "util/strings.h"
 
 namespace trainer {
 namespace fs = std::filesystem;
 namespace {
-
-std::string last_name(const std::string& path) {
-  const auto dot = path.rfind('.');
-  return dot == std::string::npos ? path : path.substr(dot + 1);
-}
 
 // Escapes a module's last name for a regular expression (names are identifiers, but stay safe).
 std::string regex_escape(const std::string& s) {

@@ -13,6 +13,7 @@
 #include "models/layers.h"
 #include "trainer/errors.h"
 #include "trainer/safetensors.h"
+#include "util/strings.h"
 
 namespace trainer {
 namespace fs = std::filesystem;
@@ -34,11 +35,6 @@ std::string peft_name(const std::string& model_type, std::string name) {
   replace_all(name, ".intermediate.dense", ".mlp.fc1");
   replace_all(name, ".output.dense", ".mlp.fc2");
   return name;
-}
-
-std::string last_name(const std::string& path) {
-  const auto dot = path.rfind('.');
-  return dot == std::string::npos ? path : path.substr(dot + 1);
 }
 
 std::string head_module_of(const ImageClassifier& model) {

@@ -140,4 +140,12 @@ at::Tensor segment_mask(const at::Tensor& query_segments, const at::Tensor& key_
   return (allowed | empty).unsqueeze(1);
 }
 
+std::map<std::string, Linear*> linear_layers(Module& model) {
+  std::map<std::string, Linear*> out;
+  model.for_each_module([&](const std::string& name, Module& m) {
+    if (auto* linear = dynamic_cast<Linear*>(&m)) out[name] = linear;
+  });
+  return out;
+}
+
 }  // namespace trainer

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorOptions.h>
@@ -94,5 +96,8 @@ at::Tensor causal_mask(const at::Tensor& key_attention_mask, int64_t query_lengt
 at::Tensor segment_mask(const at::Tensor& query_segments, const at::Tensor& key_segments,
                         const at::Tensor& query_positions, const at::Tensor& key_positions, bool causal,
                         std::optional<int64_t> sliding_window);
+
+// Every Linear of a model by its dotted module name.
+std::map<std::string, Linear*> linear_layers(Module& model);
 
 }  // namespace trainer

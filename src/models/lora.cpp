@@ -25,14 +25,6 @@ constexpr const char* kHintTargets =
     "lora.target_modules names linear layers by their last name(s), e.g. q_proj, v_proj (Llama family) or q, v "
     "(T5); `trainer inspect MODEL_DIR` shows the model's layers by group";
 
-std::map<std::string, Linear*> linear_layers(LanguageModel& model) {
-  std::map<std::string, Linear*> out;
-  model.for_each_module([&](const std::string& name, Module& m) {
-    if (auto* linear = dynamic_cast<Linear*>(&m)) out[name] = linear;
-  });
-  return out;
-}
-
 // No gradients for the base, so no optimizer state either; optionally held in bf16 (4-bit layers keep their
 // codes and fp32 scales: only their bias converts).
 void freeze(LanguageModel& model, bool to_bf16) {

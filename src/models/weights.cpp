@@ -19,14 +19,6 @@ namespace trainer {
 namespace fs = std::filesystem;
 namespace {
 
-std::map<std::string, Linear*> linear_layers(LanguageModel& model) {
-  std::map<std::string, Linear*> out;
-  model.for_each_module([&](const std::string& name, Module& m) {
-    if (auto* linear = dynamic_cast<Linear*>(&m)) out[name] = linear;
-  });
-  return out;
-}
-
 QuantState4bit state_to(QuantState4bit state, const c10::Device& device) {
   for (at::Tensor* t : {&state.absmax, &state.quant_map, &state.nested_absmax, &state.nested_quant_map,
                         &state.state_json})

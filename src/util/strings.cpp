@@ -51,4 +51,17 @@ std::string join_alternatives(const std::vector<std::string>& items) {
   return out;
 }
 
+std::string last_name(const std::string& path) {
+  const auto dot = path.rfind('.');
+  return dot == std::string::npos ? path : path.substr(dot + 1);
+}
+
+std::string in_quotes(const std::string& s) { return "\"" + s + "\""; }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
 }  // namespace trainer

@@ -1,6 +1,7 @@
-// Small string helpers for messages: edit distance and "did you mean" suggestions.
+// Small string helpers: edit distance and "did you mean" suggestions for messages, module paths.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,5 +16,13 @@ std::string closest_match(std::string_view word, const std::vector<std::string>&
 
 // "a, b or c"
 std::string join_alternatives(const std::vector<std::string>& items);
+
+// "\"name\"": a name quoted in a message.
+std::string in_quotes(const std::string& s);
+// "[2, 3, 4]": a tensor shape in a message.
+std::string shape_text(const std::vector<int64_t>& shape);
+
+// The last component of a dotted module path: "encoder.layer.0.attention.query" -> "query".
+std::string last_name(const std::string& path);
 
 }  // namespace trainer
