@@ -67,7 +67,9 @@ def train(spec_path):
     batch_size, gradient_accumulation_steps, max_steps, lr, seed, output_dir; optional auto_find_batch_size,
     save_steps, resume, save_final, ddp_cpu (torchrun on the CPU: use_cpu, Gloo), bf16 (autocast, as trainer's precision.mode=bf16-mixed); HF's own speed options
     (the "best options" side of vs_hf.py): group_by_length (train_sampling_strategy="group_by_length"), flatten
-    (causal: DataCollatorWithFlattening, padding-free rows with position ids), torch_compile."""
+    (causal: DataCollatorWithFlattening, padding-free rows with position ids), torch_compile; pretrained (load
+    the directory's weights), load_in_4bit ({quant_type, double_quant}: bitsandbytes' 4-bit base, QLoRA), lora
+    ({r, alpha, target_modules}: PEFT adapters), optim (TrainingArguments' optim, e.g. adamw_bnb_8bit)."""
     with open(spec_path) as f:
         spec = json.load(f)
     print("BENCH start", flush=True)
@@ -80,7 +82,24 @@ def train(spec_path):
     set_seed(spec["seed"])
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     config = AutoConfig.from_pretrained(spec["model_dir"])
-    model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_config(config)
+    model_class = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    if spec.get("load_in_4bit"):  # QLoRA as users run it: the saved weights quantized by bitsandbytes on load
+        import torch
+        from transformers import BitsAndBytesConfig
+        q = spec["load_in_4bit"]
+        model = model_class.from_pretrained(spec["model_dir"], quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=q.get("quant_type", "nf4"),
+            bnb_4bit_use_double_quant=q.get("double_quant", True), bnb_4bit_compute_dtype=torch.float32))
+    elif spec.get("pretrained"):
+        model = model_class.from_pretrained(spec["model_dir"])
+    else:
+        model = model_class.from_config(config)
+    if spec.get("lora"):  # PEFT's LoRA on the listed modules (no gradient checkpointing: as trainer runs it)
+        from peft import LoraConfig, get_peft_model
+        lora = spec["lora"]
+        model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                                                 target_modules=lora["target_modules"],
+                                                 task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"))
     ds = datasets.load_dataset("json", data_files=spec["data"], split="train")
     ds = ds.map(tokenize_function(tok, spec["form"], spec.get("max_input_length"), spec.get("max_target_length"),
                                   spec.get("max_length")), batched=True, remove_columns=ds.column_names)
@@ -124,6 +143,8 @@ def train(spec_path):
                      save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
                      save_total_limit=2, report_to="none", disable_tqdm=True, train_sampling_strategy="sequential",
                      auto_find_batch_size=spec.get("auto_find_batch_size", False), dataloader_num_workers=0)
+    if spec.get("optim"):
+        arguments.update(optim=spec["optim"])
     if spec.get("bf16"):  # bf16 autocast on the CPU (what bf16=True means there), fp32 master weights
         arguments.update(bf16=True, use_cpu=True)
     if spec.get("ddp_cpu"):  # under torchrun on the CPU: without use_cpu accelerate stays one process per rank

@@ -314,6 +314,11 @@ const std::array<float, 16>& four_bit_code(QuantType type) {
   return type == QuantType::kNf4 ? kNf4Code : fp4;
 }
 
+std::vector<uint8_t> code_lookup_table(std::span<const float> code) {
+  if (code.size() != 256) throw std::invalid_argument("8-bit lookup table: the code needs 256 entries");
+  return build_lut(code);
+}
+
 std::vector<float> create_dynamic_map(bool is_signed) {
   const auto& bits = is_signed ? kSignedDynamicMapBits : kUnsignedDynamicMapBits;
   std::vector<float> map(bits.size());

@@ -42,6 +42,10 @@ void quantize_blockwise_8bit(std::span<const float> values, std::span<const floa
                              std::span<uint8_t> codes_out, std::span<float> absmax_out);
 Blockwise8bit quantize_blockwise_8bit(std::span<const float> values, std::span<const float> code,
                                       int64_t blocksize);
+// The code quantize_blockwise_8bit gives a normalized value x in [-1, 1]: table[slot(x)], where
+// slot(x) = int(fma((x + 1) * 0.5, 65535, 0.5)) (65536 uint8 entries: the nearest code entry by midpoints, a tie
+// to the lower one), as libbitsandbytes_cpu computes it. For device implementations of the same quantization.
+std::vector<uint8_t> code_lookup_table(std::span<const float> code);
 // cdequantize_blockwise_cpu_fp32: code[q] * absmax[block] in fp32.
 void dequantize_blockwise_8bit(std::span<const uint8_t> codes, std::span<const float> absmax,
                                std::span<const float> code, int64_t blocksize, std::span<float> out);

@@ -1,5 +1,5 @@
-// The engine's guarantees, each one test run over every task (text, image classification, contrastive CLIP) through
-// the real binary on the tiny demo configs: --resume-if-present continues, kill -9 at a random moment resumes to the
+// The engine's guarantees, each one test run over every task (text, image classification, contrastive CLIP, and text
+// with QLoRA: LoRA over a 4-bit base) through the real binary on the tiny demo configs: --resume-if-present continues, kill -9 at a random moment resumes to the
 // uninterrupted weights, SIGTERM writes a checkpoint and exits 0, an out-of-memory error mid-run ends at the
 // unconstrained weights, the end of the memory ladder moves the run to the CPU, --allow-data-change starts a new
 // epoch, memory.snapshot_on_oom is honoured, a missing model directory gets one error, the progress counts what the
@@ -35,13 +35,27 @@ struct TaskCase {
   std::string config;  // the tiny demo config
   std::string unit;    // what the progress line counts per second
   std::vector<std::string> extra;
+  std::string task;                                  // train_state.json's "task"
+  std::string train_file;                            // text: the demo's training file
+  std::string weights_file = "model.safetensors";   // in final/: what the run trains
 };
 
 std::ostream& operator<<(std::ostream& out, const TaskCase& c) { return out << c.name; }
 
-const TaskCase kText{"Text", "configs/tiny-t5.json", "tok", {"--set", "evaluation.sample_prompts=[]"}};
-const TaskCase kImage{"Image", "configs/tiny-vit.json", "images", {}};
-const TaskCase kClip{"Contrastive", "configs/tiny-clip.json", "pairs", {}};
+const TaskCase kText{"Text", "configs/tiny-t5.json", "tok", {"--set", "evaluation.sample_prompts=[]"}, "text",
+                     "data/demo/recipes-seq2seq.jsonl"};
+const TaskCase kImage{"Image", "configs/tiny-vit.json", "images", {}, "image"};
+const TaskCase kClip{"Contrastive", "configs/tiny-clip.json", "pairs", {}, "contrastive"};
+// QLoRA: LoRA on every linear layer of a tiny Qwen2 whose frozen base is held in NF4 (the adapter is what trains).
+const TaskCase kQlora{"Qlora",
+                      "configs/tiny-qwen2.json",
+                      "tok",
+                      {"--set", "evaluation.sample_prompts=[]", "--set", "model.quantize=nf4", "--set",
+                       "lora.enabled=true", "--set",
+                       "lora.target_modules=[\"q_proj\",\"k_proj\",\"v_proj\",\"o_proj\",\"gate_proj\",\"up_proj\",\"down_proj\"]"},
+                      "text",
+                      "data/demo/recipes-causal.jsonl",
+                      "adapter_model.safetensors"};
 
 bool same_bytes(const fs::path& a, const fs::path& b) { return read_text(a) == read_text(b); }
 
@@ -61,7 +75,7 @@ class Task : public ::testing::TestWithParam<TaskCase> {
     a.insert(a.end(), more.begin(), more.end());
     return a;
   }
-  static fs::path weights(const fs::path& out) { return out / "final" / "model.safetensors"; }
+  static fs::path weights(const fs::path& out) { return out / "final" / GetParam().weights_file; }
 
   TempDir dir;
 };
@@ -125,9 +139,7 @@ TEST_P(Task, SigtermWritesACheckpointAndExitsZero) {
   const auto last = out / ("checkpoint-" + std::to_string(static_cast<int64_t>(steps.back())));
   EXPECT_TRUE(fs::exists(last / "COMPLETE")) << last;
   std::ifstream state(last / "train_state.json");
-  EXPECT_EQ(nlohmann::json::parse(state).value("task", ""), GetParam().name == "Text"      ? "text"
-                                                            : GetParam().name == "Image" ? "image"
-                                                                                         : "contrastive");
+  EXPECT_EQ(nlohmann::json::parse(state).value("task", ""), GetParam().task);
 }
 
 // A budget between the peaks of micro-batches of 4 and 16, with regrowth after 2 steps: the micro-batch falls at
@@ -202,8 +214,8 @@ TEST_P(Task, TheEndOfTheLadderMovesTheRunToTheCpu) {
 TEST_P(Task, AllowDataChangeStartsANewEpochOverTheNewData) {
   // A copy of the task's training data with one record fewer.
   std::vector<std::string> data;
-  if (GetParam().name == "Text") {
-    fs::copy_file(fs::path(TRAINER_SOURCE_DIR) / "data/demo/recipes-seq2seq.jsonl", dir.file("train.jsonl"));
+  if (GetParam().task == "text") {
+    fs::copy_file(fs::path(TRAINER_SOURCE_DIR) / GetParam().train_file, dir.file("train.jsonl"));
     data = {"--set", "data.train_files=[\"" + dir.file("train.jsonl") + "\"]"};
   } else {
     fs::copy(fs::path(TRAINER_SOURCE_DIR) / "data/demo/images", dir.path() / "images", fs::copy_options::recursive);
@@ -217,7 +229,7 @@ TEST_P(Task, AllowDataChangeStartsANewEpochOverTheNewData) {
   if (GetParam().name == "Image") {
     fs::remove(dir.path() / "images" / "train" / "checker-purple" / "checker-purple-0000.jpg");
   } else {
-    const fs::path file = GetParam().name == "Text" ? fs::path(dir.file("train.jsonl"))
+    const fs::path file = GetParam().task == "text" ? fs::path(dir.file("train.jsonl"))
                                                     : dir.path() / "images" / "train-captions.jsonl";
     std::string text = read_text(file);
     text.erase(0, text.find('\n') + 1);
@@ -285,7 +297,7 @@ TEST_P(Task, TheProgressCountsWhatTheTaskCounts) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(IntegrationEngine, Task, ::testing::Values(kText, kImage, kClip),
+INSTANTIATE_TEST_SUITE_P(IntegrationEngine, Task, ::testing::Values(kText, kImage, kClip, kQlora),
                          [](const ::testing::TestParamInfo<TaskCase>& param) { return param.param.name; });
 
 // Evaluation out of memory at evaluation micro-batch 1 on one of two ranks: every rank stops with exit 4 and one error

@@ -13,12 +13,18 @@
 
 #include <spdlog/spdlog.h>
 
-#include "quant/adamw8bit.h"
+#include "quant/blockwise.h"
 #include "trainer/errors.h"
 #include "util/counter_rng.h"
 
 namespace trainer {
 namespace {
+
+// optimizer.state_dtype=int8, as bitsandbytes' AdamW8bit: blocks of 256 elements (BLOCKSIZE_2STATE), fp32 moments
+// for parameters under 4096 elements (min_8bit_size); the update works in chunks of whole blocks.
+constexpr int64_t kInt8Block = 256;
+constexpr int64_t kInt8MinSize = 4096;
+constexpr int64_t kInt8Chunk = int64_t{1} << 20;
 
 constexpr int64_t kUpdateChunk = 1 << 22;  // elements per update chunk: 16 MiB of fp32 scratch each
 
@@ -231,7 +237,8 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed, bool a
   exp_avg_sq_.resize(params_.size());
   if (config.state_dtype == StateDtype::kInt8) {
     fused_ = false;
-    int8_state_.resize(params_.size());
+    int8_.resize(params_.size());
+    int64_t chunk = 0;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (!owns(i)) continue;
       const at::Tensor& p = *params_[i].param;
@@ -239,9 +246,44 @@ AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed, bool a
         throw UsageError("optimizer.state_dtype=int8: " + params_[i].name + " is " +
                              std::string(c10::toString(p.scalar_type())) + "; 8-bit AdamW updates fp32 parameters",
                          "use precision.mode=bf16-mixed or fp32 with int8 moments, or optimizer.state_dtype=bf16");
-      const auto bytes = quant::serialize_adamw8bit_state(quant::make_adamw8bit_state(p.numel(), {}));
-      int8_state_[i] = at::empty({static_cast<int64_t>(bytes.size())}, at::TensorOptions().dtype(at::kByte));
-      std::memcpy(int8_state_[i].data_ptr(), bytes.data(), bytes.size());
+      Int8Moments& s = int8_[i];
+      const int64_t n = p.numel();
+      if (n >= kInt8MinSize) {
+        // Zero codes with zero block scales dequantize to 0, as bitsandbytes' fresh buffers do.
+        const int64_t blocks = (n + kInt8Block - 1) / kInt8Block;
+        s.state1 = at::zeros({n}, p.options().dtype(at::kByte));
+        s.state2 = at::zeros({n}, p.options().dtype(at::kByte));
+        s.absmax1 = at::zeros({blocks}, p.options());
+        s.absmax2 = at::zeros({blocks}, p.options());
+        chunk = std::max(chunk, std::min(kInt8Chunk, blocks * kInt8Block));
+      } else {
+        s.exp_avg = at::zeros({n}, p.options());
+        s.exp_avg_sq = at::zeros({n}, p.options());
+        chunk = std::max(chunk, n);
+      }
+      s.step = at::zeros({}, at::TensorOptions().dtype(at::kLong));
+    }
+    const auto device = params_.empty() ? at::Device(at::kCPU) : params_.front().param->device();
+    const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
+    const auto table = [&](const std::vector<float>& values) {
+      return at::tensor(at::ArrayRef<float>(values), at::TensorOptions().dtype(at::kFloat)).to(device);
+    };
+    const auto lookup = [&](const std::vector<float>& code) {
+      const auto lut = quant::code_lookup_table(code);
+      return at::tensor(at::ArrayRef<uint8_t>(lut), at::TensorOptions().dtype(at::kByte)).to(device);
+    };
+    const auto signed_map = quant::create_dynamic_map(true), unsigned_map = quant::create_dynamic_map(false);
+    int8_map1_ = table(signed_map);
+    int8_map2_ = table(unsigned_map);
+    int8_lut1_ = lookup(signed_map);
+    int8_lut2_ = lookup(unsigned_map);
+    if (chunk > 0) {
+      int8_m_ = at::empty({chunk}, fp32);
+      int8_v_ = at::empty({chunk}, fp32);
+      int8_tmp_ = at::empty({chunk}, fp32);
+      int8_index_ = at::empty({chunk}, fp32.dtype(at::kInt));
+      int8_slot_ = at::empty({chunk}, fp32.dtype(at::kDouble));
+      int8_inverse_ = at::empty({(chunk + kInt8Block - 1) / kInt8Block}, fp32);
     }
     return;
   }
@@ -296,35 +338,120 @@ void AdamW::fused_step(double lr) {
   }
 }
 
+namespace {
+
+// code[q] * absmax[block] in fp32 (cdequantize_blockwise_cpu_fp32), `index` an int32 scratch of codes' size.
+void dequantize_8bit(at::Tensor& out, const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code,
+                     at::Tensor& index) {
+  const int64_t n = codes.numel(), full = n / kInt8Block, rest = n % kInt8Block;
+  index.copy_(codes);
+  at::index_select_out(out, code, 0, index);
+  if (full > 0) out.narrow(0, 0, full * kInt8Block).view({full, kInt8Block}).mul_(absmax.narrow(0, 0, full).unsqueeze(1));
+  if (rest > 0) out.narrow(0, full * kInt8Block, rest).mul_(absmax.narrow(0, full, 1));
+}
+
+// Blockwise 8-bit quantization as libbitsandbytes_cpu's cquantize_blockwise_cpu_fp32 computes it: the block's
+// absolute maximum, x * (1 / absmax) clamped to [-1, 1], its slot fma((x + 1) * 0.5, 65535, 0.5) truncated, and
+// the lookup table's code; all-zero blocks get code 0. The fused multiply-add is exact here on any device: the
+// product and sum are exact in fp64 and one rounding to fp32 is the fma's.
+void quantize_8bit(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lut,
+                   at::Tensor& tmp, at::Tensor& slot, at::Tensor& index, at::Tensor& inverse) {
+  const int64_t n = x.numel(), full = n / kInt8Block, rest = n % kInt8Block;
+  // The whole blocks as rows of 256, and the last partial block.
+  const auto rows = [&](const at::Tensor& t) { return t.narrow(0, 0, full * kInt8Block).view({full, kInt8Block}); };
+  const auto tail = [&](const at::Tensor& t) { return t.narrow(0, full * kInt8Block, rest); };
+  at::abs_out(tmp, x);
+  if (full > 0) {
+    at::Tensor out = absmax.narrow(0, 0, full);
+    at::amax_out(out, rows(tmp), {1});
+  }
+  if (rest > 0) {
+    at::Tensor out = absmax.narrow(0, full, 1);
+    at::amax_out(out, tail(tmp), {0}, /*keepdim=*/true);
+  }
+  at::reciprocal_out(inverse, absmax);
+  inverse.masked_fill_(absmax.eq(0), 0.0f);  // an all-zero block: every code 0 below, not 0 * inf
+  if (full > 0) {
+    at::Tensor out = rows(tmp);
+    at::mul_out(out, rows(x), inverse.narrow(0, 0, full).unsqueeze(1));
+  }
+  if (rest > 0) {
+    at::Tensor out = tail(tmp);
+    at::mul_out(out, tail(x), inverse.narrow(0, full, 1));
+  }
+  tmp.clamp_(-1.0, 1.0).add_(1.0).mul_(0.5);
+  slot.copy_(tmp);
+  slot.mul_(65535.0).add_(0.5);
+  tmp.copy_(slot);
+  index.copy_(tmp);
+  at::index_select_out(codes, lut, 0, index);
+  if (full > 0) rows(codes).masked_fill_(absmax.narrow(0, 0, full).eq(0).unsqueeze(1), 0);
+  if (rest > 0) tail(codes).masked_fill_(absmax.narrow(0, full, 1).eq(0), 0);
+}
+
+}  // namespace
+
 void AdamW::int8_step(double lr) {
   at::NoGradGuard no_grad;
   ++step_;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& p = *params_[i].param;
     if (!owns(i) || !p.grad().defined()) continue;
-    quant::AdamW8bitConfig c;
-    c.lr = lr;
-    c.beta1 = config_.beta1;
-    c.beta2 = config_.beta2;
-    c.eps = config_.eps;
-    c.weight_decay = params_[i].decay ? config_.weight_decay : 0.0;
-    at::Tensor& bytes = int8_state_[i];
-    auto state = quant::deserialize_adamw8bit_state({bytes.data_ptr<uint8_t>(), static_cast<std::size_t>(bytes.numel())});
-    // The update runs on the CPU (where bitsandbytes' arithmetic is reproduced); a CUDA parameter goes through the
-    // host and back.
-    at::Tensor param = p.is_cpu() && p.is_contiguous() ? p : p.detach().to(at::kCPU).contiguous();
-    const at::Tensor grad = p.grad().to(at::kCPU, at::kFloat).contiguous();
-    quant::adamw8bit_step(c, state, {param.data_ptr<float>(), static_cast<std::size_t>(param.numel())},
-                          {grad.data_ptr<float>(), static_cast<std::size_t>(grad.numel())});
-    if (!param.is_same(p)) p.copy_(param);
-    const auto updated = quant::serialize_adamw8bit_state(state);
-    std::memcpy(bytes.data_ptr(), updated.data(), updated.size());
+    auto* count = int8_[i].step.data_ptr<int64_t>();
+    ++*count;
+    const at::Tensor param = p.view({-1});
+    const at::Tensor grad = p.grad().reshape({-1});
+    const int64_t n = p.numel();
+    const int64_t chunk = int8_[i].state1.defined() ? int8_m_.numel() / kInt8Block * kInt8Block : n;
+    for (int64_t begin = 0; begin < n; begin += chunk)
+      int8_update_chunk(i, param, grad, begin, std::min(chunk, n - begin), lr);
   }
+}
+
+// One chunk (whole 256-element blocks) of bitsandbytes' CPU AdamW8bit update (backends/cpu/ops.py:
+// _optimizer_update_8bit_blockwise_cpu, or _optimizer_update_32bit_cpu for fp32 moments), the same ATen ops in
+// the same order, so on the CPU every bit is bitsandbytes'.
+void AdamW::int8_update_chunk(std::size_t index, const at::Tensor& param, const at::Tensor& grad, int64_t begin,
+                              int64_t n, double lr) {
+  Int8Moments& s = int8_[index];
+  const double b1 = config_.beta1, b2 = config_.beta2, eps = config_.eps;
+  const double wd = params_[index].decay ? config_.weight_decay : 0.0;
+  const auto step = static_cast<double>(*s.step.data_ptr<int64_t>());
+  const double correction1 = 1.0 - std::pow(b1, step);
+  const double correction2 = std::sqrt(1.0 - std::pow(b2, step));
+  at::Tensor p = param.narrow(0, begin, n);
+  const at::Tensor g = grad.narrow(0, begin, n);
+  at::Tensor tmp = int8_tmp_.narrow(0, 0, n);
+  if (!s.state1.defined()) {
+    at::Tensor m = s.exp_avg.narrow(0, begin, n), v = s.exp_avg_sq.narrow(0, begin, n);
+    m.mul_(b1).add_(g, 1.0 - b1);
+    v.mul_(b2).addcmul_(g, g, 1.0 - b2);
+    if (wd > 0.0) p.mul_(1.0 - lr * wd);
+    at::sqrt_out(tmp, v).add_(eps * correction2);
+    at::div_out(tmp, m, tmp);
+    p.add_(tmp, -lr * correction2 / correction1);
+    return;
+  }
+  const int64_t block0 = begin / kInt8Block, blocks = (n + kInt8Block - 1) / kInt8Block;
+  at::Tensor m = int8_m_.narrow(0, 0, n), v = int8_v_.narrow(0, 0, n);
+  at::Tensor codes1 = s.state1.narrow(0, begin, n), codes2 = s.state2.narrow(0, begin, n);
+  at::Tensor absmax1 = s.absmax1.narrow(0, block0, blocks), absmax2 = s.absmax2.narrow(0, block0, blocks);
+  at::Tensor idx = int8_index_.narrow(0, 0, n), slot = int8_slot_.narrow(0, 0, n);
+  at::Tensor inverse = int8_inverse_.narrow(0, 0, blocks);
+  dequantize_8bit(m, codes1, absmax1, int8_map1_, idx);
+  dequantize_8bit(v, codes2, absmax2, int8_map2_, idx);
+  m.mul_(b1).add_(g, 1.0 - b1);
+  v.mul_(b2).addcmul_(g, g, 1.0 - b2);
+  at::sqrt_out(tmp, v).div_(correction2).add_(eps);
+  if (wd > 0.0) p.mul_(1.0 - lr * wd);
+  p.addcdiv_(m, tmp, -lr / correction1);
+  quantize_8bit(m, codes1, absmax1, int8_lut1_, tmp, slot, idx, inverse);
+  quantize_8bit(v, codes2, absmax2, int8_lut2_, tmp, slot, idx, inverse);
 }
 
 void AdamW::step(double lr) {
   if (fused_) return fused_step(lr);
-  if (!int8_state_.empty()) return int8_step(lr);
+  if (!int8_.empty()) return int8_step(lr);
   // Only tensor-tensor and Scalar-argument kernels below: a plain Scalar operand (x.mul_(0.9)) is wrapped into a
   // freshly allocated tensor, which could run out of memory half way through the parameters.
   at::NoGradGuard no_grad;
@@ -372,8 +499,19 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::own_state() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (!owns(i)) continue;
-    if (!int8_state_.empty()) {
-      out.emplace_back("adamw8bit." + params_[i].name, int8_state_[i]);
+    if (!int8_.empty()) {
+      const Int8Moments& m = int8_[i];
+      const std::string& name = params_[i].name;
+      if (m.state1.defined()) {
+        out.emplace_back("adamw8bit.state1." + name, m.state1);
+        out.emplace_back("adamw8bit.state2." + name, m.state2);
+        out.emplace_back("adamw8bit.absmax1." + name, m.absmax1);
+        out.emplace_back("adamw8bit.absmax2." + name, m.absmax2);
+      } else {
+        out.emplace_back("adamw8bit.exp_avg." + name, m.exp_avg);
+        out.emplace_back("adamw8bit.exp_avg_sq." + name, m.exp_avg_sq);
+      }
+      out.emplace_back("adamw8bit.step." + name, m.step);
       continue;
     }
     out.emplace_back("exp_avg." + params_[i].name, exp_avg_[i]);
@@ -385,16 +523,18 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::own_state() const {
 void AdamW::for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) {
   for (auto& t : exp_avg_) visit(t);
   for (auto& t : exp_avg_sq_) visit(t);
-  // int8 state stays in host memory whatever the device (the update runs there).
+  // int8: every state tensor but the step counts, which stay on the CPU.
+  for (auto& m : int8_)
+    for (at::Tensor* t : {&m.state1, &m.state2, &m.absmax1, &m.absmax2, &m.exp_avg, &m.exp_avg_sq}) visit(*t);
+  for (at::Tensor* t : {&int8_map1_, &int8_map2_, &int8_lut1_, &int8_lut2_, &int8_m_, &int8_v_, &int8_tmp_,
+                        &int8_index_, &int8_slot_, &int8_inverse_})
+    visit(*t);
   for (at::Tensor* t : {&scratch_a_, &scratch_b_, &scratch_m_, &scratch_v_, &eps_, &decay_, &step_count_}) visit(*t);
 }
 
 int64_t AdamW::own_state_bytes() const {
   int64_t n = 0;
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    if (owns(i))
-      n += static_cast<int64_t>(int8_state_.empty() ? exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes()
-                                                    : int8_state_[i].nbytes());
+  for (const auto& [name, t] : own_state()) n += static_cast<int64_t>(t.nbytes());
   return n;
 }
 
@@ -430,10 +570,9 @@ int64_t optimizer_state_bytes(const OptimizerConfig& config, c10::IntArrayRef si
     if (config.adafactor_beta1) bytes += 4 * numel;
   } else if (config.state_dtype == StateDtype::kInt8) {
     // bitsandbytes' AdamW8bit: two uint8 codes and, per 256 elements, two fp32 absmax; fp32 moments below 4096
-    // elements (min_8bit_size); plus the serialized state's 25-byte header.
-    const quant::AdamW8bitConfig defaults;
-    bytes += numel >= defaults.min_8bit_size ? 2 * numel + 8 * ((numel + 255) / 256) : 8 * numel;
-    bytes += 25;
+    // elements (min_8bit_size); plus the step count (int64).
+    bytes += numel >= kInt8MinSize ? 2 * numel + 8 * ((numel + kInt8Block - 1) / kInt8Block) : 8 * numel;
+    bytes += 8;
   } else {
     bytes += 2 * numel * (config.state_dtype == StateDtype::kBf16 ? 2 : 4);
   }

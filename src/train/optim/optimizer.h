@@ -146,13 +146,26 @@ class AdamW final : public Optimizer {
   int64_t own_state_bytes() const override;
   void for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) override;
 
-  // state_dtype=int8: bitsandbytes' AdamW8bit step (src/quant/adamw8bit) on fp32 parameters, each parameter's
-  // state held as its serialized bytes (a uint8 CPU tensor: codes, block absmax, step), so checkpoints and
-  // resume take it like any state tensor and continue bit for bit. CUDA parameters step through the host.
+  // state_dtype=int8: bitsandbytes' AdamW8bit (optim.AdamW8bit, its CPU update op for op) in ATen ops on the
+  // parameters' own device, so a CUDA run never goes through the host: the 8-bit moments are dequantized (code *
+  // block absmax), updated in fp32, applied, and quantized again, in chunks of whole 256-element blocks through
+  // fixed scratch buffers. Parameters under 4096 elements (min_8bit_size) keep fp32 moments, as bitsandbytes does.
   void int8_step(double lr);
+  void int8_update_chunk(std::size_t index, const at::Tensor& param, const at::Tensor& grad, int64_t begin,
+                         int64_t n, double lr);
 
+  struct Int8Moments {
+    at::Tensor state1, state2;       // uint8 codes: signed dynamic map (first moment), unsigned (second)
+    at::Tensor absmax1, absmax2;     // fp32, one per 256 elements
+    at::Tensor exp_avg, exp_avg_sq;  // fp32 moments instead, for parameters under 4096 elements
+    at::Tensor step;                 // 0-dim int64 on the CPU: this parameter's update count (bitsandbytes' "step")
+  };
+  std::vector<Int8Moments> int8_;  // per parameter, when state_dtype is int8
+  // The two dynamic maps (256 fp32 each) and their quantization lookup tables (65536 uint8 each), and the chunk
+  // scratch (fp32 moments and a temporary, int32 indices, fp64 for the exact rounding slot, fp32 block scales).
+  at::Tensor int8_map1_, int8_map2_, int8_lut1_, int8_lut2_;
+  at::Tensor int8_m_, int8_v_, int8_tmp_, int8_index_, int8_slot_, int8_inverse_;
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_;  // per parameter: optimizer.state_dtype (fp32 or bf16)
-  std::vector<at::Tensor> int8_state_;            // per parameter: state_dtype int8
   at::Tensor scratch_a_, scratch_b_;  // fp32 chunk buffers for the update
   at::Tensor scratch_m_, scratch_v_;  // fp32 copies of a chunk of bf16 moments (state_dtype bf16 only)
   at::Tensor eps_, decay_;            // 0-dim operands, refilled each step (no allocation during the update)
