@@ -23,7 +23,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BENCH_DIR, ensure_data, fresh_dir, log, machine_notes, median, ratio, table  # noqa: E402
+from common import (BENCH_DIR, ensure_data, fresh_dir, log, machine_notes, median, ratio, table,  # noqa: E402
+                    write_json)
 from vs_hf import (MIB, check, hf_spec, model_dir, ours_config, run_hf, run_ours,  # noqa: E402
                    tokens_per_second)
 
@@ -45,15 +46,16 @@ def weights_dir(name):
 
 def ours(path, data, out, steps, batch, quantize=None, lora=True, state_dtype="fp32"):
     sections = dict(optimizer={"lr": LR, "state_dtype": state_dtype}, training={"micro_batch_size": batch})
-    model = {"init": "pretrained"}
-    if quantize:
-        model["quantize"] = quantize
-    sections["model"] = model
+    sections["model"] = {"init": "pretrained", **({"quantize": quantize} if quantize else {})}
     if lora:
         sections["lora"] = {"enabled": True, "r": LORA["r"], "alpha": LORA["alpha"], "dropout": 0.0,
                             "target_modules": TARGETS}
-    config = ours_config(out + ".json", path, "causal", data, out, batch, batch, steps, {"max_length": 512},
-                         **sections)
+    config = ours_config(out + ".json", path, "causal", data, out, batch, batch, steps, {"max_length": 512})
+    with open(config) as f:
+        settings = json.load(f)
+    for section, values in sections.items():
+        settings.setdefault(section, {}).update(values)
+    write_json(config, settings)
     run, stepped = run_ours(config)
     check(run, "trainer " + out)
     return run, stepped

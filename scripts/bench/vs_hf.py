@@ -77,7 +77,7 @@ def model_dir(name, dropout=None):
     from transformers import AutoConfig, Qwen2Config, T5Config
     suffix = "" if dropout is None else f"-dropout{dropout:g}"
     path = os.path.join(BENCH_DIR, "models", name + suffix)
-    form = MODELS.get(name, {}).get("form", "seq2seq")
+    form = MODELS.get(name, {}).get("form", "causal" if "qwen" in name else "seq2seq")
     tiny = os.path.join(ROOT, TINY_MODELS[form])
     tiny_config = AutoConfig.from_pretrained(tiny)
     if name.startswith("tiny"):
