@@ -68,7 +68,8 @@ constexpr const char* kTrainEnvironmentHelp =
     "TRAINER_FUSED_KERNELS=0 runs ATen's unfused RMSNorm instead of the fused CPU kernel. TRAINER_CPU_CACHE=0\n"
     "stops the CPU allocator keeping freed blocks of 1 MiB and more for reuse (less memory, slower steps).\n"
     "TRAINER_PACKED_ATTENTION=per-example|whole-row forces a path for packed rows (default auto: varlen flash\n"
-    "attention on a CUDA card, docs/packing.md).\n";
+    "attention on a CUDA card, docs/packing.md). TRAINER_BITSANDBYTES=FILE|DIR|none: where bitsandbytes' library\n"
+    "for 4-bit layers is (default: the bitsandbytes package beside torch), none for ATen ops (docs/quantization.md).\n";
 
 constexpr const char* kExitCodeHelp =
     "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"

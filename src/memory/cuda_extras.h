@@ -31,4 +31,8 @@ bool dump_allocator_snapshot(const std::string& path);
 // (Ampere, Ada, Hopper, Blackwell). False in a CPU build and for any other device.
 bool flash_attention_device(const c10::Device& device);
 
+// The raw handle (cudaStream_t) of `device`'s current stream, for kernels of other libraries that take one
+// (bitsandbytes'). Throws UsageError in a CPU build.
+void* current_cuda_stream(const c10::Device& device);
+
 }  // namespace trainer

@@ -3,15 +3,27 @@
 // (grad_x = grad_y @ dequantize(W), nothing else kept).
 #include "models/linear4bit.h"
 
+#include <dlfcn.h>
+
+#include <array>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <mutex>
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/DeviceGuard.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/ivalue.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers.h"
+#include "memory/cuda_extras.h"
 #include "models/model.h"
 #include "quant/bnb_layout.h"
 #include "trainer/errors.h"
@@ -123,6 +135,157 @@ std::pair<at::Tensor, QuantState4bit> quantize_weight(const at::Tensor& weight, 
   return {from_saved(saved.at("weight")).to(device), std::move(state)};
 }
 
+// ---- bitsandbytes' shared library ------------------------------------------------------------------------------
+// Its C functions (no header ships: the prototypes are declared here, as csrc/pythonInterface.cpp defines them in
+// 0.45-0.50, and every symbol is looked up and checked when the library is loaded).
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kLibraryVariable = "TRAINER_BITSANDBYTES";
+constexpr const char* kPinnedVersion = "bitsandbytes==0.50.2";
+
+// CPU (libbitsandbytes_cpu): packed (rows, cols / 2) bytes, fp32 block scales, out (rows, cols); cols even.
+using CpuDequantize4bit = void (*)(unsigned char* packed, float* absmax, void* out, long long blocksize,
+                                   long long rows, long long cols);
+// CUDA (libbitsandbytes_cudaXY): code (NULL: the built-in table), packed, fp32 block scales, out, n elements, the
+// stream to launch on.
+using CudaDequantize4bit = void (*)(float* code, unsigned char* packed, float* absmax, void* out, int blocksize,
+                                    int n, void* stream);
+using HasAvx512 = bool (*)();
+
+struct BitsandbytesLibrary {
+  std::string path;                                  // empty: not used (ATen ops)
+  std::string reason;                                // why not, for the log
+  std::array<std::array<void*, 3>, 2> dequantize{};  // [nf4, fp4][fp32, bf16, fp16]
+  bool avx512 = false;                               // CPU: blocks of 2048+ go to ATen, as bitsandbytes does
+};
+
+const char* dtype_suffix(int dtype) { return dtype == 0 ? "fp32" : dtype == 1 ? "bf16" : "fp16"; }
+int dtype_index(at::ScalarType type) {
+  return type == at::kFloat ? 0 : type == at::kBFloat16 ? 1 : type == at::kHalf ? 2 : -1;
+}
+
+// The library's file name for a device: libbitsandbytes_cpu.so, or libbitsandbytes_cudaXY.so for the CUDA runtime
+// this LibTorch was built with (13.0 -> cuda130), as bitsandbytes itself picks it.
+std::string library_file(c10::DeviceType device) {
+  if (device != c10::DeviceType::CUDA) return "libbitsandbytes_cpu.so";
+  const long version = at::detail::getCUDAHooks().versionCUDART();
+  return "libbitsandbytes_cuda" + std::to_string(version / 1000) + std::to_string(version % 1000 / 10) + ".so";
+}
+
+// Where the library is looked for: $TRAINER_BITSANDBYTES (a file, or the folder holding it), else the bitsandbytes
+// package beside the torch package trainer's LibTorch comes from (site-packages/torch/lib/libc10.so ->
+// site-packages/bitsandbytes/).
+fs::path library_path(c10::DeviceType device, bool& from_variable) {
+  const char* variable = std::getenv(kLibraryVariable);
+  from_variable = variable != nullptr && *variable != '\0';
+  if (from_variable) {
+    const fs::path p(variable);
+    return fs::is_directory(p) ? p / library_file(device) : p;
+  }
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&c10::GetCPUAllocator), &info) == 0 || info.dli_fname == nullptr) return {};
+  return fs::path(info.dli_fname).parent_path().parent_path().parent_path() / "bitsandbytes" / library_file(device);
+}
+
+BitsandbytesLibrary load_library(c10::DeviceType device) {
+  BitsandbytesLibrary lib;
+  const char* variable = std::getenv(kLibraryVariable);
+  if (variable != nullptr && std::string(variable) == "none") {
+    lib.reason = std::string(kLibraryVariable) + "=none";
+    return lib;
+  }
+  bool from_variable = false;
+  const fs::path path = library_path(device, from_variable);
+  const std::string how = from_variable ? std::string(" (") + kLibraryVariable + ")" : " (beside torch)";
+  const std::string fix = std::string("install ") + kPinnedVersion + " into the Python environment trainer's torch "
+                          "comes from, or set " + kLibraryVariable + " to the library file or its folder";
+  if (path.empty() || !fs::exists(path)) {
+    if (from_variable)
+      throw UsageError(std::string(kLibraryVariable) + "=" + variable + ": no bitsandbytes library " +
+                           path.string(), fix + ", or " + kLibraryVariable + "=none for ATen ops");
+    if (device == c10::DeviceType::CUDA)
+      throw UsageError("model.quantize on CUDA needs bitsandbytes' library " + library_file(device) +
+                           ", not found" + (path.empty() ? std::string() : " at " + path.string()),
+                       fix + "; or " + kLibraryVariable + "=none to dequantize with ATen ops (slower, more memory)");
+    lib.reason = "no " + library_file(device) + " beside torch";
+    return lib;
+  }
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* error = dlerror();
+    throw UsageError("bitsandbytes' library " + path.string() + how + " does not load: " +
+                         (error != nullptr ? error : "unknown error"), fix);
+  }
+  const auto symbol = [&](const std::string& name) {
+    void* address = dlsym(handle, name.c_str());
+    if (address == nullptr)
+      throw UsageError("bitsandbytes' library " + path.string() + how + " has no function " + name +
+                           " (the pinned release " + kPinnedVersion + " has it)", fix);
+    return address;
+  };
+  for (int type = 0; type < 2; ++type) {
+    const std::string name = type == 0 ? "nf4" : "fp4";
+    for (int dtype = 0; dtype < 3; ++dtype) {
+      lib.dequantize[type][dtype] = device == c10::DeviceType::CUDA
+                                        ? symbol("cdequantize_blockwise_" + std::string(dtype_suffix(dtype)) + "_" + name)
+                                        : symbol("cdequantize_blockwise_cpu_" + name + "_" + dtype_suffix(dtype));
+    }
+  }
+  if (device != c10::DeviceType::CUDA) lib.avx512 = reinterpret_cast<HasAvx512>(symbol("has_avx512f_cpu"))();
+  lib.path = path.string();
+  return lib;
+}
+
+// One library per device type, loaded on first use.
+const BitsandbytesLibrary& library(c10::DeviceType device) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceType, BitsandbytesLibrary> loaded;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = loaded.find(device);
+  if (it == loaded.end()) it = loaded.emplace(device, load_library(device)).first;
+  return it->second;
+}
+
+// The weight through bitsandbytes' kernel, or an undefined tensor where it does not apply (no library, a device
+// other than the CPU or CUDA, an odd last dimension or big blocks on an AVX-512 CPU as bitsandbytes' own
+// fallback, more than 2^31 - 1 elements for the CUDA kernel's int).
+at::Tensor dequantize_with_library(const at::Tensor& packed, const QuantState4bit& state, const at::Tensor& scales,
+                                   at::ScalarType dtype) {
+  const auto device = packed.device();
+  if (!device.is_cpu() && !device.is_cuda()) return {};
+  const int d = dtype_index(dtype);
+  if (d < 0) return {};
+  const BitsandbytesLibrary& lib = library(device.type());
+  if (lib.path.empty()) return {};
+  const int type = state.type == quant::QuantType::kNf4 ? 0 : 1;
+  at::Tensor bytes = packed.contiguous();
+  at::Tensor absmax = scales.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({state.out_features, state.in_features}, packed.options().dtype(dtype));
+  if (device.is_cpu()) {
+    if (state.in_features % 2 != 0 || (lib.avx512 && state.blocksize >= 2048)) return {};
+    reinterpret_cast<CpuDequantize4bit>(lib.dequantize[type][d])(
+        bytes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), out.data_ptr(), state.blocksize, state.out_features,
+        state.in_features);
+    return out;
+  }
+  if (state.numel() > std::numeric_limits<int>::max()) return {};
+  const c10::DeviceGuard guard(device);
+  reinterpret_cast<CudaDequantize4bit>(lib.dequantize[type][d])(
+      nullptr, bytes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), out.data_ptr(), static_cast<int>(state.blocksize),
+      static_cast<int>(state.numel()), current_cuda_stream(device));
+  return out;
+}
+
+}  // namespace
+
+std::string four_bit_kernels(c10::DeviceType device) {
+  const BitsandbytesLibrary& lib = library(device);
+  if (!lib.path.empty()) return "bitsandbytes' kernels from " + lib.path;
+  return "ATen ops (" + lib.reason + ")";
+}
+
 at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& state, at::ScalarType dtype) {
   at::NoGradGuard no_grad;
   const auto device = packed.device();
@@ -137,6 +300,7 @@ at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& sta
     scales = state.nested_quant_map.index_select(0, state.absmax.to(at::kInt)) * nested +
              at::scalar_tensor(state.nested_offset, at::TensorOptions().dtype(at::kFloat).device(device));
   }
+  if (at::Tensor w = dequantize_with_library(packed, state, scales, dtype); w.defined()) return w;
   // A byte decodes to two values (element 2j in the high nibble). bitsandbytes' CPU library reads FP4's nibble 8
   // as -0.0 (when the last dimension is even, the case it handles): the same here, so results equal its bits.
   at::Tensor code = state.quant_map.to(at::kFloat);

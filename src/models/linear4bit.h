@@ -66,10 +66,18 @@ std::optional<Quantize4bitOptions> quantize_options(const ModelConfig& model);
 std::pair<at::Tensor, QuantState4bit> quantize_weight(const at::Tensor& weight, const Quantize4bitOptions& options,
                                                       const c10::Device& device);
 
-// The weight (out, in) in `dtype`, computed on the packed codes' device with ATen ops: code[nibble] * block scale
+// The weight (out, in) in `dtype`, computed on the packed codes' device by bitsandbytes' kernel (four_bit_kernels)
+// or with ATen ops: code[nibble] * block scale
 // in fp32 (scale = dynamic_map[code8] * nested_absmax + offset with double quantization), then rounded to `dtype`.
 // Equal to bitsandbytes' dequantize_4bit (and to quant::dequantize_4bit), FP4's -0.0 quirk included.
 at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& state, at::ScalarType dtype);
+
+// What 4-bit layers dequantize with on `device`: bitsandbytes' own kernels from its shared library when it is
+// found (the variable TRAINER_BITSANDBYTES names the file or its folder, "none" for ATen ops; by default the
+// bitsandbytes package beside the torch package trainer's LibTorch comes from), else ATen ops, equal bit for bit
+// (the CPU only: CUDA without the library is an error). Loads the library and checks every symbol on first use;
+// returns a line for the log. Throws UsageError naming the library, the variable and a missing function.
+std::string four_bit_kernels(c10::DeviceType device);
 
 // y = x W^T + b with W dequantized to x's dtype; only x's gradient flows (the packed weight is frozen), and
 // backward dequantizes W again rather than keeping it.

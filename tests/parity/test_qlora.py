@@ -18,6 +18,7 @@ dequantize-and-matmul path.
     adapted logits over the 4-bit base.
 """
 import json
+import os
 
 import peft
 import pytest
@@ -221,3 +222,48 @@ def test_a_qlora_training_run_writes_an_adapter_peft_loads_over_the_4bit_base(ro
     assert (theirs[real] - base_logits[real]).abs().max() > 1e-2, "training changed nothing"
     scale = theirs[real].abs().max().item()
     torch.testing.assert_close(ours[real], theirs[real], atol=2e-5 * max(scale, 1.0), rtol=1e-4)
+
+
+def qlora_run(out, quant_type="nf4"):
+    return ["--config", "configs/tiny-qwen2.json", "--set", "lora.enabled=true", "--set", f"model.quantize={quant_type}",
+            "--set", "lora.target_modules=" + json.dumps(TARGETS["qwen2-gqa-tied"]), "--set", "training.max_steps=3",
+            "--set", "evaluation.every_steps=0", "--set", "evaluation.sample_prompts=[]", "--set",
+            f"checkpoint.output_dir={out}", "--set", "optimizer.lr=0.05"]
+
+
+def kernels_line(stderr):
+    return next(line.split("4-bit layers: ", 1)[1] for line in stderr.splitlines() if "4-bit layers: " in line)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_bitsandbytes_kernels_and_aten_ops_train_the_same_adapter(quant_type, tmp_path, run_trainer, monkeypatch):
+    """4-bit layers dequantize with bitsandbytes' own CPU library, found beside torch in this environment, or with
+    ATen ops (TRAINER_BITSANDBYTES=none): the same bits, so the same adapter, bit for bit."""
+    import bitsandbytes
+    found = run_trainer(*qlora_run(tmp_path / "library", quant_type))
+    line = kernels_line(found.stderr)
+    assert line.startswith("bitsandbytes' kernels from "), line
+    library = line.removeprefix("bitsandbytes' kernels from ")
+    assert os.path.samefile(library, os.path.join(os.path.dirname(bitsandbytes.__file__), "libbitsandbytes_cpu.so"))
+    monkeypatch.setenv("TRAINER_BITSANDBYTES", "none")
+    aten = run_trainer(*qlora_run(tmp_path / "aten", quant_type))
+    assert kernels_line(aten.stderr) == "ATen ops (TRAINER_BITSANDBYTES=none)"
+    ours, theirs = (load_file(tmp_path / side / "final" / "adapter_model.safetensors") for side in ("library", "aten"))
+    assert ours.keys() == theirs.keys() and ours
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_a_bitsandbytes_library_that_is_missing_or_lacks_a_function_is_named(tmp_path, run_trainer, monkeypatch):
+    monkeypatch.setenv("TRAINER_BITSANDBYTES", str(tmp_path / "nowhere"))
+    r = run_trainer(*qlora_run(tmp_path / "run"), check=False)
+    assert r.returncode == 2, r.stderr
+    assert f"TRAINER_BITSANDBYTES={tmp_path / 'nowhere'}: no bitsandbytes library" in r.stderr, r.stderr
+    assert "bitsandbytes==0.50.2" in r.stderr and "TRAINER_BITSANDBYTES=none" in r.stderr, r.stderr
+    # A shared library that is not bitsandbytes' (torch's own libc10): the first missing function is named.
+    other = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    monkeypatch.setenv("TRAINER_BITSANDBYTES", other)
+    r = run_trainer(*qlora_run(tmp_path / "run"), check=False)
+    assert r.returncode == 2, r.stderr
+    assert f"bitsandbytes' library {other} (TRAINER_BITSANDBYTES) has no function cdequantize_blockwise_cpu_nf4_fp32" \
+        in r.stderr, r.stderr

@@ -260,6 +260,7 @@ void TextTask::build_model(const std::optional<fs::path>& resume, const c10::Dev
   if (!config().lora.enabled && has_quantized_layers(*model_))
     throw UsageError(config().model.path + " holds 4-bit linear layers (bitsandbytes' layout), which cannot be trained",
                      "train LoRA adapters on it: lora.enabled=true (QLoRA)");
+  if (has_quantized_layers(*model_)) spdlog::info("4-bit layers: {}", four_bit_kernels(device.type()));
   model_->train(true);
   model_->for_each_parameter([](const std::string&, at::Tensor& p) {
     if (at::isFloatingType(p.scalar_type())) p.requires_grad_(true);
