@@ -12,12 +12,8 @@
 //       quantize4 of IN (SHAPE: comma-separated dims) saved as bitsandbytes' QuantState.as_dict(packed=True):
 //       OUTDIR/<key> raw bytes and OUTDIR/<key>.meta ("<safetensors dtype> d0,d1,...") for every tensor
 //   trainer_quant_tool float_repr VALUE...                         Python's repr of each (as a double), a
-//   line each trainer_quant_tool quantize8 IN NUMEL BLOCKSIZE signed|unsigned OUTDIR   OUTDIR/codes,
-//   OUTDIR/absmax trainer_quant_tool adamw PARAM GRADS NUMEL STEPS LR BETA1 BETA2 EPS WD MIN_8BIT STATE_IN|-
-//   OUTDIR
-//       STEPS AdamW8bit steps over GRADS (STEPS x NUMEL float32) from PARAM (and STATE_IN, a state written
-//       before); writes OUTDIR/param, state (our serialised bytes), state1, state2 (uint8 or float32),
-//       absmax1, absmax2 (8-bit only)
+//   line each
+//   trainer_quant_tool quantize8 IN NUMEL BLOCKSIZE signed|unsigned OUTDIR   OUTDIR/codes, OUTDIR/absmax
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -27,7 +23,6 @@
 #include <string>
 #include <vector>
 
-#include "quant/adamw8bit.h"
 #include "quant/blockwise.h"
 #include "quant/bnb_layout.h"
 
@@ -121,40 +116,6 @@ void quantize8(const std::vector<std::string>& args) {
   write_array(args[4] + "/absmax", q.absmax);
 }
 
-void adamw(const std::vector<std::string>& args) {
-  const int64_t numel = to_int(args[2]);
-  const int64_t steps = to_int(args[3]);
-  const auto n = static_cast<size_t>(numel);
-  std::vector<float> param = read_array<float>(args[0], n);
-  const std::vector<float> grads = read_array<float>(args[1], n * static_cast<size_t>(steps));
-  quant::AdamW8bitConfig config;
-  config.lr = std::stod(args[4]);
-  config.beta1 = std::stod(args[5]);
-  config.beta2 = std::stod(args[6]);
-  config.eps = std::stod(args[7]);
-  config.weight_decay = std::stod(args[8]);
-  config.min_8bit_size = to_int(args[9]);
-  quant::AdamW8bitState state = args[10] == "-" ? quant::make_adamw8bit_state(numel, config)
-                                                : quant::deserialize_adamw8bit_state(read_bytes(args[10]));
-  for (int64_t s = 0; s < steps; ++s) {
-    const std::span<const float> grad(grads.data() + static_cast<size_t>(s) * n, n);
-    quant::adamw8bit_step(config, state, param, grad);
-  }
-  const std::string dir = args[11];
-  std::filesystem::create_directories(dir);
-  write_array(dir + "/param", param);
-  write_array(dir + "/state", quant::serialize_adamw8bit_state(state));
-  if (state.is_8bit) {
-    write_array(dir + "/state1", state.state1);
-    write_array(dir + "/state2", state.state2);
-    write_array(dir + "/absmax1", state.absmax1);
-    write_array(dir + "/absmax2", state.absmax2);
-  } else {
-    write_array(dir + "/state1", state.state1_fp32);
-    write_array(dir + "/state2", state.state2_fp32);
-  }
-}
-
 void layout(const std::vector<std::string>& args) {
   const quant::FloatDtype dtype = quant::parse_float_dtype(args[1]);
   std::vector<int64_t> shape;
@@ -208,13 +169,10 @@ void run(const std::string& command, const std::vector<std::string>& args) {
   } else if (command == "quantize8") {
     need(5);
     quantize8(args);
-  } else if (command == "adamw") {
-    need(12);
-    adamw(args);
   } else {
     throw std::invalid_argument(
         "unknown command '" + command +
-        "'; hint: quantize4, dequantize4, dynamic_map, code4, layout, float_repr, quantize8 or adamw");
+        "'; hint: quantize4, dequantize4, dynamic_map, code4, layout, float_repr or quantize8");
   }
 }
 
