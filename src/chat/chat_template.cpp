@@ -24,26 +24,59 @@ std::string read_text(const std::filesystem::path& path) {
   return text.str();
 }
 
+// The variables of a conversation converted once, for renders of the whole conversation and of its prefixes: the
+// same names and precedence as apply_chat_template (special tokens, then keyword arguments over them; then
+// messages, tools, documents and add_generation_prompt).
+class ChatVariables {
+ public:
+  ChatVariables(const nlohmann::ordered_json& messages, const ChatOptions& options) : messages_(messages) {
+    static const nlohmann::ordered_json kNone = nullptr;
+    for (const auto& [key, value] : options.special_tokens.items()) variables_.emplace_back(key, TemplateValue(value));
+    variables_.emplace_back("documents", TemplateValue(kNone));
+    for (const auto& [key, value] : options.extra.items()) variables_.emplace_back(key, TemplateValue(value));
+    messages_index_ = variables_.size();
+    variables_.emplace_back("messages", messages_);
+    variables_.emplace_back("tools", TemplateValue(options.tools));
+    variables_.emplace_back("add_generation_prompt", TemplateValue(options.add_generation_prompt));
+  }
+
+  // Renders the first `count` messages.
+  ChatRendering render(const Template& chat_template, std::size_t count, bool add_generation_prompt,
+                       const RenderLimits& limits) {
+    variables_[messages_index_].second = messages_.first(count);
+    variables_.back().second = add_generation_prompt ? kTrue() : kFalse();
+    RenderResult result = chat_template.render(variables_, limits);
+    return {std::move(result.text), std::move(result.generation_spans)};
+  }
+
+ private:
+  static const TemplateValue& kTrue() {
+    static const TemplateValue value(nlohmann::ordered_json(true));
+    return value;
+  }
+  static const TemplateValue& kFalse() {
+    static const TemplateValue value(nlohmann::ordered_json(false));
+    return value;
+  }
+
+  TemplateValue messages_;
+  Template::Variables variables_;
+  std::size_t messages_index_ = 0;
+};
+
+void require_list(const nlohmann::ordered_json& messages) {
+  if (!messages.is_array()) {
+    throw TemplateError(TemplateError::Kind::kRender, "messages must be a JSON list of message objects", 1, 1);
+  }
+}
+
 }  // namespace
 
 ChatRendering render_chat(const Template& chat_template, const nlohmann::ordered_json& messages,
                           const ChatOptions& options) {
-  if (!messages.is_array()) {
-    throw TemplateError(TemplateError::Kind::kRender, "messages must be a JSON list of message objects", 1, 1);
-  }
-  // The same names and precedence as apply_chat_template: special tokens, then keyword arguments over them; then
-  // messages, tools, documents and add_generation_prompt.
-  static const nlohmann::ordered_json kNone = nullptr;
-  const nlohmann::ordered_json add_generation_prompt = options.add_generation_prompt;
-  Template::VariableRefs variables;
-  for (const auto& [key, value] : options.special_tokens.items()) variables.emplace_back(key, &value);
-  variables.emplace_back("documents", &kNone);
-  for (const auto& [key, value] : options.extra.items()) variables.emplace_back(key, &value);
-  variables.emplace_back("messages", &messages);
-  variables.emplace_back("tools", &options.tools);
-  variables.emplace_back("add_generation_prompt", &add_generation_prompt);
-  RenderResult result = chat_template.render(variables, options.limits);
-  return {std::move(result.text), std::move(result.generation_spans)};
+  require_list(messages);
+  return ChatVariables(messages, options)
+      .render(chat_template, messages.size(), options.add_generation_prompt, options.limits);
 }
 
 ChatRendering render_chat(std::string_view template_text, const nlohmann::ordered_json& messages,
@@ -147,27 +180,23 @@ ModelChatTemplate load_chat_template(const std::filesystem::path& model_dir, boo
 
 std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
                                             const ChatOptions& options) {
-  if (!messages.is_array()) {
-    throw TemplateError(TemplateError::Kind::kRender, "messages must be a JSON list of message objects", 1, 1);
-  }
+  require_list(messages);
+  return assistant_spans_by_prefix(chat_template, messages, options, render_chat(chat_template, messages, options).text);
+}
+
+std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
+                                            const ChatOptions& options, std::string_view full) {
+  require_list(messages);
   const std::string hint =
       "set data.train_on=all, or use a chat template that marks the assistant's text with {% generation %}";
-  const std::string full = render_chat(chat_template, messages, options).text;
-  ChatOptions prompt_options = options;
-  ChatOptions turn_options = options;
-  prompt_options.add_generation_prompt = true;
-  turn_options.add_generation_prompt = false;
-
+  // The messages are converted for the interpreter once; each prefix render takes the first items of that list.
+  ChatVariables variables(messages, options);
   std::vector<Span> spans;
   for (std::size_t i = 0; i < messages.size(); ++i) {
     const auto& message = messages[i];
     if (!message.is_object() || message.value("role", "") != "assistant") continue;
-    nlohmann::ordered_json before = nlohmann::ordered_json::array();
-    for (std::size_t k = 0; k < i; ++k) before.push_back(messages[k]);
-    nlohmann::ordered_json through = before;
-    through.push_back(message);
-    const std::string prompt = render_chat(chat_template, before, prompt_options).text;
-    const std::string turn = render_chat(chat_template, through, turn_options).text;
+    const std::string prompt = variables.render(chat_template, i, /*add_generation_prompt=*/true, options.limits).text;
+    const std::string turn = variables.render(chat_template, i + 1, /*add_generation_prompt=*/false, options.limits).text;
     const std::string which = "assistant message " + std::to_string(i);
     if (turn.compare(0, prompt.size(), prompt) != 0 || turn.size() < prompt.size()) {
       throw ChatDataError("cannot find the span of " + which +

@@ -60,5 +60,8 @@ nlohmann::ordered_json special_tokens_from_config(const nlohmann::ordered_json& 
 // a hint (data.train_on=all, or a template with {% generation %}) when the renderings are not prefixes.
 std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
                                             const ChatOptions& options);
+// The same when the whole conversation's rendering (render_chat with `options`) is at hand: it is not rendered again.
+std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
+                                            const ChatOptions& options, std::string_view full);
 
 }  // namespace trainer::chat
