@@ -1111,7 +1111,7 @@ struct SliceExpr : Expr {
 };
 
 struct BinOp : Expr {
-  enum class Code { kAnd, kOr, kEq, kNe, kLt, kLe, kGt, kGe, kIn, kNotIn, kArithmetic };
+  enum class Code { kAnd, kOr, kEq, kNe, kLt, kLe, kGt, kGe, kIn, kNotIn, kAdd, kArithmetic };
   std::string op;
   Code code = Code::kArithmetic;  // resolved once from op, so evaluation does not compare strings
   ExprPtr left, right;
@@ -1119,7 +1119,7 @@ struct BinOp : Expr {
   void resolve() {
     static const std::pair<const char*, Code> kCodes[] = {
         {"and", Code::kAnd}, {"or", Code::kOr}, {"==", Code::kEq}, {"!=", Code::kNe}, {"<", Code::kLt},
-        {"<=", Code::kLe},   {">", Code::kGt},  {">=", Code::kGe}, {"in", Code::kIn}, {"notin", Code::kNotIn}};
+        {"<=", Code::kLe},   {">", Code::kGt},  {">=", Code::kGe}, {"in", Code::kIn}, {"notin", Code::kNotIn}, {"+", Code::kAdd}};
     for (const auto& [name, c] : kCodes) {
       if (op == name) code = c;
     }
@@ -1146,13 +1146,14 @@ struct BinOp : Expr {
       case Code::kGe: return Value::from_bool(compare(l, r, pos) >= 0);
       case Code::kIn: return Value::from_bool(contains(r, l, pos));
       case Code::kNotIn: return Value::from_bool(!contains(r, l, pos));
-      default:
+      case Code::kAdd:
         // str + str appends to the left operand (a temporary here) instead of building a third string.
-        if (l.type == Type::kString && r.type == Type::kString && op == "+") {
+        if (l.type == Type::kString && r.type == Type::kString) {
           l.text += r.text;
           return l;
         }
         return arithmetic(op, l, r, pos);
+      default: return arithmetic(op, l, r, pos);
     }
   }
 };

@@ -217,7 +217,7 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
       spans = rendering.generation_spans;
     } else {
       try {
-        spans = chat::assistant_spans_by_prefix(chat_template, messages, options);
+        spans = chat::assistant_spans_by_prefix(chat_template, messages, options, rendering.text);
       } catch (const Error& e) {
         return chat_problem("the chat template of " + setup.model + " (" + origin + "): " + e.what(),
                    e.hint().empty() ? "set data.train_on=all, or use a chat template that marks the assistant's text "
