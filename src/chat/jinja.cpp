@@ -1335,10 +1335,14 @@ struct ForStmt : Stmt {
     auto n = static_cast<std::int64_t>(items.size());
     // One loop object for the whole loop, advanced in place, as jinja2's LoopContext is one object that advances.
     auto loop = std::make_shared<Dict>();
-    loop->items = {{"index", {}},  {"index0", {}}, {"revindex", {}}, {"revindex0", {}},
-                   {"first", {}},  {"last", {}},   {"length", Value::from_int(n)},
-                   {"depth", Value::from_int(1)}, {"depth0", Value::from_int(0)},
-                   {"previtem", {}}, {"nextitem", {}}, {"cycle", {}}};
+    // Built in place (an initializer list would copy each entry).
+    static const char* const kLoopKeys[] = {"index",  "index0", "revindex", "revindex0", "first",    "last",
+                                            "length", "depth",  "depth0",   "previtem",  "nextitem", "cycle"};
+    loop->items.reserve(std::size(kLoopKeys));
+    for (const char* key : kLoopKeys) loop->items.emplace_back(key, Value());
+    loop->items[6].second = Value::from_int(n);
+    loop->items[7].second = Value::from_int(1);
+    loop->items[8].second = Value::from_int(0);
     std::weak_ptr<Dict> weak_loop = loop;
     loop->items[11].second = Value::from_callable("cycle", [weak_loop](Context&, Args& args) {
       if (args.positional.empty()) fail(Kind::kRender, "no items for cycling given", args.pos);
