@@ -24,26 +24,48 @@ std::string read_text(const std::filesystem::path& path) {
   return text.str();
 }
 
-}  // namespace
-
-ChatRendering render_chat(const Template& chat_template, const nlohmann::ordered_json& messages,
-                          const ChatOptions& options) {
+void require_list(const nlohmann::ordered_json& messages) {
   if (!messages.is_array()) {
     throw TemplateError(TemplateError::Kind::kRender, "messages must be a JSON list of message objects", 1, 1);
   }
-  // The same names and precedence as apply_chat_template: special tokens, then keyword arguments over them; then
-  // messages, tools, documents and add_generation_prompt.
+}
+
+}  // namespace
+
+// The same names and precedence as apply_chat_template: special tokens, then keyword arguments over them; then
+// messages, tools, documents and add_generation_prompt.
+Conversation::Conversation(const nlohmann::ordered_json& messages, const ChatOptions& options)
+    : messages_json_(messages),
+      messages_(messages),
+      message_count_(messages.is_array() ? messages.size() : 0),
+      options_(options) {
+  require_list(messages);
   static const nlohmann::ordered_json kNone = nullptr;
-  const nlohmann::ordered_json add_generation_prompt = options.add_generation_prompt;
-  Template::VariableRefs variables;
-  for (const auto& [key, value] : options.special_tokens.items()) variables.emplace_back(key, &value);
-  variables.emplace_back("documents", &kNone);
-  for (const auto& [key, value] : options.extra.items()) variables.emplace_back(key, &value);
-  variables.emplace_back("messages", &messages);
-  variables.emplace_back("tools", &options.tools);
-  variables.emplace_back("add_generation_prompt", &add_generation_prompt);
-  RenderResult result = chat_template.render(variables, options.limits);
+  for (const auto& [key, value] : options.special_tokens.items()) variables_.emplace_back(key, TemplateValue(value));
+  variables_.emplace_back("documents", TemplateValue(kNone));
+  for (const auto& [key, value] : options.extra.items()) variables_.emplace_back(key, TemplateValue(value));
+  messages_index_ = variables_.size();
+  variables_.emplace_back("messages", messages_);
+  variables_.emplace_back("tools", TemplateValue(options.tools));
+  variables_.emplace_back("add_generation_prompt", TemplateValue(options.add_generation_prompt));
+}
+
+ChatRendering Conversation::render_first(const Template& chat_template, std::size_t count,
+                                         bool add_generation_prompt) {
+  static const TemplateValue kTrue(nlohmann::ordered_json(true)), kFalse(nlohmann::ordered_json(false));
+  variables_[messages_index_].second = messages_.first(count);
+  variables_.back().second = add_generation_prompt ? kTrue : kFalse;
+  RenderResult result = chat_template.render(variables_, options_.limits);
   return {std::move(result.text), std::move(result.generation_spans)};
+}
+
+ChatRendering Conversation::render(const Template& chat_template) {
+  return render_first(chat_template, message_count_, options_.add_generation_prompt);
+}
+
+ChatRendering render_chat(const Template& chat_template, const nlohmann::ordered_json& messages,
+                          const ChatOptions& options) {
+  return Conversation(messages, options).render(chat_template);
 }
 
 ChatRendering render_chat(std::string_view template_text, const nlohmann::ordered_json& messages,
@@ -147,27 +169,25 @@ ModelChatTemplate load_chat_template(const std::filesystem::path& model_dir, boo
 
 std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
                                             const ChatOptions& options) {
-  if (!messages.is_array()) {
-    throw TemplateError(TemplateError::Kind::kRender, "messages must be a JSON list of message objects", 1, 1);
-  }
+  require_list(messages);
+  return assistant_spans_by_prefix(chat_template, messages, options, render_chat(chat_template, messages, options).text);
+}
+
+std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
+                                            const ChatOptions& options, std::string_view full) {
+  return Conversation(messages, options).assistant_spans_by_prefix(chat_template, full);
+}
+
+std::vector<Span> Conversation::assistant_spans_by_prefix(const Template& chat_template, std::string_view full) {
+  const nlohmann::ordered_json& messages = messages_json_;
   const std::string hint =
       "set data.train_on=all, or use a chat template that marks the assistant's text with {% generation %}";
-  const std::string full = render_chat(chat_template, messages, options).text;
-  ChatOptions prompt_options = options;
-  ChatOptions turn_options = options;
-  prompt_options.add_generation_prompt = true;
-  turn_options.add_generation_prompt = false;
-
   std::vector<Span> spans;
   for (std::size_t i = 0; i < messages.size(); ++i) {
     const auto& message = messages[i];
     if (!message.is_object() || message.value("role", "") != "assistant") continue;
-    nlohmann::ordered_json before = nlohmann::ordered_json::array();
-    for (std::size_t k = 0; k < i; ++k) before.push_back(messages[k]);
-    nlohmann::ordered_json through = before;
-    through.push_back(message);
-    const std::string prompt = render_chat(chat_template, before, prompt_options).text;
-    const std::string turn = render_chat(chat_template, through, turn_options).text;
+    const std::string prompt = render_first(chat_template, i, /*add_generation_prompt=*/true).text;
+    const std::string turn = render_first(chat_template, i + 1, /*add_generation_prompt=*/false).text;
     const std::string which = "assistant message " + std::to_string(i);
     if (turn.compare(0, prompt.size(), prompt) != 0 || turn.size() < prompt.size()) {
       throw ChatDataError("cannot find the span of " + which +

@@ -34,6 +34,28 @@ ChatRendering render_chat(const Template& chat_template, const nlohmann::ordered
 ChatRendering render_chat(std::string_view template_text, const nlohmann::ordered_json& messages,
                           const ChatOptions& options);
 
+// One conversation converted for the interpreter once, for several renders: the whole conversation, and the
+// prefixes assistant_spans_by_prefix renders. `messages` and `options` must outlive it. Throws TemplateError when
+// messages is not a list.
+class Conversation {
+ public:
+  Conversation(const nlohmann::ordered_json& messages, const ChatOptions& options);
+  // render_chat(chat_template, messages, options).
+  ChatRendering render(const Template& chat_template);
+  // assistant_spans_by_prefix(chat_template, messages, options, full).
+  std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, std::string_view full);
+
+ private:
+  ChatRendering render_first(const Template& chat_template, std::size_t count, bool add_generation_prompt);
+
+  const nlohmann::ordered_json& messages_json_;
+  TemplateValue messages_;
+  std::size_t message_count_;
+  const ChatOptions& options_;
+  Template::Variables variables_;
+  std::size_t messages_index_ = 0;
+};
+
 // The chat template of a model directory and the special tokens its tokenizer_config.json names.
 struct ModelChatTemplate {
   std::string source;  // the template's text
@@ -60,5 +82,8 @@ nlohmann::ordered_json special_tokens_from_config(const nlohmann::ordered_json& 
 // a hint (data.train_on=all, or a template with {% generation %}) when the renderings are not prefixes.
 std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
                                             const ChatOptions& options);
+// The same when the whole conversation's rendering (render_chat with `options`) is at hand: it is not rendered again.
+std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
+                                            const ChatOptions& options, std::string_view full);
 
 }  // namespace trainer::chat

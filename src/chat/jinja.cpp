@@ -9,7 +9,6 @@
 #include <functional>
 #include <map>
 #include <optional>
-#include <unordered_map>
 
 namespace trainer::chat {
 
@@ -717,8 +716,28 @@ using Body = std::vector<StmtPtr>;
 struct BreakSignal {};
 struct ContinueSignal {};
 
+// A frame's variables: a handful each, so a flat list searched in order is faster than hashing every name.
+class Vars {
+ public:
+  const Value* find(const std::string& name) const {
+    for (const auto& [key, value] : entries_) {
+      if (key == name) return &value;
+    }
+    return nullptr;
+  }
+  Value& operator[](const std::string& name) {
+    for (auto& [key, value] : entries_) {
+      if (key == name) return value;
+    }
+    return entries_.emplace_back(name, Value()).second;
+  }
+
+ private:
+  std::vector<std::pair<std::string, Value>> entries_;
+};
+
 struct Frame {
-  std::unordered_map<std::string, Value> vars;
+  Vars vars;
   bool macro_barrier = false;  // a macro sees its own frame and the template's top level, not its caller's
 };
 
@@ -748,11 +767,10 @@ struct Context {
   }
   Value lookup(const std::string& name) const {
     for (std::size_t i = frames.size(); i-- > 0;) {
-      auto it = frames[i].vars.find(name);
-      if (it != frames[i].vars.end()) return it->second;
+      if (const Value* found = frames[i].vars.find(name)) return *found;
       if (frames[i].macro_barrier) {
-        auto top = frames[0].vars.find(name);
-        return top != frames[0].vars.end() ? top->second : global(name);
+        const Value* top = frames[0].vars.find(name);
+        return top ? *top : global(name);
       }
     }
     return global(name);
@@ -1064,6 +1082,10 @@ struct GetAttr : Expr {
       fail(Kind::kRender, "'" + obj.text + "' is undefined", pos, "check the variable's name and that the data has it");
     }
     if (!name.empty() && name[0] == '_') return Value::undefined(name);  // the sandbox hides internals
+    if (obj.type == Type::kDict || obj.type == Type::kNamespace) {  // get_item's dict case, without a key Value
+      const Value* v = obj.dict->find(name);
+      return v ? *v : Value::undefined(name);
+    }
     return get_item(obj, Value::from_string(name), pos);
   }
 };
@@ -1089,7 +1111,7 @@ struct SliceExpr : Expr {
 };
 
 struct BinOp : Expr {
-  enum class Code { kAnd, kOr, kEq, kNe, kLt, kLe, kGt, kGe, kIn, kNotIn, kArithmetic };
+  enum class Code { kAnd, kOr, kEq, kNe, kLt, kLe, kGt, kGe, kIn, kNotIn, kAdd, kArithmetic };
   std::string op;
   Code code = Code::kArithmetic;  // resolved once from op, so evaluation does not compare strings
   ExprPtr left, right;
@@ -1097,7 +1119,7 @@ struct BinOp : Expr {
   void resolve() {
     static const std::pair<const char*, Code> kCodes[] = {
         {"and", Code::kAnd}, {"or", Code::kOr}, {"==", Code::kEq}, {"!=", Code::kNe}, {"<", Code::kLt},
-        {"<=", Code::kLe},   {">", Code::kGt},  {">=", Code::kGe}, {"in", Code::kIn}, {"notin", Code::kNotIn}};
+        {"<=", Code::kLe},   {">", Code::kGt},  {">=", Code::kGe}, {"in", Code::kIn}, {"notin", Code::kNotIn}, {"+", Code::kAdd}};
     for (const auto& [name, c] : kCodes) {
       if (op == name) code = c;
     }
@@ -1124,6 +1146,13 @@ struct BinOp : Expr {
       case Code::kGe: return Value::from_bool(compare(l, r, pos) >= 0);
       case Code::kIn: return Value::from_bool(contains(r, l, pos));
       case Code::kNotIn: return Value::from_bool(!contains(r, l, pos));
+      case Code::kAdd:
+        // str + str appends to the left operand (a temporary here) instead of building a third string.
+        if (l.type == Type::kString && r.type == Type::kString) {
+          l.text += r.text;
+          return l;
+        }
+        return arithmetic(op, l, r, pos);
       default: return arithmetic(op, l, r, pos);
     }
   }
@@ -1231,7 +1260,14 @@ struct OutputStmt : Stmt {
   ExprPtr expr;
   void exec(Context& ctx) const override {
     ctx.step(pos);
-    ctx.write(to_str(expr->eval(ctx)), pos);
+    // A string literal is written as it is; a string value without the copy to_str makes.
+    if (const auto* literal = dynamic_cast<const Literal*>(expr.get()); literal && literal->value.type == Type::kString) {
+      ctx.write(literal->value.text, pos);
+      return;
+    }
+    const Value v = expr->eval(ctx);
+    if (v.type == Type::kString) ctx.write(v.text, pos);
+    else ctx.write(to_str(v), pos);
   }
 };
 
@@ -1271,7 +1307,12 @@ struct ForStmt : Stmt {
   Body body, otherwise;
   void exec(Context& ctx) const override {
     ctx.step(pos);
-    List items = iterate(iterable->eval(ctx), pos);
+    // A list is iterated where it is (lists are never changed in place); dicts and strings give a new list.
+    const Value iterated = iterable->eval(ctx);
+    List made;
+    const List* iterating = &made;
+    if (iterated.type == Type::kList) iterating = iterated.list.get();
+    else made = iterate(iterated, pos);
     ctx.frames.emplace_back();
     struct PopFrame {
       Context& c;
@@ -1279,12 +1320,14 @@ struct ForStmt : Stmt {
     } pop{ctx};
     if (condition) {
       List kept;
-      for (const auto& item : items) {
+      for (const auto& item : *iterating) {
         bind_targets(ctx, targets, item, pos);
         if (truthy(condition->eval(ctx))) kept.push_back(item);
       }
-      items = std::move(kept);
+      made = std::move(kept);
+      iterating = &made;
     }
+    const List& items = *iterating;
     if (items.empty()) {
       exec_body(otherwise, ctx);
       return;
@@ -1292,10 +1335,14 @@ struct ForStmt : Stmt {
     auto n = static_cast<std::int64_t>(items.size());
     // One loop object for the whole loop, advanced in place, as jinja2's LoopContext is one object that advances.
     auto loop = std::make_shared<Dict>();
-    loop->items = {{"index", {}},  {"index0", {}}, {"revindex", {}}, {"revindex0", {}},
-                   {"first", {}},  {"last", {}},   {"length", Value::from_int(n)},
-                   {"depth", Value::from_int(1)}, {"depth0", Value::from_int(0)},
-                   {"previtem", {}}, {"nextitem", {}}, {"cycle", {}}};
+    // Built in place (an initializer list would copy each entry).
+    static const char* const kLoopKeys[] = {"index",  "index0", "revindex", "revindex0", "first",    "last",
+                                            "length", "depth",  "depth0",   "previtem",  "nextitem", "cycle"};
+    loop->items.reserve(std::size(kLoopKeys));
+    for (const char* key : kLoopKeys) loop->items.emplace_back(key, Value());
+    loop->items[6].second = Value::from_int(n);
+    loop->items[7].second = Value::from_int(1);
+    loop->items[8].second = Value::from_int(0);
     std::weak_ptr<Dict> weak_loop = loop;
     loop->items[11].second = Value::from_callable("cycle", [weak_loop](Context&, Args& args) {
       if (args.positional.empty()) fail(Kind::kRender, "no items for cycling given", args.pos);
@@ -2700,8 +2747,8 @@ Value Context::global(const std::string& name) {
     install_globals(frame);
     return frame;
   }();
-  auto it = globals.vars.find(name);
-  return it != globals.vars.end() ? it->second : Value::undefined(name);
+  const Value* found = globals.vars.find(name);
+  return found ? *found : Value::undefined(name);
 }
 
 void install_globals(Frame& frame) {
@@ -2753,6 +2800,25 @@ struct Template::Impl {
   Body body;
 };
 
+struct TemplateValue::Impl {
+  Value value;
+};
+
+TemplateValue::TemplateValue(const nlohmann::ordered_json& value) {
+  auto impl = std::make_shared<Impl>();
+  impl->value = from_json(value);
+  impl_ = std::move(impl);
+}
+
+TemplateValue TemplateValue::first(std::size_t n) const {
+  const Value& value = impl_->value;
+  if (value.type != Type::kList || n >= value.list->size()) return *this;
+  auto impl = std::make_shared<Impl>();
+  impl->value = Value::from_list(List(value.list->begin(), value.list->begin() + static_cast<std::ptrdiff_t>(n)),
+                                 value.is_tuple);
+  return TemplateValue(std::move(impl));
+}
+
 Template::Template(std::string_view source) {
   auto impl = std::make_shared<Impl>();
   impl->body = Parser(Lexer(source).run()).parse_template();
@@ -2771,10 +2837,17 @@ RenderResult Template::render(const nlohmann::ordered_json& variables, const Ren
 }
 
 RenderResult Template::render(const VariableRefs& variables, const RenderLimits& limits) const {
+  Variables converted;
+  converted.reserve(variables.size());
+  for (const auto& [key, value] : variables) converted.emplace_back(key, TemplateValue(*value));
+  return render(converted, limits);
+}
+
+RenderResult Template::render(const Variables& variables, const RenderLimits& limits) const {
   Context ctx;
   ctx.limits = limits;
   ctx.frames.emplace_back();
-  for (const auto& [key, value] : variables) ctx.frames[0].vars[key] = from_json(*value);
+  for (const auto& [key, value] : variables) ctx.frames[0].vars[key] = value.impl_->value;
   ctx.buffers.emplace_back();
   try {
     exec_body(impl_->body, ctx);

@@ -55,6 +55,23 @@ struct RenderResult {
   std::vector<Span> generation_spans;
 };
 
+// A JSON value converted once into the interpreter's own form, so that several renders (a conversation's
+// prefixes) share it instead of converting or copying the JSON again. Immutable; a list can be cut to its first
+// items without copying them.
+class TemplateValue {
+ public:
+  explicit TemplateValue(const nlohmann::ordered_json& value);
+  // The first n items of a list value (all of them when n is larger); a value that is not a list, unchanged.
+  TemplateValue first(std::size_t n) const;
+
+  struct Impl;
+
+ private:
+  explicit TemplateValue(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<const Impl> impl_;
+  friend class Template;
+};
+
 // A parsed template; parse once, render many times (rendering is const and may run on several threads).
 class Template {
  public:
@@ -69,6 +86,10 @@ class Template {
   // object first; a later entry of the same name replaces an earlier one.
   using VariableRefs = std::vector<std::pair<std::string, const nlohmann::ordered_json*>>;
   RenderResult render(const VariableRefs& variables, const RenderLimits& limits = {}) const;
+
+  // The same with variables converted beforehand (TemplateValue), for renders that share them.
+  using Variables = std::vector<std::pair<std::string, TemplateValue>>;
+  RenderResult render(const Variables& variables, const RenderLimits& limits = {}) const;
 
   struct Impl;
 

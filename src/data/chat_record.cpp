@@ -197,9 +197,12 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
   const bool generation = with_tools ? setup.tools_marks_generation : setup.plain_marks_generation;
   options.special_tokens = setup.special_tokens;
 
+  // Converted for the interpreter once: the whole conversation's render and the prefix renders share it.
+  std::optional<chat::Conversation> conversation;
   chat::ChatRendering rendering;
   try {
-    rendering = chat::render_chat(chat_template, messages, options);
+    conversation.emplace(messages, options);
+    rendering = conversation->render(chat_template);
   } catch (const chat::TemplateError& e) {
     if (e.kind() == chat::TemplateError::Kind::kRaised)
       return chat_problem(e.what(), "the template refuses this conversation (" + origin + "); fix the record or skip it");
@@ -217,7 +220,7 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
       spans = rendering.generation_spans;
     } else {
       try {
-        spans = chat::assistant_spans_by_prefix(chat_template, messages, options);
+        spans = conversation->assistant_spans_by_prefix(chat_template, rendering.text);
       } catch (const Error& e) {
         return chat_problem("the chat template of " + setup.model + " (" + origin + "): " + e.what(),
                    e.hint().empty() ? "set data.train_on=all, or use a chat template that marks the assistant's text "

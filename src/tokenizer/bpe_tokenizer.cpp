@@ -214,6 +214,7 @@ class BpeTokenizer final : public Tokenizer {
       invalid(std::string("unexpected JSON: ") + error.what());
     }
     read_special_ids(side);
+    decode_tokens();
   }
 
   std::vector<std::int32_t> encode(std::string_view text) const override {
@@ -252,25 +253,7 @@ class BpeTokenizer final : public Tokenizer {
     for (const std::int32_t id : ids) {
       if (id < 0 || static_cast<std::size_t>(id) >= id_to_token_.size() || !has_token_[id]) continue;
       if (skip_special && is_special_[id]) continue;
-      const std::string& token = id_to_token_[id];
-      if (!byte_level_decoder_) {
-        bytes += token;
-        continue;
-      }
-      // tokenizers' ByteLevel decoder: each character back to its byte; a token with a character outside the
-      // alphabet (an added token with a space, say) is taken as it is.
-      std::string token_bytes;
-      bool all_mapped = true;
-      for (std::size_t pos = 0; pos < token.size();) {
-        const char32_t c = next_code_point(token, pos);
-        const auto it = unicode_to_byte_.find(c);
-        if (it == unicode_to_byte_.end()) {
-          all_mapped = false;
-          break;
-        }
-        token_bytes += static_cast<char>(it->second);
-      }
-      bytes += all_mapped ? token_bytes : token;
+      bytes += token_bytes_[static_cast<std::size_t>(id)];
     }
     return utf8_lossy(bytes);
   }
@@ -296,6 +279,31 @@ class BpeTokenizer final : public Tokenizer {
   }
   [[noreturn]] void invalid(const std::string& what) const {
     throw DataError(source_ + ": " + what, "the file looks damaged: save it again with Hugging Face tokenizers");
+  }
+
+  // The bytes of every token, as decode() joins them: tokenizers' ByteLevel decoder maps each character back to its
+  // byte; a token with a character outside the alphabet (an added token with a space, say) is taken as it is.
+  void decode_tokens() {
+    token_bytes_.assign(id_to_token_.size(), std::string());
+    for (std::size_t id = 0; id < id_to_token_.size(); ++id) {
+      const std::string& token = id_to_token_[id];
+      if (!has_token_[id] || !byte_level_decoder_) {
+        token_bytes_[id] = token;
+        continue;
+      }
+      std::string bytes;
+      bool all_mapped = true;
+      for (std::size_t pos = 0; pos < token.size();) {
+        const char32_t c = next_code_point(token, pos);
+        const auto it = unicode_to_byte_.find(c);
+        if (it == unicode_to_byte_.end()) {
+          all_mapped = false;
+          break;
+        }
+        bytes += static_cast<char>(it->second);
+      }
+      token_bytes_[id] = all_mapped ? bytes : token;
+    }
   }
 
   void set_token(std::int32_t id, const std::string& token) {
@@ -717,6 +725,7 @@ class BpeTokenizer final : public Tokenizer {
   std::string source_;
   StringMap<std::int32_t> vocab_;
   std::vector<std::string> id_to_token_;
+  std::vector<std::string> token_bytes_;  // what decode() writes for each id (decode_tokens)
   std::vector<bool> has_token_, is_special_;
   std::unordered_map<std::uint64_t, Merge> merges_;
   std::array<std::int32_t, 256> byte_ids_{}, inner_byte_ids_{}, last_byte_ids_{}, only_byte_ids_{};
