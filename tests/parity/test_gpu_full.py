@@ -69,14 +69,15 @@ def test_every_part_reports_real_figures(rehearsal):
     oom = parts[3]["checks"]["7B out-of-memory"]
     assert oom["adaptations"] and oom["same_tokens"] and oom["relative_loss_difference"] <= 0.01, oom
     assert oom["peak_before"] < oom["cap_bytes"] < oom["peak_at"], oom
-    # Part 4: both models against HF as users run it and with its best options; ratios of tokens/s and peak.
+    # Part 4: trainer against HF as users run it (Qwen2) and with its best options (T5; on a card both models get
+    # both): ratios of tokens/s and peak.
     rows = [c for c in parts[4]["checks"].values() if "ratio" in c]
-    assert len(rows) == 4, parts[4]
+    assert len(rows) == 2, parts[4]
     for row in rows:
         assert row["ours_tokens_per_s"] > 0 and row["hf_tokens_per_s"] > 0 and row["ratio"] > 0, row
         assert row["ours_peak"] > 0 and row["hf_peak"] > 0, row
-    assert any(row["hf_options"].get("flatten") for row in rows)
-    assert sum(row["same_tokens"] for row in rows if not row["hf_options"]) == 2  # padded HF: the same examples
+    assert any(row["hf_options"].get("group_by_length") for row in rows)
+    assert all(row["same_tokens"] for row in rows if not row["hf_options"])  # padded HF: the same examples
 
 
 def test_the_rehearsal_fits_its_time(rehearsal):
