@@ -151,7 +151,7 @@ PROFILES = {
                                                                         "max_target_length": 256}}),
         "vit": dict(model=vit_config(32, 2, 2, 64, 32, 8), limit="256MiB", steps=3, warmup=1, batch=16),
         "clip": dict(model=clip_config((32, 2, 2), (32, 2, 2, 757), 32, 32, 8), limit="256MiB", steps=3, warmup=1,
-                     batch=16),
+                     batch=8),
     },
 }
 

@@ -113,12 +113,17 @@ def build(directory):
 
 
 CHECK = r"""
-import importlib, json, sys
+import importlib, importlib.util, json, os, sys
 from importlib import metadata
 out = {}
+found_only = os.environ.get("HF_KIT_FIND_ONLY") == "1"  # where the package is, without importing it (seconds faster)
 for module in sys.argv[1:]:
     try:
-        importlib.import_module(module)
+        if found_only:
+            if importlib.util.find_spec(module) is None:
+                raise ImportError("not found")
+        else:
+            importlib.import_module(module)
         try:
             out[module] = metadata.version(module)
         except Exception:
@@ -129,10 +134,10 @@ print(json.dumps(out))
 """
 
 
-def check(python, modules, pythonpath=None):
-    """{module: version, or "MISSING: why"} in a fresh process of `python`."""
+def check(python, modules, pythonpath=None, find_only=False):
+    """{module: version, or "MISSING: why"} in a fresh process of `python` (find_only: found, not imported)."""
     import os  # noqa: PLC0415
-    env = dict(os.environ)
+    env = dict(os.environ, HF_KIT_FIND_ONLY="1" if find_only else "0")
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
     run = subprocess.run([python, "-c", CHECK, *modules], capture_output=True, text=True, env=env, check=False)
@@ -163,7 +168,7 @@ def install(wheels, site):
 def ensure(kit, site, python, modules):
     """(note, PYTHONPATH to add: "" when the machine has everything, None when the imports cannot be made to work)."""
     import shutil  # noqa: PLC0415
-    have = check(python, modules)
+    have = check(python, modules, find_only=True)  # the HF runs themselves import them: a broken one fails there
     missing = [m for m, v in have.items() if v.startswith("MISSING")]
     versions = ", ".join(f"{m} {v}" for m, v in have.items() if not v.startswith("MISSING"))
     if not missing:

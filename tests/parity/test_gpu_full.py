@@ -9,6 +9,7 @@ lacks so that the imports work.
 """
 import json
 import pathlib
+import resource
 import subprocess
 import sys
 import time
@@ -23,13 +24,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory, trainer_binary):
     out = tmp_path_factory.mktemp("gpu-full")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.time()
     run = subprocess.run([str(ROOT / "scripts/gpu-check"), "--full", str(out), "--rehearse", "--build-dir",
                           str(trainer_binary.parent), "--python", sys.executable],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     seconds = time.time() - started
-    print(f"gpu-check --full --rehearse took {seconds:.0f} s")
-    return run, out, seconds
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(f"gpu-check --full --rehearse took {seconds:.0f} s, {cpu:.0f} s of CPU")
+    return run, out, cpu
 
 
 def test_the_rehearsal_passes_and_prints_one_table_with_every_part(rehearsal):
@@ -80,9 +84,11 @@ def test_every_part_reports_real_figures(rehearsal):
     assert all(row["same_tokens"] for row in rows if not row["hf_options"])  # padded HF: the same examples
 
 
-def test_the_rehearsal_fits_its_time(rehearsal):
-    _, _, seconds = rehearsal
-    assert seconds < 400, f"the rehearsal took {seconds:.0f} s"
+def test_the_rehearsal_stays_cheap(rehearsal):
+    # CPU seconds, not wall time: the same on a loaded machine. About 100 s when measured (most of it the two HF
+    # processes' imports), so about a minute of wall time on 2 idle cores.
+    _, _, cpu = rehearsal
+    assert cpu < 200, f"the rehearsal took {cpu:.0f} s of CPU"
 
 
 def test_hf_kit_carries_portable_wheels_and_installs_what_a_python_lacks(tmp_path):
@@ -122,7 +128,7 @@ def test_hf_kit_carries_portable_wheels_and_installs_what_a_python_lacks(tmp_pat
     bare.chmod(0o755)
     modules = ["transformers", "peft", "accelerate", "datasets"]
     before = hf_kit.check(str(bare), modules)
-    assert before["torch" if "torch" in before else "transformers"].startswith("MISSING"), before
+    assert before["transformers"].startswith("MISSING") and before["datasets"].startswith("MISSING"), before
     note, path = hf_kit.ensure(kit, tmp_path / "site", str(bare), modules)
     assert path, note
     after = hf_kit.check(str(bare), modules, path)
