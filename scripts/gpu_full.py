@@ -144,11 +144,11 @@ PROFILES = {
         "oom": dict(batch=4, steps=4, at=3, short_parts=(1, 1), long_parts=4, lengths={"max_length": 384}),
         "hf": dict(causal=qwen2_config(64, 128, 2, 4, 2, 512, tied=True, rope_theta=10000.0),
                    seq2seq=t5_config(64, 128, 4, 2, vocab=256, buckets=8, distance=32, tied=True), batch=8,
-                   steps=5, warmup=1, parts=(1, 2),
+                   steps=4, warmup=1, parts=(1, 1),
                    # two HF processes (imports take most of the time on 2 cores) cover both forms and both variants
                    rows=[("causal", "users"), ("seq2seq", "best")],
-                   lengths={"causal": {"max_length": 384}, "seq2seq": {"max_input_length": 256,
-                                                                        "max_target_length": 256}}),
+                   lengths={"causal": {"max_length": 192}, "seq2seq": {"max_input_length": 128,
+                                                                        "max_target_length": 128}}),
         "vit": dict(model=vit_config(32, 2, 2, 64, 32, 8), limit="256MiB", steps=3, warmup=1, batch=16),
         "clip": dict(model=clip_config((32, 2, 2), (32, 2, 2, 757), 32, 32, 8), limit="256MiB", steps=3, warmup=1,
                      batch=8),
@@ -294,7 +294,8 @@ class TrainerRun:
         return self.run.returncode == 0 and bool(self.steps)
 
     def failure(self):
-        last = [line for _, line in self.run.lines if "error" in line.lower() or "hint" in line.lower()][-3:]
+        last = [line.strip() for _, line in self.run.lines
+                if line.strip().startswith(("error", "hint")) or "] [error]" in line][-3:]
         return f"exit {self.run.returncode}: " + (" / ".join(last) or "(no error line)")[:300]
 
     def per_s(self, warmup, key="tokens_per_s"):
