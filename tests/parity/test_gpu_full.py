@@ -110,20 +110,23 @@ def test_hf_kit_carries_portable_wheels_and_installs_what_a_python_lacks(tmp_pat
     assert path is None and "no wheels" in note, note
     # A machine like the card's: its own torch, numpy and the other compiled packages, no transformers, peft,
     # accelerate or datasets. This Python without its site-packages (-S), given only those, stands in for it.
-    site = next(p for p in map(str, sys.path) if p.endswith("site-packages"))
+    from importlib import metadata
     machine = tmp_path / "machine-site"
     machine.mkdir()
-    own = ("torch", "numpy", "numpy.libs", "yaml", "_yaml", "regex", "pyarrow", "pandas", "pydantic_core", "xxhash",
-           "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "typing_extensions.py", "filelock", "fsspec",
-           "six.py", "dateutil", "tzdata", "tqdm", "packaging", "psutil", "huggingface_hub", "safetensors",
-           "tokenizers", "hf_xet", "httpx2", "httpcore2", "h11", "anyio", "idna", "sniffio", "certifi", "click",
-           "typer", "rich", "shellingham", "pygments", "markdown_it", "mdurl", "annotated_doc", "truststore")
+    own = ["torch", "numpy", "PyYAML", "regex", "pyarrow", "pandas", "pydantic_core", "xxhash", "sympy", "mpmath",
+           "networkx", "Jinja2", "MarkupSafe", "typing_extensions", "filelock", "fsspec", "python-dateutil", "tzdata",
+           "tqdm", "packaging", "psutil", "huggingface_hub", "safetensors", "tokenizers", "hf-xet", "httpx2",
+           "httpcore2", "h11", "anyio", "idna", "click", "typer", "rich", "shellingham", "Pygments", "markdown-it-py",
+           "mdurl", "annotated-doc", "truststore", "six"]
     for name in own:
-        if (pathlib.Path(site) / name).exists():
-            (machine / name).symlink_to(pathlib.Path(site) / name)
-    for info in pathlib.Path(site).glob("*.dist-info"):
-        if info.name.split("-")[0].lower().replace("_", "") in {n.split(".")[0].replace("_", "") for n in own}:
-            (machine / info.name).symlink_to(info)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for top in {pathlib.PurePath(str(f)).parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
+            source = pathlib.Path(dist.locate_file(top))
+            if source.exists() and not (machine / top).exists():
+                (machine / top).symlink_to(source)
     bare = tmp_path / "machine-python"
     bare.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{machine}" exec {sys.executable} -S "$@"\n')
     bare.chmod(0o755)
