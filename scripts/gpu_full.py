@@ -56,7 +56,7 @@ PART_LIMITS_S = {
     1: 120,  # 3B random init on the card (seconds), probe (~6 sizes), 10 steps of 128 examples (~3-5 s each), an 11 GB checkpoint
     2: 200,  # the 7B base written once (15 GB), LoRA and QLoRA 6 steps of 16 x <=2048 tokens each (~5-8 s a step) + probes
     3: 90,   # two 7B LoRA runs of 6 short steps, one of them long, loading the base from the page cache
-    4: 180,  # six processes: 3 HF (imports ~10 s, 12 steps) and 3... per model; trainer's two runs take seconds
+    4: 180,  # per model a trainer run (seconds) and two HF runs (~10 s of imports, 12 steps each): six processes
     5: 90,   # two image runs of 8 steps: JPEG decoding on the CPU sets the pace
 }
 # The rehearsal's limits (tiny shapes on 2 CPU cores): upper bounds that catch a hang, not timings: unloaded, the parts
