@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,10 +63,18 @@ def run_measured(command, env=None, preexec_fn=None, timeout=None, echo=False):
     with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
         start = time.perf_counter()
         wrapper = ["/usr/bin/time", "-f", "%M", "-o", report.name] if gnu_time else []
+        # With a timeout the command gets a process group of its own, and the watchdog kills the group: killing
+        # GNU time alone would leave the command running, holding the pipe open until it ends.
         process = subprocess.Popen([*wrapper, *command], cwd=ROOT, env=env,
                                    preexec_fn=preexec_fn, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, bufsize=1, errors="replace")
-        watchdog = threading.Timer(timeout, process.kill) if timeout else None
+                                   text=True, bufsize=1, errors="replace", start_new_session=bool(timeout))
+
+        def kill_group():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        watchdog = threading.Timer(timeout, kill_group) if timeout else None
         if watchdog:
             watchdog.start()
         lines = []

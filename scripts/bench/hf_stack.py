@@ -65,7 +65,9 @@ def train(spec_path):
     """Also runs as every rank of `torchrun --nproc-per-node N hf_stack.py train SPEC` (transformers' DDP; the
     batch_size is then per rank). spec: model_dir, form, data, max_input_length/max_target_length (seq2seq) or max_length (causal),
     batch_size, gradient_accumulation_steps, max_steps, lr, seed, output_dir; optional auto_find_batch_size,
-    save_steps, resume, save_final, ddp_cpu (torchrun on the CPU: use_cpu, Gloo), bf16 (autocast, as trainer's precision.mode=bf16-mixed); HF's own speed options
+    save_steps, resume, save_final, ddp_cpu (torchrun on the CPU: use_cpu, Gloo), bf16 (autocast, as trainer's precision.mode=bf16-mixed;
+    on the CPU unless device is "cuda", which also prints the GPU allocator's peak), attn_implementation (e.g.
+    "sdpa"); HF's own speed options
     (the "best options" side of vs_hf.py): group_by_length (train_sampling_strategy="group_by_length"), flatten
     (causal: DataCollatorWithFlattening, padding-free rows with position ids), torch_compile; pretrained (load
     the directory's weights), load_in_4bit ({quant_type, double_quant}: bitsandbytes' 4-bit base, QLoRA), lora
@@ -83,17 +85,18 @@ def train(spec_path):
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     config = AutoConfig.from_pretrained(spec["model_dir"])
     model_class = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    extra = {"attn_implementation": spec["attn_implementation"]} if spec.get("attn_implementation") else {}
     if spec.get("load_in_4bit"):  # QLoRA as users run it: the saved weights quantized by bitsandbytes on load
         import torch
         from transformers import BitsAndBytesConfig
         q = spec["load_in_4bit"]
         model = model_class.from_pretrained(spec["model_dir"], quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=q.get("quant_type", "nf4"),
-            bnb_4bit_use_double_quant=q.get("double_quant", True), bnb_4bit_compute_dtype=torch.float32))
+            bnb_4bit_use_double_quant=q.get("double_quant", True), bnb_4bit_compute_dtype=torch.float32), **extra)
     elif spec.get("pretrained"):
-        model = model_class.from_pretrained(spec["model_dir"])
+        model = model_class.from_pretrained(spec["model_dir"], **extra)
     else:
-        model = model_class.from_config(config)
+        model = model_class.from_config(config, **extra)
     if spec.get("lora"):  # PEFT's LoRA on the listed modules (no gradient checkpointing: as trainer runs it)
         from peft import LoraConfig, get_peft_model
         lora = spec["lora"]
@@ -145,8 +148,8 @@ def train(spec_path):
                      auto_find_batch_size=spec.get("auto_find_batch_size", False), dataloader_num_workers=0)
     if spec.get("optim"):
         arguments.update(optim=spec["optim"])
-    if spec.get("bf16"):  # bf16 autocast on the CPU (what bf16=True means there), fp32 master weights
-        arguments.update(bf16=True, use_cpu=True)
+    if spec.get("bf16"):  # bf16 autocast, fp32 master weights: on the CPU unless the spec says device "cuda"
+        arguments.update(bf16=True, **({} if spec.get("device") == "cuda" else {"use_cpu": True}))
     if spec.get("ddp_cpu"):  # under torchrun on the CPU: without use_cpu accelerate stays one process per rank
         arguments.update(use_cpu=True, ddp_backend="gloo")
     if spec.get("group_by_length"):  # LengthGroupedSampler: mega-batches of 50 batches sorted by length
@@ -169,6 +172,9 @@ def train(spec_path):
     trainer.train(resume_from_checkpoint=True if spec.get("resume") else None)
     if spec.get("save_final"):
         trainer.save_model(spec["output_dir"] + "/final")
+    import torch
+    if spec.get("device") == "cuda" and torch.cuda.is_available():  # the caching allocator's high-water mark
+        print(f"BENCH peak_memory {torch.cuda.max_memory_allocated()}", flush=True)
     print("BENCH done", flush=True)
 
 

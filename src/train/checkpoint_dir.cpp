@@ -1,6 +1,8 @@
 // Writing and finding checkpoint-N directories (see checkpoint_dir.h).
 #include "train/checkpoint_dir.h"
 
+#include <chrono>
+#include <cstdint>
 #include <string>
 #include <system_error>
 
@@ -33,6 +35,7 @@ fs::path write_checkpoint_dir(const fs::path& output_dir, int64_t step, bool on_
     return final_dir;
   }
   const fs::path temp_dir = output_dir / (".checkpoint-" + std::to_string(step) + ".tmp");
+  const auto started = std::chrono::steady_clock::now();
   if (!write.prepared) fs::remove_all(temp_dir);
   try {
     write.write_files(temp_dir);
@@ -62,7 +65,14 @@ fs::path write_checkpoint_dir(const fs::path& output_dir, int64_t step, bool on_
   // Written last: a checkpoint without it is not trusted.
   write_text_file((final_dir / "COMPLETE").string(), std::to_string(step) + "\n");
   fs::remove_all(replaced);
-  spdlog::info("checkpoint step {}: {}", step, final_dir.string());
+  // Its size and the time to write it (weights, optimizer state, the rename): what a large model's checkpoint costs.
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::uintmax_t bytes = 0;
+  std::error_code ignored;
+  for (const auto& entry : fs::recursive_directory_iterator(final_dir, ignored))
+    if (entry.is_regular_file(ignored)) bytes += entry.file_size(ignored);
+  spdlog::info("checkpoint step {}: {} ({} written in {:.1f} s)", step, final_dir.string(),
+               human_bytes(static_cast<double>(bytes)), seconds);
   return final_dir;
 }
 

@@ -2,6 +2,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -328,6 +329,11 @@ TEST(IntegrationTrain, CheckpointsAreCompleteAndPruned) {
   }
   EXPECT_EQ(state_step(out_dir / "checkpoint-9"), 9);
   EXPECT_EQ(state_step(out_dir / "checkpoint-12"), 12);
+  // Each checkpoint's line says its size and how long it took to write (scripts/gpu_full.py reads them).
+  const std::regex written(R"(checkpoint step 12: \S+checkpoint-12 \(([0-9.]+) (B|KiB|MiB|GiB) written in ([0-9.]+) s\))");
+  std::smatch found;
+  ASSERT_TRUE(std::regex_search(run.err, found, written)) << run.err;
+  EXPECT_GT(std::stod(found[1].str()), 0.0) << found[0];
   // A longer run continues from the end checkpoint: steps 13 to 15 only.
   auto longer = run_trainer({"--config", "configs/tiny-qwen2.json", "--set", "checkpoint.output_dir=" + out_dir.string(),
                              "--set", "training.max_steps=15", "--set", "checkpoint.every_steps=3", "--set",
