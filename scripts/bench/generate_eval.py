@@ -5,13 +5,19 @@ with predict_with_generate, on the same random model (saved once with save_pretr
 ids of random lengths) and the same decoding settings (greedy and beam search, max_new_tokens). Both run on the
 CPU in fp32 with the same thread count; EOS is a token the models never produce here, so every answer has
 max_new_tokens tokens on both sides and the work is equal. The answers are compared too (greedy must agree).
-Prints a Markdown table; no timed assertions.
+Each side reports wall time and CPU time (the process's, all threads): with --threads 1 on a shared machine the
+CPU time is what other processes change least. --rounds N runs the sides N times, alternating, and keeps each
+side's best. --before TOOL times an earlier build of trainer_parity in the same rounds (its CPU time, when it does
+not report one, is the child's CPU time less that of loading the model and exiting). Prints a Markdown table; no
+timed assertions.
 
     .venv/bin/python scripts/bench/generate_eval.py [--tool build/trainer_parity] [--examples 64] [--quick]
+        [--threads 1] [--rounds 2] [--before OLD/trainer_parity]
 """
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -53,16 +59,33 @@ def prompts_for(count, vocab, seed):
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 96))] for _ in range(count)]
 
 
-def ours(tool, model_dir, prompts, settings, batch):
+def children_cpu():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_tool(tool, model_dir, prompts, settings, batch):
+    """The tool's output and the CPU seconds of the whole child process."""
     with tempfile.TemporaryDirectory() as tmp:
         request = dict(prompts=prompts, batch_size=batch, eos_token_id=NEVER, pad_token_id=0, **settings)
         with open(os.path.join(tmp, "request.json"), "w") as f:
             json.dump(request, f)
+        before = children_cpu()
         subprocess.run([tool, "generate", model_dir, os.path.join(tmp, "request.json"), os.path.join(tmp, "out.json")],
                        check=True, capture_output=True, text=True)
+        child = children_cpu() - before
         with open(os.path.join(tmp, "out.json")) as f:
-            out = json.load(f)
-    return out["outputs"], out["seconds"]
+            return json.load(f), child
+
+
+def ours(tool, model_dir, prompts, settings, batch):
+    """(answers, wall seconds, CPU seconds) of the generation."""
+    out, child = run_tool(tool, model_dir, prompts, settings, batch)
+    cpu = out.get("cpu_seconds")
+    if cpu is None:  # an older build: the child's CPU time less that of loading the model
+        _, load = run_tool(tool, model_dir, [], settings, batch)
+        cpu = child - load
+    return out["outputs"], out["seconds"], cpu
 
 
 def theirs(model_dir, kind, prompts, settings, batch):
@@ -101,32 +124,43 @@ def theirs(model_dir, kind, prompts, settings, batch):
             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
             generation_max_length=None, generation_num_beams=settings.get("num_beams", 1))
         trainer = transformers.Seq2SeqTrainer(model=model, args=args, data_collator=collate)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = trainer.predict(Prompts(), max_new_tokens=settings["max_new_tokens"],
                               num_beams=settings.get("num_beams", 1), do_sample=False)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     # Rows hold the decoder start (T5) or the batch's padded prompt (causal; batches in order) before the answer.
     answers = []
     for i, row in enumerate(out.predictions.tolist()):
         part = prompts[i - i % batch:i - i % batch + batch]
         start_at = 1 if kind == "t5" else max(map(len, part))
         answers.append(row[start_at:start_at + settings["max_new_tokens"]])
-    return answers, seconds
+    return answers, seconds, cpu
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tool", default=os.path.join(ROOT, "build", "trainer_parity"))
+    parser.add_argument("--before", help="an earlier build of trainer_parity, timed in the same rounds")
     parser.add_argument("--examples", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, help="intra-op threads of both sides (default: their own default)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each side; the best counts")
+    parser.add_argument("--only", help="models to run, comma-separated (t5-60m, qwen2-100m; tiny t5, tiny qwen2)")
     parser.add_argument("--quick", action="store_true", help="tiny models, 16 examples")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the tools, started from here
     if args.quick:
         args.examples = 16
         models = [("tiny t5", "t5", TINY_T5), ("tiny qwen2", "qwen2", TINY_QWEN2)]
     else:
         models = [("t5-60m", "t5", T5_60M), ("qwen2-100m", "qwen2", QWEN2_100M)]
+    if args.only:
+        models = [m for m in models if m[0] in args.only.split(",")]
+    sides = ["transformers", "trainer"] + (["before"] if args.before else [])
     rows = []
     for name, kind, config in models:
         with tempfile.TemporaryDirectory() as tmp:
@@ -134,18 +168,37 @@ def main():
             prompts = prompts_for(args.examples, config["vocab_size"], seed=1)
             for label, settings in [("greedy", dict(num_beams=1)), ("beams 4", dict(num_beams=4))]:
                 settings = dict(settings, max_new_tokens=args.max_new_tokens)
-                our_answers, our_seconds = ours(args.tool, tmp, prompts, settings, args.batch)
-                their_answers, their_seconds = theirs(tmp, kind, prompts, settings, args.batch)
-                same = sum(a == b[:len(a)] for a, b in zip(our_answers, their_answers))
-                rows.append([name, label, args.examples, args.batch, args.max_new_tokens,
-                             f"{args.examples / their_seconds:.2f}", f"{args.examples / our_seconds:.2f}",
-                             f"{their_seconds / our_seconds:.2f}x", f"{same}/{args.examples}"])
-                print(f"{name} {label}: transformers {their_seconds:.2f} s, trainer {our_seconds:.2f} s",
-                      file=sys.stderr, flush=True)
+                best = {side: (float("inf"), float("inf")) for side in sides}
+                answers = {}
+                for r in range(args.rounds):
+                    for side in (sides if r % 2 == 0 else sides[::-1]):
+                        if side == "transformers":
+                            answers[side], wall, cpu = theirs(tmp, kind, prompts, settings, args.batch)
+                        else:
+                            tool = args.tool if side == "trainer" else args.before
+                            answers[side], wall, cpu = ours(tool, tmp, prompts, settings, args.batch)
+                        best[side] = (min(best[side][0], wall), min(best[side][1], cpu))
+                        print(f"{name} {label} round {r + 1}: {side} {wall:.2f} s wall, {cpu:.2f} s CPU",
+                              file=sys.stderr, flush=True)
+                same = sum(a == b[:len(a)] for a, b in zip(answers["trainer"], answers["transformers"]))
+                rate = {side: (args.examples / best[side][0], args.examples / best[side][1]) for side in sides}
+                row = [name, label]
+                for k in (0, 1):  # wall, CPU
+                    if args.before:
+                        row.append(f"{rate['before'][k]:.2f}")
+                    row += [f"{rate['transformers'][k]:.2f}", f"{rate['trainer'][k]:.2f}",
+                            f"{rate['trainer'][k] / rate['transformers'][k]:.2f}x"]
+                rows.append(row + [f"{same}/{args.examples}"])
     print(machine_notes())
+    print(f"{args.examples} examples, batch {args.batch}, {args.max_new_tokens} new tokens, "
+          f"threads {args.threads or 'default'}, best of {args.rounds} alternating rounds")
     print()
-    print(table(["model", "decoding", "examples", "batch", "new tokens", "Seq2SeqTrainer ex/s", "trainer ex/s",
-                 "speed-up", "same answers"], rows))
+    columns = ["model", "decoding"]
+    for unit in ("wall", "CPU"):
+        if args.before:
+            columns.append(f"before ex/s ({unit})")
+        columns += [f"Seq2SeqTrainer ex/s ({unit})", f"trainer ex/s ({unit})", f"speed-up ({unit})"]
+    print(table(columns + ["same answers"], rows))
 
 
 if __name__ == "__main__":

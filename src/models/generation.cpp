@@ -126,7 +126,7 @@ std::vector<std::vector<int64_t>> greedy_or_sample(LanguageModel& model, PaddedP
   std::vector<std::vector<int64_t>> out(rows);
   at::Generator generator = options.seed ? at::detail::createCPUGenerator(*options.seed)
                                          : at::detail::getDefaultCPUGenerator();
-  auto [state, logits] = model.prefill(prompts.ids, prompts.mask);
+  auto [state, logits] = model.prefill(prompts.ids, prompts.mask, options.max_new_tokens);
   std::vector<int64_t> alive(rows);  // original row of each row of the state
   std::iota(alive.begin(), alive.end(), 0);
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
@@ -152,7 +152,7 @@ std::vector<std::vector<int64_t>> greedy_or_sample(LanguageModel& model, PaddedP
       kept_tokens.push_back(tokens[j]);
     }
     if (keep.empty() || step + 1 == options.max_new_tokens) break;
-    if (keep.size() < alive.size()) model.select_rows(*state, long_tensor(keep, device));
+    if (keep.size() < alive.size()) model.select_rows(*state, at::tensor(keep, at::kLong));
     alive = std::move(kept_rows);
     logits = model.decode_step(*state, long_tensor(kept_tokens, device).unsqueeze(1));
   }
@@ -181,7 +181,7 @@ std::vector<std::vector<int64_t>> beam_search(LanguageModel& model, PaddedPrompt
   const int64_t max_length = prompt_length + options.max_new_tokens;
   int64_t length = prompt_length;
 
-  auto [state, logits] = model.prefill(prompts.ids, prompts.mask);
+  auto [state, logits] = model.prefill(prompts.ids, prompts.mask, options.max_new_tokens);
   // Every prompt's state and first logits, once per beam.
   const at::Tensor expand = at::arange(batch, at::kLong).repeat_interleave(beams);
   model.select_rows(*state, expand);
@@ -305,7 +305,10 @@ std::vector<std::vector<int64_t>> beam_search(LanguageModel& model, PaddedPrompt
       for (int64_t j = 0; j < beams; ++j) rows.push_back(reorder[static_cast<std::size_t>(a * beams + j)]);
     }
     if (still_active.empty()) break;
-    model.select_rows(*state, long_tensor(rows, device));
+    // Most steps reorder beams; a step where every beam continues itself copies nothing.
+    std::vector<int64_t> same(rows.size());
+    std::iota(same.begin(), same.end(), 0);
+    if (rows != same) model.select_rows(*state, at::tensor(rows, at::kLong));
     active = std::move(still_active);
     std::vector<int64_t> tokens;
     for (const int64_t item : active)

@@ -4,12 +4,14 @@
 #include <cmath>
 #include <map>
 #include <numbers>
+#include <tuple>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include "models/dropout.h"
 #include "models/hf_config.h"
+#include "models/kv_cache.h"
 #include "models/layers.h"
 #include "models/model.h"
 #include "models/segment_attention.h"
@@ -115,14 +117,13 @@ class LlamaAttention : public Module {
     attention_dropout = register_module("attention_dropout", std::make_shared<Dropout>(h.attention_dropout));
   }
 
-  // x (B, T, D); cos/sin (B or 1, T, head_dim); mask (B, 1, T, Tk) bool. With a cache, keys and values of
-  // earlier positions are prepended and the new ones appended to it. With a segment layout (packed rows) the
+  // x (B, T, D); cos/sin (B or 1, T, head_dim); mask (B, 1, T, Tk) bool. With a cache, the new keys and values
+  // are written into this layer's buffers and attention runs over all filled positions. With a segment layout (packed rows) the
   // attention runs per segment, with a varlen layout as one variable-length flash attention within `window`
   // (CUDA); either way `mask` is unused.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
-                     at::Tensor* cache_keys = nullptr, at::Tensor* cache_values = nullptr,
-                     const SegmentLayout* layout = nullptr, const VarlenLayout* varlen = nullptr,
-                     std::optional<int64_t> window = std::nullopt) {
+                     KvCache* cache = nullptr, std::size_t layer = 0, const SegmentLayout* layout = nullptr,
+                     const VarlenLayout* varlen = nullptr, std::optional<int64_t> window = std::nullopt) {
     const int64_t b = x.size(0), t = x.size(1);
     at::Tensor q = q_proj->forward(x).view({b, t, heads_, head_dim_}).transpose(1, 2);     // (B, H, T, hd)
     at::Tensor k = k_proj->forward(x).view({b, t, kv_heads_, head_dim_}).transpose(1, 2);  // (B, Hkv, T, hd)
@@ -130,14 +131,7 @@ class LlamaAttention : public Module {
     const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
     q = q * c + rotate_half(q) * s;
     k = k * c + rotate_half(k) * s;
-    if (cache_keys) {
-      if (cache_keys->defined()) {
-        k = at::cat({*cache_keys, k}, 2);
-        v = at::cat({*cache_values, v}, 2);
-      }
-      *cache_keys = k;
-      *cache_values = v;
-    }
+    if (cache) std::tie(k, v) = cache->append(layer, k, v);
     if (varlen) return o_proj->forward(attend_varlen(*varlen, q, k, v, window));
     if (layout) {
       return o_proj->forward(attend_per_segment(
@@ -197,11 +191,10 @@ class LlamaBlock : public Module {
     post_attention_layernorm = register_module("post_attention_layernorm", std::make_shared<NormWeight>(h.hidden, o));
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
-                     at::Tensor* cache_keys = nullptr, at::Tensor* cache_values = nullptr,
-                     const SegmentLayout* layout = nullptr, const VarlenLayout* varlen = nullptr,
-                     std::optional<int64_t> window = std::nullopt) {
+                     KvCache* cache = nullptr, std::size_t layer = 0, const SegmentLayout* layout = nullptr,
+                     const VarlenLayout* varlen = nullptr, std::optional<int64_t> window = std::nullopt) {
     at::Tensor h = x + self_attn->forward(llama_rms_norm(x, input_layernorm->weight, eps_), cos, sin, mask,
-                                          cache_keys, cache_values, layout, varlen, window);
+                                          cache, layer, layout, varlen, window);
     return h + mlp->forward(llama_rms_norm(h, post_attention_layernorm->weight, eps_));
   }
   std::shared_ptr<LlamaAttention> self_attn;
@@ -235,9 +228,10 @@ class LlamaBody : public Module {
 };
 
 struct LlamaGenerationState : GenerationState {
-  std::vector<at::Tensor> keys, values;  // per layer (B, Hkv, T, hd)
-  at::Tensor key_mask;                   // (B, T): 0 at the prompts' left padding
-  at::Tensor next_position;              // (B) long: the position id of each row's next token
+  LlamaGenerationState(std::size_t layers, int64_t capacity) : cache(layers, capacity) {}
+  KvCache cache;           // per layer (B, Hkv, T, hd)
+  at::Tensor key_mask;     // (B, T): 0 at the prompts' left padding
+  at::Tensor next_position;  // (B) long: the position id of each row's next token
 };
 
 class LlamaModel : public LanguageModel {
@@ -315,10 +309,10 @@ class LlamaModel : public LanguageModel {
       }
       auto& block = model->layers->items[i];
       if (state) {
-        x = block->forward(x, cos, sin, mask, &state->keys[i], &state->values[i]);
+        x = block->forward(x, cos, sin, mask, &state->cache, i);
       } else {
         x = run_block([block, layout, varlen, window = h_.window[i]](const std::vector<at::Tensor>& in) {
-          return block->forward(in[0], in[1], in[2], in[3], nullptr, nullptr, layout.get(), varlen.get(), window);
+          return block->forward(in[0], in[1], in[2], in[3], nullptr, 0, layout.get(), varlen.get(), window);
         }, {x, cos, sin, mask});
       }
     }
@@ -366,10 +360,9 @@ class LlamaModel : public LanguageModel {
   }
 
   std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids,
-                                                                  const at::Tensor& attention_mask) override {
-    auto state = std::make_unique<LlamaGenerationState>();
-    state->keys.resize(model->layers->items.size());
-    state->values.resize(model->layers->items.size());
+                                                                  const at::Tensor& attention_mask,
+                                                                  int64_t new_tokens) override {
+    auto state = std::make_unique<LlamaGenerationState>(model->layers->items.size(), prompt_ids.size(1) + new_tokens);
     state->key_mask = attention_mask;
     // As transformers derives position ids for left padding: the count of real tokens before each one.
     const at::Tensor mask = attention_mask.to(at::kLong);
@@ -391,8 +384,7 @@ class LlamaModel : public LanguageModel {
   void select_rows(GenerationState& generic, const at::Tensor& rows) override {
     auto& state = static_cast<LlamaGenerationState&>(generic);
     const at::Tensor index = rows.to(state.key_mask.device());
-    for (auto* list : {&state.keys, &state.values})
-      for (auto& t : *list) t = t.index_select(0, index);
+    state.cache.select_rows(index);
     state.key_mask = state.key_mask.index_select(0, index);
     state.next_position = state.next_position.index_select(0, index);
   }

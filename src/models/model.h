@@ -81,14 +81,15 @@ class LanguageModel : public Module {
 
   // Generation with a key-value cache over a batch of prompts (B, T) with their attention mask (B, T): causal
   // prompts padded on the left (positions count the real tokens, as transformers derives position ids from the
-  // mask), seq2seq prompts padded anywhere (the encoder runs once). Returns the state and the logits (B, V) of
-  // each row's next token.
+  // mask), seq2seq prompts padded anywhere (the encoder runs once). The cache is allocated for `new_tokens` more
+  // decoding steps (more grow it). Returns the state and the logits (B, V) of each row's next token.
   virtual std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids,
-                                                                          const at::Tensor& attention_mask) = 0;
+                                                                          const at::Tensor& attention_mask,
+                                                                          int64_t new_tokens) = 0;
   // Feeds one token per row (B, 1); returns the logits (B, V) of the next.
   virtual at::Tensor decode_step(GenerationState& state, const at::Tensor& tokens) = 0;
-  // Keeps the rows `rows` (long, on any device) of the state, in that order: repeats rows for beam search,
-  // reorders beams, drops finished rows.
+  // Keeps the rows `rows` (long, on any device; the CPU saves seq2seq models a copy) of the state, in that order:
+  // repeats rows for beam search, reorders beams, drops finished rows.
   virtual void select_rows(GenerationState& state, const at::Tensor& rows) = 0;
   virtual std::optional<int64_t> eos_token_id() const = 0;
 

@@ -2,13 +2,17 @@
 // relative position buckets (one learned bias per stack, computed in block 0 and shared by every layer), no
 // 1/sqrt(d) attention scaling, relu or gated-gelu feed-forward, decoder output rescaled by d_model^-0.5 when the
 // LM head is the shared embedding (original T5).
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include "models/dropout.h"
 #include "models/hf_config.h"
+#include "models/kv_cache.h"
 #include "models/layers.h"
 #include "models/model.h"
 #include "models/segment_attention.h"
@@ -217,17 +221,35 @@ struct T5Block : public Module {
   std::shared_ptr<T5FeedForwardLayer> feed_forward;
 };
 
-// Key-value cache of one decoder block during generation.
-struct T5LayerCache {
-  at::Tensor self_keys, self_values;    // grow by one position per step
-  at::Tensor cross_keys, cross_values;  // from the encoder output, computed once
-};
-
+// The decoder's state during generation. Cross-attention keys and values come from the encoder output, once per
+// prompt; rows (beams, or the prompts still running) use their prompt's, gathered again only when the prompt of
+// some row changes: reordering the beams of a prompt leaves them as they are.
 struct T5GenerationState : GenerationState {
-  at::Tensor encoder_states;  // (B, S, D)
-  at::Tensor cross_bias;      // (B, 1, 1, S): the prompts' padding
-  std::vector<T5LayerCache> layers;
-  int64_t position = 0;   // decoder positions already in the cache
+  T5GenerationState(std::size_t layers, int64_t capacity) : self_cache(layers, capacity) {}
+  KvCache self_cache;                           // decoder self-attention, one position per step
+  at::Tensor self_bias;                         // (1, H, capacity, capacity): the position bias of the steps
+  std::vector<at::Tensor> prompt_cross_keys, prompt_cross_values;  // per layer (P, H, S, d_kv), one row per prompt
+  at::Tensor prompt_cross_bias;                 // (P, 1, 1, S): the prompts' padding
+  std::vector<int64_t> prompt_of_row;           // (B): the prompt each row continues
+  std::vector<at::Tensor> cross_keys, cross_values;  // per layer (B, H, S, d_kv): the rows' prompts'
+  at::Tensor cross_bias;                        // (B, 1, 1, S)
+  int64_t position = 0;                         // decoder positions already in the cache
+
+  // Gathers the cross-attention inputs of the rows from those of their prompts (none when row r is prompt r).
+  void gather_cross() {
+    bool identity = static_cast<int64_t>(prompt_of_row.size()) == prompt_cross_bias.size(0);
+    for (std::size_t r = 0; identity && r < prompt_of_row.size(); ++r) identity = prompt_of_row[r] == static_cast<int64_t>(r);
+    const at::Tensor index =
+        identity ? at::Tensor() : at::tensor(prompt_of_row, at::kLong).to(prompt_cross_bias.device());
+    auto rows_of = [&](const at::Tensor& t) { return identity ? t : t.index_select(0, index); };
+    cross_keys.clear();
+    cross_values.clear();
+    for (std::size_t i = 0; i < prompt_cross_keys.size(); ++i) {
+      cross_keys.push_back(rows_of(prompt_cross_keys[i]));
+      cross_values.push_back(rows_of(prompt_cross_values[i]));
+    }
+    cross_bias = rows_of(prompt_cross_bias);
+  }
 };
 
 // Packed rows attended per segment (models/segment_attention.h): the layouts of a stack's self-attention and the
@@ -305,20 +327,20 @@ class T5Stack : public Module {
   // One decoder position with the cache. embedding (B, 1, D): every row at the same position.
   at::Tensor decode_step(const at::Tensor& embedding, T5GenerationState& state) {
     const int64_t key_length = state.position + 1;
-    const at::Tensor self_bias = position_bias(1, key_length, state.position, embedding.device());
+    // The position bias of this query, from the table computed for the whole generation (past it: computed here).
+    const at::Tensor self_bias = key_length <= state.self_bias.size(3)
+                                     ? state.self_bias.narrow(2, state.position, 1).narrow(3, 0, key_length)
+                                     : position_bias(1, key_length, state.position, embedding.device());
     at::Tensor x = embedding;
     for (std::size_t i = 0; i < block->items.size(); ++i) {
       auto& b = *block->items[i];
-      auto& cache = state.layers[i];
       auto& sa = *b.self_attention->attention;
       at::Tensor normed = t5_rms_norm(x, b.self_attention->layer_norm->weight, h_.eps);
-      const at::Tensor k = sa.heads(*sa.k, normed), v = sa.heads(*sa.v, normed);
-      cache.self_keys = cache.self_keys.defined() ? at::cat({cache.self_keys, k}, 2) : k;
-      cache.self_values = cache.self_values.defined() ? at::cat({cache.self_values, v}, 2) : v;
-      x = x + sa.attend(normed, cache.self_keys, cache.self_values, self_bias);
+      const auto [keys, values] = state.self_cache.append(i, sa.heads(*sa.k, normed), sa.heads(*sa.v, normed));
+      x = x + sa.attend(normed, keys, values, self_bias);
       auto& ca = *b.cross_attention->attention;
       normed = t5_rms_norm(x, b.cross_attention->layer_norm->weight, h_.eps);
-      x = x + ca.attend(normed, cache.cross_keys, cache.cross_values, state.cross_bias);
+      x = x + ca.attend(normed, state.cross_keys[i], state.cross_values[i], state.cross_bias);
       auto& ff = *b.feed_forward;
       x = x + ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps));
     }
@@ -481,14 +503,22 @@ class T5Model : public LanguageModel {
   }
 
   std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids,
-                                                                  const at::Tensor& attention_mask) override {
-    auto state = std::make_unique<T5GenerationState>();
-    state->encoder_states = encode(prompt_ids, attention_mask);  // once; every step reuses its keys and values
-    state->cross_bias = padding_bias(attention_mask, shared->weight.scalar_type());
+                                                                  const at::Tensor& attention_mask,
+                                                                  int64_t new_tokens) override {
+    // The decoder's inputs: the start token, then every new token but the last.
+    const int64_t capacity = std::max<int64_t>(new_tokens, 1);
+    auto state = std::make_unique<T5GenerationState>(decoder->block->items.size(), capacity);
+    state->self_bias = decoder->position_bias(capacity, capacity, 0, prompt_ids.device());
+    const at::Tensor encoder_states = encode(prompt_ids, attention_mask);  // once; every step reuses its keys and values
     for (auto& b : decoder->block->items) {
       auto& ca = *b->cross_attention->attention;
-      state->layers.push_back({{}, {}, ca.heads(*ca.k, state->encoder_states), ca.heads(*ca.v, state->encoder_states)});
+      state->prompt_cross_keys.push_back(ca.heads(*ca.k, encoder_states));
+      state->prompt_cross_values.push_back(ca.heads(*ca.v, encoder_states));
     }
+    state->prompt_cross_bias = padding_bias(attention_mask, shared->weight.scalar_type());
+    state->prompt_of_row.resize(static_cast<std::size_t>(prompt_ids.size(0)));
+    std::iota(state->prompt_of_row.begin(), state->prompt_of_row.end(), 0);
+    state->gather_cross();
     const at::Tensor start = at::full({prompt_ids.size(0), 1}, h_.decoder_start_token_id, prompt_ids.options());
     at::Tensor logits = decode_step(*state, start);
     return {std::move(state), logits};
@@ -502,12 +532,14 @@ class T5Model : public LanguageModel {
 
   void select_rows(GenerationState& state, const at::Tensor& rows) override {
     auto& s = static_cast<T5GenerationState&>(state);
-    const at::Tensor index = rows.to(s.encoder_states.device());
-    s.encoder_states = s.encoder_states.index_select(0, index);
-    s.cross_bias = s.cross_bias.index_select(0, index);
-    for (auto& layer : s.layers)
-      for (auto* t : {&layer.self_keys, &layer.self_values, &layer.cross_keys, &layer.cross_values})
-        if (t->defined()) *t = t->index_select(0, index);
+    s.self_cache.select_rows(rows.to(s.cross_bias.device()));
+    const at::Tensor on_cpu = rows.to(at::kCPU).to(at::kLong).contiguous();
+    const int64_t* picked = on_cpu.data_ptr<int64_t>();
+    std::vector<int64_t> prompts;
+    for (int64_t r = 0; r < on_cpu.numel(); ++r) prompts.push_back(s.prompt_of_row[static_cast<std::size_t>(picked[r])]);
+    if (prompts == s.prompt_of_row) return;  // beams reordered within their prompts: the same cross inputs
+    s.prompt_of_row = std::move(prompts);
+    s.gather_cross();
   }
 
   std::shared_ptr<Embedding> shared;

@@ -5,9 +5,11 @@
 
 #include <set>
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "models/kv_cache.h"
 #include "support/tiny_models.h"
 #include "trainer/errors.h"
 
@@ -17,6 +19,39 @@ namespace {
 const std::vector<std::vector<int64_t>> kPrompts = {{5, 17, 42, 8, 9, 33}, {7, 3}, {11, 12, 13, 14, 15, 16, 17, 18}, {40}};
 
 }  // namespace
+
+// The cache written in place holds what concatenating each step's keys and values would: appends past the
+// capacity grow it, and row selection (repeated, reordered, fewer rows) keeps the chosen rows' filled positions.
+TEST(Generation, KvCacheHoldsWhatConcatenationWould) {
+  at::manual_seed(0);
+  KvCache cache(2, 3);
+  std::vector<at::Tensor> keys(2), values(2);
+  int64_t rows = 3;
+  for (int step = 0; step < 6; ++step) {  // a 2-position prompt, then one position a step: past the capacity of 3
+    SCOPED_TRACE("step " + std::to_string(step));
+    const int64_t positions = step == 0 ? 2 : 1;
+    for (std::size_t layer = 0; layer < 2; ++layer) {
+      const at::Tensor k = at::randn({rows, 2, positions, 4}), v = at::randn({rows, 2, positions, 4});
+      keys[layer] = keys[layer].defined() ? at::cat({keys[layer], k}, 2) : k;
+      values[layer] = values[layer].defined() ? at::cat({values[layer], v}, 2) : v;
+      const auto [cached_keys, cached_values] = cache.append(layer, k, v);
+      EXPECT_TRUE(at::equal(cached_keys, keys[layer]));
+      EXPECT_TRUE(at::equal(cached_values, values[layer]));
+    }
+    EXPECT_EQ(cache.length(), step + 2);
+    std::vector<int64_t> picked;
+    if (step == 1) picked = {2, 0, 0};  // beams: repeated and reordered rows
+    if (step == 3) picked = {1, 2};     // a finished row dropped
+    if (picked.empty()) continue;
+    const at::Tensor index = at::tensor(picked, at::kLong);
+    cache.select_rows(index);
+    for (std::size_t layer = 0; layer < 2; ++layer) {
+      keys[layer] = keys[layer].index_select(0, index);
+      values[layer] = values[layer].index_select(0, index);
+    }
+    rows = static_cast<int64_t>(picked.size());
+  }
+}
 
 TEST(Generation, APromptInABatchGetsWhatItGetsAlone) {
   for (const char* name : {"tiny-t5", "tiny-qwen2"}) {
