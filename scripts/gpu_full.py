@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 import gpu_check_report  # noqa: E402  (the card's name and bf16 peak, the gpu tests, human_bytes)
 import hf_kit  # noqa: E402
-from common import run_measured  # noqa: E402
+from common import ensure_data, run_measured  # noqa: E402
 
 GIB = 2**30
 
@@ -199,13 +199,10 @@ class Part:
 
 # ---------------------------------------------------------------- data, models, trainer runs
 
-def demo_records(form, count, seed, work):
-    path = work / "data" / f"demo-{form}-{count}-{seed}.jsonl"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(ROOT / "scripts/make_demo_data.py"), "--form", form, "--records",
-                        str(count), "--seed", str(seed), "--out", str(path)], check=True)
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def demo_records(form, count, seed):
+    """`count` demo records of scripts/make_demo_data.py (written once, under build/bench/data)."""
+    with open(ensure_data(form, count, seed)) as f:
+        return [json.loads(line) for line in f]
 
 
 def joined(form, records, parts):
@@ -223,7 +220,7 @@ def realistic_data(form, examples, parts, seed, work, name):
     to past the maximum length (cut), as real fine-tuning sets do."""
     rng = random.Random(seed)
     counts = [rng.randint(*parts) for _ in range(examples)]
-    source = demo_records(form, sum(counts), seed, work)
+    source = demo_records(form, sum(counts), seed)
     out, at = [], 0
     for n in counts:
         out.append(joined(form, source[at:at + n], n))
@@ -494,7 +491,7 @@ def part3_oom(part, ctx):
         return
     batch, steps, at = o["batch"], o["steps"], o["at"]
     rng = random.Random(3)
-    short = demo_records("causal", batch * steps * o["short_parts"][1] + batch * o["long_parts"], 3, ctx.work)
+    short = demo_records("causal", batch * steps * o["short_parts"][1] + batch * o["long_parts"], 3)
     records, used = [], 0
     for step in range(1, steps + 1):
         for _ in range(batch):

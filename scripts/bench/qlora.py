@@ -23,8 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (BENCH_DIR, ensure_data, fresh_dir, log, machine_notes, median, ratio, table,  # noqa: E402
-                    write_json)
+from common import BENCH_DIR, ensure_data, fresh_dir, log, machine_notes, median, ratio, table  # noqa: E402
 from vs_hf import (MIB, check, hf_spec, model_dir, ours_config, run_hf, run_ours,  # noqa: E402
                    tokens_per_second)
 
@@ -50,12 +49,8 @@ def ours(path, data, out, steps, batch, quantize=None, lora=True, state_dtype="f
     if lora:
         sections["lora"] = {"enabled": True, "r": LORA["r"], "alpha": LORA["alpha"], "dropout": 0.0,
                             "target_modules": TARGETS}
-    config = ours_config(out + ".json", path, "causal", data, out, batch, batch, steps, {"max_length": 512})
-    with open(config) as f:
-        settings = json.load(f)
-    for section, values in sections.items():
-        settings.setdefault(section, {}).update(values)
-    write_json(config, settings)
+    config = ours_config(out + ".json", path, "causal", data, out, batch, batch, steps, {"max_length": 512},
+                         **sections)
     run, stepped = run_ours(config)
     check(run, "trainer " + out)
     return run, stepped

@@ -245,10 +245,10 @@ def env_for(threads):
     return env
 
 
-def ours_config(path, model, form, data, out_dir, batch, micro, steps, lengths, data_options=None, **sections):
+def ours_config(path, model_path, form, data, out_dir, batch, micro, steps, lengths, data_options=None, **sections):
     """A trainer config as JSON; `sections` are merged into it (e.g. memory={...}), `data_options` into "data"."""
     config = {
-        "model": {"path": model, "init": "random"},
+        "model": {"path": model_path, "init": "random"},
         "data": {"train_files": [data], "shuffle": False, **lengths, **(data_options or {})},
         "training": {"batch_size": batch, "micro_batch_size": micro, "max_steps": steps, "seed": SEED},
         "optimizer": {"lr": LR},

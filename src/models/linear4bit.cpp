@@ -177,10 +177,8 @@ std::string library_file(c10::DeviceType device) {
 // Where the library is looked for: $TRAINER_BITSANDBYTES (a file, or the folder holding it), else the bitsandbytes
 // package beside the torch package trainer's LibTorch comes from (site-packages/torch/lib/libc10.so ->
 // site-packages/bitsandbytes/).
-fs::path library_path(c10::DeviceType device, bool& from_variable) {
-  const char* variable = std::getenv(kLibraryVariable);
-  from_variable = variable != nullptr && *variable != '\0';
-  if (from_variable) {
+fs::path library_path(c10::DeviceType device, const char* variable) {
+  if (variable != nullptr) {
     const fs::path p(variable);
     return fs::is_directory(p) ? p / library_file(device) : p;
   }
@@ -192,12 +190,13 @@ fs::path library_path(c10::DeviceType device, bool& from_variable) {
 BitsandbytesLibrary load_library(c10::DeviceType device) {
   BitsandbytesLibrary lib;
   const char* variable = std::getenv(kLibraryVariable);
+  if (variable != nullptr && *variable == '\0') variable = nullptr;
   if (variable != nullptr && std::string(variable) == "none") {
     lib.reason = std::string(kLibraryVariable) + "=none";
     return lib;
   }
-  bool from_variable = false;
-  const fs::path path = library_path(device, from_variable);
+  const bool from_variable = variable != nullptr;
+  const fs::path path = library_path(device, variable);
   const std::string how = from_variable ? std::string(" (") + kLibraryVariable + ")" : " (beside torch)";
   const std::string fix = std::string("install ") + kPinnedVersion + " into the Python environment trainer's torch "
                           "comes from, or set " + kLibraryVariable + " to the library file or its folder";
