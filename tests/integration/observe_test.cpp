@@ -87,24 +87,25 @@ TEST(IntegrationObserve, WebhookHearsStartCheckpointFinishAndFailures) {
   EXPECT_TRUE(contains(events[7]["content"].get<std::string>(), "FAILED at step 0/6 (exit code 4)")) << events[7];
 }
 
-TEST(IntegrationObserve, UnreachableWebhookNeitherFailsNorDelaysTheRun) {
+// An endpoint that refuses every connection costs the run nothing: it ends as it would without a webhook (same exit
+// code, same weights), and the log says a notification was not delivered. That posting never waits for the network
+// is LogWebhook.PostReturnsWhileARequestIsInFlight's check (no timing in either).
+TEST(IntegrationObserve, UnreachableWebhookNeitherFailsNorChangesTheRun) {
   TempDir dir;
-  // Both runs at once, so that they share whatever else the machine is doing.
-  auto timed = [&](const std::string& name, const std::string& env) {
-    const auto start = Clock::now();
-    auto run = run_trainer(short_run(dir.path() / name), env);
-    return std::make_pair(run, std::chrono::duration<double>(Clock::now() - start).count());
-  };
-  auto plain_future = std::async(std::launch::async, timed, "plain", "");
-  const auto [hooked, hooked_seconds] =
-      timed("hooked", "TRAINER_WEBHOOK_URL=http://127.0.0.1:" + std::to_string(closed_port()) + "/hook");
-  const auto [plain, plain_seconds] = plain_future.get();
+  const auto plain = run_trainer(short_run(dir.path() / "plain"));
+  const auto hooked = run_trainer(short_run(dir.path() / "hooked"),
+                                  "TRAINER_WEBHOOK_URL=http://127.0.0.1:" + std::to_string(closed_port()) + "/hook");
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
-  EXPECT_EQ(hooked.exit_code, 0) << hooked.err;
+  ASSERT_EQ(hooked.exit_code, 0) << hooked.err;
   EXPECT_TRUE(contains(hooked.out, "Done: 6 steps"));
   EXPECT_TRUE(contains(hooked.err, "webhook: a notification was not delivered")) << hooked.err;
-  // Refused connections fail at once and posts are sent from their own thread: the run takes as long as without.
-  EXPECT_LT(hooked_seconds, 1.5 * plain_seconds + 3.0) << "without webhook " << plain_seconds << " s";
+  auto bytes = [](const fs::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const auto weights = bytes(dir.path() / "plain" / "final" / "model.safetensors");
+  ASSERT_FALSE(weights.empty());
+  EXPECT_EQ(weights, bytes(dir.path() / "hooked" / "final" / "model.safetensors")) << "the same weights";
 }
 
 TEST(IntegrationObserve, ProgressLineLogLinesAndTheLogFile) {

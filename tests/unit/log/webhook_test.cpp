@@ -2,6 +2,8 @@
 // block the caller, failures are logged a bounded number of times, and the URL is never logged.
 #include "log/webhook.h"
 
+#include <memory>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -84,6 +86,24 @@ TEST(LogWebhook, UnreachableEndpointNeitherBlocksNorThrows) {
   }
   EXPECT_LT(seconds_since(start), 3.0) << "refused connections fail fast";
   EXPECT_NE(log.text().find("webhook: a notification was not delivered"), std::string::npos);
+}
+
+// post() only queues: against a server that holds every request for ten minutes, with a request timeout as long,
+// nothing can have been answered or have failed when post() returns, unless post() itself waited for the network.
+TEST(LogWebhook, PostReturnsWhileARequestIsInFlight) {
+  auto server = std::make_unique<test::HttpServer>(200, 600s);
+  WebhookOptions options;
+  options.timeout = 600s;
+  options.drain_timeout = 0ms;
+  Webhook webhook(server->url(), options);
+  webhook.post({{"i", 0}});
+  ASSERT_TRUE(server->wait_for(1, 30s));  // the first request is with the server, unanswered
+  for (int i = 1; i <= 3; ++i) webhook.post({{"i", i}});
+  EXPECT_EQ(webhook.sent(), 0);
+  EXPECT_EQ(webhook.failed(), 0) << "post() waited for the request in flight";
+  server.reset();  // closes the held connection: that request fails, and the queued ones find no server
+  for (auto start = Clock::now(); webhook.failed() < 1 && seconds_since(start) < 30;) std::this_thread::sleep_for(10ms);
+  EXPECT_GE(webhook.failed(), 1);
 }
 
 TEST(LogWebhook, SlowEndpointIsCutOffByTheTimeouts) {

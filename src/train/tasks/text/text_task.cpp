@@ -74,6 +74,10 @@ std::pair<double, int64_t> evaluation_loss(LanguageModel& model, const Batch& ba
 class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
  public:
   using LoaderTask::LoaderTask;
+  // The loader's workers encode records with tokenizer_, and LoaderTask (which owns the loader) is destroyed after
+  // this class's members: stop the workers first, or one still encoding reads a freed tokenizer (a run that ends on
+  // an error while records are in flight).
+  ~TextTask() override { loader_.reset(); }
 
   std::string name() const override { return "text"; }
   Counted counted() const override { return {"tokens_seen", "target tokens", "tokens", true}; }
