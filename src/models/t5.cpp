@@ -98,8 +98,10 @@ class T5Attention : public Module {
   }
 
   // (B, T, D) -> (B, H, T, d_kv)
-  at::Tensor heads(const Linear& projection, const at::Tensor& x) const {
-    return projection.forward(x).view({x.size(0), x.size(1), heads_, d_kv_}).transpose(1, 2);
+  at::Tensor heads(const Linear& projection, const at::Tensor& x) const { return split_heads(projection.forward(x)); }
+  // (B, T, H * d_kv) -> (B, H, T, d_kv)
+  at::Tensor split_heads(const at::Tensor& y) const {
+    return y.view({y.size(0), y.size(1), heads_, d_kv_}).transpose(1, 2);
   }
 
   // x (B, Tq, D) attends to keys/values (B, H, Tk, d_kv) with an additive bias (B or 1, H or 1, Tq, Tk). With a
@@ -509,11 +511,40 @@ class T5Model : public LanguageModel {
     const int64_t capacity = std::max<int64_t>(new_tokens, 1);
     auto state = std::make_unique<T5GenerationState>(decoder->block->items.size(), capacity);
     state->self_bias = decoder->position_bias(capacity, capacity, 0, prompt_ids.device());
-    const at::Tensor encoder_states = encode(prompt_ids, attention_mask);  // once; every step reuses its keys and values
-    for (auto& b : decoder->block->items) {
-      auto& ca = *b->cross_attention->attention;
-      state->prompt_cross_keys.push_back(ca.heads(*ca.k, encoder_states));
-      state->prompt_cross_values.push_back(ca.heads(*ca.v, encoder_states));
+    // The encoder runs once; every step reuses the cross-attention keys and values. Prompts of similar length run
+    // together, each group padded to its own longest prompt only; the keys and values at the rest of the padding
+    // are zeros (the cross-attention mask hides them).
+    const auto groups = prefill_groups(prompt_extents(attention_mask, /*left_padded=*/false));
+    if (groups.size() == 1) {
+      const at::Tensor encoder_states = encode(prompt_ids, attention_mask);
+      for (auto& b : decoder->block->items) {
+        auto& ca = *b->cross_attention->attention;
+        state->prompt_cross_keys.push_back(ca.heads(*ca.k, encoder_states));
+        state->prompt_cross_values.push_back(ca.heads(*ca.v, encoder_states));
+      }
+    } else {
+      const int64_t batch = prompt_ids.size(0), width = prompt_ids.size(1);
+      std::vector<at::Tensor> keys, values;  // per layer (B, S, H * d_kv)
+      for (const auto& group : groups) {
+        const at::Tensor rows = at::tensor(group.rows, at::kLong).to(prompt_ids.device());
+        const at::Tensor encoder_states = encode(prompt_ids.index_select(0, rows).narrow(1, 0, group.width),
+                                                 attention_mask.index_select(0, rows).narrow(1, 0, group.width));
+        for (std::size_t i = 0; i < decoder->block->items.size(); ++i) {
+          auto& ca = *decoder->block->items[i]->cross_attention->attention;
+          const at::Tensor k = ca.k->forward(encoder_states), v = ca.v->forward(encoder_states);
+          if (keys.size() <= i) {
+            keys.push_back(at::zeros({batch, width, k.size(2)}, k.options()));
+            values.push_back(at::zeros({batch, width, v.size(2)}, v.options()));
+          }
+          keys[i].narrow(1, 0, group.width).index_copy_(0, rows, k);
+          values[i].narrow(1, 0, group.width).index_copy_(0, rows, v);
+        }
+      }
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        auto& ca = *decoder->block->items[i]->cross_attention->attention;
+        state->prompt_cross_keys.push_back(ca.split_heads(keys[i]));
+        state->prompt_cross_values.push_back(ca.split_heads(values[i]));
+      }
     }
     state->prompt_cross_bias = padding_bias(attention_mask, shared->weight.scalar_type());
     state->prompt_of_row.resize(static_cast<std::size_t>(prompt_ids.size(0)));
