@@ -362,14 +362,38 @@ class LlamaModel : public LanguageModel {
   std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids,
                                                                   const at::Tensor& attention_mask,
                                                                   int64_t new_tokens) override {
-    auto state = std::make_unique<LlamaGenerationState>(model->layers->items.size(), prompt_ids.size(1) + new_tokens);
+    const int64_t batch = prompt_ids.size(0), width = prompt_ids.size(1);
+    const std::size_t layers = model->layers->items.size();
+    auto state = std::make_unique<LlamaGenerationState>(layers, width + new_tokens);
     state->key_mask = attention_mask;
-    // As transformers derives position ids for left padding: the count of real tokens before each one.
     const at::Tensor mask = attention_mask.to(at::kLong);
-    const at::Tensor positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0);
-    const at::Tensor hidden = body(prompt_ids, state->key_mask, 0, state.get(), {}, positions);
     state->next_position = mask.sum(-1);
-    return {std::move(state), lm_head(hidden.select(1, hidden.size(1) - 1))};
+    // Prompts of similar length run together, each group padded (on the left) to its own longest prompt only;
+    // their caches are written into the batch's, right-aligned. Each row's computation is what the whole batch
+    // would do for it.
+    const auto groups = prefill_groups(prompt_extents(attention_mask, /*left_padded=*/true));
+    if (groups.size() == 1) {
+      const at::Tensor hidden = body(prompt_ids, state->key_mask, 0, state.get(), {}, prefill_positions(mask));
+      return {std::move(state), lm_head(hidden.select(1, width - 1))};
+    }
+    at::Tensor last;  // (B, D): each row's last hidden state
+    for (const auto& group : groups) {
+      const at::Tensor rows = at::tensor(group.rows, at::kLong).to(prompt_ids.device());
+      const at::Tensor ids = prompt_ids.index_select(0, rows).narrow(1, width - group.width, group.width);
+      const at::Tensor group_mask = mask.index_select(0, rows).narrow(1, width - group.width, group.width);
+      LlamaGenerationState part(layers, group.width);
+      const at::Tensor hidden = body(ids, group_mask, 0, &part, {}, prefill_positions(group_mask));
+      if (!last.defined()) last = at::empty({batch, hidden.size(2)}, hidden.options());
+      last.index_copy_(0, rows, hidden.select(1, group.width - 1));
+      state->cache.write_rows(part.cache, rows, batch, width);
+    }
+    return {std::move(state), lm_head(last)};
+  }
+
+  // As transformers derives position ids for left padding: the count of real tokens before each one. mask (B, T)
+  // long.
+  static at::Tensor prefill_positions(const at::Tensor& mask) {
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0);
   }
 
   at::Tensor decode_step(GenerationState& generic, const at::Tensor& tokens) override {

@@ -98,8 +98,10 @@ class T5Attention : public Module {
   }
 
   // (B, T, D) -> (B, H, T, d_kv)
-  at::Tensor heads(const Linear& projection, const at::Tensor& x) const {
-    return projection.forward(x).view({x.size(0), x.size(1), heads_, d_kv_}).transpose(1, 2);
+  at::Tensor heads(const Linear& projection, const at::Tensor& x) const { return split_heads(projection.forward(x)); }
+  // (B, T, H * d_kv) -> (B, H, T, d_kv)
+  at::Tensor split_heads(const at::Tensor& y) const {
+    return y.view({y.size(0), y.size(1), heads_, d_kv_}).transpose(1, 2);
   }
 
   // x (B, Tq, D) attends to keys/values (B, H, Tk, d_kv) with an additive bias (B or 1, H or 1, Tq, Tk). With a
@@ -223,7 +225,9 @@ struct T5Block : public Module {
 
 // The decoder's state during generation. Cross-attention keys and values come from the encoder output, once per
 // prompt; rows (beams, or the prompts still running) use their prompt's, gathered again only when the prompt of
-// some row changes: reordering the beams of a prompt leaves them as they are.
+// some row changes: reordering the beams of a prompt leaves them as they are. When the rows are runs of equally
+// many rows per prompt (beam search), the keys and values are gathered per prompt, not per row, and a prompt's
+// rows attend to them together as that many queries: each prompt's keys and values are read once a step.
 struct T5GenerationState : GenerationState {
   T5GenerationState(std::size_t layers, int64_t capacity) : self_cache(layers, capacity) {}
   KvCache self_cache;                           // decoder self-attention, one position per step
@@ -231,16 +235,26 @@ struct T5GenerationState : GenerationState {
   std::vector<at::Tensor> prompt_cross_keys, prompt_cross_values;  // per layer (P, H, S, d_kv), one row per prompt
   at::Tensor prompt_cross_bias;                 // (P, 1, 1, S): the prompts' padding
   std::vector<int64_t> prompt_of_row;           // (B): the prompt each row continues
-  std::vector<at::Tensor> cross_keys, cross_values;  // per layer (B, H, S, d_kv): the rows' prompts'
-  at::Tensor cross_bias;                        // (B, 1, 1, S)
+  int64_t rows_per_prompt = 1;                  // G: rows r*G .. r*G+G-1 share the keys and values of entry r
+  std::vector<at::Tensor> cross_keys, cross_values;  // per layer (B / G, H, S, d_kv)
+  at::Tensor cross_bias;                        // (B / G, 1, 1, S)
   int64_t position = 0;                         // decoder positions already in the cache
 
-  // Gathers the cross-attention inputs of the rows from those of their prompts (none when row r is prompt r).
+  // Gathers the cross-attention inputs of the rows (or of their prompts, in runs of G) from those of the prompts
+  // (none when entry r is prompt r).
   void gather_cross() {
-    bool identity = static_cast<int64_t>(prompt_of_row.size()) == prompt_cross_bias.size(0);
-    for (std::size_t r = 0; identity && r < prompt_of_row.size(); ++r) identity = prompt_of_row[r] == static_cast<int64_t>(r);
-    const at::Tensor index =
-        identity ? at::Tensor() : at::tensor(prompt_of_row, at::kLong).to(prompt_cross_bias.device());
+    const auto rows = static_cast<int64_t>(prompt_of_row.size());
+    int64_t group = 1;
+    while (group < rows && prompt_of_row[static_cast<std::size_t>(group)] == prompt_of_row[0]) ++group;
+    bool runs = group > 1 && rows % group == 0;
+    for (int64_t r = 0; runs && r < rows; ++r)
+      runs = prompt_of_row[static_cast<std::size_t>(r)] == prompt_of_row[static_cast<std::size_t>(r - r % group)];
+    rows_per_prompt = runs ? group : 1;
+    std::vector<int64_t> entries;
+    for (int64_t r = 0; r < rows; r += rows_per_prompt) entries.push_back(prompt_of_row[static_cast<std::size_t>(r)]);
+    bool identity = static_cast<int64_t>(entries.size()) == prompt_cross_bias.size(0);
+    for (std::size_t r = 0; identity && r < entries.size(); ++r) identity = entries[r] == static_cast<int64_t>(r);
+    const at::Tensor index = identity ? at::Tensor() : at::tensor(entries, at::kLong).to(prompt_cross_bias.device());
     auto rows_of = [&](const at::Tensor& t) { return identity ? t : t.index_select(0, index); };
     cross_keys.clear();
     cross_values.clear();
@@ -340,7 +354,11 @@ class T5Stack : public Module {
       x = x + sa.attend(normed, keys, values, self_bias);
       auto& ca = *b.cross_attention->attention;
       normed = t5_rms_norm(x, b.cross_attention->layer_norm->weight, h_.eps);
-      x = x + ca.attend(normed, state.cross_keys[i], state.cross_values[i], state.cross_bias);
+      // A prompt's G rows (B, 1, D) attend as G queries of one row (B / G, G, D): the same per query.
+      const int64_t g = state.rows_per_prompt;
+      x = x + ca.attend(normed.reshape({-1, g, normed.size(2)}), state.cross_keys[i], state.cross_values[i],
+                        state.cross_bias)
+                  .reshape(normed.sizes());
       auto& ff = *b.feed_forward;
       x = x + ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps));
     }
@@ -509,11 +527,40 @@ class T5Model : public LanguageModel {
     const int64_t capacity = std::max<int64_t>(new_tokens, 1);
     auto state = std::make_unique<T5GenerationState>(decoder->block->items.size(), capacity);
     state->self_bias = decoder->position_bias(capacity, capacity, 0, prompt_ids.device());
-    const at::Tensor encoder_states = encode(prompt_ids, attention_mask);  // once; every step reuses its keys and values
-    for (auto& b : decoder->block->items) {
-      auto& ca = *b->cross_attention->attention;
-      state->prompt_cross_keys.push_back(ca.heads(*ca.k, encoder_states));
-      state->prompt_cross_values.push_back(ca.heads(*ca.v, encoder_states));
+    // The encoder runs once; every step reuses the cross-attention keys and values. Prompts of similar length run
+    // together, each group padded to its own longest prompt only; the keys and values at the rest of the padding
+    // are zeros (the cross-attention mask hides them).
+    const auto groups = prefill_groups(prompt_extents(attention_mask, /*left_padded=*/false));
+    if (groups.size() == 1) {
+      const at::Tensor encoder_states = encode(prompt_ids, attention_mask);
+      for (auto& b : decoder->block->items) {
+        auto& ca = *b->cross_attention->attention;
+        state->prompt_cross_keys.push_back(ca.heads(*ca.k, encoder_states));
+        state->prompt_cross_values.push_back(ca.heads(*ca.v, encoder_states));
+      }
+    } else {
+      const int64_t batch = prompt_ids.size(0), width = prompt_ids.size(1);
+      std::vector<at::Tensor> keys, values;  // per layer (B, S, H * d_kv)
+      for (const auto& group : groups) {
+        const at::Tensor rows = at::tensor(group.rows, at::kLong).to(prompt_ids.device());
+        const at::Tensor encoder_states = encode(prompt_ids.index_select(0, rows).narrow(1, 0, group.width),
+                                                 attention_mask.index_select(0, rows).narrow(1, 0, group.width));
+        for (std::size_t i = 0; i < decoder->block->items.size(); ++i) {
+          auto& ca = *decoder->block->items[i]->cross_attention->attention;
+          const at::Tensor k = ca.k->forward(encoder_states), v = ca.v->forward(encoder_states);
+          if (keys.size() <= i) {
+            keys.push_back(at::zeros({batch, width, k.size(2)}, k.options()));
+            values.push_back(at::zeros({batch, width, v.size(2)}, v.options()));
+          }
+          keys[i].narrow(1, 0, group.width).index_copy_(0, rows, k);
+          values[i].narrow(1, 0, group.width).index_copy_(0, rows, v);
+        }
+      }
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        auto& ca = *decoder->block->items[i]->cross_attention->attention;
+        state->prompt_cross_keys.push_back(ca.split_heads(keys[i]));
+        state->prompt_cross_values.push_back(ca.split_heads(values[i]));
+      }
     }
     state->prompt_cross_bias = padding_bias(attention_mask, shared->weight.scalar_type());
     state->prompt_of_row.resize(static_cast<std::size_t>(prompt_ids.size(0)));

@@ -134,3 +134,20 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tmp_path, parity_tool):
     assert c != a
     greedy = ours_generate(parity_tool, model_dir, tmp_path, PROMPTS, eos, do_sample=True, top_k=1, seed=3)
     assert greedy == transformers_generate(model, PROMPTS, eos, num_beams=1)
+
+
+# Long and short prompts in one batch: trainer prefills them in two groups of similar length (kv_cache.h's
+# prefill_groups), each padded to its own longest prompt; the answers must still be transformers' (one batch padded
+# to the longest prompt). The short prompts above all run as one group.
+LONG_AND_SHORT = [[(7 * i) % 90 + 3 for i in range(40)], [60, 61, 62], [(11 * i) % 80 + 5 for i in range(36)], [9, 4], [40]]
+
+
+@pytest.mark.parametrize("setting", ["greedy", "beams-3"])
+@pytest.mark.parametrize("name", MODELS)
+def test_prompts_prefilled_in_groups_match_transformers(name, setting, tmp_path, parity_tool):
+    model_dir = model_dir_for(name, tmp_path / "model")
+    model = hf_model(model_dir)
+    eos = frequent_token(model)
+    theirs = transformers_generate(model, LONG_AND_SHORT, eos, **SETTINGS[setting])
+    ours = ours_generate(parity_tool, model_dir, tmp_path, LONG_AND_SHORT, eos, **SETTINGS[setting])
+    assert ours == theirs

@@ -3,9 +3,12 @@
 // (The parity with transformers' generate is tests/parity/test_generation.py.)
 #include "models/generation.h"
 
+#include <algorithm>
 #include <set>
+#include <utility>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -50,6 +53,103 @@ TEST(Generation, KvCacheHoldsWhatConcatenationWould) {
       values[layer] = values[layer].index_select(0, index);
     }
     rows = static_cast<int64_t>(picked.size());
+  }
+}
+
+// Prompts are prefilled in groups of similar length (kv_cache.h): runs of the prompts sorted by extent, split
+// only where the padding saved pays for another pass.
+TEST(Generation, PrefillGroupsSplitWhereThePaddingSavedPaysForAPass) {
+  auto widths = [](const std::vector<PrefillGroup>& groups) {
+    std::vector<std::pair<int64_t, std::vector<int64_t>>> out;
+    for (const auto& g : groups) out.emplace_back(g.width, g.rows);
+    return out;
+  };
+  using Groups = std::vector<std::pair<int64_t, std::vector<int64_t>>>;
+  // 4 x 8 padded positions + one pass (64) is cheaper than any split: one group.
+  EXPECT_EQ(widths(prefill_groups({6, 2, 8, 1})), (Groups{{8, {2, 0, 1, 3}}}));
+  // Long and short prompts: (2 x 90 + 64) + (2 x 5 + 64) < 4 x 90 + 64.
+  EXPECT_EQ(widths(prefill_groups({5, 90, 3, 88})), (Groups{{90, {1, 3}}, {5, {0, 2}}}));
+  // A pass costing nothing: every distinct extent runs alone.
+  EXPECT_EQ(widths(prefill_groups({5, 90, 3, 90}, 0)), (Groups{{90, {1, 3}}, {5, {0}}, {3, {2}}}));
+  EXPECT_EQ(prompt_extents(at::tensor({0, 0, 1, 1, 0, 1, 1, 1, 1, 1}, at::kLong).reshape({2, 5}), true),
+            (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(prompt_extents(at::tensor({1, 0, 1, 0, 0, 1, 1, 1, 1, 1}, at::kLong).reshape({2, 5}), false),
+            (std::vector<int64_t>{3, 5}));
+}
+
+// Parts of a batch written into one cache end at the same position, left-padded with zeros, in their rows.
+TEST(Generation, KvCacheWriteRowsPlacesPartsRightAligned) {
+  at::manual_seed(1);
+  KvCache whole(1, 6), long_part(1, 4), short_part(1, 2);
+  const at::Tensor k_long = at::randn({2, 2, 4, 3}), v_long = at::randn({2, 2, 4, 3});
+  const at::Tensor k_short = at::randn({1, 2, 2, 3}), v_short = at::randn({1, 2, 2, 3});
+  long_part.append(0, k_long, v_long);
+  short_part.append(0, k_short, v_short);
+  whole.write_rows(long_part, at::tensor({2, 0}, at::kLong), 3, 4);
+  whole.write_rows(short_part, at::tensor({1}, at::kLong), 3, 4);
+  EXPECT_EQ(whole.length(), 4);
+  // The next position goes after the prompts, in the room the capacity left.
+  const at::Tensor k_next = at::randn({3, 2, 1, 3}), v_next = at::randn({3, 2, 1, 3});
+  const auto [keys, values] = whole.append(0, k_next, v_next);
+  ASSERT_EQ(keys.sizes(), (at::IntArrayRef{3, 2, 5, 3}));
+  EXPECT_TRUE(at::equal(keys[2].narrow(1, 0, 4), k_long[0]));
+  EXPECT_TRUE(at::equal(keys[0].narrow(1, 0, 4), k_long[1]));
+  EXPECT_TRUE(at::equal(values[0].narrow(1, 0, 4), v_long[1]));
+  EXPECT_TRUE(at::equal(keys[1].narrow(1, 2, 2), k_short[0]));
+  EXPECT_TRUE(at::equal(values[1].narrow(1, 2, 2), v_short[0]));
+  EXPECT_TRUE(at::equal(keys[1].narrow(1, 0, 2), at::zeros({2, 2, 3})));
+  EXPECT_TRUE(at::equal(values[1].narrow(1, 0, 2), at::zeros({2, 2, 3})));
+  EXPECT_TRUE(at::equal(keys.narrow(2, 4, 1), k_next));
+}
+
+// A batch of long and short prompts is prefilled in two groups; each row's logits at the prefill and at the
+// decoding steps after it are those of the prompt prefilled alone (one group), and so are the answers.
+TEST(Generation, GroupedPrefillGivesEachPromptWhatItGetsAlone) {
+  std::vector<std::vector<int64_t>> prompts(4);
+  for (int64_t i = 0; i < 70; ++i) prompts[0].push_back(3 + (i * 37) % 190);
+  prompts[1] = {7, 3, 9};
+  for (int64_t i = 0; i < 66; ++i) prompts[2].push_back(5 + (i * 53) % 180);
+  prompts[3] = {40};
+  for (const char* name : {"tiny-t5", "tiny-qwen2"}) {
+    SCOPED_TRACE(name);
+    auto model = test::tiny_model(name);
+    const bool causal = model->family() == ModelFamily::kCausal;
+    // The padded batch as generate_batch builds it: causal prompts on the left, seq2seq ones on the right.
+    auto padded = [&](const std::vector<std::vector<int64_t>>& rows) {
+      std::size_t width = 0;
+      for (const auto& p : rows) width = std::max(width, p.size());
+      at::Tensor ids = at::zeros({static_cast<int64_t>(rows.size()), static_cast<int64_t>(width)}, at::kLong);
+      at::Tensor mask = at::zeros_like(ids);
+      for (std::size_t r = 0; r < rows.size(); ++r) {
+        const auto n = static_cast<int64_t>(rows[r].size());
+        const int64_t first = causal ? static_cast<int64_t>(width) - n : 0;
+        ids[static_cast<int64_t>(r)].narrow(0, first, n).copy_(at::tensor(rows[r], at::kLong));
+        mask[static_cast<int64_t>(r)].narrow(0, first, n).fill_(1);
+      }
+      return std::pair{ids, mask};
+    };
+    const auto [ids, mask] = padded(prompts);
+    ASSERT_EQ(prefill_groups(prompt_extents(mask, causal)).size(), 2u) << "the batch must take the grouped path";
+    at::NoGradGuard no_grad;
+    auto [state, logits] = model->prefill(ids, mask, 3);
+    const at::Tensor next = at::tensor({11, 12, 13, 14}, at::kLong).unsqueeze(1);
+    const at::Tensor step = model->decode_step(*state, next);
+    for (std::size_t r = 0; r < prompts.size(); ++r) {
+      SCOPED_TRACE("prompt " + std::to_string(r));
+      const auto [one_ids, one_mask] = padded({prompts[r]});
+      auto [one_state, one_logits] = model->prefill(one_ids, one_mask, 3);
+      const at::Tensor one_step = model->decode_step(*one_state, next[static_cast<int64_t>(r)].unsqueeze(0));
+      EXPECT_TRUE(at::allclose(logits[static_cast<int64_t>(r)], one_logits[0], 1e-5, 1e-5));
+      EXPECT_TRUE(at::allclose(step[static_cast<int64_t>(r)], one_step[0], 1e-5, 1e-5));
+    }
+    for (const int64_t beams : {1, 3}) {
+      GenerateOptions options;
+      options.max_new_tokens = 6;
+      options.num_beams = beams;
+      const auto together = generate_batch(*model, prompts, options);
+      for (std::size_t i = 0; i < prompts.size(); ++i)
+        EXPECT_EQ(together[i], generate_batch(*model, {prompts[i]}, options).front()) << "beams " << beams << " prompt " << i;
+    }
   }
 }
 
