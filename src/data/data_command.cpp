@@ -9,8 +9,11 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <ostream>
 #include <span>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -148,6 +151,16 @@ std::string mark_trained(const Tokenizer& tokenizer, const Example& example) {
   return marked;
 }
 
+// Appends ids as a JSON list, as nlohmann's dump() writes one ("[1,2,-100]"), without a JSON value per id.
+void append_ids(std::string& out, const std::vector<std::int32_t>& ids) {
+  out += '[';
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (i > 0) out += ',';
+    fmt::format_to(std::back_inserter(out), "{}", ids[i]);
+  }
+  out += ']';
+}
+
 // `trainer data --dump`: the first `count` examples of `path`, in file order, one JSON object per line.
 void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily family,
                    const DataCommandOptions& options, std::ostream& out) {
@@ -170,11 +183,22 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
     } else if (outcome.kind == data::OutcomeKind::kOverlengthSkipped) {
       entry["skipped"] = outcome.problem;
     } else {
-      entry["input_ids"] = outcome.example.input_ids;
-      entry["labels"] = outcome.example.labels;
-      if (outcome.truncated) entry["truncated"] = true;
-      if (!outcome.chat_text.empty()) entry["text"] = outcome.chat_text;
+      // Written directly, the bytes entry.dump() would write: the ids are most of the output.
+      std::string json_line = entry.dump();
+      json_line.pop_back();  // the closing brace
+      json_line += ",\"input_ids\":";
+      append_ids(json_line, outcome.example.input_ids);
+      json_line += ",\"labels\":";
+      append_ids(json_line, outcome.example.labels);
+      if (outcome.truncated) json_line += ",\"truncated\":true";
+      if (!outcome.chat_text.empty()) {
+        json_line += ",\"text\":";
+        json_line += nlohmann::ordered_json(outcome.chat_text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      }
+      json_line += "}\n";
+      out << json_line;
       ++written;
+      continue;
     }
     out << entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   }
