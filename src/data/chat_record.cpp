@@ -144,7 +144,9 @@ std::optional<TokenRanges> token_byte_ranges(const Tokenizer& tokenizer, std::st
   while (k < ids.size()) {
     if (table != nullptr && ids[k] >= 0 && static_cast<std::size_t>(ids[k]) < table->size()) {
       const std::string& bytes = (*table)[static_cast<std::size_t>(ids[k])];
-      if (!bytes.empty() && text.compare(pos, bytes.size(), bytes) == 0 && tokenizer_detail::is_valid_utf8(bytes)) {
+      const bool ascii = std::all_of(bytes.begin(), bytes.end(), [](char c) { return (c & 0x80) == 0; });
+      if (!bytes.empty() && text.compare(pos, bytes.size(), bytes) == 0 &&
+          (ascii || tokenizer_detail::is_valid_utf8(bytes))) {
         ranges.emplace_back(pos, pos + bytes.size());
         pos += bytes.size();
         ++k;
