@@ -204,7 +204,8 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
       if (outcome.truncated) buffer += ",\"truncated\":true";
       if (!outcome.chat_text.empty()) {
         buffer += ",\"text\":";
-        buffer += nlohmann::ordered_json(outcome.chat_text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        buffer += nlohmann::ordered_json(outcome.chat_text)
+                      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
       }
       buffer += '}';
       ++written;
