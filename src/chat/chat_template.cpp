@@ -187,7 +187,12 @@ std::vector<Span> Conversation::assistant_spans_by_prefix(const Template& chat_t
     const auto& message = messages[i];
     if (!message.is_object() || message.value("role", "") != "assistant") continue;
     const std::string prompt = render_first(chat_template, i, /*add_generation_prompt=*/true).text;
-    const std::string turn = render_first(chat_template, i + 1, /*add_generation_prompt=*/false).text;
+    // The last message's turn without the generation prompt is the whole conversation's rendering when that has
+    // none either: it is not rendered again.
+    const bool turn_is_full = i + 1 == message_count_ && !options_.add_generation_prompt;
+    std::string turn_rendered;
+    if (!turn_is_full) turn_rendered = render_first(chat_template, i + 1, /*add_generation_prompt=*/false).text;
+    const std::string_view turn = turn_is_full ? full : std::string_view(turn_rendered);
     const std::string which = "assistant message " + std::to_string(i);
     if (turn.compare(0, prompt.size(), prompt) != 0 || turn.size() < prompt.size()) {
       throw ChatDataError("cannot find the span of " + which +

@@ -10,6 +10,8 @@
 #include <sstream>
 
 #include "chat/chat_template.h"
+#include "tokenizer/token_bytes.h"
+#include "tokenizer/unicode.h"
 #include "trainer/errors.h"
 
 namespace trainer::data {
@@ -136,7 +138,21 @@ std::optional<TokenRanges> token_byte_ranges(const Tokenizer& tokenizer, std::st
   ranges.reserve(ids.size());
   const std::span<const std::int32_t> all(ids);
   std::size_t pos = 0, k = 0;
+  // Byte-level BPE: a token whose bytes are whole UTF-8 characters decodes to exactly those bytes, so it is placed
+  // without decoding; the others take the decoding path below.
+  const std::vector<std::string>* table = tokenizer_detail::decoded_token_bytes(tokenizer);
   while (k < ids.size()) {
+    if (table != nullptr && ids[k] >= 0 && static_cast<std::size_t>(ids[k]) < table->size()) {
+      const std::string& bytes = (*table)[static_cast<std::size_t>(ids[k])];
+      const bool ascii = std::all_of(bytes.begin(), bytes.end(), [](char c) { return (c & 0x80) == 0; });
+      if (!bytes.empty() && text.compare(pos, bytes.size(), bytes) == 0 &&
+          (ascii || tokenizer_detail::is_valid_utf8(bytes))) {
+        ranges.emplace_back(pos, pos + bytes.size());
+        pos += bytes.size();
+        ++k;
+        continue;
+      }
+    }
     // A token that holds part of a UTF-8 character decodes only together with the tokens that complete it (at most
     // four bytes, so at most four tokens).
     bool placed = false;

@@ -6,11 +6,14 @@
 // so a user sees exactly what is trained; the pass prints the first chat record with its trained tokens marked.
 #include <sys/resource.h>
 
+#include <charconv>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <ostream>
 #include <span>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -148,6 +151,18 @@ std::string mark_trained(const Tokenizer& tokenizer, const Example& example) {
   return marked;
 }
 
+// Appends ids as a JSON list, as nlohmann's dump() writes one ("[1,2,-100]"), without a JSON value per id.
+void append_ids(std::string& out, const std::vector<std::int32_t>& ids) {
+  out += '[';
+  char digits[16];
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (i > 0) out += ',';
+    const auto written = std::to_chars(digits, digits + sizeof digits, ids[i]);
+    out.append(digits, written.ptr);
+  }
+  out += ']';
+}
+
 // `trainer data --dump`: the first `count` examples of `path`, in file order, one JSON object per line.
 void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily family,
                    const DataCommandOptions& options, std::ostream& out) {
@@ -157,27 +172,48 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
   std::string record;
   std::uint64_t line = 0, offset = 0;
   int64_t written = 0;
+  // Lines are gathered and written a megabyte at a time; what was gathered is written before an error stops the dump.
+  std::string buffer;
+  const auto flush = [&] {
+    out.write(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    buffer.clear();
+  };
   while (written < options.dump && reader.next(record, line, offset)) {
     const data::Outcome outcome = data::map_record(record, spec, tokenizer);
-    const std::string where = options.dump_file + ":" + std::to_string(line);
     nlohmann::ordered_json entry = {{"line", line}};
     if (outcome.kind == data::OutcomeKind::kBadRecord) {
-      if (config.data.on_bad_record == BadRecordPolicy::kError || outcome.fatal)
-        throw DataError(where + ": " + outcome.problem,
+      if (config.data.on_bad_record == BadRecordPolicy::kError || outcome.fatal) {
+        flush();
+        throw DataError(options.dump_file + ":" + std::to_string(line) + ": " + outcome.problem,
                         !outcome.hint.empty() ? outcome.hint
                                               : "fix or remove the record, or set data.on_bad_record = \"skip\"");
+      }
       entry["skipped"] = outcome.problem;
+      buffer += entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     } else if (outcome.kind == data::OutcomeKind::kOverlengthSkipped) {
       entry["skipped"] = outcome.problem;
+      buffer += entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     } else {
-      entry["input_ids"] = outcome.example.input_ids;
-      entry["labels"] = outcome.example.labels;
-      if (outcome.truncated) entry["truncated"] = true;
-      if (!outcome.chat_text.empty()) entry["text"] = outcome.chat_text;
+      // Written directly, the bytes entry.dump() would write: the ids are most of the output.
+      buffer += entry.dump();
+      buffer.pop_back();  // the closing brace
+      buffer += ",\"input_ids\":";
+      append_ids(buffer, outcome.example.input_ids);
+      buffer += ",\"labels\":";
+      append_ids(buffer, outcome.example.labels);
+      if (outcome.truncated) buffer += ",\"truncated\":true";
+      if (!outcome.chat_text.empty()) {
+        buffer += ",\"text\":";
+        buffer += nlohmann::ordered_json(outcome.chat_text)
+                      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      }
+      buffer += '}';
       ++written;
     }
-    out << entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    buffer += '\n';
+    if (buffer.size() >= (1u << 20)) flush();
   }
+  flush();
 }
 
 // The first chat record among the first lines of the first train file, with its trained tokens marked.

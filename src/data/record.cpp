@@ -247,6 +247,13 @@ std::size_t find_invalid_utf8(std::string_view text) {
 Outcome map_record(std::string_view line, const MappingSpec& spec, const Tokenizer& tokenizer) {
   if (const std::size_t at = find_invalid_utf8(line); at != std::string_view::npos)
     return bad("invalid UTF-8 at byte " + std::to_string(at + 1) + " of the line");
+  // A chat record is parsed once, with its keys in their order (templates write tools and tool-call arguments as
+  // given, tojson); anything else, and any line that does not parse, takes the path below.
+  if (line.find(std::string_view("\"messages\"")) != std::string_view::npos) {
+    nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (ordered.is_object() && !ordered.contains("input_ids") && ordered.contains(kMessagesField))
+      return map_chat(ordered, spec, tokenizer);
+  }
   json record;
   try {
     record = json::parse(line);

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "tokenizer/regex.h"
+#include "tokenizer/token_bytes.h"
 #include "tokenizer/tokenizer_files.h"
 #include "tokenizer/unicode.h"
 #include "trainer/errors.h"
@@ -270,6 +271,7 @@ class BpeTokenizer final : public Tokenizer {
   }
   SpecialTokenTemplate special_token_template() const override { return template_; }
   const std::string& source() const override { return source_; }
+  const std::vector<std::string>& token_bytes() const { return token_bytes_; }
 
  private:
   [[noreturn]] void unsupported(const std::string& what, const std::string& supported) const {
@@ -746,6 +748,11 @@ class BpeTokenizer final : public Tokenizer {
 };
 
 }  // namespace
+
+const std::vector<std::string>* decoded_token_bytes(const Tokenizer& tokenizer) {
+  const auto* bpe = dynamic_cast<const BpeTokenizer*>(&tokenizer);
+  return bpe ? &bpe->token_bytes() : nullptr;
+}
 
 std::unique_ptr<Tokenizer> load_bpe_json(const std::string& file, const SideFiles& side) {
   return std::make_unique<BpeTokenizer>(file, side);

@@ -42,6 +42,69 @@ TEST(ChatTemplate, PrefixSpansAgreeWithGenerationSpans) {
   EXPECT_EQ(spans[1].first, r.generation_spans[1].first);
 }
 
+// What assistant_spans_by_prefix computes, rendered the long way: for each assistant message, the conversation before
+// it with the generation prompt, and the conversation through it without, each rendered on its own.
+std::vector<Span> spans_rendering_every_prefix(const Template& t, const ordered_json& messages,
+                                               const ChatOptions& options) {
+  const std::string full = render_chat(t, messages, options).text;
+  std::vector<Span> spans;
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    if (messages[i]["role"] != "assistant") continue;
+    ChatOptions with_prompt = options, without = options;
+    with_prompt.add_generation_prompt = true;
+    without.add_generation_prompt = false;
+    const std::string prompt =
+        render_chat(t, ordered_json(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(i)), with_prompt)
+            .text;
+    const std::string turn =
+        render_chat(t, ordered_json(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(i + 1)), without)
+            .text;
+    EXPECT_EQ(turn.compare(0, prompt.size(), prompt), 0);
+    std::size_t end = prompt.size();
+    while (end < turn.size() && end < full.size() && turn[end] == full[end]) ++end;
+    while (end > prompt.size() && end < full.size() && (static_cast<unsigned char>(full[end]) & 0xC0) == 0x80) --end;
+    spans.emplace_back(prompt.size(), end);
+  }
+  return spans;
+}
+
+TEST(ChatTemplate, PrefixSpansEqualRenderingEveryPrefixOnItsOwn) {
+  // ChatML; Phi-3's shape (eos_token after the last turn unless a generation prompt follows); Llama 2's (content
+  // stripped, the answer after " " and closed by eos_token).
+  const std::vector<std::string> templates = {
+      kChatml,
+      "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}",
+      "{% for m in messages %}{% if m.role == 'user' %}{{ bos_token + '[INST] ' + m.content | trim + ' [/INST]' }}"
+      "{% else %}{{ ' ' + m.content | trim + ' ' + eos_token }}{% endif %}{% endfor %}",
+  };
+  const std::vector<ordered_json> conversations = {
+      conversation(),
+      ordered_json::parse(R"([{"role": "user", "content": "a"}, {"role": "assistant", "content": " b "}])"),
+      ordered_json::parse(R"([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                              {"role": "user", "content": "c"}])"),
+      ordered_json::parse(R"([{"role": "user", "content": "日本"}, {"role": "assistant", "content": "語"},
+                              {"role": "user", "content": "ü"}, {"role": "assistant", "content": ""},
+                              {"role": "user", "content": "x"}, {"role": "assistant", "content": "🍲"}])"),
+  };
+  int compared = 0;
+  for (const std::string& source : templates) {
+    const Template t(source);
+    for (const ordered_json& messages : conversations) {
+      for (const bool add_generation_prompt : {false, true}) {
+        ChatOptions options;
+        options.add_generation_prompt = add_generation_prompt;
+        options.special_tokens = {{"bos_token", "<s>"}, {"eos_token", "</s>"}};
+        const auto expected = spans_rendering_every_prefix(t, messages, options);
+        EXPECT_EQ(assistant_spans_by_prefix(t, messages, options), expected)
+            << source << "\n" << messages.dump() << " add_generation_prompt=" << add_generation_prompt;
+        ++compared;
+      }
+    }
+  }
+  EXPECT_EQ(compared, 24);
+}
+
 TEST(ChatTemplate, PrefixSpansFailWithAHintWhenTheTemplateRewritesEarlierTurns) {
   Template t("{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content }};{% endfor %}");
   try {

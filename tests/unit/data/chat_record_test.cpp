@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "data/chat_record.h"
+#include "tokenizer/token_bytes.h"
+#include "tokenizer/unicode.h"
 #include "train/resume_check.h"
 #include "unit/data/data_test_support.h"
 
@@ -288,6 +290,80 @@ TEST(ChatRecord, FingerprintCoversTrainOnAndTheTemplate) {
   changes = data_changes(before, data_fingerprint(config, qwen2_tokenizer()), warnings);
   ASSERT_EQ(changes.size(), 1u);
   EXPECT_NE(changes[0].find("the chat template changed"), std::string::npos) << changes[0];
+}
+
+// The same tokenizer seen only through the Tokenizer interface: no byte table, so token_byte_ranges decodes each
+// token (the method the byte table must agree with).
+class DecodeOnlyTokenizer final : public Tokenizer {
+ public:
+  explicit DecodeOnlyTokenizer(const Tokenizer& inner) : inner_(inner) {}
+  std::vector<std::int32_t> encode(std::string_view text) const override { return inner_.encode(text); }
+  std::string decode(std::span<const std::int32_t> ids, bool skip_special) const override {
+    return inner_.decode(ids, skip_special);
+  }
+  std::int64_t vocab_size() const override { return inner_.vocab_size(); }
+  std::optional<std::int32_t> eos_id() const override { return inner_.eos_id(); }
+  std::optional<std::int32_t> pad_id() const override { return inner_.pad_id(); }
+  std::optional<std::int32_t> bos_id() const override { return inner_.bos_id(); }
+  std::optional<std::int32_t> token_to_id(std::string_view token) const override { return inner_.token_to_id(token); }
+  SpecialTokenTemplate special_token_template() const override { return inner_.special_token_template(); }
+  const std::string& source() const override { return inner_.source(); }
+
+ private:
+  const Tokenizer& inner_;
+};
+
+TEST(ChatRecord, TokenRangesFromTheByteTableEqualDecodingEachToken) {
+  const Tokenizer& tok = qwen2_tokenizer();
+  const DecodeOnlyTokenizer decoding(tok);
+  ASSERT_NE(tokenizer_detail::decoded_token_bytes(tok), nullptr) << "the byte-level BPE must take the fast path";
+  ASSERT_EQ(tokenizer_detail::decoded_token_bytes(decoding), nullptr);
+  const std::vector<std::string> texts = {
+      "<|im_start|>user\nCafé 日本語 ok<|im_end|>\n<|im_start|>assistant\nSure.<|im_end|>\n",
+      "emoji 🍲🔥 and 👩‍🍳 mixed with ü, ß, ø and 中文字符 after spaces   \t\n\n",
+      "Здравствуйте! Γειά σου. مرحبا. שלום. नमस्ते. 😀😃😄😁",
+      "<|endoftext|><|im_start|><|im_end|>   <|im_end|>x",
+      "a\u00a0b\u2028c\u200bd \xef\xbf\xbd replacement char",
+      "",
+  };
+  std::size_t split_characters = 0;
+  const auto* table = tokenizer_detail::decoded_token_bytes(tok);
+  for (const std::string& text : texts) {
+    const auto ids = tok.encode(text);
+    for (const std::int32_t id : ids)
+      if (!tokenizer_detail::is_valid_utf8((*table)[static_cast<std::size_t>(id)])) ++split_characters;
+    const auto fast = token_byte_ranges(tok, text, ids);
+    const auto slow = token_byte_ranges(decoding, text, ids);
+    ASSERT_EQ(fast.has_value(), slow.has_value()) << text;
+    if (fast) EXPECT_EQ(*fast, *slow) << text;
+    // Where the tokens do not spell the text, both say so.
+    const std::string other = text + "!";
+    EXPECT_EQ(token_byte_ranges(tok, other, ids).has_value(), token_byte_ranges(decoding, other, ids).has_value());
+  }
+  EXPECT_GT(split_characters, 0u) << "some token must hold part of a character, so the decoding path is exercised";
+}
+
+TEST(ChatRecord, OnlyObjectsWithMessagesAndNoInputIdsAreChatRecords) {
+  ChatFixture f(kChatml);
+  f.spec.text_field = "text";
+  // "messages" inside a text record's text: a text record.
+  const Outcome text = map_record(R"({"text": "the \"messages\": field"})", f.spec, qwen2_tokenizer());
+  ASSERT_EQ(text.kind, OutcomeKind::kExample) << text.problem;
+  EXPECT_EQ(text.example.input_ids, encode_for_training(qwen2_tokenizer(), "the \"messages\": field", true));
+  // input_ids take precedence over messages (a pre-tokenized record).
+  const Outcome ids =
+      map_record(R"({"messages": [{"role": "user", "content": "a"}], "input_ids": [5, 6, 7]})", f.spec,
+                 qwen2_tokenizer());
+  ASSERT_EQ(ids.kind, OutcomeKind::kExample) << ids.problem;
+  EXPECT_EQ(ids.example.input_ids, (std::vector<std::int32_t>{5, 6, 7}));
+  // A broken line that names messages is reported as invalid JSON, as any other.
+  const Outcome broken = map_record(R"({"messages": [)", f.spec, qwen2_tokenizer());
+  ASSERT_EQ(broken.kind, OutcomeKind::kBadRecord);
+  EXPECT_NE(broken.problem.find("invalid JSON"), std::string::npos) << broken.problem;
+  // A list naming messages is not an object.
+  const Outcome list = map_record(R"(["messages"])", f.spec, qwen2_tokenizer());
+  ASSERT_EQ(list.kind, OutcomeKind::kBadRecord);
+  EXPECT_NE(list.problem.find("not an object"), std::string::npos) << list.problem;
 }
 
 }  // namespace
