@@ -136,25 +136,32 @@ std::optional<TokenRanges> token_byte_ranges(const Tokenizer& tokenizer, std::st
                                              const std::vector<std::int32_t>& ids) {
   TokenRanges ranges;
   ranges.reserve(ids.size());
-  const std::span<const std::int32_t> all(ids);
   std::size_t pos = 0, k = 0;
-  // Byte-level BPE: a token whose bytes are whole UTF-8 characters decodes to exactly those bytes, so it is placed
-  // without decoding; the others take the decoding path below.
-  const std::vector<std::string>* table = tokenizer_detail::decoded_token_bytes(tokenizer);
-  while (k < ids.size()) {
-    if (table != nullptr && ids[k] >= 0 && static_cast<std::size_t>(ids[k]) < table->size()) {
-      const std::string& bytes = (*table)[static_cast<std::size_t>(ids[k])];
-      const bool ascii = std::all_of(bytes.begin(), bytes.end(), [](char c) { return (c & 0x80) == 0; });
-      if (!bytes.empty() && text.compare(pos, bytes.size(), bytes) == 0 &&
-          (ascii || tokenizer_detail::is_valid_utf8(bytes))) {
-        ranges.emplace_back(pos, pos + bytes.size());
+  // Byte-level BPE: the tokens' bytes, joined, are the text. A token is placed on its bytes; tokens that hold parts
+  // of one UTF-8 character are placed together on the whole characters they cover (as transformers' offsets place
+  // them), so no decoding is needed, and a text holding U+FFFD itself is placed like any other.
+  if (const std::vector<std::string>* table = tokenizer_detail::decoded_token_bytes(tokenizer)) {
+    const auto continuation = [&](std::size_t at) {
+      return at < text.size() && (static_cast<unsigned char>(text[at]) & 0xC0) == 0x80;
+    };
+    while (k < ids.size()) {
+      const std::size_t first = k, begin = pos;
+      do {
+        if (ids[k] < 0 || static_cast<std::size_t>(ids[k]) >= table->size()) return std::nullopt;
+        const std::string& bytes = (*table)[static_cast<std::size_t>(ids[k])];
+        if (bytes.empty() || text.compare(pos, bytes.size(), bytes) != 0) return std::nullopt;
         pos += bytes.size();
         ++k;
-        continue;
-      }
+      } while (continuation(pos) && k < ids.size());
+      for (std::size_t j = first; j < k; ++j) ranges.emplace_back(begin, pos);
     }
-    // A token that holds part of a UTF-8 character decodes only together with the tokens that complete it (at most
-    // four bytes, so at most four tokens).
+    if (pos != text.size()) return std::nullopt;
+    return ranges;
+  }
+  // Other tokenizers: decoding. A token that holds part of a UTF-8 character decodes only together with the tokens
+  // that complete it (at most four bytes, so at most four tokens).
+  const std::span<const std::int32_t> all(ids);
+  while (k < ids.size()) {
     bool placed = false;
     for (std::size_t n = 1; n <= 4 && k + n <= ids.size() && !placed; ++n) {
       const std::string piece = tokenizer.decode(all.subspan(k, n), /*skip_special=*/false);

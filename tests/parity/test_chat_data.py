@@ -30,6 +30,10 @@ def conversations(template):
     out.append(("recipe", [{"role": "user", "content": "Soup?"}, {"role": "assistant", "content": "Boil water."},
                            {"role": "user", "content": "Then?"}, {"role": "assistant", "content": "Crème brûlée 🍮."}],
                 None))
+    # U+FFFD in the text itself, split over byte-level tokens, at a span's edges and inside it.
+    out.append(("replacement-char", [{"role": "user", "content": "Why \ufffd?"},
+                                     {"role": "assistant", "content": "\ufffd means a byte was lost \ufffd\ufffd"}],
+                None))
     return [(name, messages, tools) for name, messages, tools in out
             if any(m["role"] == "assistant" for m in messages) and messages[0]["role"] != "assistant"]
 

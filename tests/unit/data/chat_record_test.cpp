@@ -334,8 +334,13 @@ TEST(ChatRecord, TokenRangesFromTheByteTableEqualDecodingEachToken) {
       if (!tokenizer_detail::is_valid_utf8((*table)[static_cast<std::size_t>(id)])) ++split_characters;
     const auto fast = token_byte_ranges(tok, text, ids);
     const auto slow = token_byte_ranges(decoding, text, ids);
-    ASSERT_EQ(fast.has_value(), slow.has_value()) << text;
-    if (fast) EXPECT_EQ(*fast, *slow) << text;
+    ASSERT_TRUE(fast.has_value()) << "the byte table places every text its tokens spell: " << text;
+    if (slow) {
+      EXPECT_EQ(*fast, *slow) << text;
+    }
+    // Decoding cannot place a U+FFFD of the text that the tokens split (the partial token decodes to U+FFFD too):
+    // the byte table can, and covers the character with both tokens.
+    EXPECT_EQ(slow.has_value(), text.find("\xef\xbf\xbd") == std::string::npos) << text;
     // Where the tokens do not spell the text, both say so.
     const std::string other = text + "!";
     EXPECT_EQ(token_byte_ranges(tok, other, ids).has_value(), token_byte_ranges(decoding, other, ids).has_value());
