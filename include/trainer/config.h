@@ -142,6 +142,13 @@ enum class OomPolicy { kAdapt, kFail };
 inline constexpr EnumName<OomPolicy> kOomPolicyNames[] = {{OomPolicy::kAdapt, "adapt"}, {OomPolicy::kFail, "fail"}};
 inline std::span<const EnumName<OomPolicy>> enum_names(OomPolicy) { return kOomPolicyNames; }
 
+// model.quantize's frozen 4-bit weights: dequantized on every use (forward, and again in backward), or dequantized
+// once and kept resident in the compute dtype while the memory budget allows (auto: the planner decides).
+enum class DequantizedBase { kAuto, kKeep, kPerUse };
+inline constexpr EnumName<DequantizedBase> kDequantizedBaseNames[] = {
+    {DequantizedBase::kAuto, "auto"}, {DequantizedBase::kKeep, "keep"}, {DequantizedBase::kPerUse, "per_use"}};
+inline std::span<const EnumName<DequantizedBase>> enum_names(DequantizedBase) { return kDequantizedBaseNames; }
+
 enum class LogLevel { kTrace, kDebug, kInfo, kWarn, kError };
 inline constexpr EnumName<LogLevel> kLogLevelNames[] = {{LogLevel::kTrace, "trace"},
                                                         {LogLevel::kDebug, "debug"},
@@ -499,6 +506,7 @@ struct MemoryConfig {
   std::int64_t empty_cache_every = 0;
   std::string allocator_conf;
   bool snapshot_on_oom = false;
+  DequantizedBase dequantized_base = DequantizedBase::kAuto;
 
   template <class V>
   void visit(V& v) {
@@ -518,6 +526,10 @@ struct MemoryConfig {
     v("empty_cache_every", empty_cache_every, "release cached device memory every N steps; 0: only after an OOM");
     v("allocator_conf", allocator_conf, "exported as PYTORCH_ALLOC_CONF unless it is set, e.g. expandable_segments:True");
     v("snapshot_on_oom", snapshot_on_oom, "CUDA builds: record allocations and dump a memory_viz snapshot on OOM");
+    v("dequantized_base", dequantized_base,
+      "model.quantize: keep (every 4-bit weight dequantized once and kept in the compute dtype: faster steps, the "
+      "full-precision size resident), per_use (dequantized for each forward and backward: the 4-bit size), auto "
+      "(keep when the memory plan fits with the copies, else per_use)");
   }
   bool operator==(const MemoryConfig&) const = default;
 };

@@ -6,7 +6,8 @@
     scripts/bench/qlora.py --parts adapters
 
 1. adapters: LoRA (r 16, alpha 32, every linear layer of the blocks) over a full-precision base and over an NF4
-   base with double quantization (block 64), by trainer (model.quantize=nf4) and by transformers + PEFT (+
+   base with double quantization (block 64), by trainer (model.quantize=nf4; memory.dequantized_base auto, which
+   keeps the dequantized base here, and per_use) and by transformers + PEFT (+
    bitsandbytes' Linear4bit for QLoRA): the same saved weights (written once by transformers with a fixed seed),
    the same JSONL in file order, the same batch of 8 rows without gradient accumulation, fp32 compute, AdamW lr
    1e-4 with linear decay, no gradient checkpointing on either side. Target tokens per step are counted on both
@@ -15,6 +16,8 @@
 2. int8 state: a full fine-tune by trainer with optimizer.state_dtype fp32 against int8 (bitsandbytes' AdamW8bit
    layout): the bytes held between steps (weights, gradients, optimizer state: metrics.jsonl's memory_allocated),
    and the seconds per step.
+3. dequant: bitsandbytes' dequantize_4bit over the model's linear layers (twice a step when dequantized per use,
+   on both sides) against the matmuls of those layers at --rows padded tokens a row.
 Pairs run alternately (the order flips each repetition); medians. No timed assertions: a table to read.
 """
 import argparse
@@ -43,9 +46,11 @@ def weights_dir(name):
     return path
 
 
-def ours(path, data, out, steps, batch, quantize=None, lora=True, state_dtype="fp32"):
+def ours(path, data, out, steps, batch, quantize=None, lora=True, state_dtype="fp32", dequantized_base=None):
     sections = dict(optimizer={"lr": LR, "state_dtype": state_dtype}, training={"micro_batch_size": batch})
     sections["model"] = {"init": "pretrained", **({"quantize": quantize} if quantize else {})}
+    if dequantized_base:
+        sections["memory"] = {"dequantized_base": dequantized_base}
     if lora:
         sections["lora"] = {"enabled": True, "r": LORA["r"], "alpha": LORA["alpha"], "dropout": 0.0,
                             "target_modules": TARGETS}
@@ -79,6 +84,8 @@ def adapters(args, path, data):
     sides = {
         "trainer LoRA": lambda out: ours(path, data, out, args.steps, args.batch),
         "trainer QLoRA (nf4)": lambda out: ours(path, data, out, args.steps, args.batch, quantize="nf4"),
+        "trainer QLoRA (nf4 per_use)": lambda out: ours(path, data, out, args.steps, args.batch, quantize="nf4",
+                                                        dequantized_base="per_use"),
         "transformers + PEFT LoRA": lambda out: theirs(path, data, out, args.steps, args.batch),
         "transformers + PEFT + bitsandbytes QLoRA": lambda out: theirs(path, data, out, args.steps, args.batch,
                                                                        quantize="nf4"),
@@ -119,6 +126,11 @@ def adapters(args, path, data):
           f"{ratio(best['trainer QLoRA (nf4)'], best['transformers + PEFT + bitsandbytes QLoRA'])} target tokens/s, "
           f"peak RSS {median(q_ours['rss']) / MIB:.0f} against {median(q_theirs['rss']) / MIB:.0f} MiB "
           f"(goal: at least 1.3x at no more memory)")
+    per_use = "trainer QLoRA (nf4 per_use)"
+    print(f"- trainer QLoRA dequantized per use (memory.dequantized_base=per_use) against transformers + PEFT + "
+          f"bitsandbytes: {ratio(best[per_use], best['transformers + PEFT + bitsandbytes QLoRA'])} target tokens/s, "
+          f"peak RSS {median(results[per_use]['rss']) / MIB:.0f} MiB; the default (auto: kept here) against it: "
+          f"{ratio(best['trainer QLoRA (nf4)'], best[per_use])}")
     print(f"- trainer QLoRA against trainer LoRA: {ratio(best['trainer QLoRA (nf4)'], best['trainer LoRA'])} "
           f"target tokens/s, tracked peak {median(q_ours['tracked']) / MIB:.0f} against "
           f"{median(results['trainer LoRA']['tracked']) / MIB:.0f} MiB")
@@ -152,6 +164,57 @@ def int8_state(args, path, data):
     return results
 
 
+def dequant_cost(args, path, data):
+    """What dequantizing on every use costs a step, both sides (they call the same bitsandbytes kernel): the seconds
+    of dequantize_4bit (NF4, double quantization, fp32 out) over every linear layer of the blocks, twice (forward and
+    backward), against the seconds of those layers' own matmuls at the step's rows (x W^T in forward, grad W in
+    backward; the frozen weight gets no gradient)."""
+    import time
+
+    import bitsandbytes.functional as bnbf
+    import torch
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(path)
+    h, i, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)] * c.num_hidden_layers
+    rows = args.batch * args.rows
+    torch.manual_seed(0)
+    weights = [torch.randn(o, n) * 0.02 for o, n in shapes]
+    quantized = [bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4") for w in weights]
+
+    def timed(fn):
+        fn()
+        best = None
+        for _ in range(args.repeats + 2):
+            t = time.perf_counter()
+            fn()
+            best = min(best or 1e9, time.perf_counter() - t)
+        return best
+
+    # Each result is dropped at once, as in a step (the allocator reuses the memory: no fresh pages each time).
+    def each(fn, items):
+        return lambda: [fn(*item) is None for item in items]
+
+    dequant = timed(each(bnbf.dequantize_4bit, quantized))
+    xs = [torch.randn(rows, n) for _, n in shapes]
+    gs = [torch.randn(rows, o) for o, _ in shapes]
+    forward = timed(each(torch.nn.functional.linear, list(zip(xs, weights))))
+    backward = timed(each(torch.matmul, list(zip(gs, weights))))
+    elements = sum(o * n for o, n in shapes)
+    print()
+    print(f"### Dequantizing per use against the matmuls it feeds: {args.model}, {len(shapes)} linear layers "
+          f"({elements / 1e6:.1f}M weights), {rows} rows a step, {torch.get_num_threads()} threads, best of "
+          f"{args.repeats + 2}")
+    print()
+    print(table(["per step", "seconds"], [
+        ["bitsandbytes dequantize_4bit (nf4, fp32), every layer x 2 (forward + backward)", f"{2 * dequant:.3f}"],
+        ["the layers' forward matmuls x W^T", f"{forward:.3f}"],
+        ["the layers' backward matmuls grad W", f"{backward:.3f}"],
+    ]))
+    print()
+    print(f"- per-use dequantization adds {2 * dequant / (forward + backward):.0%} to those layers' matmul time")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2-100m", choices=["qwen2-100m", "tiny-qwen2"])
@@ -159,7 +222,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--parts", nargs="+", default=["adapters", "int8"], choices=["adapters", "int8"])
+    parser.add_argument("--parts", nargs="+", default=["adapters", "int8"], choices=["adapters", "int8", "dequant"])
+    parser.add_argument("--rows", type=int, default=128, help="dequant: padded tokens a row (rows x batch a step)")
     parser.add_argument("--quick", action="store_true", help="the tiny Qwen2, 5 steps, one repeat")
     args = parser.parse_args()
     if args.quick:
@@ -171,6 +235,8 @@ def main():
         adapters(args, path, data)
     if "int8" in args.parts:
         int8_state(args, path, data)
+    if "dequant" in args.parts:
+        dequant_cost(args, path, data)
 
 
 if __name__ == "__main__":

@@ -317,7 +317,82 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   plan.capacity_source = capacity_source;
   plan.safety_margin = config.memory.auto_safety_margin;
   plan.batch_size = config.training.batch_size;
+  if (quantize) {
+    // In the dtype of the layers' inputs: bf16 with precision.mode=bf16, fp32 otherwise (models/linear4bit.h).
+    plan.dequantized_base = quantized_elements * (mode == PrecisionMode::kBf16 ? 2.0 : 4.0);
+    plan.keeps_dequantized_base =
+        keep_dequantized_base(plan, config, plan.dequantized_base, plan.dequantized_base_reason);
+    if (plan.keeps_dequantized_base) plan.weights += plan.dequantized_base;
+  }
   return plan;
+}
+
+namespace {
+
+double ram_bytes() {
+  return static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+}
+
+}  // namespace
+
+bool keep_dequantized_base(const MemoryPlan& plan, const Config& config, double copies, std::string& reason) {
+  const std::string size = human_bytes(copies);
+  if (config.memory.dequantized_base == DequantizedBase::kPerUse) {
+    reason = "dequantized on every use (memory.dequantized_base=per_use; kept they would take " + size + ")";
+    return false;
+  }
+  if (config.memory.dequantized_base == DequantizedBase::kKeep) {
+    reason = "dequantized once and kept, " + size + " (memory.dequantized_base=keep)";
+    return true;
+  }
+  MemoryPlan with = plan;
+  if (with.capacity <= 0) {
+    with.capacity = ram_bytes();
+    with.capacity_source = "this machine's RAM";
+  }
+  const bool checkpointing = config.training.activation_checkpointing;
+  const bool chunked = config.training.chunked_loss;
+  const double allowed = with.capacity * (1.0 - with.safety_margin);
+  const std::string budget = human_bytes(allowed) + " usable of " + with.capacity_source;
+  int64_t micro = 0;
+  bool fits = false;
+  if (config.training.micro_batch_size.is_auto || config.training.micro_batch_tokens > 0) {
+    micro = std::max<int64_t>(1, with.largest_micro_batch(checkpointing, chunked));
+    with.weights += copies;
+    fits = with.largest_micro_batch(checkpointing, chunked) >= micro;
+  } else {
+    micro = std::min(config.training.micro_batch_size.value, with.batch_size);
+    fits = with.peak(micro, checkpointing, chunked) + copies <= allowed;
+  }
+  reason = fits ? "dequantized once and kept, " + size + " (memory.dequantized_base=auto: micro-batch " +
+                      std::to_string(micro) + " still fits " + budget + " by the plan)"
+                : "dequantized on every use (memory.dequantized_base=auto: kept, " + size + " would not fit " + budget +
+                      " by the plan at micro-batch " + std::to_string(micro) + ")";
+  return fits;
+}
+
+bool choose_dequantized_base(const Config& config, const c10::Device& device, double copies, std::string& reason) {
+  if (config.memory.dequantized_base != DequantizedBase::kAuto) return keep_dequantized_base({}, config, copies, reason);
+  double capacity = 0;
+  std::string source;
+  if (config.memory.limit.bytes > 0) {
+    capacity = static_cast<double>(config.memory.limit.bytes);
+    source = "memory.limit";
+  } else if (!device.is_cpu()) {
+    capacity = static_cast<double>(at::accelerator::getMemoryInfo(device.index()).second);
+    source = device.str();
+  }
+  MemoryPlan plan;
+  try {
+    const auto hf_config = read_json_file((std::filesystem::path(config.model.path) / "config.json").string());
+    Config per_use = config;
+    per_use.memory.dequantized_base = DequantizedBase::kPerUse;  // the plan without the copies
+    plan = plan_memory(per_use, hf_config, device, capacity, source);
+  } catch (const std::exception& e) {
+    reason = std::string("dequantized on every use (memory.dequantized_base=auto: no memory plan: ") + e.what() + ")";
+    return false;
+  }
+  return keep_dequantized_base(plan, config, copies, reason);
 }
 
 void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out) {
@@ -333,6 +408,9 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
       : config.model.quantize != QuantizeMode::kNone ? std::string("frozen base, linear layers in 4 bits (") +
                                                          enum_name(config.model.quantize) + "), + fp32 adapters"
                                                    : "frozen base + fp32 adapters");
+  if (plan.dequantized_base > 0)
+    row(plan.keeps_dequantized_base ? "  of which dequantized 4-bit weights" : "dequantized 4-bit weights (not kept)",
+        plan.dequantized_base, plan.dequantized_base_reason);
   row("gradients", plan.gradients, "trainable parameters, kept across micro-batches");
   row(std::string("optimizer state (") + (config.optimizer.name == OptimizerName::kAdafactor ? "Adafactor" : "AdamW") +
           ")",

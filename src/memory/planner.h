@@ -43,6 +43,11 @@ struct MemoryPlan {
   int64_t longest_example_tokens = 0;  // input (+ target for seq2seq) at the maximum lengths
   double safety_margin = 0;      // fraction of capacity left free (memory.auto_safety_margin)
   int64_t batch_size = 0;
+  // model.quantize: the bytes of every 4-bit weight dequantized to the compute dtype, whether the run keeps them
+  // resident (memory.dequantized_base; then they are counted in `weights`) and why.
+  double dequantized_base = 0;
+  bool keeps_dequantized_base = false;
+  std::string dequantized_base_reason;
 
   // The chunked loss's bytes with `micro` examples per micro-batch and chunks of `chunk` tokens (0: the config's).
   double loss_chunked(int64_t micro, int64_t chunk = 0) const;
@@ -60,6 +65,17 @@ struct MemoryPlan {
 // config.json (`hf_config`); builds the architecture on the meta device only.
 MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
                        double capacity, const std::string& capacity_source);
+
+// memory.dequantized_base for a run whose frozen 4-bit weights take `copies` bytes dequantized, given `plan` (which
+// does not count them): keep, per_use, or auto: keep when the configured micro-batch's peak (micro_batch_size=auto:
+// the largest micro-batch the plan allows) still fits capacity minus the safety margin with the copies resident,
+// and the micro-batch auto would pick does not shrink; an unknown capacity (the CPU without memory.limit) is the
+// machine's RAM. Sets `reason` to a line for the log and the plan.
+bool keep_dequantized_base(const MemoryPlan& plan, const Config& config, double copies, std::string& reason);
+
+// The choice above for a run on `device` (the capacity as the run sees it: memory.limit, else the device's total,
+// else the RAM), planned from model.path's config.json; per_use with the reason when the plan cannot be made.
+bool choose_dequantized_base(const Config& config, const c10::Device& device, double copies, std::string& reason);
 
 // The budget table and the recommendation, as `trainer plan` prints them.
 void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out);

@@ -21,7 +21,7 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, const 
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) const {
-  at::Tensor y = quant_                ? linear4bit(x, weight, *quant_, bias)
+  at::Tensor y = quant_                ? linear4bit(x, weight, *quant_, bias, keep_dequantized_ ? &dequantized_ : nullptr)
                  : bias.defined()      ? at::linear(x, weight, bias)
                                        : at::linear(x, weight);
   return output_hook_ ? output_hook_(x, y, is_training()) : y;
@@ -29,6 +29,7 @@ at::Tensor Linear::forward(const at::Tensor& x) const {
 
 void Linear::set_quantized(at::Tensor packed, const QuantState4bit& state) {
   unregister_parameters("weight.");
+  dequantized_ = at::Tensor();
   quant_ = std::make_shared<QuantState4bit>(state);
   weight = std::move(packed);
   register_parameter("weight.absmax", &quant_->absmax);
@@ -40,9 +41,16 @@ void Linear::set_quantized(at::Tensor packed, const QuantState4bit& state) {
   register_parameter("weight." + quant_->state_key(), &quant_->state_json);
 }
 
+void Linear::keep_dequantized(bool keep) {
+  keep_dequantized_ = keep && quant_ != nullptr;
+  if (!keep_dequantized_) dequantized_ = at::Tensor();
+}
+
 void Linear::set_weight(at::Tensor full) {
   unregister_parameters("weight.");
   quant_.reset();
+  keep_dequantized_ = false;
+  dequantized_ = at::Tensor();
   weight = std::move(full);
 }
 

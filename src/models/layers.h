@@ -36,6 +36,13 @@ class Linear : public Module {
   void set_quantized(at::Tensor packed, const QuantState4bit& state);
   void set_weight(at::Tensor full);
   const QuantState4bit* quantized() const { return quant_.get(); }
+  // A 4-bit layer may keep its weight dequantized (memory.dequantized_base): computed at the first use, then reused
+  // by every forward and backward until it is dropped (keep false, a new weight, or another device or dtype). The
+  // same bits either way: only when the dequantization runs changes.
+  void keep_dequantized(bool keep);
+  bool keeps_dequantized() const { return keep_dequantized_; }
+  // The kept copy, undefined until the first use (or when not kept).
+  const at::Tensor& dequantized() const { return dequantized_; }
 
   at::Tensor weight;
   at::Tensor bias;  // undefined when the layer has none
@@ -43,6 +50,8 @@ class Linear : public Module {
  private:
   int64_t in_features_, out_features_;
   std::shared_ptr<QuantState4bit> quant_;
+  bool keep_dequantized_ = false;
+  mutable at::Tensor dequantized_;  // the kept dequantized weight (keep_dequantized), filled by forward
   LinearOutputHook output_hook_;
 };
 

@@ -53,17 +53,21 @@ at::Tensor from_saved(const quant::SavedTensor& saved) {
   return t;
 }
 
-// The packed weight and its state travel through the autograd context as one capsule.
+// The packed weight and its state travel through the autograd context as one capsule, with the dequantized weight
+// when the layer keeps it resident (then backward uses it instead of dequantizing again).
 struct Weight4bitHolder : torch::CustomClassHolder {
-  Weight4bitHolder(at::Tensor p, const QuantState4bit& s, at::Tensor b) : packed(std::move(p)), state(s), bias(std::move(b)) {}
+  Weight4bitHolder(at::Tensor p, const QuantState4bit& s, at::Tensor b, at::Tensor w)
+      : packed(std::move(p)), state(s), bias(std::move(b)), weight(std::move(w)) {}
   at::Tensor packed;
   QuantState4bit state;
-  at::Tensor bias;  // frozen (no gradient), or undefined
+  at::Tensor bias;    // frozen (no gradient), or undefined
+  at::Tensor weight;  // the kept dequantized weight (out, in), or undefined
 };
 
 struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<Weight4bitHolder> holder) {
-    const at::Tensor w = dequantize_weight(holder->packed, holder->state, x.scalar_type());
+    const at::Tensor w = holder->weight.defined() ? holder->weight
+                                                  : dequantize_weight(holder->packed, holder->state, x.scalar_type());
     ctx->saved_data["weight"] = at::IValue::make_capsule(holder);
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     return holder->bias.defined() ? at::linear(x, w, holder->bias.to(x.scalar_type())) : at::linear(x, w);
@@ -73,11 +77,22 @@ struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction>
     auto holder = c10::static_intrusive_pointer_cast<Weight4bitHolder>(ctx->saved_data["weight"].toCapsule());
     const at::Tensor& grad = grad_outputs[0];
     if (!grad.defined()) return {at::Tensor(), at::Tensor()};
-    const at::Tensor w = dequantize_weight(holder->packed, holder->state, grad.scalar_type());  // (out, in)
+    const bool kept = holder->weight.defined() && holder->weight.scalar_type() == grad.scalar_type();
+    const at::Tensor w = kept ? holder->weight : dequantize_weight(holder->packed, holder->state, grad.scalar_type());
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
-    return {at::matmul(grad, w).to(x_dtype), at::Tensor()};
+    return {at::matmul(grad, w).to(x_dtype), at::Tensor()};  // w (out, in)
   }
 };
+
+// The layer's resident dequantized weight in `dtype`: `kept` when it holds that dtype on the packed weight's device,
+// else dequantized now and stored in `kept` (a model moved to another device, or another compute dtype, replaces it).
+at::Tensor kept_weight(at::Tensor& kept, const at::Tensor& packed, const QuantState4bit& state, at::ScalarType dtype) {
+  if (!kept.defined() || kept.scalar_type() != dtype || kept.device() != packed.device()) {
+    kept = at::Tensor();  // the stale copy goes before the new one is made
+    kept = dequantize_weight(packed, state, dtype);
+  }
+  return kept;
+}
 
 }  // namespace
 
@@ -317,16 +332,17 @@ at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& sta
 }
 
 at::Tensor linear4bit(const at::Tensor& x, const at::Tensor& packed, const QuantState4bit& state,
-                      const at::Tensor& bias) {
+                      const at::Tensor& bias, at::Tensor* kept) {
   // A bias that trains is added outside, so autograd gives its gradient; a frozen one goes in the linear, as
   // bitsandbytes computes it.
   const bool bias_trains = bias.defined() && bias.requires_grad();
   const at::Tensor inner_bias = bias.defined() && !bias_trains ? bias : at::Tensor();
+  const at::Tensor resident = kept != nullptr ? kept_weight(*kept, packed, state, x.scalar_type()) : at::Tensor();
   at::Tensor y;
   if (at::GradMode::is_enabled() && x.requires_grad()) {
-    y = Linear4bitFunction::apply(x, c10::make_intrusive<Weight4bitHolder>(packed, state, inner_bias));
+    y = Linear4bitFunction::apply(x, c10::make_intrusive<Weight4bitHolder>(packed, state, inner_bias, resident));
   } else {
-    const at::Tensor w = dequantize_weight(packed, state, x.scalar_type());
+    const at::Tensor w = resident.defined() ? resident : dequantize_weight(packed, state, x.scalar_type());
     y = inner_bias.defined() ? at::linear(x, w, inner_bias.to(x.scalar_type())) : at::linear(x, w);
   }
   return bias_trains ? y + bias : y;
@@ -417,6 +433,27 @@ bool has_quantized_layers(LanguageModel& model) {
     if (auto* linear = dynamic_cast<Linear*>(&m); linear != nullptr && linear->quantized() != nullptr) any = true;
   });
   return any;
+}
+
+int64_t keep_dequantized_weights(LanguageModel& model, bool keep) {
+  int64_t layers = 0;
+  model.for_each_module([&](const std::string&, Module& m) {
+    auto* linear = dynamic_cast<Linear*>(&m);
+    if (linear == nullptr || linear->quantized() == nullptr) return;
+    linear->keep_dequantized(keep);
+    ++layers;
+  });
+  return layers;
+}
+
+int64_t dequantized_weight_bytes(LanguageModel& model, at::ScalarType dtype) {
+  int64_t bytes = 0;
+  model.for_each_module([&](const std::string&, Module& m) {
+    auto* linear = dynamic_cast<Linear*>(&m);
+    if (linear != nullptr && linear->quantized() != nullptr)
+      bytes += linear->quantized()->numel() * static_cast<int64_t>(c10::elementSize(dtype));
+  });
+  return bytes;
 }
 
 void dequantize_model(LanguageModel& model, at::ScalarType dtype) {

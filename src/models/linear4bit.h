@@ -7,7 +7,9 @@
 // "X.weight.nested_quant_map", "X.weight.quant_state.bitsandbytes__nf4"), so saving writes what transformers +
 // bitsandbytes save, and moving the model moves the state with it. Forward dequantizes to the input's dtype and
 // runs the ordinary linear (as bitsandbytes' MatMul4Bit does); backward dequantizes again instead of keeping the
-// full-precision weight, so the layer costs its 4-bit size between forward and backward.
+// full-precision weight, so the layer costs its 4-bit size between forward and backward. Where the memory budget
+// allows (memory.dequantized_base), a layer instead keeps its dequantized weight resident across steps and skips
+// both dequantizations: the same bits, the full-precision size.
 #pragma once
 
 #include <cstdint>
@@ -79,10 +81,12 @@ at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& sta
 // returns a line for the log. Throws UsageError naming the library, the variable and a missing function.
 std::string four_bit_kernels(c10::DeviceType device);
 
-// y = x W^T + b with W dequantized to x's dtype; only x's gradient flows (the packed weight is frozen), and
-// backward dequantizes W again rather than keeping it.
+// y = x W^T + b with W dequantized to x's dtype; only x's gradient flows (the packed weight is frozen). Without
+// `kept`, backward dequantizes W again rather than keeping it. With `kept` (a layer's resident copy,
+// memory.dequantized_base=keep), W is taken from it when it holds x's dtype on the packed weight's device, else
+// dequantized and stored there; forward and backward both use it. Bit for bit the same result either way.
 at::Tensor linear4bit(const at::Tensor& x, const at::Tensor& packed, const QuantState4bit& state,
-                      const at::Tensor& bias);
+                      const at::Tensor& bias, at::Tensor* kept = nullptr);
 
 // The state from the tensors bitsandbytes saved for one weight (`source` names the file in errors). Throws
 // DataError for a missing tensor, an unknown quant type, a block size bitsandbytes does not allow, or sizes that
@@ -106,5 +110,12 @@ bool has_quantized_layers(LanguageModel& model);
 
 // Replaces every 4-bit weight of `model` by its dequantized weight in `dtype` (merging, `trainer merge`).
 void dequantize_model(LanguageModel& model, at::ScalarType dtype);
+
+// Turns the resident dequantized copies of every 4-bit layer of `model` on or off (memory.dequantized_base); off
+// frees them. Returns the number of 4-bit layers.
+int64_t keep_dequantized_weights(LanguageModel& model, bool keep);
+
+// Bytes the dequantized copies of `model`'s 4-bit layers take in `dtype` (what keeping them costs).
+int64_t dequantized_weight_bytes(LanguageModel& model, at::ScalarType dtype);
 
 }  // namespace trainer

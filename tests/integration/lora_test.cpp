@@ -128,6 +128,49 @@ TEST(IntegrationLora, ResumeContinuesExactly) {
   fs::remove_all(fs::temp_directory_path() / "trainer-lora-full");
 }
 
+// QLoRA with the 4-bit base dequantized once and kept (memory.dequantized_base) trains the same adapters, bit for
+// bit, as dequantizing on every use, holding the copies' bytes more between steps. auto keeps them under the tiny
+// config's 2 GiB and turns them off under a memory.limit the plan's peak at data.max_length leaves no room in (the
+// demo's short records still fit it), and says so.
+TEST(IntegrationLora, QloraWithTheDequantizedBaseKeptTrainsTheSameAdaptersBitForBit) {
+  const auto root = fs::temp_directory_path() / "trainer-qlora-dequantized";
+  fs::remove_all(root);
+  const auto args = with(kLoraRun, {"--set", "model.quantize=nf4", "--set", "training.max_steps=4", "--set",
+                                    "training.micro_batch_size=8", "--set", "evaluation.every_steps=0", "--set",
+                                    "checkpoint.every_steps=0", "--set", "data.max_length=1024", "--set",
+                                    "logging.every_steps=1"});
+  auto train = [&](const std::string& name, const std::vector<std::string>& extra) {
+    auto run = run_trainer(with(args, with({"--set", "checkpoint.output_dir=" + (root / name).string()}, extra)));
+    EXPECT_EQ(run.exit_code, 0) << run.err;
+    return run;
+  };
+  const auto kept = train("auto", {});
+  EXPECT_NE(kept.err.find("dequantized once and kept, 288.00 KiB (memory.dequantized_base=auto"), std::string::npos)
+      << kept.err;
+  const auto per_use = train("per_use", {"--set", "memory.dequantized_base=per_use"});
+  EXPECT_NE(per_use.err.find("dequantized on every use (memory.dequantized_base=per_use"), std::string::npos)
+      << per_use.err;
+  const auto adapter = [&](const std::string& name) { return read_text(root / name / "final" / "adapter_model.safetensors"); };
+  ASSERT_FALSE(adapter("per_use").empty());
+  EXPECT_TRUE(adapter("auto") == adapter("per_use")) << "the kept copies changed the adapters";
+  // 2 layers of q 64x64, k and v 32x64, o 64x64, gate and up 128x64, down 64x128, in fp32: 288 KiB held more.
+  const double copies = 4.0 * 2 * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3);
+  const double held_kept = metric_values(root / "auto" / "metrics.jsonl", "memory_allocated").at(0);
+  const double held_per_use = metric_values(root / "per_use" / "metrics.jsonl", "memory_allocated").at(0);
+  EXPECT_GE(held_kept - held_per_use, copies);
+  EXPECT_LT(held_kept - held_per_use, copies + 64 * 1024);
+
+  // A budget twice the per-use run's measured peak: the short records fit it, the plan's at 1024 tokens do not.
+  const double peak = metric_values(root / "per_use" / "metrics.jsonl", "memory_peak").at(0);
+  const auto tight = train("tight", {"--set", "memory.limit=" + std::to_string(static_cast<int64_t>(2 * peak))});
+  EXPECT_NE(tight.err.find("dequantized on every use (memory.dequantized_base=auto: kept, 288.00 KiB would not fit"),
+            std::string::npos)
+      << tight.err;
+  EXPECT_TRUE(adapter("tight") == adapter("per_use"));
+  EXPECT_EQ(metric_values(root / "tight" / "metrics.jsonl", "oom_retries"), (std::vector<double>{0, 0, 0, 0}));
+  fs::remove_all(root);
+}
+
 // What merge needs and does not find is named, with the way out.
 TEST(IntegrationLora, MergeAndGenerateSayWhatIsMissing) {
   const auto dir = fs::temp_directory_path() / "trainer-lora-merge-errors";

@@ -135,6 +135,66 @@ TEST(Plan, TakesTheDefaultChunkedLossAsConfiguredAndSuggestsOnlyWhatIsOff) {
   EXPECT_EQ(text.find("training.chunked_loss=true"), std::string::npos) << "it is on already\n" << text;
 }
 
+// QLoRA's dequantized copies (memory.dequantized_base): auto keeps them when the configured micro-batch still fits
+// with them, and counts them in the weights; a memory.limit between the two peaks turns them off, and the plan says
+// so; keep and per_use are taken as they are.
+TEST(Plan, KeepsTheDequantizedBaseOnlyWhenTheMicroBatchStillFitsWithIt) {
+  Config config = case_config({"configs/tiny-qwen2.json", 4, false, true});
+  config.lora.enabled = true;
+  config.lora.r = 4;
+  config.model.quantize = QuantizeMode::kNf4;
+  config.training.micro_batch_size = MicroBatchSize::fixed(4);
+  const auto hf = read_json_file(config.model.path + "/config.json");
+  config.memory.dequantized_base = DequantizedBase::kPerUse;
+  const MemoryPlan per_use = plan_memory(config, hf, at::Device(at::kCPU), 0, "test");
+  EXPECT_FALSE(per_use.keeps_dequantized_base);
+  // Every linear layer of the 2 blocks, fp32: q 64x64, k and v 64x32, o 64x64, gate and up 64x128 and down 128x64.
+  EXPECT_DOUBLE_EQ(per_use.dequantized_base, 4.0 * 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3));
+  const double peak = per_use.peak(4, false, true);
+  const double margin = config.memory.auto_safety_margin;
+
+  config.memory.dequantized_base = DequantizedBase::kAuto;
+  const double roomy = (peak + per_use.dequantized_base) / (1.0 - margin) + 1;
+  const MemoryPlan kept = plan_memory(config, hf, at::Device(at::kCPU), roomy, "test");
+  EXPECT_TRUE(kept.keeps_dequantized_base) << kept.dequantized_base_reason;
+  EXPECT_DOUBLE_EQ(kept.weights, per_use.weights + per_use.dequantized_base);
+  std::ostringstream out;
+  print_plan(kept, config, out);
+  EXPECT_NE(out.str().find("of which dequantized 4-bit weights"), std::string::npos) << out.str();
+
+  const double tight = (peak + per_use.dequantized_base / 2) / (1.0 - margin);
+  const MemoryPlan not_kept = plan_memory(config, hf, at::Device(at::kCPU), tight, "test");
+  EXPECT_FALSE(not_kept.keeps_dequantized_base);
+  EXPECT_DOUBLE_EQ(not_kept.weights, per_use.weights);
+  EXPECT_NE(not_kept.dequantized_base_reason.find("dequantized on every use (memory.dequantized_base=auto"),
+            std::string::npos)
+      << not_kept.dequantized_base_reason;
+  // The run's own choice: the same under memory.limit.
+  std::string reason;
+  const double copies = per_use.dequantized_base;
+  config.memory.limit.bytes = static_cast<uint64_t>(tight);
+  EXPECT_FALSE(choose_dequantized_base(config, at::Device(at::kCPU), copies, reason)) << reason;
+  config.memory.limit.bytes = static_cast<uint64_t>(roomy);
+  EXPECT_TRUE(choose_dequantized_base(config, at::Device(at::kCPU), copies, reason)) << reason;
+  // micro_batch_size=auto: kept only when the copies leave the largest micro-batch as it is.
+  config.training.micro_batch_size = MicroBatchSize::automatic();
+  config.training.batch_size = 64;
+  const MemoryPlan auto_plan = plan_memory(config, hf, at::Device(at::kCPU), tight, "test");
+  MemoryPlan without = auto_plan;
+  without.weights -= auto_plan.keeps_dequantized_base ? copies : 0;
+  MemoryPlan with = without;
+  with.weights += copies;
+  EXPECT_EQ(auto_plan.keeps_dequantized_base,
+            with.largest_micro_batch(false, true) >= std::max<int64_t>(1, without.largest_micro_batch(false, true)));
+
+  config.memory.dequantized_base = DequantizedBase::kKeep;
+  EXPECT_TRUE(choose_dequantized_base(config, at::Device(at::kCPU), copies, reason));
+  config.memory.dequantized_base = DequantizedBase::kPerUse;
+  config.memory.limit.bytes = 0;
+  EXPECT_FALSE(choose_dequantized_base(config, at::Device(at::kCPU), copies, reason));
+  EXPECT_NE(reason.find("per_use"), std::string::npos) << reason;
+}
+
 TEST(Plan, LoraCountsOnlyTheAdaptersAsTrainable) {
   Config config = case_config({"configs/tiny-qwen2.json", 1, false, false});
   config.lora.enabled = true;

@@ -112,6 +112,87 @@ TEST(Linear4bit, ForwardAndBackwardEqualALinearOverTheDequantizedWeight) {
   EXPECT_TRUE(at::equal(layer.forward(x.detach()), y_ref.detach()));
 }
 
+// memory.dequantized_base=keep: the layer dequantizes once and reuses the copy in every forward and backward, with
+// the same bits as dequantizing on every use; the copy follows the input's dtype and goes when the layer stops
+// keeping it.
+TEST(Linear4bit, AKeptDequantizedWeightGivesTheSameBitsAsDequantizingOnEveryUse) {
+  at::manual_seed(3);
+  Linear layer(64, 24, /*bias=*/true, at::TensorOptions().dtype(at::kFloat));
+  layer.weight.normal_(0.0, 0.1);
+  layer.bias.normal_(0.0, 0.1);
+  const auto [packed, state] = quantize_weight(layer.weight, options(quant::QuantType::kNf4, 64, true),
+                                               at::Device(at::kCPU));
+  layer.set_quantized(packed, state);
+  const at::Tensor x = at::randn({2, 7, 64});
+  const at::Tensor g = at::randn({2, 7, 24});
+  auto run = [&](const at::Tensor& input) {
+    const at::Tensor leaf = input.detach().clone().requires_grad_(true);
+    const at::Tensor y = layer.forward(leaf);
+    y.backward(g.to(y.scalar_type()));
+    return std::make_pair(y.detach(), leaf.grad());
+  };
+  const auto [y_per_use, grad_per_use] = run(x);
+  EXPECT_FALSE(layer.dequantized().defined());
+
+  layer.keep_dequantized(true);
+  EXPECT_TRUE(layer.keeps_dequantized());
+  const auto [y_kept, grad_kept] = run(x);
+  ASSERT_TRUE(layer.dequantized().defined());
+  EXPECT_TRUE(same_bits(layer.dequantized(), dequantize_weight(layer.weight, *layer.quantized(), at::kFloat)));
+  const void* copy = layer.dequantized().data_ptr();
+  const auto [y_again, grad_again] = run(x);
+  EXPECT_EQ(layer.dequantized().data_ptr(), copy) << "the second step must reuse the copy, not dequantize again";
+  for (const auto& [a, b] : {std::pair{y_kept, y_per_use}, {grad_kept, grad_per_use}, {y_again, y_per_use},
+                             {grad_again, grad_per_use}})
+    EXPECT_TRUE(same_bits(a, b));
+  {
+    at::NoGradGuard no_grad;  // evaluation reuses it too
+    EXPECT_TRUE(same_bits(layer.forward(x), y_per_use));
+  }
+
+  // Another input dtype replaces the copy with one in that dtype, equal to the per-use result.
+  const auto [y_bf16, grad_bf16] = run(x.to(at::kBFloat16));
+  EXPECT_EQ(layer.dequantized().scalar_type(), at::kBFloat16);
+  layer.keep_dequantized(false);
+  EXPECT_FALSE(layer.dequantized().defined());
+  const auto [y_bf16_per_use, grad_bf16_per_use] = run(x.to(at::kBFloat16));
+  EXPECT_TRUE(same_bits(y_bf16, y_bf16_per_use));
+  EXPECT_TRUE(same_bits(grad_bf16, grad_bf16_per_use));
+
+  // A full-precision weight put back drops the copy and the keeping with it.
+  layer.keep_dequantized(true);
+  run(x);
+  layer.set_weight(dequantize_weight(layer.weight, *layer.quantized(), at::kFloat));
+  EXPECT_FALSE(layer.keeps_dequantized());
+  EXPECT_FALSE(layer.dequantized().defined());
+}
+
+// Over a whole model: every 4-bit layer keeps its copy (keep_dequantized_weights counts them), and the copies take
+// what dequantized_weight_bytes says.
+TEST(Linear4bit, KeepingAModelsDequantizedWeightsCostsTheirFullPrecisionBytes) {
+  auto model = tiny_model("tiny-qwen2");
+  test::TempDir dir;
+  save_model(*model, dir.path().string(), kDefaultMaxShardBytes);
+  auto q = load_model(dir.path().string(), ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat), 0,
+                      options(quant::QuantType::kNf4, 64, true));
+  const auto layers = quantizable_layers(*q);
+  EXPECT_EQ(keep_dequantized_weights(*q, true), static_cast<int64_t>(layers.size()));
+  q->train(false);
+  at::NoGradGuard no_grad;
+  forward_loss(*q, padded_batch(false), true);
+  int64_t kept = 0, elements = 0;
+  for (const auto& [name, linear] : linear_layers(*q)) {
+    if (linear->quantized() == nullptr) continue;
+    ASSERT_TRUE(linear->dequantized().defined()) << name;
+    kept += static_cast<int64_t>(linear->dequantized().nbytes());
+    elements += linear->quantized()->numel();
+  }
+  EXPECT_EQ(kept, dequantized_weight_bytes(*q, at::kFloat));
+  EXPECT_EQ(dequantized_weight_bytes(*q, at::kBFloat16), 2 * elements);
+  keep_dequantized_weights(*q, false);
+  for (const auto& [name, linear] : linear_layers(*q)) EXPECT_FALSE(linear->dequantized().defined()) << name;
+}
+
 TEST(Linear4bit, QuantizesOnLoadEveryLinearButT5sWoAndKeepsTheRestInFullPrecision) {
   test::TempDir dir;
   for (const std::string name : {"tiny-qwen2", "tiny-t5"}) {

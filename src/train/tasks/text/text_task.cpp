@@ -16,6 +16,7 @@
 #include "distributed/data_parallel.h"
 #include "distributed/process_group.h"
 #include "log/reporter.h"
+#include "memory/planner.h"
 #include "memory/policy.h"
 #include "models/lora.h"
 #include "models/weights.h"
@@ -264,7 +265,18 @@ void TextTask::build_model(const std::optional<fs::path>& resume, const c10::Dev
   if (!config().lora.enabled && has_quantized_layers(*model_))
     throw UsageError(config().model.path + " holds 4-bit linear layers (bitsandbytes' layout), which cannot be trained",
                      "train LoRA adapters on it: lora.enabled=true (QLoRA)");
-  if (has_quantized_layers(*model_)) spdlog::info("4-bit layers: {}", four_bit_kernels(device.type()));
+  if (has_quantized_layers(*model_)) {
+    // Frozen 4-bit weights dequantized once and kept, or on every use: the memory plan's choice. They are kept in
+    // the dtype of the layers' inputs: bf16 with precision.mode=bf16, fp32 otherwise (autocast casts after them).
+    const at::ScalarType compute = config().precision.mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat;
+    std::string dequantized;
+    const bool keep = choose_dequantized_base(config(), device,
+                                              static_cast<double>(dequantized_weight_bytes(*model_, compute)),
+                                              dequantized);
+    keep_dequantized_weights(*model_, keep);
+    spdlog::info("4-bit layers: {}", four_bit_kernels(device.type()));
+    spdlog::info("4-bit base weights: {}", dequantized);
+  }
   model_->train(true);
   model_->for_each_parameter([](const std::string&, at::Tensor& p) {
     if (at::isFloatingType(p.scalar_type())) p.requires_grad_(true);
