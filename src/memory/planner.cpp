@@ -571,7 +571,7 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
     source = resolved.description;
   } else {
     source = "CPU without memory.limit; this machine has " +
-             human_bytes(static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE))) +
+             human_bytes(ram_bytes()) +
              " of RAM";
   }
   if (const std::string path = config.model.path + "/config.json"; std::filesystem::exists(path) &&

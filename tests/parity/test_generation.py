@@ -96,11 +96,15 @@ def parity_tool(built_tool):
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("name", MODELS)
 def test_batched_generation_matches_transformers(name, setting, tmp_path, parity_tool):
+    assert_generation_matches_transformers(name, setting, PROMPTS, tmp_path, parity_tool)
+
+
+def assert_generation_matches_transformers(name, setting, prompts, tmp_path, parity_tool):
     model_dir = model_dir_for(name, tmp_path / "model")
     model = hf_model(model_dir)
     eos = frequent_token(model)
-    theirs = transformers_generate(model, PROMPTS, eos, **SETTINGS[setting])
-    ours = ours_generate(parity_tool, model_dir, tmp_path, PROMPTS, eos, **SETTINGS[setting])
+    theirs = transformers_generate(model, prompts, eos, **SETTINGS[setting])
+    ours = ours_generate(parity_tool, model_dir, tmp_path, prompts, eos, **SETTINGS[setting])
     assert ours == theirs
 
 
@@ -145,9 +149,4 @@ LONG_AND_SHORT = [[(7 * i) % 90 + 3 for i in range(40)], [60, 61, 62], [(11 * i)
 @pytest.mark.parametrize("setting", ["greedy", "beams-3"])
 @pytest.mark.parametrize("name", MODELS)
 def test_prompts_prefilled_in_groups_match_transformers(name, setting, tmp_path, parity_tool):
-    model_dir = model_dir_for(name, tmp_path / "model")
-    model = hf_model(model_dir)
-    eos = frequent_token(model)
-    theirs = transformers_generate(model, LONG_AND_SHORT, eos, **SETTINGS[setting])
-    ours = ours_generate(parity_tool, model_dir, tmp_path, LONG_AND_SHORT, eos, **SETTINGS[setting])
-    assert ours == theirs
+    assert_generation_matches_transformers(name, setting, LONG_AND_SHORT, tmp_path, parity_tool)

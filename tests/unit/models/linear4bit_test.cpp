@@ -4,6 +4,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <memory>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -82,14 +83,21 @@ TEST(Linear4bit, AtenDequantizationEqualsTheBitsandbytesExactOneBitForBit) {
   }
 }
 
+// A Linear with weight and bias drawn from N(0, 0.1), its weight then quantized to NF4 (blocks of 64, nested).
+std::unique_ptr<Linear> nf4_linear(int64_t in, int64_t out) {
+  auto layer = std::make_unique<Linear>(in, out, /*bias=*/true, at::TensorOptions().dtype(at::kFloat));
+  layer->weight.normal_(0.0, 0.1);
+  layer->bias.normal_(0.0, 0.1);
+  const auto [packed, state] = quantize_weight(layer->weight, options(quant::QuantType::kNf4, 64, true),
+                                               at::Device(at::kCPU));
+  layer->set_quantized(packed, state);
+  return layer;
+}
+
 TEST(Linear4bit, ForwardAndBackwardEqualALinearOverTheDequantizedWeight) {
   at::manual_seed(2);
-  Linear layer(48, 20, /*bias=*/true, at::TensorOptions().dtype(at::kFloat));
-  layer.weight.normal_(0.0, 0.1);
-  layer.bias.normal_(0.0, 0.1);
-  const auto [packed, state] = quantize_weight(layer.weight, options(quant::QuantType::kNf4, 64, true),
-                                               at::Device(at::kCPU));
-  layer.set_quantized(packed, state);
+  const auto owned = nf4_linear(48, 20);
+  Linear& layer = *owned;
   ASSERT_NE(layer.quantized(), nullptr);
   EXPECT_EQ(layer.weight.scalar_type(), at::kByte);
   const at::Tensor w = dequantize_weight(layer.weight, *layer.quantized(), at::kFloat);
@@ -117,12 +125,8 @@ TEST(Linear4bit, ForwardAndBackwardEqualALinearOverTheDequantizedWeight) {
 // keeping it.
 TEST(Linear4bit, AKeptDequantizedWeightGivesTheSameBitsAsDequantizingOnEveryUse) {
   at::manual_seed(3);
-  Linear layer(64, 24, /*bias=*/true, at::TensorOptions().dtype(at::kFloat));
-  layer.weight.normal_(0.0, 0.1);
-  layer.bias.normal_(0.0, 0.1);
-  const auto [packed, state] = quantize_weight(layer.weight, options(quant::QuantType::kNf4, 64, true),
-                                               at::Device(at::kCPU));
-  layer.set_quantized(packed, state);
+  const auto owned = nf4_linear(64, 24);
+  Linear& layer = *owned;
   const at::Tensor x = at::randn({2, 7, 64});
   const at::Tensor g = at::randn({2, 7, 24});
   auto run = [&](const at::Tensor& input) {
