@@ -53,7 +53,7 @@ GIB = 2**30
 # first run's times). The build (~200 s on 16 cores, docs/building.md) and the gpu tests come first, so the first call
 # `--parts 1,2,3` must stay within about 600 - 260 s.
 PART_LIMITS_S = {
-    1: 120,  # 3B random init on the card (seconds), probe (~6 sizes), 10 steps of 128 examples (~3-5 s each), an 11 GB checkpoint
+    1: 120,  # 3B random init on the card (seconds), probe (~6 sizes), 8 steps of 128 examples (~3-5 s each), an 11 GB checkpoint
     2: 200,  # the 7B base written once (15 GB), LoRA and QLoRA 6 steps of 16 x <=2048 tokens each (~5-8 s a step) + probes
     3: 90,   # two 7B LoRA runs of 6 short steps, one of them long, loading the base from the page cache
     4: 180,  # per model a trainer run (seconds) and two HF runs (~10 s of imports, 12 steps each): six processes
@@ -119,7 +119,7 @@ def clip_config(vision, text, projection, image, patch):
 PROFILES = {
     "card": {
         "device": "cuda",
-        "t5xl": dict(model=t5_config(2048, 5120, 32, 24), limit="32GiB", steps=10, warmup=2, parts=(1, 8),
+        "t5xl": dict(model=t5_config(2048, 5120, 32, 24), limit="32GiB", steps=8, warmup=2, parts=(1, 8),
                      lengths={"max_input_length": 256, "max_target_length": 512}),
         "qwen7b": dict(model=qwen2_config(3584, 18944, 28, 28, 4, 152064, tied=False), limit="24GiB",
                        qlora_limit="16GiB", steps=6, warmup=2, parts=(2, 20), lengths={"max_length": 2048}),
@@ -464,8 +464,27 @@ def qwen_base(part, ctx):
     return base
 
 
+def bitsandbytes_library(part, ctx):
+    """QLoRA on a card needs bitsandbytes' CUDA library: the machine's bitsandbytes package, $TRAINER_BITSANDBYTES, or
+    the copies in the kit (scripts/hf_kit.py); the row says which."""
+    import importlib.util  # noqa: PLC0415
+    if ctx.profile["device"] != "cuda":
+        return
+    if os.environ.get("TRAINER_BITSANDBYTES"):
+        note = f"TRAINER_BITSANDBYTES={os.environ['TRAINER_BITSANDBYTES']}"
+    elif importlib.util.find_spec("bitsandbytes") is not None:
+        note = "the machine's bitsandbytes package"
+    elif list((Path(ctx.args.kit) / "bitsandbytes").glob("libbitsandbytes_cuda*.so")):
+        os.environ["TRAINER_BITSANDBYTES"] = str((Path(ctx.args.kit) / "bitsandbytes").resolve())
+        note = f"the kit's copies: TRAINER_BITSANDBYTES={os.environ['TRAINER_BITSANDBYTES']}"
+    else:
+        note = "none found (no bitsandbytes package, no kit): QLoRA will say so"
+    part.row("bitsandbytes", "PASS", note)
+
+
 def part2_qwen(part, ctx):
     p = ctx.profile["qwen7b"]
+    bitsandbytes_library(part, ctx)
     base = qwen_base(part, ctx)
     if base is None:
         return

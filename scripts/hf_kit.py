@@ -70,6 +70,31 @@ def portable(tag):
     return abi == "abi3" or (abi == "none" and python.startswith("py"))
 
 
+# bitsandbytes' CUDA libraries for the card's QLoRA (part 2): trainer loads them itself (TRAINER_BITSANDBYTES, a folder:
+# it picks libbitsandbytes_cudaXY.so by the CUDA runtime torch was built with). Only the runtimes cards' images carry
+# (CUDA 13: the cu12 builds are 21-26 MiB each, too large to travel); each is about 4 MiB.
+BITSANDBYTES_CUDA = ["libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so"]
+
+
+def carry_bitsandbytes(out):
+    """Copies the installed bitsandbytes' CUDA libraries into out/bitsandbytes; returns their bytes (0 without it)."""
+    import importlib.util  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    spec = importlib.util.find_spec("bitsandbytes")
+    if spec is None or not spec.origin:
+        print("bitsandbytes is not installed here: no CUDA library for QLoRA on the card")
+        return 0
+    source, target = Path(spec.origin).parent, out / "bitsandbytes"
+    target.mkdir(exist_ok=True)
+    total = 0
+    for name in BITSANDBYTES_CUDA:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, target / name)
+            total += (target / name).stat().st_size
+            print(f"{(target / name).stat().st_size / 2**20:7.2f} MiB  bitsandbytes/{name}")
+    return total
+
+
 def build(directory):
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +120,7 @@ def build(directory):
                 if source.is_file():
                     archive.write(source, str(path))
         packed.append((wheel.name, wheel.stat().st_size, tag))
-    total = sum(size for _, size, _ in packed)
+    total = sum(size for _, size, _ in packed) + carry_bitsandbytes(out)
     (out / "MACHINE.txt").write_text(
         "Compiled for one Python version, so not carried: the card's Python must have these (its image does)\n"
         + "".join(f"  {line}\n" for line in machine)
