@@ -10,6 +10,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
+#include "memory/cuda_extras.h"
+#if TRAINER_WITH_CUDA
+#include "util/counter_rng_cuda.h"
+#endif
+
 namespace trainer {
 namespace {
 
@@ -125,10 +130,20 @@ at::Tensor grid_counters(const at::Tensor& row_base, at::IntArrayRef sizes, at::
 at::Tensor counter_keep_mask(uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes, at::IntArrayRef strides,
                              double p) {
   const uint32_t threshold = threshold_for(p);
-  if (!row_base.device().is_cpu())
-    return counter_bits(key, grid_counters(row_base, sizes, strides)).ge(static_cast<int64_t>(threshold));
   TORCH_CHECK(!sizes.empty() && strides.size() + 1 == sizes.size(), "counter_keep_mask: one stride per dimension after the first");
   TORCH_CHECK(row_base.dim() == 1 && row_base.size(0) == sizes[0], "counter_keep_mask: row_base must have one value per row");
+#if TRAINER_WITH_CUDA
+  if (row_base.device().is_cuda() && static_cast<int>(sizes.size()) <= cuda_kernels::kMaxGridDims) {
+    at::Tensor mask = at::empty(sizes, row_base.options().dtype(at::kBool));
+    const at::Tensor bases = row_base.to(at::kLong).contiguous();
+    const std::string error =
+        cuda_kernels::keep_mask(key, bases.data_ptr<int64_t>(), static_cast<int>(sizes.size()), sizes.data(),
+                                strides.data(), threshold, mask.data_ptr<bool>(), current_cuda_stream(mask.device()));
+    TORCH_CHECK(error.empty(), "counter_keep_mask: the CUDA kernel failed: ", error);
+    return mask;
+  }
+#endif
+  if (!row_base.device().is_cpu()) return counter_keep_mask_ops(key, row_base, sizes, strides, p);
   at::Tensor mask = at::empty(sizes, at::TensorOptions().dtype(at::kBool));
   const at::Tensor bases = row_base.to(at::kLong).contiguous();
   const int64_t* base = bases.data_ptr<int64_t>();
@@ -165,18 +180,69 @@ at::Tensor counter_keep_mask(uint64_t key, const at::Tensor& row_base, at::IntAr
   return mask;
 }
 
-void stochastic_round_bf16_ops_(const at::Tensor& dst, const at::Tensor& src, uint64_t key, int64_t first_counter) {
+at::Tensor counter_keep_mask_ops(uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes,
+                                 at::IntArrayRef strides, double p, int64_t chunk_elements) {
+  const auto threshold = static_cast<int64_t>(threshold_for(p));
+  TORCH_CHECK(!sizes.empty() && strides.size() + 1 == sizes.size(), "counter_keep_mask: one stride per dimension after the first");
+  TORCH_CHECK(row_base.dim() == 1 && row_base.size(0) == sizes[0], "counter_keep_mask: row_base must have one value per row");
+  TORCH_CHECK(chunk_elements > 0, "counter_keep_mask_ops: chunk_elements must be positive");
+  at::Tensor mask = at::empty(sizes, row_base.options().dtype(at::kBool));
+  if (mask.numel() == 0) return mask;
+  // Rows of one chunk: an element takes about 40 bytes of int64 temporaries at once, so a chunk bounds them. A row
+  // larger than a chunk is split along its first inner dimension: (r, i_1) becomes a row of base
+  // row_base[r] + i_1 * strides[0], recursively, until a row fits or one dimension is left.
+  at::Tensor bases = row_base.to(at::kLong);
+  std::vector<int64_t> grid(sizes.begin(), sizes.end()), steps(strides.begin(), strides.end());
+  while (grid.size() > 1 && mask.numel() / grid[0] > chunk_elements) {
+    bases = (bases.view({-1, 1}) + at::arange(grid[1], bases.options()).mul_(steps[0]).view({1, -1})).reshape({-1});
+    grid[1] *= grid[0];
+    grid.erase(grid.begin());
+    steps.erase(steps.begin());
+  }
+  const at::Tensor flat = mask.view(grid);
+  const int64_t per_row = mask.numel() / grid[0];
+  const int64_t rows = std::max<int64_t>(1, chunk_elements / per_row);
+  for (int64_t first = 0; first < grid[0]; first += rows) {
+    const int64_t count = std::min(rows, grid[0] - first);
+    std::vector<int64_t> part = grid;
+    part[0] = count;
+    flat.narrow(0, first, count).copy_(counter_bits(key, grid_counters(bases.narrow(0, first, count), part, steps))
+                                           .ge(threshold));
+  }
+  return mask;
+}
+
+void stochastic_round_bf16_ops_(const at::Tensor& dst, const at::Tensor& src, uint64_t key, int64_t first_counter,
+                                int64_t chunk_elements) {
   check_round_arguments(dst, src);
+  TORCH_CHECK(chunk_elements > 0, "stochastic_round_bf16_ops_: chunk_elements must be positive");
   const int64_t n = src.numel();
-  const at::Tensor counters = at::arange(first_counter, first_counter + n, src.options().dtype(at::kLong));
-  const at::Tensor random = counter_bits(key, counters).bitwise_and_(0xffff).to(at::kInt);
-  // For finite values the int32 sum cannot overflow: the largest finite pattern plus 0xffff stays below 0x7f810000
-  // (negative values, sign bit set, only move away from the int32 limits).
-  const at::Tensor rounded = src.view(at::kInt).add(random).bitwise_and_(-65536).view(at::kFloat);
-  dst.view({-1}).copy_(at::where(src.isfinite(), rounded, src).view({-1}));
+  const at::Tensor in = src.view({-1}), out = dst.view({-1});
+  // In chunks, so the int64 temporaries (about 40 bytes an element) stay bounded for a parameter of any size.
+  for (int64_t begin = 0; begin < n; begin += chunk_elements) {
+    const int64_t count = std::min(chunk_elements, n - begin);
+    const at::Tensor part = in.narrow(0, begin, count);
+    const at::Tensor counters =
+        at::arange(first_counter + begin, first_counter + begin + count, src.options().dtype(at::kLong));
+    const at::Tensor random = counter_bits(key, counters).bitwise_and_(0xffff).to(at::kInt);
+    // For finite values the int32 sum cannot overflow: the largest finite pattern plus 0xffff stays below 0x7f810000
+    // (negative values, sign bit set, only move away from the int32 limits).
+    const at::Tensor rounded = part.view(at::kInt).add(random).bitwise_and_(-65536).view(at::kFloat);
+    out.narrow(0, begin, count).copy_(at::where(part.isfinite(), rounded, part));
+  }
 }
 
 void stochastic_round_bf16_(const at::Tensor& dst, const at::Tensor& src, uint64_t key, int64_t first_counter) {
+#if TRAINER_WITH_CUDA
+  if (src.device().is_cuda()) {
+    check_round_arguments(dst, src);
+    const std::string error = cuda_kernels::stochastic_round_bf16(
+        src.data_ptr<float>(), reinterpret_cast<uint16_t*>(dst.data_ptr<at::BFloat16>()), src.numel(), key,
+        first_counter, current_cuda_stream(src.device()));
+    TORCH_CHECK(error.empty(), "stochastic_round_bf16_: the CUDA kernel failed: ", error);
+    return;
+  }
+#endif
   if (!src.device().is_cpu()) {
     stochastic_round_bf16_ops_(dst, src, key, first_counter);
     return;

@@ -31,9 +31,14 @@ at::Tensor grid_counters(const at::Tensor& row_base, at::IntArrayRef sizes, at::
 
 // A keep-mask (bool, `sizes`, on row_base's device) whose element is true when counter_bits(key, its grid counter)
 // >= p * 2^32, i.e. with probability 1 - p. On the CPU one parallel pass with no temporaries, eight counters at a
-// time (an AVX2 clone on x86-64); elsewhere tensor ops giving the same bits.
+// time (an AVX2 clone on x86-64); on CUDA one kernel (counter_rng_cuda.cu); elsewhere counter_keep_mask_ops.
 at::Tensor counter_keep_mask(uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes,
                              at::IntArrayRef strides, double p);
+
+// The same mask in tensor ops, in chunks of about `chunk_elements` counters so that the int64 temporaries stay
+// bounded: what a device without a kernel of its own runs (public so the CPU tests compare it with the CPU kernel).
+at::Tensor counter_keep_mask_ops(uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes,
+                                 at::IntArrayRef strides, double p, int64_t chunk_elements = int64_t{1} << 22);
 
 // Writes fp32 `src` into bf16 `dst` (same number of elements, both contiguous, same device) with stochastic
 // rounding: dst is one of the two bf16 neighbours of src, the upper one with probability equal to src's distance
@@ -41,7 +46,9 @@ at::Tensor counter_keep_mask(uint64_t key, const at::Tensor& row_base, at::IntAr
 // counter_bits(key, first_counter + i). Non-finite values are converted as they are. On the CPU it allocates
 // nothing.
 void stochastic_round_bf16_(const at::Tensor& dst, const at::Tensor& src, uint64_t key, int64_t first_counter);
-// The same in tensor ops: what every device but the CPU runs (public so the CPU tests compare the two).
-void stochastic_round_bf16_ops_(const at::Tensor& dst, const at::Tensor& src, uint64_t key, int64_t first_counter);
+// The same in tensor ops, in chunks of `chunk_elements`: what a device without a kernel of its own runs (public so
+// the CPU tests compare the two). CUDA builds run a kernel of their own on CUDA tensors (counter_rng_cuda.cu).
+void stochastic_round_bf16_ops_(const at::Tensor& dst, const at::Tensor& src, uint64_t key, int64_t first_counter,
+                                int64_t chunk_elements = int64_t{1} << 22);
 
 }  // namespace trainer

@@ -27,6 +27,7 @@
 #include "support/tiny_models.h"
 #include "trainer/device.h"
 #include "trainer/errors.h"
+#include "util/counter_rng.h"
 #include "trainer/safetensors.h"
 
 namespace trainer::test {
@@ -314,6 +315,44 @@ TEST(GpuDevice, WaitForDeviceWaitsAndTimesOut) {
 }  // namespace trainer::test
 
 namespace trainer::test {
+
+// The CUDA kernels of the counter-based random bits (src/util/counter_rng_cuda.cu) give the CPU kernel's bits: dropout
+// keep-masks of every rank the models use, rows whose lines cross a multiple of 2^32, a grid larger than the kernel's
+// block limit; bf16 stochastic rounding with infinities (NaN's payload aside). The masks are what make dropout the
+// same on any split and on any device.
+TEST(GpuCounterRng, KernelsGiveTheCpuBits) {
+  SKIP_WITHOUT_GPU();
+  const c10::Device cuda(at::kCUDA, 0);
+  const uint64_t key = counter_key({42, 3, 5});
+  const int64_t wrap = int64_t{1} << 32;
+  const at::Tensor rows = at::tensor(std::vector<int64_t>{(int64_t{3} << 40) + wrap - 5, int64_t{0}, int64_t{11} << 40},
+                                     at::kLong);
+  struct Grid {
+    std::vector<int64_t> sizes, strides;
+  };
+  const std::vector<Grid> grids = {
+      {{3}, {}},
+      {{3, 1000}, {1}},
+      {{3, 77, 129}, {129, 1}},
+      {{3, 5, 64, 1030}, {int64_t{1} << 32, int64_t{1} << 16, 1}},
+      {{3, 2, 3, 4, 5}, {int64_t{1} << 30, 1000, 17, 3}},
+      {{3, 40000, 40}, {40, 1}},  // more lines than one launch's blocks
+  };
+  for (const Grid& g : grids) {
+    const at::Tensor cpu = counter_keep_mask(key, rows, g.sizes, g.strides, 0.1);
+    const at::Tensor card = counter_keep_mask(key, rows.to(cuda), g.sizes, g.strides, 0.1);
+    EXPECT_EQ(card.device().type(), at::kCUDA);
+    EXPECT_TRUE(at::equal(card.cpu(), cpu)) << "rank " << g.sizes.size();
+  }
+  const at::Tensor src = at::randn({1 << 20}, at::kFloat) * 100;
+  src[5] = INFINITY;
+  src[6] = -INFINITY;
+  const at::Tensor cpu = at::empty({1 << 20}, at::kBFloat16);
+  const at::Tensor card = at::empty({1 << 20}, at::TensorOptions().dtype(at::kBFloat16).device(cuda));
+  stochastic_round_bf16_(cpu, src, counter_key({5, 9, 2}), 777);
+  stochastic_round_bf16_(card, src.to(cuda), counter_key({5, 9, 2}), 777);
+  EXPECT_TRUE(at::equal(card.cpu().view(at::kShort), cpu.view(at::kShort)));
+}
 
 // Packed causal rows on the card take ATen's variable-length flash attention (models/segment_attention.h): in bf16,
 // and in fp32 under bf16 autocast, its output and the gradients of q, k and v agree with fp32 whole-row attention

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <csignal>
 #include <filesystem>
+#include <optional>
 #include <ostream>
 
 #include <ATen/ATen.h>
@@ -651,6 +652,7 @@ int64_t probe_micro_batch(const Config& config, const c10::Device& device, int64
                           const std::function<std::string(int64_t)>& describe) {
   const int64_t capacity = memory_capacity(config, device);
   const double allowed = static_cast<double>(capacity) * (1.0 - config.memory.auto_safety_margin);
+  std::optional<double> peak_of_one;  // set when one example ran without running out of memory
   auto fits = [&](int64_t n) {
     reset_peak(device);
     try {
@@ -663,12 +665,23 @@ int64_t probe_micro_batch(const Config& config, const c10::Device& device, int64
       return false;
     }
     const auto peak = static_cast<double>(memory_now(device).peak);
+    if (n == 1) peak_of_one = peak;
     const bool ok = capacity == 0 || peak <= allowed;
     spdlog::info("micro_batch_size=auto: {} peaks at {}{}", describe ? describe(n) : std::to_string(n), human_bytes(peak),
                  ok ? "" : " (inside the safety margin: too close)");
     return ok;
   };
-  return largest_that_fits(limit, fits);
+  const int64_t chosen = largest_that_fits(limit, fits);
+  // The margin is there to choose between micro-batches; with none smaller to choose, a run whose one example ran is
+  // better started than refused (an out-of-memory error later still adapts what it can, and loses nothing).
+  if (chosen == 0 && peak_of_one) {
+    spdlog::warn("micro_batch_size=auto: 1 peaks at {}, inside memory.auto_safety_margin (at most {} of the {} "
+                 "capacity): training at micro-batch 1 with less than the margin left; shorter maximum lengths or a "
+                 "higher memory.limit would restore it",
+                 human_bytes(*peak_of_one), human_bytes(allowed), human_bytes(static_cast<double>(capacity)));
+    return 1;
+  }
+  return chosen;
 }
 
 int train(const Config& config, const ResolvedDevice& resolved, const TrainOptions& options, std::ostream& out,

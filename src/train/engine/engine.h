@@ -35,7 +35,8 @@ int train(const Config& config, const ResolvedDevice& device, const TrainOptions
 // micro_batch_size=auto: the largest micro-batch up to `limit` whose worst-case step (`run(n)`: forward and backward
 // in micro-batches of n; an out-of-memory error propagates) fits and leaves memory.auto_safety_margin of the capacity
 // (memory.limit, or the device's total) free: doubling, then bisecting between the last fit and the first failure.
-// 0 when not even one fits. The optimizer's gradients are zeroed after every try.
+// 1 with a warning when one example runs but only inside the margin (no smaller micro-batch to choose); 0 when one
+// runs out of memory. The optimizer's gradients are zeroed after every try.
 // `describe(n)` says what a try ran, for its log line.
 int64_t probe_micro_batch(const Config& config, const c10::Device& device, int64_t limit, Optimizer& optimizer,
                           const std::function<void(int64_t)>& run,

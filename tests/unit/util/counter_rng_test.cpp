@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "memory/cpu_budget.h"
+
 namespace trainer {
 namespace {
 
@@ -96,6 +98,64 @@ TEST(CounterRng, KeepRateAndIndependence) {
   // Rows of one mask are not shifted copies of each other: per-row keep counts vary as a binomial's do.
   const double row_sd = a.mean(1).std().item<double>();
   EXPECT_NEAR(row_sd, std::sqrt(kP * q / kCols), 0.5 * std::sqrt(kP * q / kCols));
+}
+
+// What a device without a kernel of its own (and, before its kernel, CUDA) runs: tensor ops in chunks. Chunks of any
+// size, rows split along inner dimensions when one row is larger than a chunk, give the CPU kernel's bits.
+TEST(CounterRng, KeepMaskOpsInChunksOfAnySizeGiveTheCpuBits) {
+  const uint64_t key = counter_key({42, 3, 5});
+  const at::Tensor rows = at::tensor(std::vector<int64_t>{int64_t{3} << 40, int64_t{0}, int64_t{11} << 40}, at::kLong);
+  struct Grid {
+    std::vector<int64_t> sizes, strides;
+  };
+  const std::vector<Grid> grids = {
+      {{3}, {}},
+      {{3, 37}, {1}},
+      {{3, 4, 33}, {33, 1}},                                          // hidden states (B, T, D)
+      {{3, 5, 6, 7}, {int64_t{1} << 32, int64_t{1} << 16, 1}},        // attention (B, H, Tq, Tk)
+      {{3, 2, 3, 4, 5}, {int64_t{1} << 30, 1000, 17, 3}},
+  };
+  for (const Grid& g : grids) {
+    const at::Tensor cpu = counter_keep_mask(key, rows, g.sizes, g.strides, 0.3);
+    for (const int64_t chunk : {int64_t{1}, int64_t{5}, int64_t{7}, int64_t{64}, int64_t{1000}, int64_t{1} << 22}) {
+      const at::Tensor ops = counter_keep_mask_ops(key, rows, g.sizes, g.strides, 0.3, chunk);
+      EXPECT_EQ(ops.sizes(), cpu.sizes());
+      EXPECT_TRUE(at::equal(ops, cpu)) << "rank " << g.sizes.size() << ", chunks of " << chunk;
+    }
+  }
+}
+
+TEST(CounterRng, StochasticRoundingOpsInChunksGiveTheCpuBits) {
+  const at::Tensor src = at::randn({5003}, at::kFloat) * 10;
+  const at::Tensor cpu = at::empty({5003}, at::kBFloat16);
+  stochastic_round_bf16_(cpu, src, counter_key({8, 1}), 31);
+  for (const int64_t chunk : {int64_t{1}, int64_t{999}, int64_t{5003}, int64_t{1} << 22}) {
+    const at::Tensor ops = at::empty({5003}, at::kBFloat16);
+    stochastic_round_bf16_ops_(ops, src, counter_key({8, 1}), 31, chunk);
+    EXPECT_TRUE(at::equal(ops.view(at::kShort), cpu.view(at::kShort))) << "chunks of " << chunk;
+  }
+}
+
+// The tensor-op mask's int64 temporaries (about 40 bytes an element at once, unchunked) are bounded by the chunk:
+// a 32-million-element attention mask (32 MiB of bools, over a gigabyte of temporaries in one piece) is made within
+// its own size plus 512 MiB of the CPU budget, which would run out of memory unchunked.
+TEST(CounterRng, KeepMaskOpsTemporariesStayWithinTheChunk) {
+  install_cpu_budget();
+  const at::Tensor rows = at::tensor(std::vector<int64_t>{int64_t{0}, int64_t{1} << 40}, at::kLong);
+  const std::vector<int64_t> sizes = {2, 16, 1024, 1024};
+  const std::vector<int64_t> strides = {int64_t{1} << 32, int64_t{1} << 16, 1};
+  const int64_t base = cpu_memory_stats().allocated;
+  set_cpu_budget_limit(base + (int64_t{32} << 20) + (int64_t{512} << 20));
+  at::Tensor mask;
+  EXPECT_NO_THROW(mask = counter_keep_mask_ops(counter_key({1, 2}), rows, sizes, strides, 0.1));
+  set_cpu_budget_limit(0);
+  ASSERT_TRUE(mask.defined());
+  EXPECT_TRUE(at::equal(mask, counter_keep_mask(counter_key({1, 2}), rows, sizes, strides, 0.1)));
+  set_cpu_budget_limit(base + (int64_t{32} << 20) + (int64_t{512} << 20));
+  EXPECT_THROW(counter_keep_mask_ops(counter_key({1, 2}), rows, sizes, strides, 0.1, int64_t{1} << 30),
+               c10::OutOfMemoryError)
+      << "in one piece the temporaries do not fit: the bound above is the chunking's doing";
+  set_cpu_budget_limit(0);
 }
 
 TEST(CounterRng, StochasticRoundingPicksANeighbourWithoutBias) {
