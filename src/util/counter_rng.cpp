@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
@@ -133,7 +134,8 @@ at::Tensor counter_keep_mask(uint64_t key, const at::Tensor& row_base, at::IntAr
   TORCH_CHECK(!sizes.empty() && strides.size() + 1 == sizes.size(), "counter_keep_mask: one stride per dimension after the first");
   TORCH_CHECK(row_base.dim() == 1 && row_base.size(0) == sizes[0], "counter_keep_mask: row_base must have one value per row");
 #if TRAINER_WITH_CUDA
-  if (row_base.device().is_cuda() && static_cast<int>(sizes.size()) <= cuda_kernels::kMaxGridDims) {
+  if (row_base.device().is_cuda() && static_cast<int>(sizes.size()) <= cuda_kernels::kMaxKeepMaskDims) {
+    const c10::DeviceGuard on(row_base.device());  // the launch goes to the current device
     at::Tensor mask = at::empty(sizes, row_base.options().dtype(at::kBool));
     const at::Tensor bases = row_base.to(at::kLong).contiguous();
     const std::string error =
@@ -236,6 +238,7 @@ void stochastic_round_bf16_(const at::Tensor& dst, const at::Tensor& src, uint64
 #if TRAINER_WITH_CUDA
   if (src.device().is_cuda()) {
     check_round_arguments(dst, src);
+    const c10::DeviceGuard on(src.device());
     const std::string error = cuda_kernels::stochastic_round_bf16(
         src.data_ptr<float>(), reinterpret_cast<uint16_t*>(dst.data_ptr<at::BFloat16>()), src.numel(), key,
         first_counter, current_cuda_stream(src.device()));

@@ -9,10 +9,10 @@
 
 namespace trainer::cuda_kernels {
 
-constexpr int kMaxGridDims = 8;
+constexpr int kMaxKeepMaskDims = 8;  // counter_rng_kernels.cuh's kMaxGridDims
 
 // out[e] = bits(key, row_base[r] + sum_d i_d * strides[d - 1]) >= threshold for every element e = (r, i_1, ..., i_k)
-// of a contiguous bool grid of `dims` sizes (at most kMaxGridDims); row_base is int64 on the device. Returns "" or
+// of a contiguous bool grid of `dims` sizes (at most kMaxKeepMaskDims); row_base is int64 on the device. Returns "" or
 // CUDA's error message.
 std::string keep_mask(uint64_t key, const int64_t* row_base, int dims, const int64_t* sizes, const int64_t* strides,
                       uint32_t threshold, bool* out, void* stream);
