@@ -7,6 +7,9 @@ machine that has no network (issue 36). The machine's own torch is always used; 
                                                      # packages installed in this Python (pip download is not needed)
     python3 scripts/hf_kit.py check                  # which of them a Python has (and their versions)
 
+`build` also copies bitsandbytes' CUDA 13 libraries into DIR/bitsandbytes (part 2's QLoRA on a card without
+bitsandbytes: scripts/gpu_full.py points TRAINER_BITSANDBYTES there).
+
 `build` packs each installed distribution of the dependency closure (torch and the NVIDIA libraries left out) into a
 wheel: its files as RECORD lists them, without byte code, named with the tag its WHEEL file gives. Only wheels that
 any CPython 3 can load travel: pure Python (py3-none-any, and pyXY-none-any, noted) and the stable ABI (abi3: tokenizers,
