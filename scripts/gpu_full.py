@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The card-size half of scripts/gpu-check (`--full OUTDIR`, issue 36): after the build and the `gpu` tests, the
 shipped jobs at their real shapes under their cards' memory, and trainer against transformers' Trainer on the same
-card. Five parts, in order, each under its own time limit (a failure or a timeout in one does not stop the next):
+card. Six parts, in order, each under its own time limit (a failure or a timeout in one does not stop the next):
 
   1  FLAN-T5-XL (configs/t5xl.json) under 32 GiB: the micro-batch the probe chose, adaptations, peak memory against
      `trainer plan`'s figure for that micro-batch, tokens/s, model FLOP utilisation, the time to write a checkpoint
@@ -16,6 +16,11 @@ card. Five parts, in order, each under its own time limit (a failure or a timeou
      options (causal: padding-free DataCollatorWithFlattening and SDPA; T5: group_by_length); target tokens/s,
      peak memory, both ratios (scripts/bench/vs_hf.py and hf_stack.py run both sides)
   5  vit-base-flowers-lora.json under 8 GiB and clip-cars.json under 16 GiB at their real shapes: images/s, peak
+     memory against the plan
+  6  evaluation by generation (issue 35) against Seq2SeqTrainer.predict with predict_with_generate on the same
+     random t5-60m and qwen2-100m and the same prompts, bf16 on the card, greedy and 4 beams: examples/s of each
+     side, the ratio and how many answers agree (scripts/bench/generate_eval.py; needs trainer_parity, which
+     scripts/gpu-check builds when part 6 is asked for)
 
 Every model is random (config.json written here, no weights file) and every data set is generated here
 (scripts/make_demo_data.py records joined to realistic lengths; data/demo/images for part 5). Every figure is read
@@ -58,10 +63,11 @@ PART_LIMITS_S = {
     3: 90,   # two 7B LoRA runs of 6 short steps, one of them long, loading the base from the page cache
     4: 180,  # per model a trainer run (~20 s with its checkpoint) and two HF runs (~10 s of imports, 12 steps each)
     5: 90,   # two image runs of 8 steps: JPEG decoding on the CPU sets the pace
+    6: 120,  # two models x two decodings x two sides x 2 rounds, each a process (HF's with ~10 s of imports)
 }
 # The rehearsal's limits (tiny shapes on 2 CPU cores): upper bounds that catch a hang, not timings: unloaded, the parts
 # take about a tenth of them, but a CI machine shared with other jobs must not fail the rehearsal for being slow.
-REHEARSE_LIMITS_S = {1: 120, 2: 150, 3: 120, 4: 300, 5: 120}
+REHEARSE_LIMITS_S = {1: 120, 2: 150, 3: 120, 4: 300, 5: 120, 6: 240}
 RESERVE_S = 15  # what the table and the files need at the end of a call
 
 
@@ -648,9 +654,37 @@ def part5_images(part, ctx):
         shutil.rmtree(out, ignore_errors=True)
 
 
+def part6_generation(part, ctx):
+    """scripts/bench/generate_eval.py on the card (bf16) or, rehearsed, its --quick tiny models on the CPU."""
+    tool = ctx.build_dir / "trainer_parity"
+    if not tool.exists():
+        part.row("generation", "FAIL", f"{tool} is missing: build it (scripts/gpu-check builds it when --parts has 6)")
+        return
+    out = ctx.work / "generate-eval.json"
+    command = [sys.executable, str(ROOT / "scripts/bench/generate_eval.py"), "--tool", str(tool), "--json", str(out)]
+    if ctx.args.rehearse:
+        command += ["--quick", "--threads", "1"]
+    else:
+        command += ["--device", "cuda", "--dtype", "bf16", "--examples", "128", "--batch", "32", "--rounds", "2"]
+    out.unlink(missing_ok=True)
+    run = part.run(command)
+    if run.returncode != 0 or not out.exists():
+        part.row("generation", "FAIL", f"generate_eval.py exit {run.returncode}: {run.text()[-300:]}")
+        return
+    result = json.loads(out.read_text())
+    unit = "wall" if result["device"] != "cpu" else "cpu"
+    for row in result["rows"]:
+        ours, theirs = row[f"trainer_{unit}"], row[f"transformers_{unit}"]
+        part.row(f"{row['model']} {row['decoding']}", "PASS",
+                 f"examples/s ({unit}) trainer {ours:,.1f} vs Seq2SeqTrainer predict_with_generate {theirs:,.1f} = "
+                 f"{ours / theirs:.2f}x; {row['same_answers']}/{row['examples']} answers the same "
+                 f"({result['device']} {result['dtype']}, batch {result['batch']}, {result['max_new_tokens']} new "
+                 f"tokens, best of {result['rounds']})", ratio=ours / theirs, **row)
+
+
 PARTS = {1: ("FLAN-T5-XL, 32 GiB", part1_t5xl), 2: ("Qwen2.5-7B LoRA 24 GiB, QLoRA 16 GiB", part2_qwen),
          3: ("out-of-memory at 7B", part3_oom), 4: ("trainer vs transformers' Trainer", part4_vs_hf),
-         5: ("ViT-B/16 and CLIP B/32", part5_images)}
+         5: ("ViT-B/16 and CLIP B/32", part5_images), 6: ("evaluation by generation vs Seq2SeqTrainer", part6_generation)}
 
 
 # ---------------------------------------------------------------- main: one table, JSON and Markdown
@@ -659,7 +693,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build-dir", required=True, help="the build holding trainer (CUDA; the CPU build to rehearse)")
     parser.add_argument("--out", required=True, help="folder for gpu-full.json, gpu-full.md and gpu-full.log")
-    parser.add_argument("--parts", default="1,2,3,4,5", help="comma-separated part numbers (default: all)")
+    parser.add_argument("--parts", default="1,2,3,4,5,6", help="comma-separated part numbers (default: all)")
     parser.add_argument("--rehearse", action="store_true", help="tiny shapes on the CPU; the gpu tests are skipped")
     parser.add_argument("--no-gpu-tests", action="store_true", help="leave the gpu tests out (a second call)")
     parser.add_argument("--row", action="append", default=[], help="NAME|STATUS|DETAIL rows to print first")
@@ -673,7 +707,7 @@ def main():
         wanted = sorted({int(x) for x in args.parts.split(",") if x.strip()})
         assert wanted and all(x in PARTS for x in wanted)
     except (ValueError, AssertionError):
-        parser.error(f"--parts {args.parts}: give part numbers from 1 to 5, comma-separated (e.g. 1,2,3)")
+        parser.error(f"--parts {args.parts}: give part numbers from 1 to 6, comma-separated (e.g. 1,2,3)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "gpu-full.log", "w")

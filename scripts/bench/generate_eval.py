@@ -12,7 +12,11 @@ not report one, is the child's CPU time less that of loading the model and exiti
 timed assertions.
 
     .venv/bin/python scripts/bench/generate_eval.py [--tool build/trainer_parity] [--examples 64] [--quick]
-        [--threads 1] [--rounds 2] [--before OLD/trainer_parity]
+        [--threads 1] [--rounds 2] [--before OLD/trainer_parity] [--device cuda --dtype bf16] [--json OUT]
+
+On a card (--device cuda, scripts/gpu_full.py part 6) both sides generate there, in --dtype; the rate that counts
+is then the wall-clock one, and answers in bf16 may part where two logits round alike (counted, not asserted).
+--json writes the rows for scripts.
 """
 import argparse
 import json
@@ -64,10 +68,15 @@ def children_cpu():
     return usage.ru_utime + usage.ru_stime
 
 
+DEVICE = "cpu"  # --device and --dtype: where and in what both sides generate
+DTYPE = "fp32"
+
+
 def run_tool(tool, model_dir, prompts, settings, batch):
     """The tool's output and the CPU seconds of the whole child process."""
     with tempfile.TemporaryDirectory() as tmp:
-        request = dict(prompts=prompts, batch_size=batch, eos_token_id=NEVER, pad_token_id=0, **settings)
+        request = dict(prompts=prompts, batch_size=batch, eos_token_id=NEVER, pad_token_id=0, device=DEVICE,
+                       dtype=DTYPE, **settings)
         with open(os.path.join(tmp, "request.json"), "w") as f:
             json.dump(request, f)
         before = children_cpu()
@@ -95,7 +104,7 @@ def theirs(model_dir, kind, prompts, settings, batch):
     from torch.utils.data import Dataset
 
     cls = transformers.AutoModelForSeq2SeqLM if kind == "t5" else transformers.AutoModelForCausalLM
-    model = cls.from_pretrained(model_dir, dtype=torch.float32)
+    model = cls.from_pretrained(model_dir, dtype=torch.bfloat16 if DTYPE == "bf16" else torch.float32)
     model.generation_config.eos_token_id = None  # NEVER: no answer stops early
     model.generation_config.pad_token_id = 0
 
@@ -121,12 +130,14 @@ def theirs(model_dir, kind, prompts, settings, batch):
     with tempfile.TemporaryDirectory() as tmp:
         args = transformers.Seq2SeqTrainingArguments(
             output_dir=tmp, per_device_eval_batch_size=batch, predict_with_generate=True, report_to=[],
-            use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+            use_cpu=DEVICE == "cpu", dataloader_num_workers=0, disable_tqdm=True,
             generation_max_length=None, generation_num_beams=settings.get("num_beams", 1))
         trainer = transformers.Seq2SeqTrainer(model=model, args=args, data_collator=collate)
         start, cpu_start = time.perf_counter(), time.process_time()
         out = trainer.predict(Prompts(), max_new_tokens=settings["max_new_tokens"],
                               num_beams=settings.get("num_beams", 1), do_sample=False)
+        if DEVICE != "cpu":
+            torch.cuda.synchronize()
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     # Rows hold the decoder start (T5) or the batch's padded prompt (causal; batches in order) before the answer.
     answers = []
@@ -148,7 +159,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each side; the best counts")
     parser.add_argument("--only", help="models to run, comma-separated (t5-60m, qwen2-100m; tiny t5, tiny qwen2)")
     parser.add_argument("--quick", action="store_true", help="tiny models, 16 examples")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides generate")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="both sides' weights")
+    parser.add_argument("--json", help="also write the rows here (model, decoding, examples/s of each side)")
     args = parser.parse_args()
+    global DEVICE, DTYPE
+    DEVICE, DTYPE = args.device, args.dtype
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -161,7 +177,7 @@ def main():
     if args.only:
         models = [m for m in models if m[0] in args.only.split(",")]
     sides = ["transformers", "trainer"] + (["before"] if args.before else [])
-    rows = []
+    rows, records = [], []
     for name, kind, config in models:
         with tempfile.TemporaryDirectory() as tmp:
             save_model(kind, config, tmp)
@@ -189,9 +205,16 @@ def main():
                     row += [f"{rate['transformers'][k]:.2f}", f"{rate['trainer'][k]:.2f}",
                             f"{rate['trainer'][k] / rate['transformers'][k]:.2f}x"]
                 rows.append(row + [f"{same}/{args.examples}"])
+                records.append(dict(model=name, decoding=label, examples=args.examples, same_answers=same,
+                                    **{f"{side}_wall": rate[side][0] for side in sides},
+                                    **{f"{side}_cpu": rate[side][1] for side in sides}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=DEVICE, dtype=DTYPE, batch=args.batch, max_new_tokens=args.max_new_tokens,
+                           rounds=args.rounds, rows=records), f, indent=1)
     print(machine_notes())
     print(f"{args.examples} examples, batch {args.batch}, {args.max_new_tokens} new tokens, "
-          f"threads {args.threads or 'default'}, best of {args.rounds} alternating rounds")
+          f"threads {args.threads or 'default'}, best of {args.rounds} alternating rounds, {DEVICE} {DTYPE}")
     print()
     columns = ["model", "decoding"]
     for unit in ("wall", "CPU"):

@@ -52,7 +52,8 @@
 //       batched generation (models/generation.h): REQUEST holds "prompts" (lists of ids, unpadded), "seed" and the
 //       generation_config.json keys (max_new_tokens, num_beams, length_penalty, early_stopping,
 //       no_repeat_ngram_size, do_sample, temperature, top_p, top_k, eos_token_id, pad_token_id) and optionally
-//       "batch_size" (batches of that many prompts, longest first, as evaluation by generation runs them); OUT holds
+//       "batch_size" (batches of that many prompts, longest first, as evaluation by generation runs them), "device"
+//       ("cpu" or "cuda", the model's device) and "dtype" ("fp32" or "bf16", its weights); OUT holds
 //       {"outputs": the new ids of each prompt, "seconds": the generation's wall time, "cpu_seconds": its CPU time,
 //       all threads (with one intra-op thread, little changed by other processes on a shared machine)}
 //
@@ -467,7 +468,13 @@ int generate(const std::string& model_dir, const std::string& request_path, cons
   using namespace trainer;
   std::ifstream in(request_path);
   const auto request = nlohmann::json::parse(in);
-  auto model = load_model(model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(at::kFloat));
+  // "device" (default "cpu") and "dtype" ("fp32", the default, or "bf16"): where and in what the model generates,
+  // as evaluation by generation runs it there (scripts/bench/generate_eval.py --device cuda --dtype bf16).
+  const c10::Device device(request.value("device", std::string("cpu")));
+  const std::string dtype = request.value("dtype", std::string("fp32"));
+  if (dtype != "fp32" && dtype != "bf16") throw std::runtime_error("generate: dtype must be fp32 or bf16, got " + dtype);
+  auto model = load_model(model_dir, ModelInit::kPretrained,
+                          at::TensorOptions().dtype(dtype == "bf16" ? at::kBFloat16 : at::kFloat).device(device));
   GenerateOptions options;
   apply_generation_config(request, model->family(), options);
   if (request.contains("seed")) options.seed = request.at("seed").get<uint64_t>();

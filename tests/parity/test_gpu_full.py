@@ -1,5 +1,5 @@
 """`scripts/gpu-check --full OUTDIR --rehearse`: the card run of issue 36 (the shipped jobs at their real sizes, trainer
-against transformers' Trainer) with tiny shapes on the CPU, so that the script is known to work before card time is
+against transformers' Trainer, evaluation by generation against Seq2SeqTrainer) with tiny shapes on the CPU, so that the script is known to work before card time is
 spent. Every part must report real numbers in the table and the JSON, and the run must pass as a whole; a part that
 breaks (an error, a missing figure, a timeout) fails this test.
 
@@ -41,7 +41,7 @@ def test_the_rehearsal_passes_and_prints_one_table_with_every_part(rehearsal):
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert "gpu-check --full: PASSED" in run.stdout
     table = run.stdout
-    for number in range(1, 6):
+    for number in range(1, 7):
         assert f"\n{number} " in table, f"part {number} missing from the table:\n{table}"
     for file in ("gpu-full.json", "gpu-full.md", "gpu-full.log"):
         assert (out / file).stat().st_size > 0, file
@@ -53,7 +53,7 @@ def test_every_part_reports_real_figures(rehearsal):
     _, out, _ = rehearsal
     results = json.loads((out / "gpu-full.json").read_text())
     parts = {int(k): v for k, v in results["parts"].items()}
-    assert sorted(parts) == [1, 2, 3, 4, 5]
+    assert sorted(parts) == [1, 2, 3, 4, 5, 6]
     assert all(p["status"] == "PASS" for p in parts.values()), {k: p["status"] for k, p in parts.items()}
 
     def jobs(number):
@@ -83,6 +83,15 @@ def test_every_part_reports_real_figures(rehearsal):
         assert row["ours_peak"] > 0 and row["hf_peak"] > 0, row
     assert any(row["hf_options"].get("group_by_length") for row in rows)
     assert all(row["same_tokens"] for row in rows if not row["hf_options"])  # padded HF: the same examples
+    # Part 6: evaluation by generation against Seq2SeqTrainer, both models, greedy and beams; in fp32 on the CPU
+    # greedy answers agree.
+    rows = [c for c in parts[6]["checks"].values() if "ratio" in c]
+    assert sorted((row["model"], row["decoding"]) for row in rows) == [
+        ("tiny qwen2", "beams 4"), ("tiny qwen2", "greedy"), ("tiny t5", "beams 4"), ("tiny t5", "greedy")], parts[6]
+    for row in rows:
+        assert row["ratio"] > 0 and row["trainer_cpu"] > 0 and row["transformers_cpu"] > 0, row
+        if row["decoding"] == "greedy":
+            assert row["same_answers"] == row["examples"], row
 
 
 def test_hf_kit_carries_portable_wheels_and_installs_what_a_python_lacks(tmp_path):
@@ -97,6 +106,11 @@ def test_hf_kit_carries_portable_wheels_and_installs_what_a_python_lacks(tmp_pat
     assert all(hf_kit.portable(w.name[:-4].split("-", 2)[2]) for w in wheels), [w.name for w in wheels]
     assert sum(w.stat().st_size for w in wheels) < hf_kit.BUDGET_BYTES
     assert "numpy" in (kit / "MACHINE.txt").read_text()  # compiled for one Python: the machine's own
+    # bitsandbytes' CUDA 13 libraries, for QLoRA on a card without bitsandbytes (part 2 points TRAINER_BITSANDBYTES there)
+    libraries = sorted(p.name for p in (kit / "bitsandbytes").glob("*.so"))
+    assert libraries == ["libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so"], libraries
+    assert sum(w.stat().st_size for w in wheels) + sum(
+        p.stat().st_size for p in (kit / "bitsandbytes").glob("*.so")) < hf_kit.BUDGET_BYTES
     note, path = hf_kit.ensure(kit, tmp_path / "site", sys.executable, ["transformers", "datasets"])
     assert path == "" and "the machine's Python has transformers" in note, note
     note, path = hf_kit.ensure(tmp_path / "none", tmp_path / "site", sys.executable, ["no_such_module_here"])
