@@ -6,6 +6,7 @@
 // the alphabet back to bytes.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <deque>
 #include <forward_list>
 #include <fstream>
@@ -31,6 +32,10 @@ constexpr const char* kGpt2Pattern =
 constexpr std::size_t kMaxCacheEntries = 200'000;
 constexpr std::size_t kMaxCachedWordBytes = 256;
 constexpr std::size_t kHeapMergeThreshold = 48;  // symbols
+constexpr std::size_t kThreadCacheSlots = 4096;   // a power of two
+
+// Each tokenizer's number, so a thread's word cache knows whose words it holds (an address could be reused).
+std::atomic<std::uint64_t> next_tokenizer_number{1};
 
 struct StringHash {
   using is_transparent = void;
@@ -657,10 +662,32 @@ class BpeTokenizer final : public Tokenizer {
       }
     }
     const bool cacheable = word.size() <= kMaxCachedWordBytes;
+    // A thread's own direct-mapped cache of recent words in front of the shared one: no lock, no bucket chain.
+    struct CachedWord {
+      std::string word;
+      std::vector<std::int32_t> ids;
+    };
+    struct ThreadCache {
+      std::uint64_t owner = 0;  // the tokenizer's number
+      std::vector<CachedWord> slots;
+    };
+    thread_local ThreadCache thread_cache;
+    CachedWord* slot = nullptr;
     if (cacheable) {
+      if (thread_cache.owner != number_) {
+        thread_cache.slots.assign(kThreadCacheSlots, CachedWord{});
+        thread_cache.owner = number_;
+      }
+      slot = &thread_cache.slots[StringHash{}(word) & (kThreadCacheSlots - 1)];
+      if (!slot->ids.empty() && slot->word == word) {
+        ids.insert(ids.end(), slot->ids.begin(), slot->ids.end());
+        return;
+      }
       std::shared_lock lock(cache_mutex_);
       if (const auto it = cache_.find(word); it != cache_.end()) {
         ids.insert(ids.end(), it->second.begin(), it->second.end());
+        slot->word.assign(word);
+        slot->ids = it->second;
         return;
       }
     }
@@ -676,6 +703,10 @@ class BpeTokenizer final : public Tokenizer {
     }
     merge(symbols);
     ids.insert(ids.end(), symbols.begin(), symbols.end());
+    if (slot) {
+      slot->word.assign(word);
+      slot->ids = symbols;
+    }
     if (cacheable) {
       std::unique_lock lock(cache_mutex_);
       if (cache_.size() < kMaxCacheEntries) cache_.emplace(std::string(word), std::move(symbols));
@@ -774,6 +805,7 @@ class BpeTokenizer final : public Tokenizer {
   SpecialTokenTemplate template_;
   std::optional<std::int32_t> eos_, pad_, bos_;
 
+  const std::uint64_t number_ = next_tokenizer_number.fetch_add(1);
   mutable std::shared_mutex cache_mutex_;
   mutable StringMap<std::vector<std::int32_t>> cache_;
 };
