@@ -199,6 +199,11 @@ TEST(Bpe, DecodeWithAndWithoutSpecialTokens) {
 TEST(Bpe, InvalidUtf8IsADataError) {
   const auto tokenizer = load_tokenizer(qwen2_dir());
   EXPECT_THROW(tokenizer->encode("bad \xFF byte"), DataError);
+  // After and between long ASCII runs (checked eight bytes at a time).
+  EXPECT_THROW(tokenizer->encode("0123456789abcdef\xc0\xaf"), DataError);
+  EXPECT_THROW(tokenizer->encode("0123456789abcdef \xed\xa0\x80 0123456789abcdef"), DataError);
+  EXPECT_THROW(tokenizer->encode("0123456789a\xe2\x82"), DataError);
+  EXPECT_NO_THROW(tokenizer->encode("0123456\xc3\xa9 0123456789abcdef \xf0\x9f\x8d\xb2 tail"));
 }
 
 TEST(Bpe, TrainingConventionAppendsEosOnce) {
