@@ -22,6 +22,7 @@
 #include "data/image_loader.h"
 #include "data/jsonl.h"
 #include "data/packing.h"
+#include "data/record.h"
 #include "models/image_model.h"
 #include "trainer/data.h"
 #include "trainer/errors.h"
@@ -151,16 +152,55 @@ std::string mark_trained(const Tokenizer& tokenizer, const Example& example) {
   return marked;
 }
 
-// Appends ids as a JSON list, as nlohmann's dump() writes one ("[1,2,-100]"), without a JSON value per id.
+// Appends ids as a JSON list, as nlohmann's dump() writes one ("[1,2,-100]"), without a JSON value per id: the
+// digits go straight into room made for the longest possible list, which is then cut to what was written.
 void append_ids(std::string& out, const std::vector<std::int32_t>& ids) {
-  out += '[';
-  char digits[16];
+  constexpr std::size_t kMaxIdChars = 12;  // "-2147483648" and a comma
+  const std::size_t start = out.size();
+  out.resize(start + 2 + ids.size() * kMaxIdChars);
+  char* at = out.data() + start;
+  char* const end = out.data() + out.size();
+  *at++ = '[';
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (i > 0) out += ',';
-    const auto written = std::to_chars(digits, digits + sizeof digits, ids[i]);
-    out.append(digits, written.ptr);
+    if (i > 0) *at++ = ',';
+    at = std::to_chars(at, end, ids[i]).ptr;
   }
-  out += ']';
+  *at++ = ']';
+  out.resize(static_cast<std::size_t>(at - out.data()));
+}
+
+// Appends a string as nlohmann's dump() writes it (ensure_ascii off): quotes, backslashes and control characters
+// escaped ("\n", "\u001b"), everything else as it is. Only for valid UTF-8; other text takes dump() itself, whose
+// error handler writes U+FFFD for the bad bytes.
+void append_json_string(std::string& out, std::string_view text) {
+  if (data::find_invalid_utf8(text) != std::string_view::npos) {
+    out += nlohmann::ordered_json(std::string(text)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    return;
+  }
+  out += '"';
+  std::size_t done = 0;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c != '"' && c != '\\') continue;
+    out.append(text, done, i - done);
+    done = i + 1;
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\b': out += "\\b"; break;
+      case '\f': out += "\\f"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default: {
+        static constexpr char kHex[] = "0123456789abcdef";
+        const char escaped[] = {'\\', 'u', '0', '0', kHex[c >> 4], kHex[c & 0xF]};
+        out.append(escaped, sizeof escaped);
+      }
+    }
+  }
+  out.append(text, done);
+  out += '"';
 }
 
 // `trainer data --dump`: the first `count` examples of `path`, in file order, one JSON object per line.
@@ -195,17 +235,21 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
       buffer += entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     } else {
       // Written directly, the bytes entry.dump() would write: the ids are most of the output.
-      buffer += entry.dump();
-      buffer.pop_back();  // the closing brace
+      char digits[24];
+      buffer += "{\"line\":";
+      buffer.append(digits, std::to_chars(digits, digits + sizeof digits, line).ptr);
       buffer += ",\"input_ids\":";
+      const std::size_t ids_at = buffer.size();
       append_ids(buffer, outcome.example.input_ids);
+      const std::size_t ids_end = buffer.size();
       buffer += ",\"labels\":";
-      append_ids(buffer, outcome.example.labels);
+      // Every token trained (train_on=all): the labels' list is the ids' list just written.
+      if (outcome.example.labels == outcome.example.input_ids) buffer.append(buffer, ids_at, ids_end - ids_at);
+      else append_ids(buffer, outcome.example.labels);
       if (outcome.truncated) buffer += ",\"truncated\":true";
       if (!outcome.chat_text.empty()) {
         buffer += ",\"text\":";
-        buffer += nlohmann::ordered_json(outcome.chat_text)
-                      .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        append_json_string(buffer, outcome.chat_text);
       }
       buffer += '}';
       ++written;

@@ -4,8 +4,11 @@
 // (Split regex, ByteLevel), each word's bytes become GPT-2's byte alphabet (the last one with the model's
 // end-of-word suffix, the others with its continuing-subword prefix) and are merged by rank, and decoding maps
 // the alphabet back to bytes.
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <deque>
+#include <forward_list>
 #include <fstream>
 #include <limits>
 #include <queue>
@@ -29,6 +32,10 @@ constexpr const char* kGpt2Pattern =
 constexpr std::size_t kMaxCacheEntries = 200'000;
 constexpr std::size_t kMaxCachedWordBytes = 256;
 constexpr std::size_t kHeapMergeThreshold = 48;  // symbols
+constexpr std::size_t kThreadCacheSlots = 4096;   // a power of two
+
+// Each tokenizer's number, so a thread's word cache knows whose words it holds (an address could be reused).
+std::atomic<std::uint64_t> next_tokenizer_number{1};
 
 struct StringHash {
   using is_transparent = void;
@@ -140,13 +147,25 @@ class AddedTokenMatcher {
 
 // Splits one piece by a pattern, the way tokenizers' NormalizedString::split does for each behavior.
 void split_by_pattern(std::string_view piece, const PreTokenizerStep& step, std::vector<std::string_view>& out) {
+  thread_local std::vector<std::pair<std::size_t, std::size_t>> matches;  // reused: no allocation per piece
+  matches.clear();
+  step.regex->find_all(piece, matches);
+  std::size_t previous = 0;
+  if (step.behavior == SplitBehavior::kIsolated) {  // every match and every gap, in order (inverted or not)
+    for (const auto& [begin, end] : matches) {
+      if (begin > previous) out.push_back(piece.substr(previous, begin - previous));
+      out.push_back(piece.substr(begin, end - begin));
+      previous = end;
+    }
+    if (previous < piece.size()) out.push_back(piece.substr(previous));
+    return;
+  }
   struct Span {
     std::size_t begin, end;
     bool is_match;
   };
   std::vector<Span> spans;
-  std::size_t previous = 0;
-  for (const auto& [begin, end] : step.regex->find_all(piece)) {
+  for (const auto& [begin, end] : matches) {
     if (begin > previous) spans.push_back({previous, begin, step.invert});
     spans.push_back({begin, end, !step.invert});
     previous = end;
@@ -190,6 +209,10 @@ void split_by_pattern(std::string_view piece, const PreTokenizerStep& step, std:
     if (span.end > span.begin) out.push_back(piece.substr(span.begin, span.end - span.begin));
 }
 
+bool is_ascii(std::string_view text) {
+  return std::all_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; });
+}
+
 class BpeTokenizer final : public Tokenizer {
  public:
   BpeTokenizer(const std::string& file, const SideFiles& side) : source_(file) {
@@ -205,6 +228,9 @@ class BpeTokenizer final : public Tokenizer {
       read_model(root["model"]);
       read_added_tokens(root.value("added_tokens", json::array()));
       read_normalizer(root.value("normalizer", json()));
+      normalizers_only_forms_ = std::all_of(normalizers_.begin(), normalizers_.end(), [](const NormalizerStep& step) {
+        return step.kind == NormalizerStep::Kind::kForm;
+      });
       index_added_tokens();
       read_pre_tokenizer(root.value("pre_tokenizer", json()));
       if (pre_steps_.empty() || !pre_steps_.back().byte_level)
@@ -222,18 +248,22 @@ class BpeTokenizer final : public Tokenizer {
     if (!is_valid_utf8(text))
       throw DataError("text is not valid UTF-8 (tokenizer " + source_ + ")", "fix the encoding of the data file");
     std::vector<std::int32_t> ids;
-    std::vector<Piece> raw_pieces;
+    ids.reserve(text.size() / 3 + 8);
+    // Reused from call to call on this thread (the views in them are dropped before the call returns).
+    thread_local std::vector<Piece> raw_pieces, pieces;
+    thread_local std::vector<std::string_view> words;
+    raw_pieces.clear();
     raw_token_matcher_.split(text, raw_pieces);
-    std::deque<std::string> storage;  // normalized texts and prefixed words the views point into
-    std::vector<Piece> pieces;
-    std::vector<std::string_view> words;
+    std::forward_list<std::string> storage;  // normalized texts and prefixed words the views point into
     for (const Piece& raw : raw_pieces) {
       if (raw.token_id >= 0) {
         ids.push_back(raw.token_id);
         continue;
       }
       std::string_view normalized = raw.text;
-      if (!normalizers_.empty()) normalized = storage.emplace_back(apply_normalizers(raw.text));
+      // Unicode forms leave ASCII text as it is: no normalized copy of it.
+      if (!normalizers_.empty() && !(normalizers_only_forms_ && is_ascii(raw.text)))
+        normalized = storage.emplace_front(apply_normalizers(raw.text));
       pieces.clear();
       normalized_token_matcher_.split(normalized, pieces);
       for (const Piece& piece : pieces) {
@@ -246,6 +276,9 @@ class BpeTokenizer final : public Tokenizer {
         for (const std::string_view word : words) encode_word(word, ids);
       }
     }
+    raw_pieces.clear();
+    pieces.clear();
+    words.clear();
     return ids;
   }
 
@@ -596,19 +629,21 @@ class BpeTokenizer final : public Tokenizer {
   }
 
   // Splits one normalized piece into words with every pre-tokenizer step in turn.
-  void pre_tokenize(std::string_view text, std::deque<std::string>& storage, std::vector<std::string_view>& words) const {
+  void pre_tokenize(std::string_view text, std::forward_list<std::string>& storage,
+                    std::vector<std::string_view>& words) const {
     words.push_back(text);
-    std::vector<std::string_view> next;
+    thread_local std::vector<std::string_view> next;  // reused: no allocation per piece
     for (const PreTokenizerStep& step : pre_steps_) {
       next.clear();
       for (std::string_view word : words) {
         if (step.add_prefix_space && (word.empty() || word.front() != ' '))
-          word = storage.emplace_back(" " + std::string(word));
+          word = storage.emplace_front(" " + std::string(word));
         if (step.regex) split_by_pattern(word, step, next);
         else if (!word.empty()) next.push_back(word);
       }
       words.swap(next);
     }
+    next.clear();
   }
 
   static std::uint64_t pair_key(std::int32_t a, std::int32_t b) {
@@ -627,10 +662,32 @@ class BpeTokenizer final : public Tokenizer {
       }
     }
     const bool cacheable = word.size() <= kMaxCachedWordBytes;
+    // A thread's own direct-mapped cache of recent words in front of the shared one: no lock, no bucket chain.
+    struct CachedWord {
+      std::string word;
+      std::vector<std::int32_t> ids;
+    };
+    struct ThreadCache {
+      std::uint64_t owner = 0;  // the tokenizer's number
+      std::vector<CachedWord> slots;
+    };
+    thread_local ThreadCache thread_cache;
+    CachedWord* slot = nullptr;
     if (cacheable) {
+      if (thread_cache.owner != number_) {
+        thread_cache.slots.assign(kThreadCacheSlots, CachedWord{});
+        thread_cache.owner = number_;
+      }
+      slot = &thread_cache.slots[StringHash{}(word) & (kThreadCacheSlots - 1)];
+      if (!slot->ids.empty() && slot->word == word) {
+        ids.insert(ids.end(), slot->ids.begin(), slot->ids.end());
+        return;
+      }
       std::shared_lock lock(cache_mutex_);
       if (const auto it = cache_.find(word); it != cache_.end()) {
         ids.insert(ids.end(), it->second.begin(), it->second.end());
+        slot->word.assign(word);
+        slot->ids = it->second;
         return;
       }
     }
@@ -646,6 +703,10 @@ class BpeTokenizer final : public Tokenizer {
     }
     merge(symbols);
     ids.insert(ids.end(), symbols.begin(), symbols.end());
+    if (slot) {
+      slot->word.assign(word);
+      slot->ids = symbols;
+    }
     if (cacheable) {
       std::unique_lock lock(cache_mutex_);
       if (cache_.size() < kMaxCacheEntries) cache_.emplace(std::string(word), std::move(symbols));
@@ -738,11 +799,13 @@ class BpeTokenizer final : public Tokenizer {
   std::deque<AddedToken> added_tokens_;  // stable addresses for the matchers
   AddedTokenMatcher raw_token_matcher_, normalized_token_matcher_;
   std::vector<NormalizerStep> normalizers_;
+  bool normalizers_only_forms_ = false;  // NFC, NFD, NFKC, NFKD only: ASCII text is its own normalization
   std::vector<PreTokenizerStep> pre_steps_;
   bool byte_level_decoder_ = false;
   SpecialTokenTemplate template_;
   std::optional<std::int32_t> eos_, pad_, bos_;
 
+  const std::uint64_t number_ = next_tokenizer_number.fetch_add(1);
   mutable std::shared_mutex cache_mutex_;
   mutable StringMap<std::vector<std::int32_t>> cache_;
 };

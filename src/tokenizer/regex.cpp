@@ -34,12 +34,17 @@ Regex::~Regex() {
 }
 
 std::vector<std::pair<std::size_t, std::size_t>> Regex::find_all(std::string_view text) const {
+  std::vector<std::pair<std::size_t, std::size_t>> matches;
+  find_all(text, matches);
+  return matches;
+}
+
+void Regex::find_all(std::string_view text, std::vector<std::pair<std::size_t, std::size_t>>& matches) const {
   struct MatchData {
     pcre2_match_data* data = pcre2_match_data_create(4, nullptr);
     ~MatchData() { pcre2_match_data_free(data); }
   };
   thread_local MatchData match;
-  std::vector<std::pair<std::size_t, std::size_t>> matches;
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
   std::size_t start = 0;
   while (start <= text.size()) {
@@ -62,7 +67,6 @@ std::vector<std::pair<std::size_t, std::size_t>> Regex::find_all(std::string_vie
       while (start < text.size() && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) ++start;
     }
   }
-  return matches;
 }
 
 }  // namespace trainer::tokenizer_detail

@@ -22,6 +22,8 @@ class Regex {
   // The [begin, end) byte ranges of every non-overlapping match, left to right; empty matches are left out.
   // `text` must be valid UTF-8 (checked once by the caller). Thread-safe.
   std::vector<std::pair<std::size_t, std::size_t>> find_all(std::string_view text) const;
+  // The same, appended to `matches` (which the caller may reuse from text to text).
+  void find_all(std::string_view text, std::vector<std::pair<std::size_t, std::size_t>>& matches) const;
 
  private:
   struct Code;

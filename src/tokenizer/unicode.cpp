@@ -2,7 +2,9 @@
 #include "tokenizer/unicode.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #include <utf8proc.h>
@@ -49,6 +51,13 @@ std::size_t valid_sequence_length(std::string_view text, std::size_t pos, std::s
 bool is_valid_utf8(std::string_view text) {
   std::size_t pos = 0, invalid = 0;
   while (pos < text.size()) {
+    // Eight ASCII bytes at a time (each is a valid sequence of its own).
+    std::uint64_t eight = 0;
+    if (pos + sizeof eight <= text.size() &&
+        (std::memcpy(&eight, text.data() + pos, sizeof eight), (eight & 0x8080808080808080ULL) == 0)) {
+      pos += sizeof eight;
+      continue;
+    }
     const std::size_t n = valid_sequence_length(text, pos, invalid);
     if (n == 0) return false;
     pos += n;

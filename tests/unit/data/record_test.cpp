@@ -144,6 +144,12 @@ TEST(DataRecord, Utf8ValidatorAcceptsValidTextAndFindsTheFirstBadByte) {
   EXPECT_EQ(find_invalid_utf8("ab\xc0\xaf"), 2u);  // overlong '/'
   EXPECT_EQ(find_invalid_utf8("abc\xe2\x82"), 3u);  // cut short
   EXPECT_EQ(find_invalid_utf8("\xf4\x90\x80\x80"), 0u);  // above U+10FFFF
+  // Long ASCII runs (read eight bytes at a time) before, around and after the bad byte.
+  EXPECT_EQ(find_invalid_utf8("0123456789abcdef\xc0\xaf"), 16u);
+  EXPECT_EQ(find_invalid_utf8("0123456789a\xe2\x82"), 11u);
+  EXPECT_EQ(find_invalid_utf8("01234567\xff" "01234567"), 8u);
+  EXPECT_EQ(find_invalid_utf8("0123456\xc3\xa9 0123456789abcdef \xed\xa0\x80 tail"), 27u);  // a surrogate
+  EXPECT_EQ(find_invalid_utf8("0123456\xc3\xa9 0123456789abcdef \xf0\x9f\x8d\xb2 tail"), std::string_view::npos);
 }
 
 }  // namespace

@@ -199,6 +199,11 @@ TEST(Bpe, DecodeWithAndWithoutSpecialTokens) {
 TEST(Bpe, InvalidUtf8IsADataError) {
   const auto tokenizer = load_tokenizer(qwen2_dir());
   EXPECT_THROW(tokenizer->encode("bad \xFF byte"), DataError);
+  // After and between long ASCII runs (checked eight bytes at a time).
+  EXPECT_THROW(tokenizer->encode("0123456789abcdef\xc0\xaf"), DataError);
+  EXPECT_THROW(tokenizer->encode("0123456789abcdef \xed\xa0\x80 0123456789abcdef"), DataError);
+  EXPECT_THROW(tokenizer->encode("0123456789a\xe2\x82"), DataError);
+  EXPECT_NO_THROW(tokenizer->encode("0123456\xc3\xa9 0123456789abcdef \xf0\x9f\x8d\xb2 tail"));
 }
 
 TEST(Bpe, TrainingConventionAppendsEosOnce) {
@@ -261,6 +266,30 @@ TEST(Bpe, EncodeIsThreadSafe) {
     });
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(mismatches, 0);
+}
+
+// A tokenizer's ids for `text`, loaded and encoded on a thread of its own (so with a fresh per-thread word cache).
+std::vector<std::int32_t> encoded_on_a_new_thread(const std::string& dir, const std::string& text) {
+  std::vector<std::int32_t> ids;
+  std::thread([&] { ids = load_tokenizer(dir)->encode(text); }).join();
+  return ids;
+}
+
+// Each thread keeps a cache of recent words per tokenizer: tokenizers that split and merge the same words
+// differently, used in turn on one thread (and one loaded again where another was freed), keep their own ids.
+TEST(Bpe, TokenizersUsedInTurnOnOneThreadKeepTheirOwnIds) {
+  const std::string text = "the photo of THE eggs, the photo of the flour";
+  const auto qwen2_ids = encoded_on_a_new_thread(qwen2_dir(), text);
+  const auto clip_ids = encoded_on_a_new_thread(asset("clip-style"), text);
+  const auto gpt2_ids = encoded_on_a_new_thread(asset("gpt2-bytelevel"), text);
+  ASSERT_NE(qwen2_ids, clip_ids);
+  const auto qwen2 = load_tokenizer(qwen2_dir());
+  for (int round = 0; round < 3; ++round) {
+    auto other = load_tokenizer(asset(round % 2 == 0 ? "clip-style" : "gpt2-bytelevel"));
+    EXPECT_EQ(qwen2->encode(text), qwen2_ids) << round;
+    EXPECT_EQ(other->encode(text), round % 2 == 0 ? clip_ids : gpt2_ids) << round;
+    EXPECT_EQ(qwen2->encode(text), qwen2_ids) << round;
+  }
 }
 
 }  // namespace
