@@ -355,30 +355,6 @@ Value from_json(const nlohmann::ordered_json& j) {
   }
 }
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    auto u = static_cast<unsigned char>(c);
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      default:
-        if (u < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", u);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
 
 struct JsonStyle {
   int indent = -1;  // -1: none (one line)
@@ -400,7 +376,7 @@ void to_json(const Value& v, const JsonStyle& style, int depth, std::string& out
       out += std::isnan(v.number) ? "NaN" : std::isinf(v.number) ? (v.number > 0 ? "Infinity" : "-Infinity")
                                                                   : float_repr(v.number);
       return;
-    case Type::kString: out += json_string(v.text); return;
+    case Type::kString: append_json_string(out, v.text); return;
     case Type::kList: {
       if (v.list->empty()) {
         out += "[]";
@@ -431,7 +407,8 @@ void to_json(const Value& v, const JsonStyle& style, int depth, std::string& out
       for (std::size_t i = 0; i < items.size(); ++i) {
         if (i) out += style.item_separator;
         if (style.indent >= 0) newline(depth + 1);
-        out += json_string(items[i]->first) + style.key_separator;
+        append_json_string(out, items[i]->first);
+        out += style.key_separator;
         to_json(items[i]->second, style, depth + 1, out, pos);
       }
       if (style.indent >= 0) newline(depth);
@@ -2855,6 +2832,33 @@ RenderResult Template::render(const Variables& variables, const RenderLimits& li
   } catch (const ContinueSignal&) {
   }
   return {std::move(ctx.buffers[0]), std::move(ctx.spans)};
+}
+
+void append_json_string(std::string& out, std::string_view text) {
+  out += '"';
+  std::size_t done = 0;  // text[done, i) is copied as it is, in one append
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c != '"' && c != '\\') continue;
+    out.append(text, done, i - done);
+    done = i + 1;
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\b': out += "\\b"; break;
+      case '\f': out += "\\f"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default: {
+        static constexpr char kHex[] = "0123456789abcdef";
+        const char escaped[] = {'\\', 'u', '0', '0', kHex[c >> 4], kHex[c & 0xF]};
+        out.append(escaped, sizeof escaped);
+      }
+    }
+  }
+  out.append(text, done);
+  out += '"';
 }
 
 }  // namespace trainer::chat

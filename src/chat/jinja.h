@@ -97,4 +97,9 @@ class Template {
   std::shared_ptr<const Impl> impl_;
 };
 
+// Appends `text` (valid UTF-8) as a JSON string the way Python's json.dumps(ensure_ascii=False) and nlohmann's
+// dump() write it: quotes, backslashes and control characters escaped ("\n", "\u001b"), everything else as it is.
+// The interpreter's `tojson` writes strings with it; so does `trainer data --dump`.
+void append_json_string(std::string& out, std::string_view text);
+
 }  // namespace trainer::chat

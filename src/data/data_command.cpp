@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "chat/jinja.h"
 #include "data/chat_record.h"
 #include "data/image_loader.h"
 #include "data/jsonl.h"
@@ -169,38 +170,14 @@ void append_ids(std::string& out, const std::vector<std::int32_t>& ids) {
   out.resize(static_cast<std::size_t>(at - out.data()));
 }
 
-// Appends a string as nlohmann's dump() writes it (ensure_ascii off): quotes, backslashes and control characters
-// escaped ("\n", "\u001b"), everything else as it is. Only for valid UTF-8; other text takes dump() itself, whose
-// error handler writes U+FFFD for the bad bytes.
+// Appends a string as nlohmann's dump() writes it (ensure_ascii off). Valid UTF-8 takes the chat interpreter's
+// escaper (the same bytes); other text takes dump() itself, whose error handler writes U+FFFD for the bad bytes.
 void append_json_string(std::string& out, std::string_view text) {
   if (data::find_invalid_utf8(text) != std::string_view::npos) {
     out += nlohmann::ordered_json(std::string(text)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     return;
   }
-  out += '"';
-  std::size_t done = 0;
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c >= 0x20 && c != '"' && c != '\\') continue;
-    out.append(text, done, i - done);
-    done = i + 1;
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default: {
-        static constexpr char kHex[] = "0123456789abcdef";
-        const char escaped[] = {'\\', 'u', '0', '0', kHex[c >> 4], kHex[c & 0xF]};
-        out.append(escaped, sizeof escaped);
-      }
-    }
-  }
-  out.append(text, done);
-  out += '"';
+  chat::append_json_string(out, text);
 }
 
 // `trainer data --dump`: the first `count` examples of `path`, in file order, one JSON object per line.

@@ -88,6 +88,11 @@ void check_round_arguments(const at::Tensor& dst, const at::Tensor& src) {
               "stochastic_round_bf16_: contiguous tensors of the same size on one device");
 }
 
+void check_grid(const at::Tensor& row_base, at::IntArrayRef sizes, at::IntArrayRef strides) {
+  TORCH_CHECK(!sizes.empty() && strides.size() + 1 == sizes.size(), "counter_keep_mask: one stride per dimension after the first");
+  TORCH_CHECK(row_base.dim() == 1 && row_base.size(0) == sizes[0], "counter_keep_mask: row_base must have one value per row");
+}
+
 uint32_t threshold_for(double p) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "dropout probability must be in [0, 1), got ", p);
   return static_cast<uint32_t>(std::llround(p * 4294967296.0));
@@ -131,8 +136,7 @@ at::Tensor grid_counters(const at::Tensor& row_base, at::IntArrayRef sizes, at::
 at::Tensor counter_keep_mask(uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes, at::IntArrayRef strides,
                              double p) {
   const uint32_t threshold = threshold_for(p);
-  TORCH_CHECK(!sizes.empty() && strides.size() + 1 == sizes.size(), "counter_keep_mask: one stride per dimension after the first");
-  TORCH_CHECK(row_base.dim() == 1 && row_base.size(0) == sizes[0], "counter_keep_mask: row_base must have one value per row");
+  check_grid(row_base, sizes, strides);
 #if TRAINER_WITH_CUDA
   if (row_base.device().is_cuda() && static_cast<int>(sizes.size()) <= cuda_kernels::kMaxKeepMaskDims) {
     const c10::DeviceGuard on(row_base.device());  // the launch goes to the current device
@@ -185,8 +189,7 @@ at::Tensor counter_keep_mask(uint64_t key, const at::Tensor& row_base, at::IntAr
 at::Tensor counter_keep_mask_ops(uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes,
                                  at::IntArrayRef strides, double p, int64_t chunk_elements) {
   const auto threshold = static_cast<int64_t>(threshold_for(p));
-  TORCH_CHECK(!sizes.empty() && strides.size() + 1 == sizes.size(), "counter_keep_mask: one stride per dimension after the first");
-  TORCH_CHECK(row_base.dim() == 1 && row_base.size(0) == sizes[0], "counter_keep_mask: row_base must have one value per row");
+  check_grid(row_base, sizes, strides);
   TORCH_CHECK(chunk_elements > 0, "counter_keep_mask_ops: chunk_elements must be positive");
   at::Tensor mask = at::empty(sizes, row_base.options().dtype(at::kBool));
   if (mask.numel() == 0) return mask;

@@ -10,6 +10,7 @@
 namespace trainer::cuda_kernels {
 namespace {
 
+static_assert(kMaxKeepMaskDims == kMaxGridDims, "counter_rng_cuda.h and counter_rng_kernels.cuh name one limit");
 constexpr int64_t kMaxBlocks = 65535LL * 32;  // a grid-stride loop covers the rest
 
 __global__ void keep_mask_kernel(uint32_t k0, uint32_t k1, const int64_t* __restrict__ row_base, Grid grid,
@@ -34,7 +35,7 @@ std::string launched() {
 
 std::string keep_mask(uint64_t key, const int64_t* row_base, int dims, const int64_t* sizes, const int64_t* strides,
                       uint32_t threshold, bool* out, void* stream) {
-  if (dims < 1 || dims > kMaxGridDims) return "a grid of " + std::to_string(dims) + " dimensions (1 to 8)";
+  if (dims < 1 || dims > kMaxKeepMaskDims) return "a grid of " + std::to_string(dims) + " dimensions (1 to 8)";
   const KeepMaskLaunch plan = keep_mask_launch(dims, sizes, strides);
   if (plan.blocks == 0) return "";
   const int64_t launch = plan.blocks < kMaxBlocks ? plan.blocks : kMaxBlocks;

@@ -59,6 +59,21 @@ struct TinyRun {
       return false;
     }
   }
+  // What one worst-case example's step adds to the live bytes at its peak (0 if it did not run).
+  int64_t one_example_bytes() {
+    const int64_t base = cpu_memory_stats().allocated;
+    reset_cpu_peak();
+    return fits(1) ? cpu_memory_stats().peak - base : 0;
+  }
+  // memory.limit and the CPU budget both at `bytes`.
+  void cap(int64_t bytes) {
+    config.memory.limit.bytes = static_cast<uint64_t>(bytes);
+    set_cpu_budget_limit(bytes);
+  }
+  int64_t probe() {
+    return probe_micro_batch(config, at::Device(at::kCPU), config.training.batch_size, *optimizer,
+                             [&](int64_t n) { step->forward_backward(worst_case(n), 1.0); });
+  }
 };
 
 }  // namespace
@@ -70,33 +85,26 @@ TEST(AutoMicroBatch, OneExampleInsideTheMarginStillTrainsAtOne) {
   BudgetScope budget;
   TinyRun s;
   const int64_t base = cpu_memory_stats().allocated;
-  reset_cpu_peak();
-  ASSERT_TRUE(s.fits(1));
-  const int64_t one = cpu_memory_stats().peak - base;
+  const int64_t one = s.one_example_bytes();
+  ASSERT_GT(one, 0);
   // Capacity 1.5x of one example's step, a margin of 50%: one example fits the capacity but not capacity minus margin.
   s.config.memory.auto_safety_margin = 0.5;
-  s.config.memory.limit.bytes = static_cast<uint64_t>(base + one + one / 2);
-  set_cpu_budget_limit(base + one + one / 2);
-  const auto run = [&](int64_t n) { s.step->forward_backward(s.worst_case(n), 1.0); };
-  EXPECT_EQ(probe_micro_batch(s.config, at::Device(at::kCPU), s.config.training.batch_size, *s.optimizer, run), 1);
+  s.cap(base + one + one / 2);
+  EXPECT_EQ(s.probe(), 1);
   // Under a budget smaller than one example's step, nothing runs: 0, and the task says what to change.
-  s.config.memory.limit.bytes = static_cast<uint64_t>(base + one / 2);
-  set_cpu_budget_limit(base + one / 2);
-  EXPECT_EQ(probe_micro_batch(s.config, at::Device(at::kCPU), s.config.training.batch_size, *s.optimizer, run), 0);
+  s.cap(base + one / 2);
+  EXPECT_EQ(s.probe(), 0);
 }
 
 TEST(AutoMicroBatch, PicksTheLargestThatFits) {
   BudgetScope budget;
   TinyRun s;
   const int64_t base = cpu_memory_stats().allocated;
-  reset_cpu_peak();
-  ASSERT_TRUE(s.fits(1));
-  const int64_t one = cpu_memory_stats().peak - base;
+  const int64_t one = s.one_example_bytes();
+  ASSERT_GT(one, 0);
   // Room for a few examples but not for the whole batch of 16.
-  s.config.memory.limit.bytes = static_cast<uint64_t>(base + 5 * one);
-  set_cpu_budget_limit(base + 5 * one);
-  const int64_t chosen = probe_micro_batch(s.config, at::Device(at::kCPU), s.config.training.batch_size, *s.optimizer,
-                                           [&](int64_t n) { s.step->forward_backward(s.worst_case(n), 1.0); });
+  s.cap(base + 5 * one);
+  const int64_t chosen = s.probe();
   ASSERT_GT(chosen, 1);
   ASSERT_LT(chosen, s.config.training.batch_size);
   EXPECT_TRUE(s.fits(chosen));
