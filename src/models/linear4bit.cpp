@@ -6,11 +6,13 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 
 #include <ATen/ATen.h>
@@ -169,11 +171,30 @@ using CudaDequantize4bit = void (*)(float* code, unsigned char* packed, float* a
                                     int n, void* stream);
 using HasAvx512 = bool (*)();
 
+constexpr int kBlockSizes = 8;  // 32, 64, ..., 4096: the block sizes the format allows
+
+// log2(blocksize) - 5 for a block size the format allows (quant::check_4bit_blocksize).
+int block_index(int64_t blocksize) { return std::countr_zero(static_cast<uint64_t>(blocksize)) - 5; }
+
+// The start-up check's verdict on one kind of call (type, dtype, block size), for weights whose rows are not whole
+// blocks [0] and whose rows are [1].
+struct CallVerdict {
+  bool checked = false;
+  std::array<bool, 2> trusted{};
+  std::array<int, 2> failed{};  // how many of the check's shapes decoded to other values
+  std::array<int, 2> shapes{};  // how many shapes were checked
+  std::array<std::string, 2> first_failure;
+};
+
 struct BitsandbytesLibrary {
   std::string path;                                  // empty: not used (ATen ops)
   std::string reason;                                // why not, for the log
   std::array<std::array<void*, 3>, 2> dequantize{};  // [nf4, fp4][fp32, bf16, fp16]
   bool avx512 = false;                               // CPU: blocks of 2048+ go to ATen, as bitsandbytes does
+  c10::DeviceType device = c10::DeviceType::CPU;
+  // [nf4, fp4][fp32, bf16, fp16][block 32..4096], filled by the check on the first call of each kind.
+  std::mutex verdicts_mutex;
+  std::array<std::array<std::array<CallVerdict, kBlockSizes>, 3>, 2> verdicts;
 };
 
 const char* dtype_suffix(int dtype) { return dtype == 0 ? "fp32" : dtype == 1 ? "bf16" : "fp16"; }
@@ -202,13 +223,159 @@ fs::path library_path(c10::DeviceType device, const char* variable) {
   return fs::path(info.dli_fname).parent_path().parent_path().parent_path() / "bitsandbytes" / library_file(device);
 }
 
-BitsandbytesLibrary load_library(c10::DeviceType device) {
-  BitsandbytesLibrary lib;
+// One call of the library's 4-bit dequantization: `bytes` holds the packed codes of out's rows * cols elements,
+// `absmax` one fp32 scale a block, all on one device (the CPU, or CUDA with numel < 2^31).
+void call_dequantize(const BitsandbytesLibrary& lib, int type, int dtype, const at::Tensor& bytes,
+                     const at::Tensor& absmax, at::Tensor& out, int64_t blocksize) {
+  void* function = lib.dequantize[static_cast<size_t>(type)][static_cast<size_t>(dtype)];
+  if (out.device().is_cpu()) {
+    reinterpret_cast<CpuDequantize4bit>(function)(bytes.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                                                  out.data_ptr(), blocksize, out.size(0), out.size(1));
+    return;
+  }
+  const c10::DeviceGuard guard(out.device());
+  reinterpret_cast<CudaDequantize4bit>(function)(nullptr, bytes.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                                                 out.data_ptr(), static_cast<int>(blocksize),
+                                                 static_cast<int>(out.numel()), current_cuda_stream(out.device()));
+}
+
+// The start-up check. bitsandbytes 0.50's CPU library has an AVX-512 loop that reads a row's scales as if every
+// row started a block: on a CPU with AVX-512, weights whose rows are not whole blocks decode to wrong values
+// (docs/quantization.md). A library cannot be trusted by its version alone, so each function trainer calls decodes
+// a few small weights of every block size, and its output is compared with the format's definition (src/quant:
+// code table x block scale, rounded once). Rows of whole blocks and rows that are not are judged apart: real
+// models' widths are mostly whole blocks, and there the library is both right and fast.
+struct CheckShape {
+  int64_t rows, cols;
+  bool whole_blocks;
+};
+
+// Shapes for one block size: two of whole-block rows; three of rows that are not (narrower than a block, a width
+// the vector loop takes (a multiple of 16) and one it does not, a block and a half), tall enough to cross several
+// blocks, the last block partial where the shape allows.
+std::vector<CheckShape> check_shapes(int64_t blocksize) {
+  const int64_t span = 2 * blocksize;
+  return {{3, blocksize, true},
+          {2, 2 * blocksize, true},
+          {span / 48 + 3, 48, false},
+          {span / 40 + 3, 40, false},
+          {3, blocksize + blocksize / 2, false}};
+}
+
+// Small weights with zeros among them, the same on every machine (a splitmix64 stream).
+std::vector<float> check_values(int64_t n, uint64_t seed) {
+  std::vector<float> values(static_cast<size_t>(n));
+  uint64_t state = seed;
+  for (float& v : values) {
+    state += 0x9e3779b97f4a7c15ULL;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    v = z % 7 == 0 ? 0.0f : (static_cast<float>(z >> 40) / static_cast<float>(1 << 24) - 0.5f) * 0.1f;
+  }
+  return values;
+}
+
+// The format's values of `q` in `dtype`, as an fp32 tensor (rows, cols).
+at::Tensor definition_values(const quant::Quantized4bit& q, int dtype, int64_t rows, int64_t cols) {
+  const auto float_dtype = dtype == 0 ? quant::FloatDtype::kFp32 : dtype == 1 ? quant::FloatDtype::kBf16
+                                                                              : quant::FloatDtype::kFp16;
+  const at::ScalarType type = dtype == 0 ? at::kFloat : dtype == 1 ? at::kBFloat16 : at::kHalf;
+  at::Tensor out = at::empty({rows, cols}, at::TensorOptions().dtype(type));
+  quant::dequantize_4bit(q, float_dtype, out.data_ptr());
+  return out.to(at::kFloat);
+}
+
+// The name of the library's function for a kind of call.
+std::string function_name(c10::DeviceType device, int type, int dtype) {
+  const std::string quant_type = type == 0 ? "nf4" : "fp4";
+  return device == c10::DeviceType::CUDA ? "cdequantize_blockwise_" + std::string(dtype_suffix(dtype)) + "_" + quant_type
+                                         : "cdequantize_blockwise_cpu_" + quant_type + "_" + dtype_suffix(dtype);
+}
+
+// Checks one kind of call on the library's device: a few milliseconds (five calls), once per kind.
+CallVerdict check_call(const BitsandbytesLibrary& lib, int type, int dtype, int block) {
+  at::NoGradGuard no_grad;
+  const at::Device where(lib.device);
+  const int64_t blocksize = int64_t{32} << block;
+  const at::ScalarType out_type = dtype == 0 ? at::kFloat : dtype == 1 ? at::kBFloat16 : at::kHalf;
+  CallVerdict verdict;
+  verdict.checked = true;
+  verdict.trusted = {true, true};
+  for (const CheckShape& shape : check_shapes(blocksize)) {
+    const int64_t n = shape.rows * shape.cols;
+    const std::vector<float> values = check_values(n, static_cast<uint64_t>(n * 31 + blocksize));
+    const auto q = quant::quantize_4bit(values.data(), n, quant::FloatDtype::kFp32, blocksize,
+                                        type == 0 ? quant::QuantType::kNf4 : quant::QuantType::kFp4, false);
+    const at::Tensor bytes =
+        at::from_blob(const_cast<uint8_t*>(q.packed.data()), {static_cast<int64_t>(q.packed.size())}, at::kByte)
+            .to(where);
+    const at::Tensor absmax =
+        at::from_blob(const_cast<float*>(q.absmax.data()), {static_cast<int64_t>(q.absmax.size())}, at::kFloat)
+            .to(where);
+    at::Tensor out = at::empty({shape.rows, shape.cols}, at::TensorOptions().dtype(out_type).device(where));
+    call_dequantize(lib, type, dtype, bytes, absmax, out, blocksize);
+    const at::Tensor theirs = out.to(at::kCPU).to(at::kFloat);
+    const at::Tensor ours = definition_values(q, dtype, shape.rows, shape.cols);
+    const size_t whole = shape.whole_blocks ? 1 : 0;
+    ++verdict.shapes[whole];
+    // Values, not bits: FP4's nibble 8 is -0.0 in some of the library's loops and +0.0 in the definition.
+    const int64_t wrong = theirs.ne(ours).sum().item<int64_t>();
+    if (wrong == 0) continue;
+    verdict.trusted[whole] = false;
+    ++verdict.failed[whole];
+    if (verdict.first_failure[whole].empty())
+      verdict.first_failure[whole] = function_name(lib.device, type, dtype) + " decoded a " +
+                                     std::to_string(shape.rows) + "x" + std::to_string(shape.cols) +
+                                     " weight in blocks of " + std::to_string(blocksize) + " with " +
+                                     std::to_string(wrong) + " of " + std::to_string(n) + " values off, by up to " +
+                                     std::to_string((theirs - ours).abs().max().item<float>());
+  }
+  return verdict;
+}
+
+// The verdict on a kind of call, checked on its first use.
+const CallVerdict& call_verdict(BitsandbytesLibrary& lib, int type, int dtype, int block) {
+  std::lock_guard<std::mutex> lock(lib.verdicts_mutex);
+  CallVerdict& verdict =
+      lib.verdicts[static_cast<size_t>(type)][static_cast<size_t>(dtype)][static_cast<size_t>(block)];
+  if (!verdict.checked) verdict = check_call(lib, type, dtype, block);
+  return verdict;
+}
+
+// What the checks so far found wrong, for the log: empty when nothing.
+std::string distrust(BitsandbytesLibrary& lib) {
+  std::lock_guard<std::mutex> lock(lib.verdicts_mutex);
+  std::array<int, 2> failed{}, shapes{};
+  std::array<std::string, 2> first;
+  for (const auto& by_type : lib.verdicts)
+    for (const auto& by_dtype : by_type)
+      for (const CallVerdict& v : by_dtype)
+        for (size_t whole = 0; whole < 2; ++whole) {
+          failed[whole] += v.failed[whole];
+          shapes[whole] += v.shapes[whole];
+          if (first[whole].empty()) first[whole] = v.first_failure[whole];
+        }
+  const char* const kinds[2] = {"rows that are not whole blocks", "rows of whole blocks"};
+  std::string out;
+  for (size_t whole = 0; whole < 2; ++whole) {
+    if (failed[whole] == 0) continue;
+    if (!out.empty()) out += "; ";
+    out += "ATen ops for weights with " + std::string(kinds[whole]) + " (the library's start-up check: " +
+           first[whole] + "; " + std::to_string(failed[whole]) + " of " + std::to_string(shapes[whole]) +
+           " such checks failed)";
+  }
+  return out;
+}
+
+void load_library(BitsandbytesLibrary& lib, c10::DeviceType device) {
+  lib.device = device;
   const char* variable = std::getenv(kLibraryVariable);
   if (variable != nullptr && *variable == '\0') variable = nullptr;
   if (variable != nullptr && std::string(variable) == "none") {
     lib.reason = std::string(kLibraryVariable) + "=none";
-    return lib;
+    return;
   }
   const bool from_variable = variable != nullptr;
   const fs::path path = library_path(device, variable);
@@ -224,7 +391,7 @@ BitsandbytesLibrary load_library(c10::DeviceType device) {
                            ", not found" + (path.empty() ? std::string() : " at " + path.string()),
                        fix + "; or " + kLibraryVariable + "=none to dequantize with ATen ops (slower, more memory)");
     lib.reason = "no " + library_file(device) + " beside torch";
-    return lib;
+    return;
   }
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
@@ -249,77 +416,88 @@ BitsandbytesLibrary load_library(c10::DeviceType device) {
   }
   if (device != c10::DeviceType::CUDA) lib.avx512 = reinterpret_cast<HasAvx512>(symbol("has_avx512f_cpu"))();
   lib.path = path.string();
-  return lib;
 }
 
 // One library per device type, loaded on first use.
-const BitsandbytesLibrary& library(c10::DeviceType device) {
+BitsandbytesLibrary& library(c10::DeviceType device) {
   static std::mutex mutex;
-  static std::map<c10::DeviceType, BitsandbytesLibrary> loaded;
+  static std::map<c10::DeviceType, std::unique_ptr<BitsandbytesLibrary>> loaded;
   std::lock_guard<std::mutex> lock(mutex);
   auto it = loaded.find(device);
-  if (it == loaded.end()) it = loaded.emplace(device, load_library(device)).first;
-  return it->second;
+  if (it == loaded.end()) {
+    auto lib = std::make_unique<BitsandbytesLibrary>();
+    load_library(*lib, device);
+    it = loaded.emplace(device, std::move(lib)).first;
+  }
+  return *it->second;
 }
 
 // The weight through bitsandbytes' kernel, or an undefined tensor where it does not apply (no library, a device
 // other than the CPU or CUDA, an odd last dimension or big blocks on an AVX-512 CPU as bitsandbytes' own
-// fallback, more than 2^31 - 1 elements for the CUDA kernel's int).
+// fallback, more than 2^31 - 1 elements for the CUDA kernel's int, a kind of call the start-up check found wrong).
 at::Tensor dequantize_with_library(const at::Tensor& packed, const QuantState4bit& state, const at::Tensor& scales,
                                    at::ScalarType dtype) {
   const auto device = packed.device();
   if (!device.is_cpu() && !device.is_cuda()) return {};
   const int d = dtype_index(dtype);
   if (d < 0) return {};
-  const BitsandbytesLibrary& lib = library(device.type());
+  BitsandbytesLibrary& lib = library(device.type());
   if (lib.path.empty()) return {};
+  if (device.is_cpu() && (state.in_features % 2 != 0 || (lib.avx512 && state.blocksize >= 2048))) return {};
+  if (device.is_cuda() && state.numel() > std::numeric_limits<int>::max()) return {};
   const int type = state.type == quant::QuantType::kNf4 ? 0 : 1;
-  at::Tensor bytes = packed.contiguous();
-  at::Tensor absmax = scales.to(at::kFloat).contiguous();
+  const bool whole_blocks = state.in_features % state.blocksize == 0;
+  if (!call_verdict(lib, type, d, block_index(state.blocksize)).trusted[whole_blocks ? 1 : 0]) return {};
   at::Tensor out = at::empty({state.out_features, state.in_features}, packed.options().dtype(dtype));
-  if (device.is_cpu()) {
-    if (state.in_features % 2 != 0 || (lib.avx512 && state.blocksize >= 2048)) return {};
-    reinterpret_cast<CpuDequantize4bit>(lib.dequantize[type][d])(
-        bytes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), out.data_ptr(), state.blocksize, state.out_features,
-        state.in_features);
-    return out;
-  }
-  if (state.numel() > std::numeric_limits<int>::max()) return {};
-  const c10::DeviceGuard guard(device);
-  reinterpret_cast<CudaDequantize4bit>(lib.dequantize[type][d])(
-      nullptr, bytes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), out.data_ptr(), static_cast<int>(state.blocksize),
-      static_cast<int>(state.numel()), current_cuda_stream(device));
+  call_dequantize(lib, type, d, packed.contiguous(), scales.to(at::kFloat).contiguous(), out, state.blocksize);
   return out;
 }
 
 }  // namespace
 
 std::string four_bit_kernels(c10::DeviceType device) {
-  const BitsandbytesLibrary& lib = library(device);
-  if (!lib.path.empty()) return "bitsandbytes' kernels from " + lib.path;
+  BitsandbytesLibrary& lib = library(device);
+  if (!lib.path.empty()) {
+    const std::string found = distrust(lib);
+    return "bitsandbytes' kernels from " + lib.path + (found.empty() ? "" : "; " + found);
+  }
   return "ATen ops (" + lib.reason + ")";
 }
 
-at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& state, at::ScalarType dtype) {
-  at::NoGradGuard no_grad;
-  const auto device = packed.device();
-  const auto int_options = at::TensorOptions().dtype(at::kInt).device(device);
+std::string four_bit_kernels(LanguageModel& model, c10::DeviceType device, at::ScalarType dtype) {
+  BitsandbytesLibrary& lib = library(device);
+  const int d = dtype_index(dtype);
+  if (!lib.path.empty() && d >= 0) {
+    model.for_each_module([&](const std::string&, Module& m) {
+      auto* linear = dynamic_cast<Linear*>(&m);
+      if (linear == nullptr || linear->quantized() == nullptr) return;
+      const QuantState4bit& state = *linear->quantized();
+      call_verdict(lib, state.type == quant::QuantType::kNf4 ? 0 : 1, d, block_index(state.blocksize));
+    });
+  }
+  return four_bit_kernels(device);
+}
+
+namespace {
+
+// One fp32 scale per block, on the packed codes' device.
+at::Tensor block_scales(const QuantState4bit& state) {
+  if (!state.nested) return state.absmax;
+  const int64_t blocks = (state.numel() + state.blocksize - 1) / state.blocksize;
+  const at::Tensor nested = at::repeat_interleave(state.nested_absmax, quant::Quantized4bit::kNestedBlocksize)
+                                .narrow(0, 0, blocks);
+  return state.nested_quant_map.index_select(0, state.absmax.to(at::kInt)) * nested +
+         at::scalar_tensor(state.nested_offset, at::TensorOptions().dtype(at::kFloat).device(state.absmax.device()));
+}
+
+at::Tensor dequantize_with_aten(const at::Tensor& packed, const QuantState4bit& state, const at::Tensor& scales,
+                                at::ScalarType dtype) {
+  const auto int_options = at::TensorOptions().dtype(at::kInt).device(packed.device());
   const int64_t n = state.numel();
   const int64_t blocks = (n + state.blocksize - 1) / state.blocksize;
-  // One fp32 scale per block.
-  at::Tensor scales = state.absmax;
-  if (state.nested) {
-    const at::Tensor nested = at::repeat_interleave(state.nested_absmax, quant::Quantized4bit::kNestedBlocksize)
-                                  .narrow(0, 0, blocks);
-    scales = state.nested_quant_map.index_select(0, state.absmax.to(at::kInt)) * nested +
-             at::scalar_tensor(state.nested_offset, at::TensorOptions().dtype(at::kFloat).device(device));
-  }
-  if (at::Tensor w = dequantize_with_library(packed, state, scales, dtype); w.defined()) return w;
-  // A byte decodes to two values (element 2j in the high nibble). bitsandbytes' CPU library reads FP4's nibble 8
-  // as -0.0 (when the last dimension is even, the case it handles): the same here, so results equal its bits.
-  at::Tensor code = state.quant_map.to(at::kFloat);
-  if (state.type == quant::QuantType::kFp4 && state.in_features % 2 == 0)
-    code = at::where(at::arange(16, int_options) == 8, at::scalar_tensor(-0.0, code.options()), code);
+  // A byte decodes to two values (element 2j in the high nibble), from the state's own code table (FP4's nibble 8
+  // is +0.0 there: the definition's sign of zero, src/quant/blockwise.h).
+  const at::Tensor code = state.quant_map.to(at::kFloat);
   const at::Tensor bytes = at::arange(256, int_options);
   const at::Tensor pairs =
       at::stack({code.index_select(0, at::bitwise_right_shift(bytes, 4)), code.index_select(0, at::bitwise_and(bytes, 15))}, 1);
@@ -329,6 +507,20 @@ at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& sta
   else if (values.numel() > padded) values = values.narrow(0, 0, padded);
   values.view({blocks, state.blocksize}).mul_(scales.unsqueeze(1));  // in place: one fp32 copy of the weight
   return values.narrow(0, 0, n).view({state.out_features, state.in_features}).to(dtype);
+}
+
+}  // namespace
+
+at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& state, at::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  const at::Tensor scales = block_scales(state);
+  if (at::Tensor w = dequantize_with_library(packed, state, scales, dtype); w.defined()) return w;
+  return dequantize_with_aten(packed, state, scales, dtype);
+}
+
+at::Tensor dequantize_weight_aten(const at::Tensor& packed, const QuantState4bit& state, at::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  return dequantize_with_aten(packed, state, block_scales(state), dtype);
 }
 
 at::Tensor linear4bit(const at::Tensor& x, const at::Tensor& packed, const QuantState4bit& state,

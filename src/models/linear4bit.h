@@ -69,17 +69,27 @@ std::pair<at::Tensor, QuantState4bit> quantize_weight(const at::Tensor& weight, 
                                                       const c10::Device& device);
 
 // The weight (out, in) in `dtype`, computed on the packed codes' device by bitsandbytes' kernel (four_bit_kernels)
-// or with ATen ops: code[nibble] * block scale
-// in fp32 (scale = dynamic_map[code8] * nested_absmax + offset with double quantization), then rounded to `dtype`.
-// Equal to bitsandbytes' dequantize_4bit (and to quant::dequantize_4bit), FP4's -0.0 quirk included.
+// where its start-up check passed for such a call, else with ATen ops: code[nibble] * block scale in fp32
+// (scale = dynamic_map[code8] * nested_absmax + offset with double quantization), then rounded to `dtype`.
+// The format's values (quant::dequantize_4bit) on either path; only the sign of FP4's zero may differ (+0.0 from
+// ATen ops, -0.0 from some of the library's loops).
 at::Tensor dequantize_weight(const at::Tensor& packed, const QuantState4bit& state, at::ScalarType dtype);
+// The ATen path alone: the format's definition (quant::dequantize_4bit) bit for bit, FP4's nibble 8 as the
+// state's code table has it (+0.0).
+at::Tensor dequantize_weight_aten(const at::Tensor& packed, const QuantState4bit& state, at::ScalarType dtype);
 
 // What 4-bit layers dequantize with on `device`: bitsandbytes' own kernels from its shared library when it is
 // found (the variable TRAINER_BITSANDBYTES names the file or its folder, "none" for ATen ops; by default the
 // bitsandbytes package beside the torch package trainer's LibTorch comes from), else ATen ops, equal bit for bit
-// (the CPU only: CUDA without the library is an error). Loads the library and checks every symbol on first use;
-// returns a line for the log. Throws UsageError naming the library, the variable and a missing function.
+// (the CPU only: CUDA without the library is an error). Loads the library and checks every symbol on first use.
+// Before the library decodes a kind of call (quant type, dtype, block size) the first time, it decodes a few small
+// weights of that kind, of whole-block rows and of rows that are not, and its output is compared with the format's
+// values (a few milliseconds, once a kind); what it gets wrong goes to ATen ops. Returns a line for the log that
+// says which library, and what the checks so far sent to ATen ops and why. Throws UsageError naming the library,
+// the variable and a missing function.
 std::string four_bit_kernels(c10::DeviceType device);
+// The same after checking the kinds of call the model's 4-bit layers make when dequantized to `dtype`.
+std::string four_bit_kernels(LanguageModel& model, c10::DeviceType device, at::ScalarType dtype);
 
 // y = x W^T + b with W dequantized to x's dtype; only x's gradient flows (the packed weight is frozen). Without
 // `kept`, backward dequantizes W again rather than keeping it. With `kept` (a layer's resident copy,

@@ -456,12 +456,10 @@ std::vector<float> block_scales(const Quantized4bit& q) {
   return scales;
 }
 
-void dequantize_4bit(const Quantized4bit& q, FloatDtype dtype, void* out, int64_t last_dim) {
+void dequantize_4bit(const Quantized4bit& q, FloatDtype dtype, void* out) {
   check_4bit_blocksize(q.blocksize);
   const std::vector<float> scales = block_scales(q);
-  std::array<float, 16> code = four_bit_code(q.type);
-  // libbitsandbytes_cpu's FP4 table writes nibble 8 as -0.0f; the sign shows in the output's bits.
-  if (q.type == QuantType::kFp4 && last_dim % 2 == 0) code[8] = -0.0f;
+  const std::array<float, 16>& code = four_bit_code(q.type);
   if (static_cast<int64_t>(scales.size()) != (q.numel + q.blocksize - 1) / q.blocksize ||
       static_cast<int64_t>(q.packed.size()) != (q.numel + 1) / 2) {
     throw std::invalid_argument("dequantize_4bit: " + std::to_string(q.packed.size()) + " packed bytes and " +

@@ -71,9 +71,10 @@ Quantized4bit quantize_4bit(const void* values, int64_t numel, FloatDtype dtype,
                             QuantType type, bool compress_statistics);
 // The per-block scale that dequantization uses (nested: code[q] * nested_absmax + offset).
 std::vector<float> block_scales(const Quantized4bit& q);
-// Dequantized values in `dtype` (floats or raw 16-bit patterns) into `out` (numel elements of that dtype).
-// `last_dim` is the weight's shape[-1]: bitsandbytes' CPU library (used when it is even) decodes FP4 nibble 8
-// as -0.0 where its torch fallback (odd last dimension) gives +0.0; everything else is identical.
-void dequantize_4bit(const Quantized4bit& q, FloatDtype dtype, void* out, int64_t last_dim);
+// The format's definition: element i is code[nibble i] * the scale of block i / blocksize, computed in fp32 and
+// rounded once (to nearest even) to `dtype` (floats or raw 16-bit patterns) into `out` (numel elements). The code
+// table is bitsandbytes' get_4bit_type, so FP4's nibble 8 decodes to +0.0, as bitsandbytes' torch path and its
+// AVX-512 loop give; its scalar CPU loop and its CUDA kernel give -0.0 there, the same value (docs/quantization.md).
+void dequantize_4bit(const Quantized4bit& q, FloatDtype dtype, void* out);
 
 }  // namespace trainer::quant

@@ -102,7 +102,7 @@ void dequantize4(const std::vector<std::string>& args) {
     q.absmax = read_array<float>(dir + "/absmax", blocks);
   }
   std::vector<uint8_t> out(static_cast<size_t>(q.numel) * dtype_size(dtype));
-  quant::dequantize_4bit(q, dtype, out.data(), q.numel);  // a 1-D weight: shape[-1] = numel
+  quant::dequantize_4bit(q, dtype, out.data());
   write_array(args[6], out);
 }
 

@@ -1,12 +1,13 @@
 """QLoRA (model.quantize) against transformers + bitsandbytes 0.50.2 + PEFT themselves, on the CPU.
 
-bitsandbytes runs 4-bit layers on the CPU: without AVX512-BF16 (this machine) its gemm_4bit dequantizes the weight to
-the input's dtype and calls an ordinary linear, and MatMul4Bit's backward multiplies by the dequantized weight again:
-what trainer's Linear4bit does. Quantization itself is bit for bit bitsandbytes' (tests/parity/test_quantization.py),
-so the 4-bit weights are the same bits on both sides and fp32 results differ only by summation order: within 1e-4
-absolute + 1e-4 relative, as the model and LoRA parity tests. If this machine had AVX512-BF16, bitsandbytes' CPU
-inference would switch to a bf16 kernel: the forward comparisons then run with gradients on, which keeps its
-dequantize-and-matmul path.
+bitsandbytes runs 4-bit layers on the CPU: its gemm_4bit dequantizes the weight to the input's dtype and calls an
+ordinary linear, and MatMul4Bit's backward multiplies by the dequantized weight again: what trainer's Linear4bit does.
+Quantization itself is bit for bit bitsandbytes' (tests/parity/test_quantization.py), so the 4-bit weights are the
+same bits on both sides and fp32 results differ only by summation order: within 1e-4 absolute + 1e-4 relative, as
+the model and LoRA parity tests. Two things bitsandbytes does differently on an AVX-512 CPU are undone on the
+reference side (bnb_reference.py): its CPU library decodes weights whose rows are not whole blocks wrongly (the
+definition replaces it there, so both sides compute with the format's values), and with AVX512-BF16 its inference
+repacks weights for a bf16 GEMM (kept on the dequantize-and-matmul path).
 
 (a) 4-bit forward (NF4 and FP4, with and without double quantization): trainer's logits equal transformers'
     load_in_4bit model's, and quantization changes the logits by far more than the tolerance;
@@ -26,6 +27,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from bnb_reference import plain_linear4bit, reference_cpu_kernels
 from test_models import MODELS, make_batch, make_model_dir, parity_tool, real_positions, run_parity_tool  # noqa: F401
 
 NAMES = ["qwen2-gqa-tied", "llama", "flan-gated-gelu-untied"]
@@ -48,6 +50,7 @@ def model_class(path):
 
 def bnb_model(path, quant_type="nf4", double_quant=True):
     """transformers' load_in_4bit model: quantized on load when `path` is full precision, as saved otherwise."""
+    reference_cpu_kernels()
     config, cls = model_class(path)
     kwargs = {}
     if not hasattr(config, "quantization_config"):
@@ -56,7 +59,7 @@ def bnb_model(path, quant_type="nf4", double_quant=True):
             bnb_4bit_compute_dtype=torch.float32)
     model = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", attn_implementation="eager", **kwargs)
     model.eval()
-    return model
+    return plain_linear4bit(model)
 
 
 def full_model(path):
@@ -237,13 +240,15 @@ def kernels_line(stderr):
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_bitsandbytes_kernels_and_aten_ops_train_the_same_adapter(quant_type, tmp_path, run_trainer, monkeypatch):
-    """4-bit layers dequantize with bitsandbytes' own CPU library, found beside torch in this environment, or with
-    ATen ops (TRAINER_BITSANDBYTES=none): the same bits, so the same adapter, bit for bit."""
+    """4-bit layers dequantize with bitsandbytes' own CPU library, found beside torch in this environment, where its
+    start-up check passed, or with ATen ops (TRAINER_BITSANDBYTES=none): the same values, so the same adapter, bit
+    for bit."""
     import bitsandbytes
     found = run_trainer(*qlora_run(tmp_path / "library", quant_type))
     line = kernels_line(found.stderr)
     assert line.startswith("bitsandbytes' kernels from "), line
-    library = line.removeprefix("bitsandbytes' kernels from ")
+    # On an AVX-512 CPU the line goes on: "; ATen ops for weights with rows that are not whole blocks (...)".
+    library = line.removeprefix("bitsandbytes' kernels from ").split("; ")[0]
     assert os.path.samefile(library, os.path.join(os.path.dirname(bitsandbytes.__file__), "libbitsandbytes_cpu.so"))
     monkeypatch.setenv("TRAINER_BITSANDBYTES", "none")
     aten = run_trainer(*qlora_run(tmp_path / "aten", quant_type))
@@ -267,3 +272,27 @@ def test_a_bitsandbytes_library_that_is_missing_or_lacks_a_function_is_named(tmp
     assert r.returncode == 2, r.stderr
     assert f"bitsandbytes' library {other} (TRAINER_BITSANDBYTES) has no function cdequantize_blockwise_cpu_nf4_fp32" \
         in r.stderr, r.stderr
+
+
+def test_a_library_that_decodes_some_shapes_wrongly_serves_only_the_shapes_its_start_up_check_passed(
+        trainer_binary, tmp_path, run_trainer, monkeypatch):
+    """bitsandbytes 0.50.2's CPU library decodes weights whose rows are not whole blocks wrongly on an AVX-512 CPU.
+    trainer checks each function it calls against the format's definition when it loads the library, and decodes
+    what the library got wrong with ATen ops. On any CPU: a stand-in library with that fault
+    (tests/parity/fake_bitsandbytes.cpp). In blocks of 128, tiny-qwen2's layers of 64 inputs are not whole blocks and
+    its down_proj (128 inputs) is: the line names the fallback, and the adapter equals the ATen run's bit for bit
+    (with the stand-in's values for the 64-input layers it would not: they use the first row's scales for every row)."""
+    fake = trainer_binary.parent / "libtrainer_fake_bitsandbytes.so"
+    assert fake.exists(), f"{fake} is missing: cmake --build build --target trainer_fake_bitsandbytes"
+    args = qlora_run(tmp_path / "fake") + ["--set", "model.quantize_block_size=128"]
+    monkeypatch.setenv("TRAINER_BITSANDBYTES", str(fake))
+    line = kernels_line(run_trainer(*args).stderr)
+    assert line.startswith(f"bitsandbytes' kernels from {fake}; ATen ops for weights with rows that are not whole "
+                           "blocks (the library's start-up check: cdequantize_blockwise_cpu_"), line
+    assert "rows of whole blocks" not in line, line
+    monkeypatch.setenv("TRAINER_BITSANDBYTES", "none")
+    run_trainer(*qlora_run(tmp_path / "aten") + ["--set", "model.quantize_block_size=128"])
+    ours, theirs = (load_file(tmp_path / side / "final" / "adapter_model.safetensors") for side in ("fake", "aten"))
+    assert ours.keys() == theirs.keys() and ours
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name

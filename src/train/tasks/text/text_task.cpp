@@ -274,7 +274,7 @@ void TextTask::build_model(const std::optional<fs::path>& resume, const c10::Dev
                                               static_cast<double>(dequantized_weight_bytes(*model_, compute)),
                                               dequantized);
     keep_dequantized_weights(*model_, keep);
-    spdlog::info("4-bit layers: {}", four_bit_kernels(device.type()));
+    spdlog::info("4-bit layers: {}", four_bit_kernels(*model_, device.type(), compute));
     spdlog::info("4-bit base weights: {}", dequantized);
   }
   model_->train(true);
