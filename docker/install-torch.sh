@@ -6,11 +6,12 @@
 #
 #   install-torch.sh cpu|cuda
 #
-# Where the wheel comes from, first match wins:
-#   1. docker/wheels/ (bind-mounted at /wheels): a wheel of the pinned version there is installed without any index
-#      (scripts/docker-check puts the wheel this machine's pip uses there; an offline wheelhouse works the same);
-#   2. TORCH_INDEX_URL, default https://download.pytorch.org/whl/cpu for cpu, https://pypi.org/simple for cuda
-#      (PyPI's Linux torch is the CUDA build).
+# Where the wheel comes from:
+#   cpu:  docker/wheels/ (bind-mounted at /wheels) when it holds a wheel of the pinned version, installed without any
+#         index (scripts/docker-check puts there the wheel this machine's pip uses); else TORCH_INDEX, default
+#         https://download.pytorch.org/whl/cpu;
+#   cuda: TORCH_INDEX, default https://pypi.org/simple (PyPI's Linux torch is the CUDA build), with its nvidia-*
+#         dependencies; docker/wheels is not used (`torch==X` would match a CPU wheel X+cpu there).
 # pip settings come from build secrets, never from a layer: `pip.conf` (PIP_CONFIG_FILE) and `ca-bundle`
 # (PIP_CERT, for a network whose TLS is re-signed by a proxy).
 # For cuda it also installs the CUDA compiler at the version the wheel was built with (cuda-toolkit[nvcc,cudart,
@@ -35,14 +36,15 @@ case "$variant" in
       echo "torch: $local_wheel (docker/wheels)"
       pip_install --no-deps --no-index --find-links /wheels "$pin"
     else
-      index=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
+      index=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
       echo "torch: $pin from $index"
       pip_install --no-deps --index-url "$index" "$pin"
     fi ;;
   cuda)
-    index=${TORCH_INDEX_URL:-https://pypi.org/simple}
-    echo "torch: $pin with its NVIDIA libraries from $index${local_wheel:+ (and docker/wheels)}"
-    pip_install --index-url "$index" --find-links /wheels "$pin" ;;
+    # From the index only: `torch==X` also matches a CPU wheel X+cpu in docker/wheels, which pip would prefer.
+    index=${TORCH_INDEX:-https://pypi.org/simple}
+    echo "torch: $pin with its NVIDIA libraries from $index"
+    pip_install --index-url "$index" "$pin" ;;
   *) echo "error: TORCH_VARIANT=$variant: use cpu or cuda" >&2; exit 1 ;;
 esac
 
@@ -51,7 +53,7 @@ lib="$site/torch/lib"
 if [ "$variant" = cuda ]; then
   [ -f "$lib/libtorch_cuda.so" ] || { echo "error: TORCH_VARIANT=cuda but the installed torch has no libtorch_cuda.so (a CPU wheel?)" >&2; exit 1; }
 else
-  [ ! -f "$lib/libtorch_cuda.so" ] || { echo "error: TORCH_VARIANT=cpu but the installed torch is a CUDA build: put the CPU wheel in docker/wheels or set TORCH_INDEX_URL" >&2; exit 1; }
+  [ ! -f "$lib/libtorch_cuda.so" ] || { echo "error: TORCH_VARIANT=cpu but the installed torch is a CUDA build: put the CPU wheel in docker/wheels or set TORCH_INDEX" >&2; exit 1; }
 fi
 
 # What the runtime stage keeps: torch's shared libraries but the Python binding and the test libraries.
@@ -77,7 +79,7 @@ PY
 )
   [ -n "$toolkit" ] || { echo "error: cannot tell which CUDA toolkit torch $version depends on (no cuda-toolkit requirement)" >&2; exit 1; }
   echo "CUDA compiler: cuda-toolkit[nvcc,cudart,cccl]==$toolkit"
-  pip_install --index-url "$index" --find-links /wheels "cuda-toolkit[nvcc,cudart,cccl]==$toolkit"
+  pip_install --index-url "$index" "cuda-toolkit[nvcc,cudart,cccl]==$toolkit"
   cuda_root=$(ls -d "$site"/nvidia/cu[0-9]* | head -1)
   [ -x "$cuda_root/bin/nvcc" ] || { echo "error: no nvcc under $site/nvidia after installing cuda-toolkit" >&2; exit 1; }
   [ -e "$cuda_root/lib64" ] || ln -s lib "$cuda_root/lib64"
