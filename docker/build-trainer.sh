@@ -11,6 +11,10 @@ site=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["p
 set -- -S /src -B /build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTRAINER_BUILD_TESTS=OFF \
   -DCMAKE_PREFIX_PATH="$site/torch/share/cmake" -DCMAKE_BUILD_RPATH=/opt/trainer/site-packages/torch/lib
 if [ "$variant" = cuda ]; then
+  # The architectures Caffe2's CMake config would otherwise detect with a test program on the GPU (none here; and
+  # Debian's CMake 3.25 cannot compile that program with CUDA 13's nvcc: "CUDA20 ... does not support this").
+  # trainer's own kernels take TRAINER_CUDA_ARCHITECTURES (CMakeLists.txt), the same list.
+  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-7.5;8.0;8.6;8.9;9.0+PTX}"
   set -- "$@" -DCUDA_TOOLKIT_ROOT_DIR=/opt/cuda -DCUDAToolkit_ROOT=/opt/cuda -DCMAKE_CUDA_COMPILER=/opt/cuda/bin/nvcc \
     -DCUDNN_ROOT="$site/nvidia/cudnn" -DCUDNN_INCLUDE_DIR="$site/nvidia/cudnn/include" \
     -DCUDNN_LIBRARY="$site/nvidia/cudnn/lib/libcudnn.so.9"
