@@ -99,6 +99,12 @@ def test_setup_and_the_image_install_the_one_debian_package_list():
     assert read.stdout.split() == packages
 
 
+def test_compose_file_has_no_empty_defaults():
+    # podman-compose 1.0.3 substitutes ${VAR:-default} only for a non-empty default: ${VAR:-} reaches the container
+    # as the literal text "${VAR:-}" (trainer then refused TRAINER_WEBHOOK_URL). ${VAR} is "" when unset in both.
+    assert not re.search(r"\$\{\w+:?-\}", COMPOSE.read_text())
+
+
 def test_compose_paths_exist():
     for name, service in services().items():
         build = service["build"]
