@@ -30,6 +30,7 @@ if [ "$variant" = cuda ]; then
   grep -q -- '-DTRAINER_WITH_CUDA=1' /build/compile_commands.json ||
     { echo "error: configured without the CUDA extras (TRAINER_WITH_CUDA=0)" >&2; exit 1; }
 fi
+ccache --zero-stats > /dev/null 2>&1 || true  # the statistics below are this build's (the cache mount outlives it)
 cmake --build /build --target trainer -j"$jobs"
 ccache --show-stats 2>/dev/null | grep -iE 'hits|misses' | head -3 || true
 /build/trainer --version
