@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "models/lora.h"
 #include "models/weights.h"
@@ -17,6 +18,7 @@
 #include "trainer/data.h"
 #include "trainer/device.h"
 #include "trainer/errors.h"
+#include "trainer/hub.h"
 #include "trainer/peft.h"
 #include "trainer/tokenizer.h"
 
@@ -33,7 +35,17 @@ struct LoadedModel {
 LoadedModel load_evaluated_model(const Config& config, const std::string& dir, const c10::TensorOptions& options) {
   if (is_peft_adapter_dir(dir)) {
     const auto adapter = read_peft_adapter(dir);
-    const std::string& named = adapter.config.base_model_name_or_path;
+    std::string named = adapter.config.base_model_name_or_path;
+    if (!named.empty() && !fs::exists(named) && hub::parse_hub_id(named)) {
+      // PEFT names a Hub base by its id; when it cannot be had (offline, not cached), model.path is the base.
+      try {
+        hub::ResolveOptions resolve;
+        resolve.what = "the adapter's base_model_name_or_path";
+        named = hub::resolve(named, resolve).local_path;
+      } catch (const Error& e) {
+        spdlog::warn("the adapter's base {} is not available ({}); using model.path", named, e.what());
+      }
+    }
     const std::string base = !named.empty() && fs::exists(fs::path(named) / "config.json") ? named : config.model.path;
     auto model = load_model(base, ModelInit::kPretrained, options);
     auto adapters = apply_peft_adapter(*model, adapter, dir);

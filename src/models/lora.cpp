@@ -14,6 +14,7 @@
 #include "models/linear4bit.h"
 #include "models/weights.h"
 #include "trainer/errors.h"
+#include "trainer/hub.h"
 #include "trainer/hf_weights.h"
 #include "trainer/model_dir.h"
 #include "trainer/safetensors.h"
@@ -270,10 +271,15 @@ MergeResult merge_adapter(const MergeOptions& options) {
   if (result.base_dir.empty())
     throw UsageError(options.adapter_dir + "/" + kAdapterConfigName + " names no base_model_name_or_path",
                      "give the base model directory: --base DIR");
+  if (!fs::is_directory(result.base_dir)) {
+    // PEFT names a Hub base by its id: resolved in the Hugging Face cache (downloaded when missing).
+    hub::ResolveOptions resolve;
+    resolve.what = "the adapter's base_model_name_or_path";
+    result.base_dir = hub::resolve(result.base_dir, resolve).local_path;
+  }
   if (!fs::is_directory(result.base_dir))
     throw DataError("the base model " + result.base_dir + " is not a directory here",
-                    "give the local Hugging Face directory of the base model with --base DIR (trainer does not "
-                    "download from the Hub)");
+                    "give the local Hugging Face directory of the base model, or its Hub id, with --base");
   const auto info = inspect_model_dir(result.base_dir, /*need_weights=*/true);
   result.dtype = options.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   if (options.dtype == "auto") {
