@@ -59,14 +59,15 @@ class HubServer:
         self.repos = {}
         self.faults = Faults()
         self.page_size = page_size
-        self.requests = []  # (method, path, host, has_authorization, authorization value)
+        self.requests = []  # (method, path, host, authorization header or None)
+        self.ranges = []    # (path, Range header) of every request that sent one
         self.lock = threading.Lock()
         self.server = None
         self.thread = None
 
     # ---- content -------------------------------------------------------------------------------------------------
     def add_repo(self, repo_id, files, commit=None, gated_token=None):
-        commit = commit or hashlib.sha1(repo_id.encode() + b"".join(sorted(files))).hexdigest()
+        commit = commit or hashlib.sha1(repo_id.encode() + "".join(sorted(files)).encode()).hexdigest()
         self.repos[repo_id] = Repo(files, commit, gated_token=gated_token)
         return commit
 
@@ -121,6 +122,7 @@ class HubServer:
     def reset_counts(self):
         with self.lock:
             self.requests.clear()
+            self.ranges.clear()
 
 
 def _make_handler(hub):
@@ -156,6 +158,9 @@ def _make_handler(hub):
 
         def _record(self):
             hub.record(self.command, self.path, self._host(), self.headers.get("Authorization"))
+            if self.headers.get("Range"):
+                with hub.lock:
+                    hub.ranges.append((self.path, self.headers.get("Range")))
 
         # ---- routes ----------------------------------------------------------------------------------------------
         def do_HEAD(self):
