@@ -275,7 +275,14 @@ MergeResult merge_adapter(const MergeOptions& options) {
     // PEFT names a Hub base by its id: resolved in the Hugging Face cache (downloaded when missing).
     hub::ResolveOptions resolve;
     resolve.what = "the adapter's base_model_name_or_path";
-    result.base_dir = hub::resolve(result.base_dir, resolve).local_path;
+    try {
+      result.base_dir = hub::resolve(result.base_dir, resolve).local_path;
+    } catch (const Error& e) {
+      throw DataError("the base model " + result.base_dir + " is not a directory here, and the Hub could not provide "
+                      "it: " + e.what(),
+                      "give the local Hugging Face directory of the base model, or its Hub id, with --base" +
+                          (e.hint().empty() ? std::string() : "; " + e.hint()));
+    }
   }
   if (!fs::is_directory(result.base_dir))
     throw DataError("the base model " + result.base_dir + " is not a directory here",
