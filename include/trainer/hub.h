@@ -60,6 +60,9 @@ struct ResolveOptions {
   std::vector<std::string> include;  // globs (fnmatch) that replace the file set's selection (`trainer download`)
   bool dry_run = false;              // list what would be downloaded; download nothing
   std::string what = "model.path";   // the key or flag that named it, for messages
+  // Waiting for another process (a rank of this node, another run) that downloads the same file: give up when its
+  // part has not grown for this long; 0 waits as long as it takes.
+  double wait_timeout_s = 0;
 };
 
 struct PlannedFile {

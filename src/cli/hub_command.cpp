@@ -36,6 +36,7 @@ HubResolution resolve_config_paths(Config& config, bool dry_run, bool metadata_o
     options.files = files;
     options.dry_run = dry_run;
     options.what = key;
+    options.wait_timeout_s = config.distributed.timeout_s;  // all ranks of a node: one downloads, the others wait
     hub::Resolved resolved = hub::resolve(path, options, settings);
     if (!resolved.from_hub) return;
     if (dry_run) {

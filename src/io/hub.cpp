@@ -17,19 +17,16 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <mutex>
-#include <random>
 #include <regex>
 #include <set>
 #include <sstream>
 #include <thread>
 
-#include <curl/curl.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "io/hub_http.h"
 #include "trainer/errors.h"
-#include "trainer/version.h"
 
 namespace trainer::hub {
 namespace fs = std::filesystem;
@@ -116,12 +113,6 @@ bool is_true(const char* value) {
   return v == "1" || v == "ON" || v == "YES" || v == "TRUE";
 }
 
-std::string trimmed(std::string s) {
-  const auto first = s.find_first_not_of(" \t\r\n");
-  if (first == std::string::npos) return "";
-  return s.substr(first, s.find_last_not_of(" \t\r\n") - first + 1);
-}
-
 double seconds_from(const char* value, double fallback, const char* name) {
   if (!value || !*value) return fallback;
   char* end = nullptr;
@@ -186,266 +177,7 @@ std::optional<SnapshotOrigin> snapshot_origin(const std::string& path) {
   return SnapshotOrigin{repo_id, commit};
 }
 
-// ---- HTTP --------------------------------------------------------------------------------------------------------
-
 namespace {
-
-void global_curl_init() {
-  static std::once_flag once;
-  std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
-}
-
-// A request that never reached an HTTP answer (no route, refused, timed out, cut): the caller may retry it or, for
-// metadata, fall back to the cache.
-class NetworkError : public DataError {
- public:
-  NetworkError(std::string message, bool transient) : DataError(std::move(message)), transient_(transient) {}
-  bool transient() const { return transient_; }
-
- private:
-  bool transient_;
-};
-
-struct Response {
-  long status = 0;
-  std::map<std::string, std::string> headers;  // lower-case names, the last value of each
-  std::string body;
-  std::string url;  // the URL that answered
-};
-
-std::string lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  return s;
-}
-
-std::size_t collect_header(char* data, std::size_t size, std::size_t count, void* user) {
-  auto* headers = static_cast<std::map<std::string, std::string>*>(user);
-  const std::string line(data, size * count);
-  if (line.starts_with("HTTP/")) headers->clear();  // a new response (after 100 Continue)
-  const auto colon = line.find(':');
-  if (colon != std::string::npos) (*headers)[lower(line.substr(0, colon))] = trimmed(line.substr(colon + 1));
-  return size * count;
-}
-
-std::size_t collect_body(char* data, std::size_t size, std::size_t count, void* user) {
-  auto* body = static_cast<std::string*>(user);
-  if (body->size() > (64u << 20)) return 0;  // metadata is never this large
-  body->append(data, size * count);
-  return size * count;
-}
-
-// scheme://host:port of a URL, to tell whether a redirect leaves the endpoint's host.
-std::string origin_of(const std::string& url) {
-  CURLU* handle = curl_url();
-  std::string origin;
-  if (curl_url_set(handle, CURLUPART_URL, url.c_str(), 0) == CURLUE_OK) {
-    char *scheme = nullptr, *host = nullptr, *port = nullptr;
-    curl_url_get(handle, CURLUPART_SCHEME, &scheme, 0);
-    curl_url_get(handle, CURLUPART_HOST, &host, 0);
-    curl_url_get(handle, CURLUPART_PORT, &port, CURLU_DEFAULT_PORT);
-    origin = lower(std::string(scheme ? scheme : "") + "://" + (host ? host : "") + ":" + (port ? port : ""));
-    curl_free(scheme);
-    curl_free(host);
-    curl_free(port);
-  }
-  curl_url_cleanup(handle);
-  return origin;
-}
-
-// `location` (absolute, or relative to `base`) as an absolute URL.
-std::string join_url(const std::string& base, const std::string& location) {
-  CURLU* handle = curl_url();
-  std::string joined = location;
-  if (curl_url_set(handle, CURLUPART_URL, base.c_str(), 0) == CURLUE_OK &&
-      curl_url_set(handle, CURLUPART_URL, location.c_str(), 0) == CURLUE_OK) {
-    char* full = nullptr;
-    if (curl_url_get(handle, CURLUPART_URL, &full, 0) == CURLUE_OK) joined = full;
-    curl_free(full);
-  }
-  curl_url_cleanup(handle);
-  return joined;
-}
-
-// A URL without its query (signed CDN URLs carry credentials there), for messages.
-std::string printable_url(const std::string& url) { return url.substr(0, url.find('?')); }
-
-std::string escape_path_part(const std::string& part) {
-  char* escaped = curl_easy_escape(nullptr, part.c_str(), static_cast<int>(part.size()));
-  std::string out = escaped ? escaped : part;
-  curl_free(escaped);
-  return out;
-}
-
-// Each '/'-separated part escaped, the slashes kept (a file in a folder).
-std::string escape_path(const std::string& path) {
-  std::string out;
-  std::size_t start = 0;
-  for (;;) {
-    const auto slash = path.find('/', start);
-    out += escape_path_part(path.substr(start, slash - start));
-    if (slash == std::string::npos) break;
-    out += "/";
-    start = slash + 1;
-  }
-  return out;
-}
-
-// Sink of a download: the .incomplete file, and the progress shown while it grows.
-struct FileSink {
-  std::FILE* file = nullptr;
-  int write_errno = 0;
-  std::uint64_t written = 0;
-  long status = 0;  // of the response being received; only 200/206 bodies go to the file
-  CURL* curl = nullptr;
-};
-
-std::size_t write_to_file(char* data, std::size_t size, std::size_t count, void* user) {
-  auto* sink = static_cast<FileSink*>(user);
-  if (sink->status == 0) curl_easy_getinfo(sink->curl, CURLINFO_RESPONSE_CODE, &sink->status);
-  const std::size_t n = size * count;
-  if (sink->status != 200 && sink->status != 206) return n;  // an error page: discarded
-  if (std::fwrite(data, 1, n, sink->file) != n) {
-    sink->write_errno = errno ? errno : EIO;
-    return 0;
-  }
-  sink->written += n;
-  return n;
-}
-
-struct Progress {
-  std::string name;
-  std::uint64_t total = 0, start_offset = 0;
-  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now(), last_shown{};
-  bool terminal = false;
-};
-
-int show_progress(void* user, curl_off_t, curl_off_t now, curl_off_t, curl_off_t) {
-  auto* p = static_cast<Progress*>(user);
-  if (!p->terminal) return 0;
-  const auto t = std::chrono::steady_clock::now();
-  if (t - p->last_shown < std::chrono::milliseconds(500)) return 0;
-  p->last_shown = t;
-  const double seconds = std::chrono::duration<double>(t - p->started).count();
-  const double rate = seconds > 0 ? static_cast<double>(now) / seconds : 0;
-  const std::uint64_t have = p->start_offset + static_cast<std::uint64_t>(now);
-  const double eta = rate > 0 && p->total > have ? static_cast<double>(p->total - have) / rate : 0;
-  std::fprintf(stderr, "\r  %s: %s / %s, %s/s, ETA %.0f s   ", p->name.c_str(), human_size(have).c_str(),
-               human_size(p->total).c_str(), human_size(static_cast<std::uint64_t>(rate)).c_str(), eta);
-  std::fflush(stderr);
-  return 0;
-}
-
-class Http {
- public:
-  explicit Http(const HubSettings& settings) : settings_(settings), endpoint_origin_(origin_of(settings.endpoint)) {
-    global_curl_init();
-  }
-
-  // One request, no redirect followed. `range_from` > 0 adds a Range header; `sink` receives the body of a GET
-  // into a file (else it is collected into the response, or nothing for HEAD).
-  Response once(const std::string& method, const std::string& url, std::uint64_t range_from = 0,
-                FileSink* sink = nullptr, Progress* progress = nullptr) const {
-    CURL* curl = curl_easy_init();
-    if (!curl) throw NetworkError("libcurl could not start a request", true);
-    Response response;
-    response.url = url;
-    curl_slist* headers = curl_slist_append(nullptr, "Accept-Encoding: identity");
-    // The token goes only to the endpoint's own host: never to a CDN or any other host a redirect names.
-    std::string authorization;
-    if (!settings_.token.empty() && origin_of(url) == endpoint_origin_) {
-      authorization = "Authorization: Bearer " + settings_.token;
-      headers = curl_slist_append(headers, authorization.c_str());
-    }
-    std::string range;
-    if (range_from > 0) {
-      range = "Range: bytes=" + std::to_string(range_from) + "-";
-      headers = curl_slist_append(headers, range.c_str());
-    }
-    const std::string agent = std::string("trainer/") + kVersion + "; hf_hub-compatible";
-    char error_text[CURL_ERROR_SIZE] = "";
-    curl_easy_setopt(curl, CURLOPT_URL, url.c_str());
-    curl_easy_setopt(curl, CURLOPT_PROTOCOLS_STR, "http,https");
-    curl_easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
-    curl_easy_setopt(curl, CURLOPT_USERAGENT, agent.c_str());
-    curl_easy_setopt(curl, CURLOPT_FOLLOWLOCATION, 0L);
-    curl_easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(curl, CURLOPT_ERRORBUFFER, error_text);
-    curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, collect_header);
-    curl_easy_setopt(curl, CURLOPT_HEADERDATA, &response.headers);
-    const long connect_ms = static_cast<long>(settings_.metadata_timeout_s * 1000);
-    curl_easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS, connect_ms);
-    if (method == "HEAD") {
-      curl_easy_setopt(curl, CURLOPT_NOBODY, 1L);
-      curl_easy_setopt(curl, CURLOPT_TIMEOUT_MS, connect_ms);
-    } else if (sink) {
-      sink->curl = curl;
-      sink->status = 0;
-      curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, write_to_file);
-      curl_easy_setopt(curl, CURLOPT_WRITEDATA, sink);
-      // A body that stalls (less than 1 byte/s for HF_HUB_DOWNLOAD_TIMEOUT seconds) is cut and resumed.
-      curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
-      curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, std::max(1L, static_cast<long>(settings_.download_timeout_s)));
-      if (progress) {
-        curl_easy_setopt(curl, CURLOPT_XFERINFOFUNCTION, show_progress);
-        curl_easy_setopt(curl, CURLOPT_XFERINFODATA, progress);
-        curl_easy_setopt(curl, CURLOPT_NOPROGRESS, 0L);
-      }
-    } else {
-      curl_easy_setopt(curl, CURLOPT_WRITEFUNCTION, collect_body);
-      curl_easy_setopt(curl, CURLOPT_WRITEDATA, &response.body);
-      curl_easy_setopt(curl, CURLOPT_LOW_SPEED_LIMIT, 1L);
-      curl_easy_setopt(curl, CURLOPT_LOW_SPEED_TIME, std::max(1L, static_cast<long>(settings_.metadata_timeout_s)));
-    }
-    const CURLcode code = curl_easy_perform(curl);
-    curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &response.status);
-    curl_slist_free_all(headers);
-    curl_easy_cleanup(curl);
-    if (code == CURLE_WRITE_ERROR && sink && sink->write_errno != 0)
-      throw DataError("cannot write the download: " + std::string(std::strerror(sink->write_errno)));
-    if (code != CURLE_OK) {
-      const bool transient = code != CURLE_UNSUPPORTED_PROTOCOL && code != CURLE_URL_MALFORMAT;
-      throw NetworkError(printable_url(url) + ": " + (*error_text ? error_text : curl_easy_strerror(code)), transient);
-    }
-    return response;
-  }
-
-  // A request with redirects followed (at most 10; the token is left behind when one leaves the endpoint's host).
-  // A HEAD stops at an absolute redirect and answers with its headers: the Hub's LFS files carry X-Linked-Etag
-  // and X-Linked-Size on that 302.
-  Response follow(const std::string& method, std::string url, std::uint64_t range_from = 0, FileSink* sink = nullptr,
-                  Progress* progress = nullptr) const {
-    for (int hop = 0; hop < 10; ++hop) {
-      Response response = once(method, url, range_from, sink, progress);
-      const bool redirect = response.status >= 301 && response.status <= 308 && response.status != 304 &&
-                            response.headers.count("location");
-      if (!redirect) return response;
-      const std::string& location = response.headers["location"];
-      // As huggingface_hub: a HEAD follows only relative redirects (a renamed repo); an absolute one is the LFS
-      // file's CDN, whose own answer lacks the Hub's headers.
-      if (method == "HEAD" && (location.find("://") != std::string::npos || location.starts_with("//")))
-        return response;
-      const std::string next = join_url(url, location);
-      url = next;
-    }
-    throw DataError("too many redirects from " + printable_url(url));
-  }
-
-  const HubSettings& settings() const { return settings_; }
-
- private:
-  const HubSettings& settings_;
-  std::string endpoint_origin_;
-};
-
-bool retriable_status(long status) { return status == 429 || status >= 500; }
-
-// The back-off before attempt `attempt` (1-based): base, 2 base, 4 base ..., at most 30 s, with some jitter.
-void back_off(const HubSettings& settings, int attempt) {
-  static thread_local std::mt19937 random(std::random_device{}());
-  const double base = std::min(30.0, settings.retry_base_s * double(1 << std::min(attempt - 1, 10)));
-  const double jittered = base * std::uniform_real_distribution<double>(0.8, 1.2)(random);
-  std::this_thread::sleep_for(std::chrono::duration<double>(jittered));
-}
 
 // ---- errors from the Hub -----------------------------------------------------------------------------------------
 
@@ -518,19 +250,42 @@ void link_into_snapshot(const fs::path& snapshot, const std::string& file, const
 }
 
 // flock on .locks/models--ORG--NAME/<etag>.lock, as huggingface_hub's filelock takes it: one process downloads a
-// blob, the others wait and then find it in place.
+// blob, the others wait and then find it in place. With `stall_timeout_s` > 0 a waiter gives up when the holder's
+// part (`incomplete`) has not grown for that long (a rank waiting on its node's download: distributed.timeout_s).
 class BlobLock {
  public:
-  explicit BlobLock(const fs::path& path) {
+  BlobLock(const fs::path& path, const fs::path& incomplete, double stall_timeout_s) {
     fs::create_directories(path.parent_path());
     fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd_ < 0) throw DataError("cannot open the lock file " + path.string() + ": " + std::strerror(errno),
                                  "check the permissions of the Hugging Face cache");
-    while (::flock(fd_, LOCK_EX) != 0) {
+    using Clock = std::chrono::steady_clock;
+    auto last_growth = Clock::now();
+    std::uintmax_t last_size = 0;
+    bool waited = false;
+    while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       if (errno == EINTR) continue;
-      const int error = errno;
-      ::close(fd_);
-      throw DataError("cannot lock " + path.string() + ": " + std::strerror(error));
+      if (errno != EWOULDBLOCK) {
+        const int error = errno;
+        ::close(fd_);
+        throw DataError("cannot lock " + path.string() + ": " + std::strerror(error));
+      }
+      if (!waited) spdlog::info("another process is downloading {}; waiting for it", incomplete.filename().string());
+      waited = true;
+      std::error_code ec;
+      const std::uintmax_t size = fs::exists(incomplete, ec) ? fs::file_size(incomplete, ec) : 0;
+      if (size != last_size) {
+        last_size = size;
+        last_growth = Clock::now();
+      }
+      if (stall_timeout_s > 0 && std::chrono::duration<double>(Clock::now() - last_growth).count() > stall_timeout_s) {
+        ::close(fd_);
+        throw DataError("waited " + std::to_string(static_cast<int>(stall_timeout_s)) + " s for another process "
+                            "downloading " + incomplete.string() + ", which made no progress",
+                        "is another trainer or Python process stuck on it? stop it, or delete " + path.string() +
+                            " if none runs, and start again");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
   ~BlobLock() {
@@ -897,7 +652,7 @@ class Resolver {
   bool fetch_blob(const std::string& file, const Remote& remote, const std::string& commit) {
     const fs::path blob = repo_dir_ / "blobs" / remote.etag;
     fs::create_directories(blob.parent_path());
-    const BlobLock lock(locks_dir_ / (remote.etag + ".lock"));
+    const BlobLock lock(locks_dir_ / (remote.etag + ".lock"), blob.string() + ".incomplete", options_.wait_timeout_s);
     if (fs::exists(blob)) return false;  // another process (or huggingface_hub) fetched it while we waited
     const fs::path incomplete = blob.string() + ".incomplete";
     const std::string url = resolve_url(file, commit);
@@ -1028,8 +783,19 @@ Resolved resolve(const std::string& name, const ResolveOptions& options, const H
   if (name.empty() || fs::exists(name, ec) || looks_like_path(name)) return local;
   const auto id = parse_hub_id(name);
   if (!id) return local;
+  // Whatever a server or a library put into a message, the token never leaves in it.
+  auto scrub = [&](std::string text) {
+    if (settings.token.empty()) return text;
+    for (std::size_t pos; (pos = text.find(settings.token)) != std::string::npos;)
+      text.replace(pos, settings.token.size(), "[token]");
+    return text;
+  };
   try {
     return Resolver(*id, options, settings).run();
+  } catch (const UsageError& e) {
+    throw UsageError(scrub(e.what()), scrub(e.hint()));
+  } catch (const DataError& e) {
+    throw DataError(scrub(e.what()), scrub(e.hint()));
   } catch (const fs::filesystem_error& e) {
     throw DataError(options.what + ": " + name + ": the Hugging Face cache (" + settings.cache_dir +
                         ") cannot be written: " + e.what(),

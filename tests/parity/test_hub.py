@@ -392,3 +392,47 @@ def test_two_processes_download_each_file_once(trainer_binary, hub, env, model_f
         assert hub.count("GET", contains=f"/{name}") == 1, name
     assert sorted(p.name for p in pathlib.Path(outputs[0][0].strip()).iterdir()) == sorted(
         n for n in model_files if n not in ("pytorch_model.bin", "README.md"))
+
+
+# ---- every place a model is named ---------------------------------------------------------------------------------
+
+def test_plan_and_inspect_fetch_no_weights_generate_fetches_them(trainer_binary, hub, env):
+    result = trainer(trainer_binary, env, "plan", "--config", "configs/tiny-t5.json", "--set", f"model.path={REPO}",
+                     "--set", "model.init=pretrained")
+    assert result.returncode == 0, result.stderr
+    result = trainer(trainer_binary, env, "inspect", REPO)
+    assert result.returncode == 0, result.stderr
+    assert hub.count("GET", contains="/cdn/") == 1  # spiece.model (a tokenizer file), never the weights
+    assert hub.count(contains="file=model.safetensors") == 0
+    result = trainer(trainer_binary, env, "generate", "--model", REPO, "--ids", "5,6", "--max-new-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert "ids:" in result.stdout
+    assert hub.count("GET", contains="file=model.safetensors") == 1
+
+
+def test_merge_takes_an_adapter_and_its_base_by_id(trainer_binary, hub, env, model_files, tmp_path):
+    """A PEFT adapter on the Hub whose base_model_name_or_path is a Hub id: both come from the stand-in Hub."""
+    code = f"""
+import sys, torch, peft, transformers
+base = transformers.AutoModelForSeq2SeqLM.from_pretrained({REPO!r})
+model = peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_2_SEQ_LM", r=2, lora_alpha=4, target_modules=["q", "v"]))
+torch.manual_seed(0)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.copy_(torch.randn(p.shape) * 0.1)
+model.save_pretrained(sys.argv[1])
+"""
+    adapter = tmp_path / "adapter"
+    py = subprocess.run([os.sys.executable, "-c", code, str(adapter)], env=env, capture_output=True, text=True,
+                        timeout=180)
+    assert py.returncode == 0, py.stderr
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == REPO
+    hub.add_repo("tiny-org/adapter", {p.name: p.read_bytes() for p in adapter.iterdir() if p.is_file()})
+    shutil.rmtree(env["HF_HUB_CACHE"], ignore_errors=True)
+    out = tmp_path / "merged"
+    result = trainer(trainer_binary, env, "merge", "--adapter", "tiny-org/adapter", "--output", out)
+    assert result.returncode == 0, result.stderr
+    assert (out / "model.safetensors").exists()
+    assert (repo_dir(env, "tiny-org/adapter") / "refs" / "main").exists()
+    assert (repo_dir(env) / "refs" / "main").exists()

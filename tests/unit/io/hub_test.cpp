@@ -3,6 +3,9 @@
 // protocol itself is tested against a stand-in Hub and huggingface_hub in tests/parity/test_hub.py.
 #include "trainer/hub.h"
 
+#include <unistd.h>
+
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <map>
