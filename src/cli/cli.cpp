@@ -420,7 +420,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   download_cmd->add_option("--include", download_options.include,
                            "Only the files matching this glob (repeatable), e.g. --include '*.json'; default: the "
                            "files trainer reads (config, tokenizer, chat template, safetensors weights)")
-      ->type_name("GLOB");
+      ->type_name("GLOB")
+      ->allow_extra_args(false);
   download_cmd->add_flag("--dry-run", download_options.dry_run,
                          "List the files that would be downloaded and their sizes; download nothing");
   download_cmd->footer(kHubEnvironmentHelp + std::string(kExitCodeHelp));
