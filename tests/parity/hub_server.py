@@ -45,6 +45,7 @@ class Faults:
         self.slow = {}         # path -> seconds to sleep between 1 KiB chunks
         self.stall = {}        # path -> times the body stops after half its bytes and hangs (then the client times out)
         self.listing500 = 0    # times the tree listing answers 500
+        self.missing = set()   # paths the listing shows but resolve answers 404 EntryNotFound for (a racing delete)
 
     def take(self, table, path):
         for key in (path, "*"):
@@ -246,7 +247,7 @@ def _make_handler(hub):
             if repo is None:
                 return
             files = repo.commits[commit]
-            if file not in files:
+            if file not in files or file in hub.faults.missing:
                 return self._error(404, "EntryNotFound", f"{file} does not exist at {revision}", head)
             data = files[file]
             common = {"X-Repo-Commit": commit}

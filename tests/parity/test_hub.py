@@ -348,6 +348,12 @@ def test_missing_repo_and_revision_are_clear_errors(trainer_binary, hub, env, na
 
 
 def test_a_missing_file_is_a_clear_error(trainer_binary, hub, env):
+    hub.faults.missing.add("generation_config.json")
+    result = trainer(trainer_binary, env, "download", REPO)
+    assert result.returncode == 3
+    assert "EntryNotFound" in result.stderr and "generation_config.json" in result.stderr and REPO in result.stderr
+    commit = hub.repos[REPO].refs["main"]
+    assert not (repo_dir(env) / "snapshots" / commit / "generation_config.json").exists()
     result = trainer(trainer_binary, env, "download", REPO, "--include", "no-such-file.json")
     assert result.returncode == 3
     assert "no file matches --include" in result.stderr
@@ -403,6 +409,10 @@ def test_plan_and_inspect_fetch_no_weights_generate_fetches_them(trainer_binary,
     result = trainer(trainer_binary, env, "inspect", REPO)
     assert result.returncode == 0, result.stderr
     assert hub.count("GET", contains="/cdn/") == 1  # spiece.model (a tokenizer file), never the weights
+    assert hub.count(contains="file=model.safetensors") == 0
+    # tokenizer.path by id: the tokenizer files alone.
+    result = trainer(trainer_binary, env, "data", "--config", "configs/tiny-t5.json", "--set", f"tokenizer.path={REPO}")
+    assert result.returncode == 0, result.stderr
     assert hub.count(contains="file=model.safetensors") == 0
     result = trainer(trainer_binary, env, "generate", "--model", REPO, "--ids", "5,6", "--max-new-tokens", "2")
     assert result.returncode == 0, result.stderr
