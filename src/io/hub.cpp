@@ -500,6 +500,9 @@ class Resolver {
     for (int page = 0; !url.empty(); ++page) {
       if (page > 1000) throw DataError("the file listing of " + name() + " does not end (more than 1000 pages)");
       Response response = metadata("GET", url, "the file listing");
+      // The Hub down (5xx after the retries) is as the network down: a cached snapshot still serves.
+      if (retriable_status(response.status))
+        throw NetworkError(settings_.endpoint + " answered HTTP " + std::to_string(response.status), true);
       if (response.status != 200) throw_hub_error(response, id_, "(file listing)", settings_);
       nlohmann::json entries;
       try {

@@ -369,6 +369,10 @@ def test_pickled_weights_only_is_refused_with_how_to_convert(trainer_binary, hub
 
 def test_the_hub_unreachable_with_the_model_cached_goes_on_with_a_warning(trainer_binary, hub, env):
     assert trainer(trainer_binary, env, "download", REPO).returncode == 0
+    hub.faults.listing500 = 100  # the Hub down: 500s, then no answer at all
+    result = trainer(trainer_binary, {**env, "TRAINER_HUB_RETRIES": "1"}, "inspect", REPO)
+    assert result.returncode == 0, result.stderr
+    assert "HTTP 500" in result.stderr and "cached snapshot" in result.stderr
     hub.stop()
     result = trainer(trainer_binary, env, "inspect", REPO)
     assert result.returncode == 0, result.stderr
