@@ -450,3 +450,18 @@ model.save_pretrained(sys.argv[1])
     assert (out / "model.safetensors").exists()
     assert (repo_dir(env, "tiny-org/adapter") / "refs" / "main").exists()
     assert (repo_dir(env) / "refs" / "main").exists()
+
+
+def test_data_parallel_ranks_download_each_file_once(trainer_binary, hub, env, tmp_path):
+    """trainer launch with 2 ranks on a Hub id: every rank resolves it, one downloads each file, both train."""
+    hub.faults.slow["model.safetensors"] = 0.002
+    out = tmp_path / "ranks"
+    result = trainer(trainer_binary, {**env, "TRAINER_NUM_THREADS": "1"}, "launch", "--nproc-per-node", "2", "--",
+                     "--config", "configs/tiny-t5.json", "--set", f"model.path={REPO}", "--set", "model.init=pretrained",
+                     "--set", "training.max_steps=1", "--set", "evaluation.every_steps=0", "--set",
+                     f"checkpoint.output_dir={out}", timeout=400)
+    assert result.returncode == 0, result.stderr
+    for name in ("model.safetensors", "spiece.model"):
+        assert hub.count("GET", contains=f"file={name}") == 1, name
+    assert hub.count("GET", contains="/config.json") == 1
+    assert (out / "final").is_dir()
