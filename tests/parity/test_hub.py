@@ -465,3 +465,14 @@ def test_data_parallel_ranks_download_each_file_once(trainer_binary, hub, env, t
         assert hub.count("GET", contains=f"file={name}") == 1, name
     assert hub.count("GET", contains="/config.json") == 1
     assert (out / "final").is_dir()
+
+
+def test_evaluate_and_quantize_take_a_model_by_id(trainer_binary, hub, env, tmp_path):
+    result = trainer(trainer_binary, env, "evaluate", "--config", "configs/tiny-t5.json", "--model", REPO, "--set",
+                     "evaluation.max_batches=1", "--output", tmp_path / "eval")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "eval" / "metrics.json").exists()
+    result = trainer(trainer_binary, env, "quantize", "--model", REPO, "--output", tmp_path / "q4")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "q4" / "model.safetensors").exists()
+    assert hub.count("GET", contains="file=model.safetensors") == 1  # the second command found it cached
