@@ -46,7 +46,15 @@ LoadedModel load_evaluated_model(const Config& config, const std::string& dir, c
         spdlog::warn("the adapter's base {} is not available ({}); using model.path", named, e.what());
       }
     }
-    const std::string base = !named.empty() && fs::exists(fs::path(named) / "config.json") ? named : config.model.path;
+    std::string base = !named.empty() && fs::exists(fs::path(named) / "config.json") ? named : config.model.path;
+    if (base == config.model.path) {
+      // model.path by Hub id was fetched without weights (--model named the evaluated model): now they are needed.
+      if (const auto origin = hub::snapshot_origin(base)) {
+        hub::ResolveOptions resolve;
+        resolve.what = "model.path (the adapter's base)";
+        base = hub::resolve(origin->repo_id + "@" + origin->commit, resolve).local_path;
+      }
+    }
     auto model = load_model(base, ModelInit::kPretrained, options);
     auto adapters = apply_peft_adapter(*model, adapter, dir);
     merge_lora(*adapters);  // the adapted weights, computed once: generation runs the plain model
