@@ -476,3 +476,24 @@ def test_evaluate_and_quantize_take_a_model_by_id(trainer_binary, hub, env, tmp_
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "q4" / "model.safetensors").exists()
     assert hub.count("GET", contains="file=model.safetensors") == 1  # the second command found it cached
+
+
+def test_a_resume_after_the_branch_moved_is_refused_and_the_old_commit_resumes(trainer_binary, hub, env, model_files,
+                                                                                tmp_path):
+    out = tmp_path / "run"
+    args = ["--config", "configs/tiny-t5.json", "--set", "model.init=pretrained", "--set", "evaluation.every_steps=0",
+            "--set", f"checkpoint.output_dir={out}", "--set", "checkpoint.every_steps=1"]
+    first = hub.repos[REPO].refs["main"]
+    result = trainer(trainer_binary, env, *args, "--set", f"model.path={REPO}", "--set", "training.max_steps=1")
+    assert result.returncode == 0, result.stderr
+    # The branch moves to other weights (every byte of the weights file changed, same shapes).
+    moved = dict(model_files)
+    moved["model.safetensors"] = model_files["model.safetensors"][:-8] + b"\x00" * 8
+    second = hub.add_commit(REPO, moved)
+    result = trainer(trainer_binary, env, *args, "--set", f"model.path={REPO}", "--set", "training.max_steps=2",
+                     "--resume")
+    assert result.returncode == 2, result.stderr
+    assert "moved from commit " + first + " to " + second in result.stderr
+    result = trainer(trainer_binary, env, *args, "--set", f"model.path={REPO}@{first}", "--set",
+                     "training.max_steps=2", "--resume")
+    assert result.returncode == 0, result.stderr
