@@ -497,3 +497,29 @@ def test_a_resume_after_the_branch_moved_is_refused_and_the_old_commit_resumes(t
     result = trainer(trainer_binary, env, *args, "--set", f"model.path={REPO}@{first}", "--set",
                      "training.max_steps=2", "--resume")
     assert result.returncode == 0, result.stderr
+
+
+def test_a_terminal_sees_bytes_rate_and_eta(trainer_binary, hub, env):
+    """On a terminal a download shows a live line; the log lines say what was downloaded either way."""
+    hub.faults.slow["model.safetensors"] = 0.003
+    primary, secondary = os.openpty()
+    try:
+        proc = subprocess.Popen([str(trainer_binary), "download", REPO], env=env, stdout=subprocess.PIPE,
+                                stderr=secondary, text=True)
+        os.close(secondary)
+        chunks = []
+        while True:
+            try:
+                data = os.read(primary, 4096)
+            except OSError:  # the terminal closed with the process
+                break
+            if not data:
+                break
+            chunks.append(data)
+        proc.wait(timeout=120)
+    finally:
+        os.close(primary)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, shown
+    assert "model.safetensors:" in shown and "/s, ETA" in shown, shown
+    assert "downloaded model.safetensors" in shown
