@@ -5,8 +5,6 @@
 #include <filesystem>
 #include <ostream>
 
-#include <spdlog/spdlog.h>
-
 #include "trainer/errors.h"
 
 namespace trainer {
@@ -79,10 +77,6 @@ int run_download(const DownloadOptions& options, std::ostream& out) {
     print_would_download(resolved, "trainer download", out);
     return kExitOk;
   }
-  std::uint64_t total = 0;
-  for (const auto& file : resolved.downloaded) total += file.size;
-  spdlog::info("{}@{} is commit {}: {} file(s) downloaded ({})", resolved.repo_id, resolved.revision, resolved.commit,
-               resolved.downloaded.size(), hub::human_size(total));
   out << resolved.local_path << "\n";
   return kExitOk;
 }

@@ -559,9 +559,10 @@ class Resolver {
       if (!safetensors && pickled)
         throw DataError(name() + " on " + settings_.endpoint + " has its weights only as pickled files (" +
                             pickled_names(listing) + "), which trainer never loads",
-                        "convert them once in Python: AutoModel.from_pretrained(\"" + id_.repo_id +
-                            "\").save_pretrained(DIR, safe_serialization=True) (with its tokenizer's save_pretrained(DIR)), "
-                            "then set " + options_.what + " to DIR");
+                        "convert them once in Python: m = AutoModelForCausalLM (AutoModelForSeq2SeqLM for T5)"
+                        ".from_pretrained(\"" + id_.repo_id + "\"); m.save_pretrained(DIR, safe_serialization=True) "
+                        "and AutoTokenizer.from_pretrained(\"" + id_.repo_id + "\").save_pretrained(DIR); then name "
+                        "DIR instead of " + id_.repo_id);
     }
     return order(wanted);
   }
