@@ -523,3 +523,30 @@ def test_a_terminal_sees_bytes_rate_and_eta(trainer_binary, hub, env):
     assert proc.returncode == 0, shown
     assert "model.safetensors:" in shown and "/s, ETA" in shown, shown
     assert "downloaded model.safetensors" in shown
+
+
+def test_a_download_held_by_another_process_is_waited_for_within_the_timeout(trainer_binary, hub, env, model_files,
+                                                                             tmp_path):
+    """Another process (huggingface_hub takes the same flock) holds a blob's lock: trainer waits for it, and a train
+    run gives up after distributed.timeout_s in which that download made no progress."""
+    import fcntl
+    etag = hashlib.sha256(model_files["model.safetensors"]).hexdigest()
+    lock_path = pathlib.Path(env["HF_HUB_CACHE"]) / ".locks" / ("models--" + REPO.replace("/", "--")) / f"{etag}.lock"
+    lock_path.parent.mkdir(parents=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = trainer(trainer_binary, env, "--config", "configs/tiny-t5.json", "--set", f"model.path={REPO}",
+                         "--set", "model.init=pretrained", "--set", "distributed.timeout_s=2", "--set",
+                         f"checkpoint.output_dir={tmp_path / 'run'}", "--set", "training.max_steps=1")
+        assert result.returncode == 3, result.stderr
+        assert "made no progress" in result.stderr and etag in result.stderr
+        # Released while trainer waits: it goes on and downloads the file itself.
+        proc = subprocess.Popen([str(trainer_binary), "download", REPO], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        assert proc.poll() is None  # still waiting
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "another process is downloading" in err
+    assert (pathlib.Path(out.strip()) / "model.safetensors").read_bytes() == model_files["model.safetensors"]
