@@ -73,11 +73,12 @@ constexpr const char* kTrainEnvironmentHelp =
     "for 4-bit layers is (default: the bitsandbytes package beside torch), none for ATen ops (docs/quantization.md).\n";
 
 constexpr const char* kHubEnvironmentHelp =
-    "Models by Hub id (model.path, tokenizer.path, --model, --adapter, --base): an existing local path wins; else\n"
-    "ORG/NAME[@REVISION] is looked up in the Hugging Face cache that Python shares (HF_HUB_CACHE, else HF_HOME/hub,\n"
-    "else ~/.cache/huggingface/hub) and what it lacks is downloaded from HF_ENDPOINT (default https://huggingface.co):\n"
-    "config, tokenizer and safetensors files only, never pickled weights. HF_TOKEN (else HF_TOKEN_PATH, else\n"
-    "HF_HOME/token) for gated or private repos, never printed. HF_HUB_OFFLINE=1 uses the cache only (docs/models.md).\n";
+    "Models by Hub id (model.path, tokenizer.path, --model, --adapter, --base): an existing local path wins;\n"
+    "else ORG/NAME[@REVISION] is looked up in the Hugging Face cache that Python shares (HF_HUB_CACHE, else\n"
+    "HF_HOME/hub, else ~/.cache/huggingface/hub) and what it lacks is downloaded from HF_ENDPOINT (default\n"
+    "https://huggingface.co): config, tokenizer and safetensors files only, never pickled weights. HF_TOKEN (else\n"
+    "HF_TOKEN_PATH, else HF_HOME/token) for gated or private repos, never printed. HF_HUB_OFFLINE=1 uses the cache\n"
+    "only (docs/models.md).\n";
 
 constexpr const char* kExitCodeHelp =
     "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"
@@ -396,9 +397,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       "predict", "Classify images with an image classifier (ViT, CLIP classifier): top-k classes and probabilities; "
                  "or, with a CLIPModel directory and --text, each image's probabilities over the texts (zero-shot, "
                  "docs/images.md, docs/clip.md)");
-  predict_cmd->add_option("--model", predict_options.model_dir, "Model directory or Hub id: an image classifier (config.json "
-                                                                "with id2label, weights, preprocessor_config.json) "
-                                                                "or a CLIPModel (with tokenizer.json)")
+  predict_cmd->add_option("--model", predict_options.model_dir,
+                          "Model directory or Hub id: an image classifier (config.json with id2label, weights, "
+                          "preprocessor_config.json) or a CLIPModel (with tokenizer.json)")
       ->required();
   predict_cmd->add_option("--image", predict_options.images, "Image file (JPEG, PNG, WebP); repeat for more")
       ->required();
@@ -415,7 +416,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   auto* download_cmd = app.add_subcommand(
       "download", "Fetch a model from the Hugging Face Hub into the cache ahead of a run (a login node, a docker "
                   "build) and print its snapshot directory");
-  download_cmd->add_option("name", download_options.name, "Hub id: ORG/NAME, or ORG/NAME@REVISION (branch, tag, commit)")
+  download_cmd->add_option("name", download_options.name,
+                           "Hub id: ORG/NAME, or ORG/NAME@REVISION (branch, tag, commit)")
       ->required();
   download_cmd->add_option("--include", download_options.include,
                            "Only the files matching this glob (repeatable), e.g. --include '*.json'; default: the "

@@ -22,7 +22,8 @@ struct HubResolution {
 HubResolution resolve_config_paths(Config& config, bool dry_run, bool metadata_only, std::ostream& out);
 
 // A directory named by a flag (--model, --adapter, --base): the local path to read.
-std::string resolve_flag_path(const std::string& name, const std::string& flag, hub::FileSet files = hub::FileSet::kModel);
+std::string resolve_flag_path(const std::string& name, const std::string& flag,
+                              hub::FileSet files = hub::FileSet::kModel);
 
 struct DownloadOptions {
   std::string name;                   // NAME[@REVISION]

@@ -156,7 +156,8 @@ HubSettings settings_from_environment(const Getenv& getenv_function) {
   s.offline = is_true(get("HF_HUB_OFFLINE")) || is_true(get("TRANSFORMERS_OFFLINE"));
   s.metadata_timeout_s = seconds_from(get("HF_HUB_ETAG_TIMEOUT"), s.metadata_timeout_s, "HF_HUB_ETAG_TIMEOUT");
   s.download_timeout_s = seconds_from(get("HF_HUB_DOWNLOAD_TIMEOUT"), s.download_timeout_s, "HF_HUB_DOWNLOAD_TIMEOUT");
-  if (const char* retries = get("TRAINER_HUB_RETRIES"); retries && *retries) s.retries = std::max(0, std::atoi(retries));
+  if (const char* retries = get("TRAINER_HUB_RETRIES"); retries && *retries)
+    s.retries = std::max(0, std::atoi(retries));
   s.retry_base_s = seconds_from(get("TRAINER_HUB_RETRY_BASE_S"), s.retry_base_s, "TRAINER_HUB_RETRY_BASE_S");
   return s;
 }
@@ -193,8 +194,8 @@ namespace {
                              : "the token in HF_TOKEN (or the token file) has no access to it";
   if (code == "GatedRepo" || ((response.status == 401 || response.status == 403) && code != "RepoNotFound"))
     throw DataError("GatedRepo: " + repo + " is gated or private" + on + message,
-                    "accept its licence at " + settings.endpoint + "/" + repo + " with your account and set HF_TOKEN to a "
-                    "token of that account (" + token_hint + ")");
+                    "accept its licence at " + settings.endpoint + "/" + repo +
+                        " with your account and set HF_TOKEN to a token of that account (" + token_hint + ")");
   if (code == "RepoNotFound" || (response.status == 401 && code.empty()))
     throw DataError("RepoNotFound: " + repo + " does not exist" + on + ", or it is private" + message,
                     "check the id (org/name, as on the model's Hub page); for a private repo, " + token_hint +
@@ -382,7 +383,8 @@ class Resolver {
         return from_cache(result, cached);
       }
       throw DataError(options_.what + ": cannot reach " + settings_.endpoint + " to download " + name() + " (" +
-                          e.what() + "), and the Hugging Face cache (" + settings_.cache_dir + ") holds no snapshot of it",
+                          e.what() + "), and the Hugging Face cache (" + settings_.cache_dir +
+                          ") holds no snapshot of it",
                       "check the network or HF_ENDPOINT; or set " + options_.what + " to a local model directory");
     }
     std::vector<RemoteFile> wanted = select(listing);
@@ -423,9 +425,9 @@ class Resolver {
       link_into_snapshot(snapshot, file.path, repo_dir_ / "blobs" / remote.etag);
     }
     fs::create_directories(snapshot);
-    if (id_.revision != result.commit &&
-        (!fs::exists(repo_dir_ / "refs" / id_.revision) || read_text_file(repo_dir_ / "refs" / id_.revision) != result.commit))
-      write_file_atomically(repo_dir_ / "refs" / id_.revision, result.commit);
+    const fs::path ref = repo_dir_ / "refs" / id_.revision;
+    if (id_.revision != result.commit && (!fs::exists(ref) || read_text_file(ref) != result.commit))
+      write_file_atomically(ref, result.commit);
     mark_absent(listing, result.commit);
     result.local_path = snapshot.string();
     spdlog::info("{}: {} is commit {} ({} file(s) downloaded) in {}", options_.what, name(), result.commit,
@@ -686,7 +688,8 @@ class Resolver {
       if (remote.size > 0 && offset == remote.size) break;
       std::FILE* out = std::fopen(incomplete.c_str(), offset > 0 ? "ab" : "wb");
       if (!out) throw DataError("cannot write " + incomplete.string() + ": " + std::strerror(errno),
-                                "check the free space and permissions of the Hugging Face cache (" + settings_.cache_dir + ")");
+                                "check the free space and permissions of the Hugging Face cache (" +
+                                    settings_.cache_dir + ")");
       FileSink sink;
       sink.file = out;
       progress.start_offset = offset;
@@ -737,7 +740,8 @@ class Resolver {
       const std::uint64_t have = fs::file_size(incomplete, ec);
       if (remote.size == 0 || have == remote.size) break;
       if (have > remote.size) fs::resize_file(incomplete, 0, ec);
-      last_problem = "the connection ended after " + std::to_string(have) + " of " + std::to_string(remote.size) + " bytes";
+      last_problem =
+          "the connection ended after " + std::to_string(have) + " of " + std::to_string(remote.size) + " bytes";
     }
     if (remote.lfs) {
       const std::string got = sha256_file_hex(incomplete.string());

@@ -87,8 +87,8 @@ TEST(IoHub, FindsTheCacheAsHuggingfaceHubDoes) {
   EXPECT_EQ(settings_from_environment(fake_environment({{"XDG_CACHE_HOME", "/x"}, {"HF_HOME", "/h"}})).cache_dir,
             "/h/hub");
   EXPECT_EQ(settings_from_environment(fake_environment({{"HF_HOME", "/h"}, {"HF_HUB_CACHE", "/c"}})).cache_dir, "/c");
-  EXPECT_EQ(settings_from_environment(fake_environment({{"HF_HOME", "/h"}, {"HUGGINGFACE_HUB_CACHE", "/old"}})).cache_dir,
-            "/old");
+  const auto old_name = fake_environment({{"HF_HOME", "/h"}, {"HUGGINGFACE_HUB_CACHE", "/old"}});
+  EXPECT_EQ(settings_from_environment(old_name).cache_dir, "/old");
   const auto defaults = settings_from_environment(fake_environment({{"HOME", "/home/u"}}));
   EXPECT_EQ(defaults.endpoint, "https://huggingface.co");
   EXPECT_FALSE(defaults.offline);
