@@ -503,10 +503,10 @@ def test_a_terminal_sees_bytes_rate_and_eta(trainer_binary, hub, env):
     """On a terminal a download shows a live line; the log lines say what was downloaded either way."""
     hub.faults.slow["model.safetensors"] = 0.003
     primary, secondary = os.openpty()
+    proc = subprocess.Popen([str(trainer_binary), "download", REPO], env=env, stdout=subprocess.PIPE,
+                            stderr=secondary, text=True)
+    os.close(secondary)
     try:
-        proc = subprocess.Popen([str(trainer_binary), "download", REPO], env=env, stdout=subprocess.PIPE,
-                                stderr=secondary, text=True)
-        os.close(secondary)
         chunks = []
         while True:
             try:
@@ -519,6 +519,9 @@ def test_a_terminal_sees_bytes_rate_and_eta(trainer_binary, hub, env):
         proc.wait(timeout=120)
     finally:
         os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     shown = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0, shown
     assert "model.safetensors:" in shown and "/s, ETA" in shown, shown
@@ -543,10 +546,15 @@ def test_a_download_held_by_another_process_is_waited_for_within_the_timeout(tra
         # Released while trainer waits: it goes on and downloads the file itself.
         proc = subprocess.Popen([str(trainer_binary), "download", REPO], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-        time.sleep(1.5)
-        assert proc.poll() is None  # still waiting
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        out, err = proc.communicate(timeout=60)
+        try:
+            time.sleep(1.5)
+            assert proc.poll() is None  # still waiting
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert proc.returncode == 0, err
     assert "another process is downloading" in err
     assert (pathlib.Path(out.strip()) / "model.safetensors").read_bytes() == model_files["model.safetensors"]
