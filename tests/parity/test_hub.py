@@ -558,3 +558,16 @@ def test_a_download_held_by_another_process_is_waited_for_within_the_timeout(tra
     assert proc.returncode == 0, err
     assert "another process is downloading" in err
     assert (pathlib.Path(out.strip()) / "model.safetensors").read_bytes() == model_files["model.safetensors"]
+
+
+def test_download_include_and_dry_run(trainer_binary, hub, env, model_files):
+    result = trainer(trainer_binary, env, "download", REPO, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "model.safetensors" in result.stdout and "would be downloaded" in result.stdout
+    assert hub.count("GET", contains="/cdn/") == 0 and not (repo_dir(env) / "blobs").exists()
+    result = trainer(trainer_binary, env, "download", "--include", "*.json", REPO, "--include", "*.bin")
+    assert result.returncode == 0, result.stderr
+    snapshot = pathlib.Path(result.stdout.strip().splitlines()[-1])
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(n for n in model_files if n.endswith(".json"))
+    assert "pickled weights, which trainer never downloads" in result.stderr  # *.bin matched, and was refused
+    assert hub.count(contains="pytorch_model.bin") == 0
