@@ -36,6 +36,9 @@ LoadedModel load_evaluated_model(const Config& config, const std::string& dir, c
   if (is_peft_adapter_dir(dir)) {
     const auto adapter = read_peft_adapter(dir);
     std::string named = adapter.config.base_model_name_or_path;
+    if (!adapter.config.revision.empty() && !named.empty() && !fs::exists(named) && hub::parse_hub_id(named) &&
+        named.find('@') == std::string::npos)
+      named += "@" + adapter.config.revision;  // the commit it was trained on (PEFT's "revision")
     if (!named.empty() && !fs::exists(named) && hub::parse_hub_id(named)) {
       // PEFT names a Hub base by its id; when it cannot be had (offline, not cached), model.path is the base.
       try {

@@ -268,6 +268,10 @@ MergeResult merge_adapter(const MergeOptions& options) {
   const PeftAdapter adapter = read_peft_adapter(options.adapter_dir);
   MergeResult result;
   result.base_dir = options.base_dir.empty() ? adapter.config.base_model_name_or_path : options.base_dir;
+  // An adapter's Hub base at the revision it was trained on (PEFT's "revision"), unless --base names one.
+  if (options.base_dir.empty() && !adapter.config.revision.empty() && !fs::exists(result.base_dir) &&
+      hub::parse_hub_id(result.base_dir) && result.base_dir.find('@') == std::string::npos)
+    result.base_dir += "@" + adapter.config.revision;
   if (result.base_dir.empty())
     throw UsageError(options.adapter_dir + "/" + kAdapterConfigName + " names no base_model_name_or_path",
                      "give the base model directory: --base DIR");

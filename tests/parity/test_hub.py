@@ -571,3 +571,27 @@ def test_download_include_and_dry_run(trainer_binary, hub, env, model_files):
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(n for n in model_files if n.endswith(".json"))
     assert "pickled weights, which trainer never downloads" in result.stderr  # *.bin matched, and was refused
     assert hub.count(contains="pytorch_model.bin") == 0
+
+
+def test_a_lora_adapter_names_its_hub_base_as_peft_does(trainer_binary, hub, env, tmp_path):
+    """LoRA over a base named by id: the adapter says the id and the commit (PEFT's base_model_name_or_path and
+    revision), PEFT loads it from the cache by those alone, and `trainer merge` finds the same base."""
+    out = tmp_path / "run"
+    result = trainer(trainer_binary, env, "--config", "configs/tiny-t5.json", "--set", f"model.path={REPO}", "--set",
+                     "model.init=pretrained", "--set", "lora.enabled=true", "--set", "training.max_steps=2", "--set",
+                     "evaluation.every_steps=0", "--set", f"checkpoint.output_dir={out}", timeout=300)
+    assert result.returncode == 0, result.stderr
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    commit = hub.repos[REPO].refs["main"]
+    assert (adapter["base_model_name_or_path"], adapter["revision"]) == (REPO, commit)
+    code = ("import sys, peft; "
+            "m = peft.AutoPeftModelForSeq2SeqLM.from_pretrained(sys.argv[1]); "
+            "print(type(m.base_model.model).__name__)")
+    hub.add_commit(REPO, {"README.md": b"main moved to a commit without the model"})
+    py = subprocess.run([os.sys.executable, "-c", code, str(out / "final")], env={**env, "HF_HUB_OFFLINE": "1"},
+                        capture_output=True, text=True, timeout=180)
+    assert py.returncode == 0, py.stderr
+    assert "T5ForConditionalGeneration" in py.stdout
+    result = trainer(trainer_binary, env, "merge", "--adapter", out / "final", "--output", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr  # main moved away: the adapter's revision still names the base
+    assert (tmp_path / "merged" / "model.safetensors").exists()
