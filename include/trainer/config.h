@@ -191,7 +191,9 @@ struct ModelConfig {
 
   template <class V>
   void visit(V& v) {
-    v("path", path, "Hugging Face model directory: config.json, safetensors weights, tokenizer files");
+    v("path", path,
+      "Hugging Face model directory (config.json, safetensors weights, tokenizer files), or a Hub id ORG/NAME[@REV] "
+      "resolved in the Hugging Face cache and downloaded when missing (docs/models.md#hub-ids-and-the-cache)");
     v("init", init, "pretrained: load the weights in path; random: initialise from path/config.json alone");
     v("quantize", quantize,
       "none, nf4 or fp4: the frozen base's linear layers held in 4 bits as bitsandbytes' Linear4bit (QLoRA; "
@@ -209,7 +211,7 @@ struct TokenizerConfig {
 
   template <class V>
   void visit(V& v) {
-    v("path", path, "directory or file of the tokenizer; empty: model.path");
+    v("path", path, "directory or file of the tokenizer, or a Hub id ORG/NAME[@REV]; empty: model.path");
     v("kind", kind, "auto (tokenizer.json -> bpe, spiece.model/tokenizer.model -> sentencepiece), sentencepiece, bpe");
     v("add_eos", add_eos, "append the end-of-sequence token as the model family does in transformers");
   }

@@ -20,6 +20,7 @@ inline constexpr const char* kPeftKeyPrefix = "base_model.model.";
 struct PeftLoraConfig {
   std::string task_type;  // "SEQ_2_SEQ_LM" or "CAUSAL_LM"; empty when the file gives none
   std::string base_model_name_or_path;
+  std::string revision;   // the base's Hub revision (trainer writes the commit of a base named by Hub id); empty: none
   int64_t r = 8;          // the default rank; rank_pattern may give some modules another (their shapes say which)
   double lora_alpha = 8.0;
   double lora_dropout = 0.0;

@@ -14,6 +14,7 @@
 
 #include "chat/chat_template.h"
 #include "cli/evaluate.h"
+#include "cli/hub_command.h"
 #include "cli/predict.h"
 #include "distributed/launch.h"
 #include "log/console.h"
@@ -70,6 +71,14 @@ constexpr const char* kTrainEnvironmentHelp =
     "TRAINER_PACKED_ATTENTION=per-example|whole-row forces a path for packed rows (default auto: varlen flash\n"
     "attention on a CUDA card, docs/packing.md). TRAINER_BITSANDBYTES=FILE|DIR|none: where bitsandbytes' library\n"
     "for 4-bit layers is (default: the bitsandbytes package beside torch), none for ATen ops (docs/quantization.md).\n";
+
+constexpr const char* kHubEnvironmentHelp =
+    "Models by Hub id (model.path, tokenizer.path, --model, --adapter, --base): an existing local path wins;\n"
+    "else ORG/NAME[@REVISION] is looked up in the Hugging Face cache that Python shares (HF_HUB_CACHE, else\n"
+    "HF_HOME/hub, else ~/.cache/huggingface/hub) and what it lacks is downloaded from HF_ENDPOINT (default\n"
+    "https://huggingface.co): config, tokenizer and safetensors files only, never pickled weights. HF_TOKEN (else\n"
+    "HF_TOKEN_PATH, else HF_HOME/token) for gated or private repos, never printed. HF_HUB_OFFLINE=1 uses the cache\n"
+    "only (docs/models.md).\n";
 
 constexpr const char* kExitCodeHelp =
     "Exit codes: 0 success; 2 usage or configuration error; 3 data, model or checkpoint error;\n"
@@ -236,7 +245,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   bool print_config = false;
   train->add_flag("--print-config", print_config,
                   "Print the resolved configuration (file + --set + defaults) as JSON and exit");
-  train->footer(std::string(kTrainEnvironmentHelp) + kExitCodeHelp);
+  train->footer(std::string(kTrainEnvironmentHelp) + kHubEnvironmentHelp + kExitCodeHelp);
 
   std::string evaluate_config_path;
   std::vector<std::string> evaluate_overrides;
@@ -247,8 +256,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   evaluate_cmd->add_option("-c,--config", evaluate_config_path, "JSON config file (data, evaluation, device)")
       ->required();
   evaluate_cmd->add_option("--model", evaluate_options.model_dir,
-                           "Model directory, checkpoint-N or PEFT adapter (default: model.path); an adapter is "
-                           "applied over its base_model_name_or_path, else model.path");
+                           "Model directory, checkpoint-N, PEFT adapter or Hub id ORG/NAME[@REV] (default: "
+                           "model.path); an adapter is applied over its base_model_name_or_path, else model.path");
   evaluate_cmd->add_option("--output", evaluate_options.output_dir,
                            "Where predictions.jsonl and metrics.json go (default: "
                            "checkpoint.output_dir/evaluations/evaluate)");
@@ -294,7 +303,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   std::string inspect_dir;
   auto* inspect = app.add_subcommand("inspect", "Describe a Hugging Face model directory: architecture, parameters, "
                                                 "checkpoint size, training memory by precision (loads no weights)");
-  inspect->add_option("model_dir", inspect_dir, "Model directory (config.json, safetensors)")->required();
+  inspect->add_option("model_dir", inspect_dir,
+                      "Model directory (config.json, safetensors) or Hub id ORG/NAME[@REV] (fetches config.json, not "
+                      "the weights)")
+      ->required();
   inspect->add_option("--lora-r", inspect_options.lora_r, "LoRA rank for the LoRA memory row")->capture_default_str();
   inspect->add_option("--lora-targets", inspect_options.lora_targets,
                       "LoRA target modules for the LoRA row, comma-separated (default: q,v for T5, q_proj,v_proj "
@@ -305,10 +317,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   auto* merge_cmd = app.add_subcommand("merge", "Merge a LoRA adapter (PEFT format) into its base model and write a "
                                                 "full Hugging Face model (W + scale * B A)");
   merge_cmd->add_option("--adapter", merge_options.adapter_dir,
-                        "Adapter directory (adapter_config.json, adapter_model.safetensors)")
+                        "Adapter directory (adapter_config.json, adapter_model.safetensors) or Hub id")
       ->required();
   merge_cmd->add_option("--base", merge_options.base_dir,
-                        "Base model directory (default: the adapter's base_model_name_or_path)");
+                        "Base model directory or Hub id (default: the adapter's base_model_name_or_path)");
   merge_cmd->add_option("--output", merge_options.output_dir, "Directory for the merged model")->required();
   merge_cmd->add_option("--dtype", merge_options.dtype, "Weights of the merged model: auto (the base's), fp32 or bf16")
       ->check(CLI::IsMember({"auto", "fp32", "bf16"}))
@@ -332,7 +344,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   auto* quantize_cmd = app.add_subcommand(
       "quantize", "Write a model with its linear layers in 4 bits, in the layout transformers + bitsandbytes save "
                   "(load_in_4bit): transformers loads it with from_pretrained, trainer trains LoRA on it");
-  quantize_cmd->add_option("--model", quantize_model_dir, "Full-precision model directory")->required();
+  quantize_cmd->add_option("--model", quantize_model_dir, "Full-precision model directory or Hub id ORG/NAME[@REV]")
+      ->required();
   quantize_cmd->add_option("--output", quantize_output, "Directory for the 4-bit model")->required();
   quantize_cmd->add_option("--type", quantize_type, "nf4 or fp4")
       ->check(CLI::IsMember({"nf4", "fp4"}))
@@ -346,7 +359,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   GenerateCommand generate_command;
   auto* generate_cmd = app.add_subcommand("generate", "Generate tokens from a model with a key-value cache "
                                                       "(greedy, or temperature/top-p sampling)");
-  generate_cmd->add_option("--model", generate_command.model_dir, "Model directory")->required();
+  generate_cmd->add_option("--model", generate_command.model_dir, "Model directory or Hub id ORG/NAME[@REV]")
+      ->required();
   auto* prompt_option = generate_cmd->add_option("--prompt", generate_command.prompt,
                                                  "Prompt text, tokenized with the model's tokenizer");
   auto* ids_option =
@@ -365,7 +379,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   chat_option->excludes(prompt_option)->excludes(ids_option);
   messages_option->excludes(prompt_option)->excludes(ids_option);
   generate_cmd->add_option("--tokenizer", generate_command.tokenizer,
-                           "Tokenizer file or directory (default: the model directory); decodes the output");
+                           "Tokenizer file, directory or Hub id (default: the model directory); decodes the output");
   generate_cmd->add_option("--max-new-tokens", generate_command.options.max_new_tokens, "Stop after N new tokens")
       ->capture_default_str();
   generate_cmd->add_option("--temperature", generate_command.options.temperature, "0: greedy; above 0: sampling")
@@ -383,9 +397,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       "predict", "Classify images with an image classifier (ViT, CLIP classifier): top-k classes and probabilities; "
                  "or, with a CLIPModel directory and --text, each image's probabilities over the texts (zero-shot, "
                  "docs/images.md, docs/clip.md)");
-  predict_cmd->add_option("--model", predict_options.model_dir, "Model directory: an image classifier (config.json "
-                                                                "with id2label, weights, preprocessor_config.json) "
-                                                                "or a CLIPModel (with tokenizer.json)")
+  predict_cmd->add_option("--model", predict_options.model_dir,
+                          "Model directory or Hub id: an image classifier (config.json with id2label, weights, "
+                          "preprocessor_config.json) or a CLIPModel (with tokenizer.json)")
       ->required();
   predict_cmd->add_option("--image", predict_options.images, "Image file (JPEG, PNG, WebP); repeat for more")
       ->required();
@@ -398,6 +412,21 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
           ->capture_default_str();
   predict_cmd->add_flag("--json", predict_options.json, "One JSON object a line: {image, predictions}");
   predict_cmd->footer(kExitCodeHelp);
+  DownloadOptions download_options;
+  auto* download_cmd = app.add_subcommand(
+      "download", "Fetch a model from the Hugging Face Hub into the cache ahead of a run (a login node, a docker "
+                  "build) and print its snapshot directory");
+  download_cmd->add_option("name", download_options.name,
+                           "Hub id: ORG/NAME, or ORG/NAME@REVISION (branch, tag, commit)")
+      ->required();
+  download_cmd->add_option("--include", download_options.include,
+                           "Only the files matching this glob (repeatable), e.g. --include '*.json'; default: the "
+                           "files trainer reads (config, tokenizer, chat template, safetensors weights)")
+      ->type_name("GLOB")
+      ->allow_extra_args(false);
+  download_cmd->add_flag("--dry-run", download_options.dry_run,
+                         "List the files that would be downloaded and their sizes; download nothing");
+  download_cmd->footer(kHubEnvironmentHelp + std::string(kExitCodeHelp));
   distributed::LaunchOptions launch_options;
   auto* launch_cmd = app.add_subcommand(
       "launch", "Start N data-parallel ranks of trainer on this machine (what torchrun does, without Python): "
@@ -419,7 +448,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
                         args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
                         args.back() == "evaluate" || args.back() == "predict" || args.back() == "quantize" ||
-                        args.back() == "launch" ||
+                        args.back() == "launch" || args.back() == "download" ||
                         is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
 
@@ -451,24 +480,37 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     if (config_path.empty())
       throw UsageError("train needs a config file: trainer --config FILE",
                        "start from configs/tiny-t5.json; `trainer --help-config` lists every key");
-    const Config config = load_config(config_path, overrides);
+    Config config = load_config(config_path, overrides);
     if (print_config) {
       out << config_to_json(config) << "\n";
       return kExitOk;
     }
     configure_logging(config.logging);
+    if (!resolve_config_paths(config, train_options.dry_run, /*metadata_only=*/false, out).complete) {
+      out << "Dry run: the files above are not in the Hugging Face cache yet; the plan needs them (`trainer download "
+             "ID` fetches them ahead). Nothing was downloaded or trained.\n";
+      return kExitOk;
+    }
     train_options.config_file = config_path;
     train_options.overrides = overrides;
     return run_train(config, train_options, out);
   }
   if (evaluate_cmd->parsed()) {
-    const Config config = load_config(evaluate_config_path, evaluate_overrides);
+    Config config = load_config(evaluate_config_path, evaluate_overrides);
     configure_logging(config.logging);
+    if (evaluate_options.model_dir.empty()) {
+      resolve_config_paths(config, false, /*metadata_only=*/false, out);
+    } else {
+      // --model replaces model.path's weights: model.path is then only the fallback base of an adapter.
+      resolve_config_paths(config, false, /*metadata_only=*/true, out);
+      evaluate_options.model_dir = resolve_flag_path(evaluate_options.model_dir, "--model");
+    }
     return run_evaluate(config, evaluate_options, out);
   }
   if (data_cmd->parsed()) {
-    const Config config = load_config(data_config_path, data_overrides);
+    Config config = load_config(data_config_path, data_overrides);
     configure_logging(config.logging);
+    resolve_config_paths(config, false, /*metadata_only=*/true, out);
     if (!data_options.dump_file.empty() && data_options.dump < 0)
       throw UsageError("trainer data: a FILE is only read with --dump N", "add --dump N, or leave the FILE out");
     return run_data(config, out, data_options);
@@ -478,21 +520,33 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       const char* world = std::getenv("WORLD_SIZE");
       plan_world_size = world && std::strlen(world) > 0 ? std::max<int64_t>(1, std::atoll(world)) : 1;
     }
-    return run_plan(load_config(plan_config_path, plan_overrides), out, plan_world_size);
+    Config config = load_config(plan_config_path, plan_overrides);
+    resolve_config_paths(config, false, /*metadata_only=*/true, out);
+    return run_plan(config, out, plan_world_size);
   }
   if (inspect->parsed()) {
-    inspect_model(inspect_dir, inspect_options, out);
+    inspect_model(resolve_flag_path(inspect_dir, "inspect", hub::FileSet::kMetadata), inspect_options, out);
     return kExitOk;
   }
-  if (generate_cmd->parsed()) return run_generate(generate_command, out);
+  if (generate_cmd->parsed()) {
+    generate_command.model_dir = resolve_flag_path(generate_command.model_dir, "--model",
+                                                   generate_command.random_init ? hub::FileSet::kMetadata
+                                                                                : hub::FileSet::kModel);
+    if (!generate_command.tokenizer.empty())
+      generate_command.tokenizer = resolve_flag_path(generate_command.tokenizer, "--tokenizer", hub::FileSet::kMetadata);
+    return run_generate(generate_command, out);
+  }
+  if (download_cmd->parsed()) return run_download(download_options, out);
   if (predict_cmd->parsed()) {
     predict_options.top_k_given = top_k_option->count() > 0;
+    predict_options.model_dir = resolve_flag_path(predict_options.model_dir, "--model");
     return run_predict(predict_options, out);
   }
   if (launch_cmd->parsed()) return distributed::run_launch(launch_options);
   if (quantize_cmd->parsed()) {
     const Quantize4bitOptions options{quant::parse_quant_type(quantize_type), quantize_block_size, !quantize_no_double};
-    const auto result = quantize_model_dir_to(quantize_model_dir, quantize_output, options);
+    const auto result =
+        quantize_model_dir_to(resolve_flag_path(quantize_model_dir, "--model"), quantize_output, options);
     out << "Quantized " << result.layers << " linear layers of " << quantize_model_dir << " to "
         << quantize_type << " (" << human_bytes(static_cast<double>(result.bytes)) << " in 4 bits with scales): "
         << quantize_output << "\n";
@@ -501,6 +555,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   if (merge_cmd->parsed()) {
     if (merge_quantize != "none")
       merge_options.quantize = Quantize4bitOptions{quant::parse_quant_type(merge_quantize), merge_block_size, true};
+    merge_options.adapter_dir = resolve_flag_path(merge_options.adapter_dir, "--adapter");
+    if (!merge_options.base_dir.empty()) merge_options.base_dir = resolve_flag_path(merge_options.base_dir, "--base");
     const auto merged = merge_adapter(merge_options);
     out << "Merged " << merged.layers << " LoRA layers of " << merge_options.adapter_dir << " into "
         << merged.base_dir << " (" << (merged.dtype == at::kBFloat16 ? "bf16" : merged.dtype == at::kFloat ? "fp32" : c10::toString(merged.dtype))

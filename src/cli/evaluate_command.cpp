@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "models/lora.h"
 #include "models/weights.h"
@@ -17,6 +18,7 @@
 #include "trainer/data.h"
 #include "trainer/device.h"
 #include "trainer/errors.h"
+#include "trainer/hub.h"
 #include "trainer/peft.h"
 #include "trainer/tokenizer.h"
 
@@ -33,8 +35,29 @@ struct LoadedModel {
 LoadedModel load_evaluated_model(const Config& config, const std::string& dir, const c10::TensorOptions& options) {
   if (is_peft_adapter_dir(dir)) {
     const auto adapter = read_peft_adapter(dir);
-    const std::string& named = adapter.config.base_model_name_or_path;
-    const std::string base = !named.empty() && fs::exists(fs::path(named) / "config.json") ? named : config.model.path;
+    std::string named = adapter.config.base_model_name_or_path;
+    if (!adapter.config.revision.empty() && !named.empty() && !fs::exists(named) && hub::parse_hub_id(named) &&
+        named.find('@') == std::string::npos)
+      named += "@" + adapter.config.revision;  // the commit it was trained on (PEFT's "revision")
+    if (!named.empty() && !fs::exists(named) && hub::parse_hub_id(named)) {
+      // PEFT names a Hub base by its id; when it cannot be had (offline, not cached), model.path is the base.
+      try {
+        hub::ResolveOptions resolve;
+        resolve.what = "the adapter's base_model_name_or_path";
+        named = hub::resolve(named, resolve).local_path;
+      } catch (const Error& e) {
+        spdlog::warn("the adapter's base {} is not available ({}); using model.path", named, e.what());
+      }
+    }
+    std::string base = !named.empty() && fs::exists(fs::path(named) / "config.json") ? named : config.model.path;
+    if (base == config.model.path) {
+      // model.path by Hub id was fetched without weights (--model named the evaluated model): now they are needed.
+      if (const auto origin = hub::snapshot_origin(base)) {
+        hub::ResolveOptions resolve;
+        resolve.what = "model.path (the adapter's base)";
+        base = hub::resolve(origin->repo_id + "@" + origin->commit, resolve).local_path;
+      }
+    }
     auto model = load_model(base, ModelInit::kPretrained, options);
     auto adapters = apply_peft_adapter(*model, adapter, dir);
     merge_lora(*adapters);  // the adapted weights, computed once: generation runs the plain model

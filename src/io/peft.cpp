@@ -74,6 +74,7 @@ PeftLoraConfig parse_config(const nlohmann::json& c, const std::string& file) {
   PeftLoraConfig config;
   config.task_type = get_string(c, "task_type", file);
   config.base_model_name_or_path = get_string(c, "base_model_name_or_path", file);
+  config.revision = get_string(c, "revision", file);
   const double r = get_number(c, "r", 8, file);
   if (r < 1 || std::nearbyint(r) != r) throw DataError(file + ": \"r\" must be a positive integer, got " + c["r"].dump());
   config.r = static_cast<int64_t>(r);
@@ -111,7 +112,7 @@ void write_peft_adapter(const std::string& dir, const PeftAdapter& adapter) {
       {"peft_type", "LORA"},
       {"task_type", c.task_type.empty() ? nlohmann::json() : nlohmann::json(c.task_type)},
       {"base_model_name_or_path", c.base_model_name_or_path},
-      {"revision", nullptr},
+      {"revision", c.revision.empty() ? nlohmann::json() : nlohmann::json(c.revision)},
       {"inference_mode", true},
       {"r", c.r},
       {"lora_alpha", number(c.lora_alpha)},

@@ -14,6 +14,7 @@
 #include "models/linear4bit.h"
 #include "models/weights.h"
 #include "trainer/errors.h"
+#include "trainer/hub.h"
 #include "trainer/hf_weights.h"
 #include "trainer/model_dir.h"
 #include "trainer/safetensors.h"
@@ -267,13 +268,29 @@ MergeResult merge_adapter(const MergeOptions& options) {
   const PeftAdapter adapter = read_peft_adapter(options.adapter_dir);
   MergeResult result;
   result.base_dir = options.base_dir.empty() ? adapter.config.base_model_name_or_path : options.base_dir;
+  // An adapter's Hub base at the revision it was trained on (PEFT's "revision"), unless --base names one.
+  if (options.base_dir.empty() && !adapter.config.revision.empty() && !fs::exists(result.base_dir) &&
+      hub::parse_hub_id(result.base_dir) && result.base_dir.find('@') == std::string::npos)
+    result.base_dir += "@" + adapter.config.revision;
   if (result.base_dir.empty())
     throw UsageError(options.adapter_dir + "/" + kAdapterConfigName + " names no base_model_name_or_path",
                      "give the base model directory: --base DIR");
+  if (!fs::is_directory(result.base_dir)) {
+    // PEFT names a Hub base by its id: resolved in the Hugging Face cache (downloaded when missing).
+    hub::ResolveOptions resolve;
+    resolve.what = "the adapter's base_model_name_or_path";
+    try {
+      result.base_dir = hub::resolve(result.base_dir, resolve).local_path;
+    } catch (const Error& e) {
+      throw DataError("the base model " + result.base_dir + " is not a directory here, and the Hub could not provide "
+                      "it: " + e.what(),
+                      "give the local Hugging Face directory of the base model, or its Hub id, with --base" +
+                          (e.hint().empty() ? std::string() : "; " + e.hint()));
+    }
+  }
   if (!fs::is_directory(result.base_dir))
     throw DataError("the base model " + result.base_dir + " is not a directory here",
-                    "give the local Hugging Face directory of the base model with --base DIR (trainer does not "
-                    "download from the Hub)");
+                    "give the local Hugging Face directory of the base model, or its Hub id, with --base");
   const auto info = inspect_model_dir(result.base_dir, /*need_weights=*/true);
   result.dtype = options.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   if (options.dtype == "auto") {

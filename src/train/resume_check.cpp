@@ -17,6 +17,7 @@
 #include "data/dataset.h"
 #include "data/jsonl.h"
 #include "trainer/errors.h"
+#include "trainer/hub.h"
 
 namespace trainer {
 namespace fs = std::filesystem;
@@ -75,7 +76,16 @@ std::vector<ConfigChange> config_changes(const nlohmann::json& saved_config, con
     const auto* before = find(saved_config);
     const auto* after = find(current_config);
     if (!before || !after || *before == *after) continue;
-    changes.push_back({known.path, before->dump(), after->dump(), resume_refusal_reason(known.path)});
+    std::string reason = resume_refusal_reason(known.path);
+    if (known.path == "model.path" && before->is_string() && after->is_string()) {
+      // A Hub id resolves to snapshots/<commit>: the same repo at another commit is other weights (a moved branch).
+      const auto was = hub::snapshot_origin(before->get<std::string>());
+      const auto now = hub::snapshot_origin(after->get<std::string>());
+      if (was && now && was->repo_id == now->repo_id && was->commit != now->commit)
+        reason = "the Hub revision of " + now->repo_id + " moved from commit " + was->commit + " to " + now->commit +
+                 ": other base weights (pin the checkpoint's with model.path=" + now->repo_id + "@" + was->commit + ")";
+    }
+    changes.push_back({known.path, before->dump(), after->dump(), reason});
   }
   return changes;
 }

@@ -35,6 +35,7 @@
 #include "train/signals.h"
 #include "train/step.h"
 #include "trainer/device.h"
+#include "trainer/hub.h"
 #include "trainer/model_dir.h"
 #include "trainer/safetensors.h"
 
@@ -489,6 +490,9 @@ std::string Engine::checkpoint(const LoaderCursor& cursor, const nlohmann::json&
                           {"memory_policy", policy_state},
                           {"config", nlohmann::json::parse(config_to_json(config_))},
                           {"data_fingerprint", fingerprint_}};
+  // A model named by its Hub id: the repo and the commit its snapshot holds (model.path is that snapshot).
+  if (const auto origin = hub::snapshot_origin(config_.model.path))
+    state["model_source"] = {{"hub_id", origin->repo_id}, {"commit", origin->commit}};
   // fp16-mixed: the loss scale and its growth tracker (absent in other modes).
   if (scaler_) state["loss_scaler"] = scaler_->state();
   task_.add_train_state(state);

@@ -105,6 +105,8 @@ TEST(Config, EveryShippedConfigValidates) {
 
 TEST(Config, ShippedConfigsSayWhatTheirIssueAsks) {
   const Config t5xl = load_config(test::source_path("configs/t5xl.json"));
+  EXPECT_EQ(t5xl.model.path, "google/flan-t5-xl");  // Hub ids (issue 43)
+  EXPECT_EQ(load_config(test::source_path("configs/clip-cars.json")).model.path, "openai/clip-vit-base-patch32");
   EXPECT_EQ(t5xl.precision.mode, PrecisionMode::kBf16);
   EXPECT_TRUE(t5xl.training.activation_checkpointing);
   EXPECT_EQ(t5xl.training.batch_size, 128);
@@ -112,6 +114,7 @@ TEST(Config, ShippedConfigsSayWhatTheirIssueAsks) {
   EXPECT_EQ(t5xl.data.max_target_length, 512);
   EXPECT_TRUE(contains(t5xl.memory.allocator_conf, "expandable_segments:True"));
   const Config qwen = load_config(test::source_path("configs/qwen2.5-7b-lora.json"));
+  EXPECT_EQ(qwen.model.path, "Qwen/Qwen2.5-7B-Instruct");
   EXPECT_TRUE(qwen.lora.enabled);
   EXPECT_EQ(qwen.lora.r, 128);
   EXPECT_EQ(qwen.training.batch_size, 16);

@@ -28,6 +28,21 @@ TEST(ResumeCheck, RefusesWhatMakesItAnotherRunAndAcceptsTheRest) {
     EXPECT_TRUE(resume_refusal_reason(key).empty()) << key;
 }
 
+// A Hub id resolves to its snapshots/<commit> directory: a branch that moved is named as such, with the way back.
+TEST(ResumeCheck, NamesAHubBranchThatMovedToAnotherCommit) {
+  const std::string root = "/c/hub/models--org--tiny/snapshots/";
+  Config saved;
+  saved.model.path = root + std::string(40, 'a');
+  Config now = saved;
+  now.model.path = root + std::string(40, 'b');
+  const auto changes = config_changes(as_json(saved), as_json(now));
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_NE(changes[0].refused_because.find("org/tiny moved from commit " + std::string(40, 'a')), std::string::npos)
+      << changes[0].refused_because;
+  EXPECT_NE(changes[0].refused_because.find("model.path=org/tiny@" + std::string(40, 'a')), std::string::npos);
+  EXPECT_THROW(check_resume_config(as_json(saved), now, "ckpt", false), UsageError);
+}
+
 TEST(ResumeCheck, ListsEveryChangedKeyInConfigOrder) {
   Config saved;
   saved.model.path = "m";

@@ -26,6 +26,7 @@
 #include "train/tasks/text/generation_eval.h"
 #include "train/step.h"
 #include "trainer/data.h"
+#include "trainer/hub.h"
 #include "trainer/model_dir.h"
 #include "trainer/peft.h"
 #include "trainer/safetensors.h"
@@ -198,10 +199,17 @@ class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   void after_evaluation(int64_t step, Reporter& reporter) override;
 
   void save(const fs::path& dir) override {
-    if (lora_)
-      write_peft_adapter(dir.string(), to_peft_adapter(*lora_, *model_, lora_base_));
-    else
+    if (lora_) {
+      PeftAdapter adapter = to_peft_adapter(*lora_, *model_, lora_base_);
+      // A base named by Hub id is written as PEFT writes it: the id, and the commit trained on as the revision.
+      if (const auto origin = hub::snapshot_origin(lora_base_)) {
+        adapter.config.base_model_name_or_path = origin->repo_id;
+        adapter.config.revision = origin->commit;
+      }
+      write_peft_adapter(dir.string(), adapter);
+    } else {
       save_model(*model_, dir.string(), config().checkpoint.max_shard_size.bytes);
+    }
     copy_tokenizer_files_to(dir);
   }
   void add_train_state(nlohmann::json& state) const override {
