@@ -29,6 +29,7 @@
 #include "models/model.h"
 #include "quant/bnb_layout.h"
 #include "trainer/errors.h"
+#include "util/counter_rng.h"
 
 namespace trainer {
 namespace {
@@ -262,17 +263,12 @@ std::vector<CheckShape> check_shapes(int64_t blocksize) {
           {3, blocksize + blocksize / 2, false}};
 }
 
-// Small weights with zeros among them, the same on every machine (a splitmix64 stream).
+// Small weights with zeros among them, the same on every machine (util's counter-based bits).
 std::vector<float> check_values(int64_t n, uint64_t seed) {
   std::vector<float> values(static_cast<size_t>(n));
-  uint64_t state = seed;
-  for (float& v : values) {
-    state += 0x9e3779b97f4a7c15ULL;
-    uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    z ^= z >> 31;
-    v = z % 7 == 0 ? 0.0f : (static_cast<float>(z >> 40) / static_cast<float>(1 << 24) - 0.5f) * 0.1f;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint32_t bits = counter_bits(seed, i);
+    values[i] = bits % 7 == 0 ? 0.0f : (static_cast<float>(bits >> 8) / static_cast<float>(1 << 24) - 0.5f) * 0.1f;
   }
   return values;
 }
@@ -406,14 +402,8 @@ void load_library(BitsandbytesLibrary& lib, c10::DeviceType device) {
                            " (the pinned release " + kPinnedVersion + " has it)", fix);
     return address;
   };
-  for (int type = 0; type < 2; ++type) {
-    const std::string name = type == 0 ? "nf4" : "fp4";
-    for (int dtype = 0; dtype < 3; ++dtype) {
-      lib.dequantize[type][dtype] = device == c10::DeviceType::CUDA
-                                        ? symbol("cdequantize_blockwise_" + std::string(dtype_suffix(dtype)) + "_" + name)
-                                        : symbol("cdequantize_blockwise_cpu_" + name + "_" + dtype_suffix(dtype));
-    }
-  }
+  for (int type = 0; type < 2; ++type)
+    for (int dtype = 0; dtype < 3; ++dtype) lib.dequantize[type][dtype] = symbol(function_name(device, type, dtype));
   if (device != c10::DeviceType::CUDA) lib.avx512 = reinterpret_cast<HasAvx512>(symbol("has_avx512f_cpu"))();
   lib.path = path.string();
 }
