@@ -5,10 +5,14 @@
 
 seq2seq records: {"input": "...", "target": "..."}; causal: {"prompt": "...", "completion": "..."};
 text: {"text": "..."}; chat: {"messages": [...]} conversations of two assistant turns, about a third of them
-calling a kitchen-timer tool ({"tools": [...]}, assistant "tool_calls", a "tool" reply). Streams to the file, so a
-million records need no memory.
+calling a kitchen-timer tool ({"tools": [...]}, assistant "tool_calls", a "tool" reply); preference: DPO pairs in
+TRL's formats, the chosen answer the recipe's real steps and the rejected one steps that skip or scramble them:
+standard ({"prompt", "chosen", "rejected"} strings), conversational (lists of messages) and implicit-prompt
+({"chosen", "rejected"} whole conversations), about a third each. Streams to the file, so a million records need no
+memory.
 
     scripts/make_demo_data.py --form chat --records 300 --seed 3 --out data/demo/chat.jsonl
+    scripts/make_demo_data.py --form preference --records 240 --seed 5 --out data/demo/preferences.jsonl
 """
 import argparse
 import gzip
@@ -70,8 +74,29 @@ def conversation(rng, title, quantities, steps):
     return {"messages": messages}
 
 
+def preference(rng, title, quantities, steps):
+    good = " ".join(steps)
+    shuffled = steps[:]
+    rng.shuffle(shuffled)
+    bad = rng.choice([" ".join(shuffled[:max(1, len(shuffled) // 2)]), "Just cook it until done.",
+                      f"Put everything in a pot at {rng.choice(TEMPS)} and wait."])
+    question = f"How do I make {title.lower()} with {', '.join(quantities)}?"
+    kind = rng.random()
+    if kind < 0.34:
+        return {"prompt": f"Recipe: {title}\nIngredients: {', '.join(quantities)}\nSteps:",
+                "chosen": " " + good, "rejected": " " + bad}
+    user = {"role": "user", "content": question}
+    if kind < 0.67:
+        return {"prompt": [user], "chosen": [{"role": "assistant", "content": good}],
+                "rejected": [{"role": "assistant", "content": bad}]}
+    return {"chosen": [user, {"role": "assistant", "content": good}],
+            "rejected": [user, {"role": "assistant", "content": bad}]}
+
+
 def record(rng, form):
     title, quantities, steps = recipe(rng)
+    if form == "preference":
+        return preference(rng, title, quantities, steps)
     if form == "chat":
         return conversation(rng, title, quantities, steps)
     if form == "seq2seq":
@@ -85,7 +110,7 @@ def record(rng, form):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--form", choices=["seq2seq", "causal", "text", "chat"], default="seq2seq")
+    parser.add_argument("--form", choices=["seq2seq", "causal", "text", "chat", "preference"], default="seq2seq")
     parser.add_argument("--records", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="-", help="output file (.gz compresses); - for stdout")

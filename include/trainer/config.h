@@ -125,9 +125,11 @@ inline std::span<const EnumName<PrecisionMode>> enum_names(PrecisionMode) { retu
 
 // What an image model trains: its classification head (ViT, CLIP vision classifier), or CLIP's image-text
 // contrastive loss (docs/clip.md).
-enum class TrainingObjective { kClassification, kContrastive };
+enum class TrainingObjective { kClassification, kContrastive, kDpo };
 inline constexpr EnumName<TrainingObjective> kTrainingObjectiveNames[] = {
-    {TrainingObjective::kClassification, "classification"}, {TrainingObjective::kContrastive, "contrastive"}};
+    {TrainingObjective::kClassification, "classification"},
+    {TrainingObjective::kContrastive, "contrastive"},
+    {TrainingObjective::kDpo, "dpo"}};
 inline std::span<const EnumName<TrainingObjective>> enum_names(TrainingObjective) { return kTrainingObjectiveNames; }
 
 // Contrastive training: which negatives each pair is scored against when the effective batch is split.
@@ -321,7 +323,8 @@ struct TrainingConfig {
     v("objective", objective,
       "image models: classification (a classifier head over the training classes), or contrastive (CLIP's "
       "image-text loss on {\"image\", \"caption\"} JSONL records; model.path must be a CLIPModel directory; "
-      "docs/clip.md)");
+      "docs/clip.md); causal language models: dpo (preference tuning on {\"prompt\", \"chosen\", \"rejected\"} "
+      "records, the dpo section; docs/training.md#preference-tuning-dpo); text runs leave it at classification");
   }
   bool operator==(const TrainingConfig&) const = default;
 };
@@ -650,6 +653,32 @@ struct ContrastiveConfig {
   bool operator==(const ContrastiveConfig&) const = default;
 };
 
+// training.objective = dpo (preference tuning; docs/training.md "Preference tuning (DPO)"). The names are TRL's
+// DPOConfig's.
+struct DpoConfig {
+  double beta = 0.1;
+  std::vector<std::string> loss_type = {"sigmoid"};
+  std::vector<double> loss_weights;
+  double label_smoothing = 0.0;
+  bool disable_dropout = true;
+
+  template <class V>
+  void visit(V& v) {
+    v("beta", beta,
+      "how far the policy may move from the reference: the rewards are beta x (policy - reference) log-probabilities "
+      "(IPO: the regularisation tau)");
+    v("loss_type", loss_type,
+      "sigmoid (DPO), hinge (SLiC), ipo (per-token averaged log-ratios), robust (rDPO, with label_smoothing), sft "
+      "(the NLL of the chosen completions: [\"sigmoid\", \"sft\"] with loss_weights is RPO); several are summed");
+    v("loss_weights", loss_weights, "one weight per loss_type; empty: 1 each");
+    v("label_smoothing", label_smoothing,
+      "robust: the probability that a pair's preference is flipped, in [0, 0.5)");
+    v("disable_dropout", disable_dropout,
+      "turn every dropout off (the model's and LoRA's) for the policy and the reference, as TRL does by default");
+  }
+  bool operator==(const DpoConfig&) const = default;
+};
+
 struct Config {
   ModelConfig model;
   TokenizerConfig tokenizer;
@@ -666,6 +695,7 @@ struct Config {
   LoggingConfig logging;
   DistributedConfig distributed;
   ContrastiveConfig contrastive;
+  DpoConfig dpo;
 
   template <class V>
   void visit(V& v) {
@@ -684,6 +714,7 @@ struct Config {
     v.section("logging", logging, "console, metrics and TensorBoard output");
     v.section("distributed", distributed, "data parallelism over several processes (torchrun, trainer launch)");
     v.section("contrastive", contrastive, "CLIP image-text training (training.objective = contrastive)");
+    v.section("dpo", dpo, "preference tuning of causal models (training.objective = dpo)");
   }
   bool operator==(const Config&) const = default;
 };

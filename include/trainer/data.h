@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -27,10 +28,14 @@ enum class DataFamily { kSeq2Seq, kCausal };
 //   seq2seq: input_ids = encoder input; labels = decoder targets (ending in EOS when add_eos).
 //   causal:  input_ids = the whole sequence; labels has the same length, -100 on prompt tokens (the loss
 //            skips them), the token id elsewhere. The model shifts: position t predicts labels[t + 1].
+//   preference pair (training.objective=dpo): input_ids/labels are prompt + chosen completion, rejected_ids /
+//            rejected_labels prompt + rejected completion, labelled like causal examples (the completion only).
 struct Example {
   std::vector<int32_t> input_ids;
   std::vector<int32_t> labels;
   uint64_t source_index = 0;  // the record's position in its epoch's order (for the cursor and for tests)
+  std::vector<int32_t> rejected_ids;  // a preference pair's second sequence; empty otherwise
+  std::vector<int32_t> rejected_labels;
 };
 
 // Tokens that count in the loss: seq2seq every label that is not -100; causal labels[1..] that are not -100.
@@ -99,11 +104,22 @@ struct RecordShare {
 // stops at the step count).
 std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family,
                                               const RecordShare& share = {});
+// A task's own record mapping (a preference pair), in place of data/record.h's map_record: `map` is called from
+// the worker threads and must be thread-safe; what it returns is a data::Outcome (data/record.h).
+namespace data {
+struct Outcome;
+}
+using RecordMapper = std::function<data::Outcome(std::string_view line)>;
+std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family,
+                                              const RecordShare& share, RecordMapper map);
 // Validation data: data.validation_files or the held-out fraction; one pass, in file order, no shuffling;
 // `batch_size` examples per batch. Nothing when there is no validation data.
 std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const Tokenizer& tokenizer,
                                                    DataFamily family, int64_t batch_size,
                                                    const RecordShare& share = {});
+std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const Tokenizer& tokenizer,
+                                                   DataFamily family, int64_t batch_size, const RecordShare& share,
+                                                   RecordMapper map);
 
 // Pads to the longest sequence of these examples (never to a maximum length): input_ids with pad_id,
 // attention_mask 0/1, labels with -100; on `device`.
@@ -121,6 +137,9 @@ namespace trainer {
 struct DataCommandOptions {
   int64_t dump = -1;  // < 0: no dump
   std::string dump_file;
+  // A task's own record mapping (training.objective=dpo: preference pairs), made once the tokenizer is loaded; the
+  // CLI sets it from the task's folder. Empty: data/record.h's mapping.
+  std::function<RecordMapper(const Config& config, const Tokenizer& tokenizer)> mapper;
 };
 
 // `trainer data`: streams train (and validation) data once through the loader and collation, and prints the

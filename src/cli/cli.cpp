@@ -23,6 +23,7 @@
 #include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
+#include "train/engine/task.h"
 #include "trainer/cli.h"
 #include "trainer/config.h"
 #include "trainer/data.h"
@@ -513,6 +514,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     resolve_config_paths(config, false, /*metadata_only=*/true, out);
     if (!data_options.dump_file.empty() && data_options.dump < 0)
       throw UsageError("trainer data: a FILE is only read with --dump N", "add --dump N, or leave the FILE out");
+    data_options.mapper = task_record_mapper(config);
     return run_data(config, out, data_options);
   }
   if (plan_cmd->parsed()) {

@@ -96,6 +96,21 @@ std::string read_value(const json& j, std::vector<std::string>& out) {
   return {};
 }
 
+std::string read_value(const json& j, std::vector<double>& out) {
+  if (j.is_number()) {  // one item may be written without the list
+    out = {j.get<double>()};
+    return {};
+  }
+  if (!j.is_array()) return "expected a list of numbers, got " + describe(j);
+  std::vector<double> items;
+  for (std::size_t i = 0; i < j.size(); ++i) {
+    if (!j[i].is_number()) return "item " + std::to_string(i) + ": expected a number, got " + describe(j[i]);
+    items.push_back(j[i].get<double>());
+  }
+  out = std::move(items);
+  return {};
+}
+
 std::string read_value(const json& j, ByteSize& out) {
   if (j.is_number_integer() && !(j.is_number_integer() && !j.is_number_unsigned() && j.get<std::int64_t>() < 0)) {
     out = ByteSize{j.get<std::uint64_t>()};
@@ -193,6 +208,7 @@ ordered_json write_value(std::int64_t v) { return v; }
 ordered_json write_value(double v) { return v; }
 ordered_json write_value(const std::string& v) { return v; }
 ordered_json write_value(const std::vector<std::string>& v) { return v; }
+ordered_json write_value(const std::vector<double>& v) { return v; }
 ordered_json write_value(ByteSize v) {
   if (v.bytes == 0) return 0;
   return format_byte_size(v);
@@ -220,6 +236,7 @@ std::string type_name(std::int64_t) { return "integer"; }
 std::string type_name(double) { return "number"; }
 std::string type_name(const std::string&) { return "string"; }
 std::string type_name(const std::vector<std::string>&) { return "list of strings"; }
+std::string type_name(const std::vector<double>&) { return "list of numbers"; }
 std::string type_name(ByteSize) { return "size"; }
 std::string type_name(MicroBatchSize) { return "\"auto\" or integer"; }
 template <class E>

@@ -157,6 +157,30 @@ std::vector<ConfigProblem> validate(const Config& c) {
     check.require(c.contrastive == ContrastiveConfig{}, "contrastive",
                   "applies only with training.objective=contrastive");
   }
+  if (t.objective == TrainingObjective::kDpo) {
+    const auto& dpo = c.dpo;
+    check.require(dpo.beta > 0, "dpo.beta", "must be > 0, got " + std::to_string(dpo.beta));
+    check.require(!dpo.loss_type.empty(), "dpo.loss_type", "names at least one loss (sigmoid, hinge, ipo, robust, sft)");
+    for (const auto& name : dpo.loss_type)
+      check.require(name == "sigmoid" || name == "hinge" || name == "ipo" || name == "robust" || name == "sft",
+                    "dpo.loss_type",
+                    "'" + name + "' is not one of sigmoid, hinge, ipo, robust, sft (TRL's other loss types are not "
+                    "implemented)");
+    check.require(dpo.loss_weights.empty() || dpo.loss_weights.size() == dpo.loss_type.size(), "dpo.loss_weights",
+                  "has " + std::to_string(dpo.loss_weights.size()) + " weights for " +
+                      std::to_string(dpo.loss_type.size()) + " loss types: give one per loss type, or none");
+    check.require(dpo.label_smoothing >= 0 && dpo.label_smoothing < 0.5, "dpo.label_smoothing",
+                  "must be in [0, 0.5), got " + std::to_string(dpo.label_smoothing));
+    check.require(!c.data.packing && t.micro_batch_tokens == 0, "data.packing",
+                  "a DPO run's micro-batch counts preference pairs: set data.packing=false and "
+                  "training.micro_batch_tokens=0");
+    check.require(!c.evaluation.generate, "evaluation.generate",
+                  "evaluation by generation is for supervised runs; a DPO evaluation reports the rewards and the "
+                  "loss of the validation pairs");
+    check.require(!t.linear_probe, "training.linear_probe", "is for image classifiers");
+  } else {
+    check.require(c.dpo == DpoConfig{}, "dpo", "applies only with training.objective=dpo");
+  }
 
   const auto& o = c.optimizer;
   check.require(o.lr > 0 && o.lr < 1, "optimizer.lr", "must be in (0, 1), got " + std::to_string(o.lr));

@@ -182,7 +182,7 @@ void append_json_string(std::string& out, std::string_view text) {
 
 // `trainer data --dump`: the first `count` examples of `path`, in file order, one JSON object per line.
 void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily family,
-                   const DataCommandOptions& options, std::ostream& out) {
+                   const DataCommandOptions& options, const RecordMapper& map, std::ostream& out) {
   data::MappingSpec spec = data::mapping_spec(config, family);
   spec.keep_chat_text = true;
   data::LineReader reader(options.dump_file);
@@ -196,7 +196,7 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
     buffer.clear();
   };
   while (written < options.dump && reader.next(record, line, offset)) {
-    const data::Outcome outcome = data::map_record(record, spec, tokenizer);
+    const data::Outcome outcome = map ? map(record) : data::map_record(record, spec, tokenizer);
     nlohmann::ordered_json entry = {{"line", line}};
     if (outcome.kind == data::OutcomeKind::kBadRecord) {
       if (config.data.on_bad_record == BadRecordPolicy::kError || outcome.fatal) {
@@ -223,6 +223,12 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
       // Every token trained (train_on=all): the labels' list is the ids' list just written.
       if (outcome.example.labels == outcome.example.input_ids) buffer.append(buffer, ids_at, ids_end - ids_at);
       else append_ids(buffer, outcome.example.labels);
+      if (!outcome.example.rejected_ids.empty()) {  // a preference pair: input_ids/labels are its chosen sequence
+        buffer += ",\"rejected_ids\":";
+        append_ids(buffer, outcome.example.rejected_ids);
+        buffer += ",\"rejected_labels\":";
+        append_ids(buffer, outcome.example.rejected_labels);
+      }
       if (outcome.truncated) buffer += ",\"truncated\":true";
       if (!outcome.chat_text.empty()) {
         buffer += ",\"text\":";
@@ -265,6 +271,7 @@ int run_data(const Config& config, std::ostream& out, const DataCommandOptions& 
   const auto tokenizer = load_run_tokenizer(config, /*samples=*/false);
   const DataFamily family = model.family == "seq2seq" ? DataFamily::kSeq2Seq : DataFamily::kCausal;
   const int32_t pad_id = tokenizer->pad_id().value_or(tokenizer->eos_id().value_or(0));
+  const RecordMapper map = options.mapper ? options.mapper(config, *tokenizer) : RecordMapper{};
   if (options.dump >= 0) {
     DataCommandOptions dump = options;
     if (dump.dump_file.empty()) {
@@ -272,7 +279,7 @@ int run_data(const Config& config, std::ostream& out, const DataCommandOptions& 
       if (files.empty()) throw UsageError("trainer data --dump needs a FILE or data.train_files", "name the JSONL file");
       dump.dump_file = files.front();
     }
-    dump_examples(config, *tokenizer, family, dump, out);
+    dump_examples(config, *tokenizer, family, dump, map, out);
     return kExitOk;
   }
 
@@ -282,13 +289,13 @@ int run_data(const Config& config, std::ostream& out, const DataCommandOptions& 
   one_pass.training.epochs = 1;
   out << fmt::format("data: {} model ({}), tokenizer {}, {} worker(s), batch_size {}\n", model.family,
                      model.model_type, tokenizer->source(), config.data.num_workers, config.training.batch_size);
-  auto train = make_train_loader(one_pass, *tokenizer, family);
+  auto train = make_train_loader(one_pass, *tokenizer, family, {}, map);
   out << fmt::format("train: {} records per epoch\n", train->examples_per_epoch());
   const PackCapacity capacity = pack_capacity(config.data, family);
   print_pass("train", stream_all(*train, pad_id, family, capacity), out);
-  if (auto validation = make_validation_loader(one_pass, *tokenizer, family, config.training.batch_size))
+  if (auto validation = make_validation_loader(one_pass, *tokenizer, family, config.training.batch_size, {}, map))
     print_pass("validation", stream_all(*validation, pad_id, family, capacity), out);
-  if (family == DataFamily::kCausal && !is_ids_only(*tokenizer)) preview_chat(config, *tokenizer, out);
+  if (family == DataFamily::kCausal && !is_ids_only(*tokenizer) && !map) preview_chat(config, *tokenizer, out);
   out << fmt::format("peak RSS {:.1f} MiB\n", static_cast<double>(peak_rss_bytes()) / (1024.0 * 1024.0));
   return kExitOk;
 }

@@ -35,8 +35,12 @@ struct LoaderOptions {
 class JsonlLoader final : public DataLoader {
  public:
   JsonlLoader(std::shared_ptr<const Dataset> dataset, LoaderOptions options, const Tokenizer& tokenizer,
-              data::MappingSpec spec)
-      : dataset_(std::move(dataset)), options_(options), tokenizer_(tokenizer), spec_(std::move(spec)) {
+              data::MappingSpec spec, RecordMapper map = {})
+      : dataset_(std::move(dataset)),
+        options_(options),
+        tokenizer_(tokenizer),
+        spec_(std::move(spec)),
+        map_(std::move(map)) {
     cursor_.seed = options_.seed;
   }
 
@@ -98,10 +102,11 @@ class JsonlLoader final : public DataLoader {
   void start_pipeline(std::uint64_t slot, std::uint64_t end_slot = UINT64_MAX) {
     const data::MappingSpec* spec = &spec_;
     const Tokenizer* tokenizer = &tokenizer_;
+    data::MapFunction map = map_;
+    if (!map) map = [spec, tokenizer](std::string_view line) { return data::map_record(line, *spec, *tokenizer); };
     pipeline_ = std::make_unique<data::Pipeline>(
         data::open_epoch(dataset_, options_.shuffle, cursor_.seed, cursor_.epoch, slot, end_slot),
-        [spec, tokenizer](std::string_view line) { return data::map_record(line, *spec, *tokenizer); },
-        options_.workers, options_.share);
+        std::move(map), options_.workers, options_.share);
   }
 
   // The next usable example of the epoch, counting everything on the way; false at the end of the epoch.
@@ -202,7 +207,8 @@ class JsonlLoader final : public DataLoader {
     while (next_example(example)) examples.push_back(std::move(example));
     pipeline_.reset();
     auto length = [&](const Example& e) {
-      return e.input_ids.size() + (spec_.family == DataFamily::kSeq2Seq ? e.labels.size() : 0);
+      return e.input_ids.size() + (spec_.family == DataFamily::kSeq2Seq ? e.labels.size() : 0) +
+             e.rejected_ids.size();
     };
     std::stable_sort(examples.begin(), examples.end(),
                      [&](const Example& a, const Example& b) { return length(a) > length(b); });
@@ -228,6 +234,7 @@ class JsonlLoader final : public DataLoader {
   LoaderOptions options_;
   const Tokenizer& tokenizer_;
   data::MappingSpec spec_;
+  RecordMapper map_;  // a task's own mapping; empty: data::map_record
   std::optional<std::int64_t> examples_at_epoch_start_;  // stats_.examples when this epoch began at its first slot
   LoaderCursor cursor_;
   DataStats stats_;
@@ -283,6 +290,11 @@ LoaderCursor cursor_from_json(const nlohmann::json& json) {
 
 std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family,
                                               const RecordShare& share) {
+  return make_train_loader(config, tokenizer, family, share, {});
+}
+
+std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokenizer& tokenizer, DataFamily family,
+                                              const RecordShare& share, RecordMapper map) {
   const DataConfig& d = config.data;
   if (d.train_files.empty())
     throw DataError("data.train_files is empty", "list the JSONL files (or globs) to train on in data.train_files");
@@ -304,12 +316,18 @@ std::unique_ptr<DataLoader> make_train_loader(const Config& config, const Tokeni
   options.share = share;
   spdlog::debug("train data: {} records in {} file(s){}", dataset->size(), files.size(),
                 dataset->streamed ? " (gzip: streamed through a shuffle buffer)" : "");
-  return std::make_unique<JsonlLoader>(std::move(dataset), options, tokenizer, std::move(spec));
+  return std::make_unique<JsonlLoader>(std::move(dataset), options, tokenizer, std::move(spec), std::move(map));
 }
 
 std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const Tokenizer& tokenizer,
                                                    DataFamily family, int64_t batch_size,
                                                    const RecordShare& share) {
+  return make_validation_loader(config, tokenizer, family, batch_size, share, {});
+}
+
+std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const Tokenizer& tokenizer,
+                                                   DataFamily family, int64_t batch_size, const RecordShare& share,
+                                                   RecordMapper map) {
   const DataConfig& d = config.data;
   std::shared_ptr<Dataset> dataset;
   if (!d.validation_files.empty()) {
@@ -325,7 +343,7 @@ std::unique_ptr<DataLoader> make_validation_loader(const Config& config, const T
   LoaderOptions options = base_options(config);
   options.batch_size = std::max<std::int64_t>(1, batch_size);
   options.share = share;
-  return std::make_unique<JsonlLoader>(std::move(dataset), options, tokenizer, std::move(spec));
+  return std::make_unique<JsonlLoader>(std::move(dataset), options, tokenizer, std::move(spec), std::move(map));
 }
 
 }  // namespace trainer

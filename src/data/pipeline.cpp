@@ -258,6 +258,8 @@ void Pipeline::exchange(Chunk& chunk) {
       put_bytes(mine_bytes, o.hint);
       put_ids(mine_bytes, o.example.input_ids);
       put_ids(mine_bytes, o.example.labels);
+      put_ids(mine_bytes, o.example.rejected_ids);
+      put_ids(mine_bytes, o.example.rejected_labels);
     }
   }
   const std::vector<std::string> all = share_.exchange(mine_bytes);
@@ -290,6 +292,8 @@ void Pipeline::exchange(Chunk& chunk) {
       o.hint = in.bytes();
       o.example.input_ids = in.ids();
       o.example.labels = in.ids();
+      o.example.rejected_ids = in.ids();
+      o.example.rejected_labels = in.ids();
     }
     if (!in.done())
       throw Error("data parallelism: rank " + std::to_string(r) + " sent more tokenized records than its share");

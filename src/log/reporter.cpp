@@ -51,7 +51,7 @@ void add_scalars(const nlohmann::json& record, std::vector<std::pair<std::string
 }  // namespace
 
 std::vector<ScalarName> scalar_names() {
-  return {{"loss", "train/loss"},
+  std::vector<ScalarName> names = {{"loss", "train/loss"},
           {"lr", "train/lr"},
           {"grad_norm", "train/grad_norm"},
           {"tokens_per_s", "train/tokens_per_s"},
@@ -88,6 +88,14 @@ std::vector<ScalarName> scalar_names() {
           {"eval_bleu", "eval/bleu"},
           {"eval_chrf", "eval/chrf"},
           {"eval_generated", "eval/generated"}};
+  // DPO (TRL's names): per step, and eval_ + the name per evaluation.
+  for (const char* name : kPreferenceMetricNames) {
+    names.push_back({name, std::string("train/") + name});
+    names.push_back({std::string("eval_") + name, std::string("eval/") + name});
+  }
+  names.push_back({"pairs", "train/pairs"});
+  names.push_back({"pairs_per_s", "train/pairs_per_s"});
+  return names;
 }
 
 std::string format_summary(const RunSummary& s) {
@@ -242,6 +250,7 @@ void Reporter::on_step(const StepMetrics& m) {
     record["skipped_steps"] = m.loss_scaling->skipped_steps;
     if (m.loss_scaling->skipped) record["grad_norm"] = nullptr;
   }
+  for (const auto& [name, value] : m.task_metrics) record[name] = value;
   write_metrics(record);
   if (console_ == Console::kOff) return;
   const ProgressSnapshot snapshot{m.step, run_.total_steps, m.loss, m.lr, m.grad_norm, clock_->tokens_per_second(),
@@ -264,6 +273,20 @@ void Reporter::on_eval(int64_t step, double loss, int64_t tokens) {
   eval_loss_ = loss;
   spdlog::info("eval step {}: loss {:.4f} perplexity {:.2f} ({} tokens)", step, loss, std::exp(loss), tokens);
   write_metrics({{"step", step}, {"eval_loss", loss}, {"eval_perplexity", std::exp(loss)}, {"eval_tokens", tokens}});
+}
+
+void Reporter::on_eval_values(int64_t step, double loss, const std::vector<std::pair<std::string, double>>& values,
+                              int64_t count, const std::string& what) {
+  eval_loss_ = loss;
+  std::string shown;
+  nlohmann::json record = {{"step", step}, {"eval_loss", loss}};
+  for (const auto& [name, value] : values) {
+    shown += fmt::format(" {} {:.4f}", name, value);
+    record["eval_" + name] = value;
+  }
+  record["eval_" + what] = count;
+  spdlog::info("eval step {}: loss {:.4f}{} ({} {})", step, loss, shown, count, what);
+  write_metrics(record);
 }
 
 void Reporter::on_eval_accuracy(int64_t step, double loss, double top1, double top5, int64_t images) {

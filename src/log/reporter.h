@@ -63,6 +63,7 @@ struct StepMetrics {
   int64_t memory_peak = 0;
   double seconds = 0;         // the step itself: batch, forward, backward, update
   std::optional<LossScaling> loss_scaling;  // precision.mode=fp16-mixed
+  std::vector<std::pair<std::string, double>> task_metrics;  // the task's own ("rewards/chosen", ...)
 };
 
 struct RunSummary {
@@ -114,10 +115,14 @@ std::string format_summary(const RunSummary& summary);
 
 // The names of the metrics.jsonl keys and the TensorBoard tags they are written under (also the parity test's).
 struct ScalarName {
-  const char* key;
-  const char* tag;
+  std::string key;
+  std::string tag;
 };
 std::vector<ScalarName> scalar_names();
+// What a DPO step and evaluation report beside the loss, as TRL names them.
+inline constexpr const char* kPreferenceMetricNames[] = {"rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                                                         "rewards/margins", "logps/chosen",    "logps/rejected",
+                                                         "logits/chosen",  "logits/rejected"};
 
 class Reporter {
  public:
@@ -132,6 +137,10 @@ class Reporter {
   void on_start(const RunStart& start);
   void on_step(const StepMetrics& metrics);
   void on_eval(int64_t step, double loss, int64_t tokens);
+  // An evaluation that measured named values beside its loss (DPO: "rewards/accuracies", ...) over `count` `what`
+  // ("pairs"): metrics.jsonl and TensorBoard as eval_<name>.
+  void on_eval_values(int64_t step, double loss, const std::vector<std::pair<std::string, double>>& values,
+                      int64_t count, const std::string& what);
   // Image classification: mean cross-entropy per image, top-1 and top-5 accuracy over `images`.
   void on_eval_accuracy(int64_t step, double loss, double top1, double top5, int64_t images);
   // Contrastive (CLIP) evaluation: the validation loss, image->text and text->image recall@1/5/10 over the

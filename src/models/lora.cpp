@@ -66,6 +66,7 @@ LoraLinear::LoraLinear(Linear& base, int64_t r, double scaling, double dropout)
 }
 
 at::Tensor LoraLinear::adapt(const at::Tensor& x, const at::Tensor& y, bool training) const {
+  if (!active) return y;
   at::Tensor input = x.scalar_type() == lora_A.scalar_type() ? x : x.to(lora_A.scalar_type());
   input = lora_dropout->forward(input, training);
   const at::Tensor delta = at::linear(at::linear(input, lora_A), lora_B) * scaling_;  // (..., out)
@@ -92,6 +93,10 @@ void LoraAdapters::add(const std::string& module_path, std::shared_ptr<LoraLinea
     return layer->adapt(x, y, training);
   });
   layers_.emplace_back(module_path, register_module(module_path, std::move(layer)));
+}
+
+void LoraAdapters::set_active(bool active) {
+  for (auto& [path, layer] : layers_) layer->active = active;
 }
 
 int64_t LoraAdapters::trainable_parameters() const {

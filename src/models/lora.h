@@ -41,6 +41,9 @@ class LoraLinear : public Module {
 
   at::Tensor lora_A, lora_B;
   std::shared_ptr<Dropout> lora_dropout;  // on A's input; keyed by the adapted layer's path
+  // false: adapt() returns the base layer's output unchanged (PEFT's disable_adapter: DPO's reference model is the
+  // base under the adapters).
+  bool active = true;
 
  private:
   Linear* base_;  // owned by the model, which outlives its adapters' use
@@ -57,10 +60,28 @@ class LoraAdapters : public Module {
   // Installs `layer` on its base linear layer's output.
   void add(const std::string& module_path, std::shared_ptr<LoraLinear> layer);
   int64_t trainable_parameters() const;
+  // Turns every adapter on or off (LoraLinear::active).
+  void set_active(bool active);
 
  private:
   LoraConfig config_;
   std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>> layers_;
+};
+
+// The adapters off for a scope (the base model alone, as PEFT's `with model.disable_adapter()`), on again after.
+class AdaptersOff {
+ public:
+  explicit AdaptersOff(LoraAdapters* adapters) : adapters_(adapters) {
+    if (adapters_) adapters_->set_active(false);
+  }
+  ~AdaptersOff() {
+    if (adapters_) adapters_->set_active(true);
+  }
+  AdaptersOff(const AdaptersOff&) = delete;
+  AdaptersOff& operator=(const AdaptersOff&) = delete;
+
+ private:
+  LoraAdapters* adapters_;
 };
 
 // PEFT's defaults by family, as lora.target_modules documents: q,v (T5) or q_proj,v_proj (Llama family).

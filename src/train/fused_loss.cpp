@@ -11,7 +11,7 @@ namespace trainer {
 FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& targets,
                                            const at::Tensor& weight, double scale, double grad_scale,
                                            int64_t chunk_size, std::optional<at::ScalarType> compute_dtype,
-                                           at::Tensor weight_grad) {
+                                           at::Tensor weight_grad, const at::Tensor& row_weights) {
   at::NoGradGuard no_grad;
   const at::ScalarType dtype = compute_dtype.value_or(hidden.scalar_type());
   const at::Tensor flat_targets = targets.reshape({-1});
@@ -35,9 +35,16 @@ FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::T
     x.sub_(max).exp_();
     const at::Tensor sum = x.sum(1, /*keepdim=*/true);
     loss_sum.add_((sum.log() + max - picked).sum());
-    // d loss / d logits = softmax - one-hot, times grad_scale, still in place.
-    x.mul_(sum.reciprocal().mul_(grad_scale));
-    x.scatter_add_(1, target, at::full_like(picked, -grad_scale));
+    // d loss / d logits = softmax - one-hot, times grad_scale (and the row's weight), still in place.
+    if (row_weights.defined()) {
+      const at::Tensor row_scale = row_weights.reshape({-1}).index_select(0, index).unsqueeze(1).to(at::kFloat) *
+                                   grad_scale;  // (n, 1)
+      x.mul_(sum.reciprocal().mul_(row_scale));
+      x.scatter_add_(1, target, -row_scale);
+    } else {
+      x.mul_(sum.reciprocal().mul_(grad_scale));
+      x.scatter_add_(1, target, at::full_like(picked, -grad_scale));
+    }
     const at::Tensor g = x.scalar_type() == dtype ? x : x.to(dtype);
     x = at::Tensor();  // the fp32 gradient is not needed once g holds it in the compute dtype
     at::Tensor grad_h = at::mm(g, w);
@@ -51,6 +58,29 @@ FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::T
     }
   }
   out.loss_sum = loss_sum;
+  return out;
+}
+
+TokenLosses token_losses(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& weight, double scale,
+                         int64_t chunk_size, std::optional<at::ScalarType> compute_dtype) {
+  at::NoGradGuard no_grad;
+  const at::ScalarType dtype = compute_dtype.value_or(hidden.scalar_type());
+  const at::Tensor flat_targets = targets.reshape({-1});
+  const at::Tensor flat_hidden = hidden.reshape({-1, hidden.size(-1)});
+  const at::Tensor rows = (flat_targets != -100).nonzero().reshape({-1});
+  const at::Tensor w = weight.scalar_type() == dtype ? weight : weight.to(dtype);
+  TokenLosses out;
+  out.loss = at::zeros({flat_targets.numel()}, hidden.options().dtype(at::kFloat));
+  out.mean_logit = at::zeros_like(out.loss);
+  for (int64_t begin = 0; begin < rows.numel(); begin += chunk_size) {
+    const at::Tensor index = rows.narrow(0, begin, std::min(chunk_size, rows.numel() - begin));
+    const at::Tensor target = flat_targets.index_select(0, index).unsqueeze(1);
+    at::Tensor h = flat_hidden.index_select(0, index);
+    if (scale != 1.0) h = h * scale;
+    const at::Tensor x = at::mm(h.to(dtype), w.t()).to(at::kFloat);  // (n, V)
+    out.mean_logit.index_copy_(0, index, x.mean(1));
+    out.loss.index_copy_(0, index, (at::logsumexp(x, {1}) - x.gather(1, target).squeeze(1)));
+  }
   return out;
 }
 

@@ -20,10 +20,22 @@ struct FusedLossResult {
 // hidden (N, D) without autograd history, targets (N) with -100 for positions not trained on, head weight (V, D);
 // logits = (hidden * scale) @ weight^T computed in `compute_dtype` (the autocast dtype; by default hidden's).
 // When `weight_grad` is defined (V, D), the head weight's gradient times grad_scale is added into it chunk by
-// chunk. `chunk_size` trained positions per chunk.
+// chunk. `chunk_size` trained positions per chunk. `row_weights` (N, fp32), when defined: position i's loss counts
+// row_weights[i] times in the gradient (a loss that weighs tokens by what their sequence scored: DPO); loss_sum stays
+// the plain sum.
 FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& targets,
                                            const at::Tensor& weight, double scale, double grad_scale,
                                            int64_t chunk_size, std::optional<at::ScalarType> compute_dtype,
-                                           at::Tensor weight_grad = {});
+                                           at::Tensor weight_grad = {}, const at::Tensor& row_weights = {});
+
+// The cross-entropy of every position without autograd, `chunk_size` trained positions at a time (the same logits
+// as fused_linear_cross_entropy): hidden (..., D), targets (...). Both (N) fp32 over the flattened positions, 0
+// where the target is -100: `loss` (minus the target's log-probability) and `mean_logit` (the logits' mean over
+// the vocabulary, TRL's logits/* metrics).
+struct TokenLosses {
+  at::Tensor loss, mean_logit;
+};
+TokenLosses token_losses(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& weight, double scale,
+                         int64_t chunk_size, std::optional<at::ScalarType> compute_dtype);
 
 }  // namespace trainer

@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <c10/core/Device.h>
 
@@ -43,6 +44,8 @@ struct StepResult {
   // an inf or NaN, so that the update was skipped (train/optim/grad_scaler.h).
   double loss_scale = 0;
   bool skipped = false;
+  // What the task measured beside the loss ("rewards/chosen", ...): metrics.jsonl and TensorBoard under these names.
+  std::vector<std::pair<std::string, double>> metrics;
 };
 
 // What data parallelism adds to a step (implemented in src/distributed/); absent in a single process.

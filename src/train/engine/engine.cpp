@@ -593,7 +593,8 @@ bool Engine::train_one_step() {
                      static_cast<int64_t>(policy_->adaptations().size()), device_ladder_->moves(), memory.allocated,
                      memory.peak, std::chrono::duration<double>(Clock::now() - step_start).count(),
                      scaler_ ? std::optional(LossScaling{result.loss_scale, result.skipped, scaler_->skipped_steps()})
-                             : std::nullopt});
+                             : std::nullopt,
+                     result.metrics});
   const bool eval_now = config_.evaluation.every_steps > 0 && step_index_ % config_.evaluation.every_steps == 0;
   if (eval_now || step_index_ == total_steps_) evaluate();
   if (config_.checkpoint.every_steps > 0 && step_index_ % config_.checkpoint.every_steps == 0 &&

@@ -196,4 +196,8 @@ class Task {
 // CLIP, from training.objective and model.path's config.json (tasks/registry.cpp).
 std::unique_ptr<Task> make_task(const TaskContext& context);
 
+// The task's own record mapping for `trainer data` (preference pairs with training.objective=dpo), or empty where
+// the task reads records with data/record.h's mapping.
+std::function<RecordMapper(const Config& config, const Tokenizer& tokenizer)> task_record_mapper(const Config& config);
+
 }  // namespace trainer

@@ -24,6 +24,7 @@
 #include "train/engine/loader_task.h"
 #include "train/resume_check.h"
 #include "train/tasks/text/generation_eval.h"
+#include "train/tasks/text/text_model.h"
 #include "train/step.h"
 #include "trainer/data.h"
 #include "trainer/hub.h"
@@ -85,47 +86,9 @@ class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   Counted counted() const override { return {"tokens_seen", "target tokens", "tokens", true}; }
   std::string model_type() const override { return model_->model_type(); }
 
-  void check_settings(const TrainOptions& options) const override {
-    if (options.merge && !config().lora.enabled)
-      throw UsageError("--merge merges LoRA adapters, but lora.enabled=false",
-                       "add --set lora.enabled=true, or drop --merge");
-    if (options.merge && !config().checkpoint.save_final)
-      throw UsageError("--merge merges the final adapter, but checkpoint.save_final=false",
-                       "drop --merge, or set checkpoint.save_final=true");
-  }
-
-  // A checkpoint of another architecture cannot continue this run: its config.json (a LoRA checkpoint's base model
-  // config) must equal model.path's, and a LoRA checkpoint needs the same adapter shape and scaling.
+  void check_settings(const TrainOptions& options) const override { text_model_.check_settings(options); }
   void check_checkpoint(const fs::path& checkpoint, const nlohmann::json& state) const override {
-    const auto& saved_lora = state.at("config").at("lora");
-    if (saved_lora.at("enabled").get<bool>() != config().lora.enabled)
-      throw DataError("checkpoint " + checkpoint.string() + " holds " +
-                          (config().lora.enabled ? "a full model, not a LoRA adapter" : "a LoRA adapter, not a full model"),
-                      "resume with the lora.enabled setting the checkpoint was trained with");
-    if (config().lora.enabled) {
-      const auto current_lora = nlohmann::json::parse(config_to_json(config())).at("lora");
-      std::string changed;
-      for (const char* key : {"r", "alpha", "target_modules", "rslora"})
-        if (saved_lora.at(key) != current_lora.at(key))
-          changed += std::string("\n  lora.") + key + ": checkpoint " + saved_lora.at(key).dump() + ", config " +
-                     current_lora.at(key).dump();
-      if (!changed.empty())
-        throw DataError("checkpoint " + checkpoint.string() + " was trained with other LoRA settings:" + changed,
-                        "resume with the lora settings of the checkpoint");
-    }
-    auto saved = config().lora.enabled ? state.at("base_model_config")
-                                       : read_json_file((checkpoint / "config.json").string());
-    auto current = read_json_file((fs::path(config().model.path) / "config.json").string());
-    std::string differences;
-    for (const auto& [key, value] : current.items()) {
-      if (key == "transformers_version") continue;
-      if (!saved.contains(key) || saved[key] != value)
-        differences += "\n  " + key + ": checkpoint " + (saved.contains(key) ? saved[key].dump() : "(missing)") +
-                       ", model.path " + value.dump();
-    }
-    if (!differences.empty())
-      throw DataError("checkpoint " + checkpoint.string() + " belongs to another model than model.path:" + differences,
-                      "resume with the model.path the checkpoint was trained from");
+    text_model_.check_checkpoint(checkpoint, state);
   }
 
   nlohmann::json open_data() override {
@@ -138,10 +101,16 @@ class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
     return trainer::data_changes(saved, current, warnings);
   }
 
-  void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override;
+  void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override {
+    device_ = device;
+    text_model_.build(resume, device, *tokenizer_);
+    model_ = &text_model_.model();
+    family_ = text_model_.family();
+    pad_id_ = text_model_.pad_id();
+  }
   Module& model() override { return *model_; }
-  Module* adapters() override { return lora_.get(); }
-  Module& trainable() override { return lora_ ? static_cast<Module&>(*lora_) : *model_; }
+  Module* adapters() override { return text_model_.lora(); }
+  Module& trainable() override { return text_model_.trainable(); }
 
   void open_loader() override {
     // Data parallelism: each rank tokenizes only its share of the records and gets the rest from the others.
@@ -198,130 +167,21 @@ class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   Evaluated evaluate(int64_t step, EvaluationMicroBatch& micro) override;
   void after_evaluation(int64_t step, Reporter& reporter) override;
 
-  void save(const fs::path& dir) override {
-    if (lora_) {
-      PeftAdapter adapter = to_peft_adapter(*lora_, *model_, lora_base_);
-      // A base named by Hub id is written as PEFT writes it: the id, and the commit trained on as the revision.
-      if (const auto origin = hub::snapshot_origin(lora_base_)) {
-        adapter.config.base_model_name_or_path = origin->repo_id;
-        adapter.config.revision = origin->commit;
-      }
-      write_peft_adapter(dir.string(), adapter);
-    } else {
-      save_model(*model_, dir.string(), config().checkpoint.max_shard_size.bytes);
-    }
-    copy_tokenizer_files_to(dir);
-  }
-  void add_train_state(nlohmann::json& state) const override {
-    if (lora_) state["base_model_config"] = model_->hf_config();  // an adapter has no config.json
-  }
+  void save(const fs::path& dir) override { text_model_.save(dir); }
+  void add_train_state(nlohmann::json& state) const override { text_model_.add_train_state(state); }
   void after_final_save(const fs::path& output_dir, const TrainOptions& options) override {
-    if (!options.merge) return;
-    MergeOptions merge;
-    merge.adapter_dir = (output_dir / "final").string();
-    merge.output_dir = (output_dir / "final-merged").string();
-    merge.max_shard_bytes = config().checkpoint.max_shard_size.bytes;
-    merge.quantize = quantize_options(config().model);
-    merge_adapter(merge);
+    text_model_.after_final_save(output_dir, options);
   }
 
  private:
-  void apply_lora_for_training(const std::optional<fs::path>& resume);
-  // The tokenizer files (and the chat template) beside the saved weights, so a saved directory is complete for
-  // from_pretrained and for `trainer generate --prompt` / `--chat`.
-  void copy_tokenizer_files_to(const fs::path& to) const {
-    fs::path from(config().tokenizer.path.empty() ? config().model.path : config().tokenizer.path);
-    if (!fs::is_directory(from)) from = from.parent_path();
-    copy_tokenizer_files(from.string(), to.string());
-    // The template the run rendered chat records with is the one the saved model speaks (trainer generate --chat,
-    // transformers' apply_chat_template: chat_template.jinja takes priority over tokenizer_config.json's).
-    if (!config().data.chat_template.empty())
-      fs::copy_file(config().data.chat_template, to / "chat_template.jinja", fs::copy_options::overwrite_existing);
-  }
-
   std::unique_ptr<Tokenizer> tokenizer_;
-  std::unique_ptr<LanguageModel> model_;
-  std::unique_ptr<LoraAdapters> lora_;
-  std::string lora_base_;  // the adapter's base_model_name_or_path
+  TextModel text_model_{config(), primary()};
+  LanguageModel* model_ = nullptr;  // text_model_'s
   DataFamily family_ = DataFamily::kCausal;
   int32_t pad_id_ = 0;
   std::unique_ptr<TrainStep> step_;
   c10::Device device_{c10::kCPU};
 };
-
-// The model (from model.path, or from the checkpoint when resuming a full fine-tune), LoRA, activation checkpointing.
-void TextTask::build_model(const std::optional<fs::path>& resume, const c10::Device& device) {
-  device_ = device;
-  // A LoRA base held in bf16 is loaded in bf16: a 7B model never exists in fp32 on the device.
-  const bool bf16_weights =
-      config().precision.mode == PrecisionMode::kBf16 || (config().lora.enabled && config().lora.base_in_bf16);
-  const auto options = at::TensorOptions().dtype(bf16_weights ? at::kBFloat16 : at::kFloat).device(device);
-  // fp16-mixed is refused for the T5 family, known from model.path's config.json: before any weight is read.
-  if (config().precision.mode == PrecisionMode::kFp16Mixed) {
-    const fs::path config_json = fs::path(config().model.path) / "config.json";
-    if (fs::exists(config_json))
-      check_fp16_supported(read_json_file(config_json.string()).value("model_type", std::string()),
-                           config_json.string());
-  }
-  // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
-  model_ = resume && !config().lora.enabled
-               ? load_model(resume->string(), ModelInit::kPretrained, options)
-               : load_model(config().model.path, config().model.init, options,
-                            static_cast<uint64_t>(config().training.seed), quantize_options(config().model));
-  if (config().precision.mode == PrecisionMode::kFp16Mixed)
-    check_fp16_supported(model_->model_type(), config().model.path);
-  if (!config().lora.enabled && has_quantized_layers(*model_))
-    throw UsageError(config().model.path + " holds 4-bit linear layers (bitsandbytes' layout), which cannot be trained",
-                     "train LoRA adapters on it: lora.enabled=true (QLoRA)");
-  if (has_quantized_layers(*model_)) {
-    // Frozen 4-bit weights dequantized once and kept, or on every use: the memory plan's choice. They are kept in
-    // the dtype of the layers' inputs: bf16 with precision.mode=bf16, fp32 otherwise (autocast casts after them).
-    const at::ScalarType compute = config().precision.mode == PrecisionMode::kBf16 ? at::kBFloat16 : at::kFloat;
-    std::string dequantized;
-    const bool keep = choose_dequantized_base(config(), device,
-                                              static_cast<double>(dequantized_weight_bytes(*model_, compute)),
-                                              dequantized);
-    keep_dequantized_weights(*model_, keep);
-    spdlog::info("4-bit layers: {}", four_bit_kernels(*model_, device.type(), compute));
-    spdlog::info("4-bit base weights: {}", dequantized);
-  }
-  model_->train(true);
-  model_->for_each_parameter([](const std::string&, at::Tensor& p) {
-    if (at::isFloatingType(p.scalar_type())) p.requires_grad_(true);
-  });
-  if (config().lora.enabled) apply_lora_for_training(resume);
-  if (config().training.activation_checkpointing) apply_activation_checkpointing(*model_);
-  family_ = model_->family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
-  if (tokenizer_->vocab_size() > model_->vocab_size())
-    throw DataError("the tokenizer " + tokenizer_->source() + " has " + std::to_string(tokenizer_->vocab_size()) +
-                        " tokens but the model's vocabulary has " + std::to_string(model_->vocab_size()),
-                    "tokenizer.path must belong to model.path");
-  pad_id_ = tokenizer_->pad_id().value_or(tokenizer_->eos_id().value_or(0));
-}
-
-// LoRA on the frozen base, restored from `resume` when resuming. The adapter's base is model.path; a randomly
-// initialised base (the tiny demos) is saved to output_dir/base at the start of a run (a resumed run recreates the
-// same one from training.seed), so the adapter has a base to be loaded onto.
-void TextTask::apply_lora_for_training(const std::optional<fs::path>& resume) {
-  lora_base_ = fs::absolute(config().model.path).lexically_normal().string();
-  if (config().model.init == ModelInit::kRandom) {
-    const fs::path saved = fs::absolute(output_dir() / "base").lexically_normal();
-    if (primary() && (!resume || (!fs::exists(saved / kWeightsFileName) && !fs::exists(saved / kWeightsIndexName)))) {
-      save_model(*model_, saved.string(), config().checkpoint.max_shard_size.bytes);
-      copy_tokenizer_files_to(saved);
-    }
-    lora_base_ = saved.string();
-  }
-  lora_ = apply_lora(*model_, config().lora, static_cast<uint64_t>(config().training.seed));
-  if (resume) load_lora_weights(*lora_, read_peft_adapter(resume->string()), resume->string());
-  const auto& applied = lora_->config();
-  std::string targets;
-  for (const auto& t : applied.target_modules) targets += (targets.empty() ? "" : ",") + t;
-  spdlog::info("LoRA r={} alpha={} (scale {:.4g}{}) dropout={} on {} layers ({}); base frozen{}; {} trainable parameters",
-               applied.r, applied.alpha, lora_scaling(applied.alpha, applied.r, applied.rslora),
-               applied.rslora ? ", rsLoRA" : "", applied.dropout, lora_->layers().size(), targets,
-               applied.base_in_bf16 ? " in bf16" : "", lora_->trainable_parameters());
-}
 
 Evaluated TextTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
   auto validation = make_validation_loader(config(), *tokenizer_, family_, config().training.batch_size,

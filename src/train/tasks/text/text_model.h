@@ -1,0 +1,68 @@
+// The model half of the tasks that train a language model (text, preference): loading it from model.path or a
+// checkpoint (4-bit layers, fp16 checks), LoRA (with a randomly initialised demo base saved beside the run),
+// activation checkpointing, the checks a resumed checkpoint must pass, and saving it as a Hugging Face directory or a
+// PEFT adapter with the tokenizer files (--merge writes the merged model too).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <c10/core/Device.h>
+#include <nlohmann/json_fwd.hpp>
+
+#include "trainer/config.h"
+#include "trainer/data.h"
+#include "trainer/run.h"
+
+namespace trainer {
+
+class LanguageModel;
+class LoraAdapters;
+class Module;
+class Tokenizer;
+
+class TextModel {
+ public:
+  TextModel(const Config& config, bool primary);
+  ~TextModel();
+
+  // --merge needs LoRA and a final save (UsageError).
+  void check_settings(const TrainOptions& options) const;
+  // A checkpoint of another architecture (its config.json, a LoRA checkpoint's base model config) or of other LoRA
+  // settings cannot continue this run (DataError).
+  void check_checkpoint(const std::filesystem::path& checkpoint, const nlohmann::json& state) const;
+  // The model (from model.path, or from `resume` when a full fine-tune resumes), LoRA (its adapters from `resume`),
+  // activation checkpointing; checked against `tokenizer`'s vocabulary.
+  void build(const std::optional<std::filesystem::path>& resume, const c10::Device& device,
+             const Tokenizer& tokenizer);
+
+  LanguageModel& model() { return *model_; }
+  LoraAdapters* lora() { return lora_.get(); }
+  Module& trainable();
+  DataFamily family() const { return family_; }
+  int32_t pad_id() const { return pad_id_; }
+
+  // The trained model (or adapter) with the tokenizer files into `dir`.
+  void save(const std::filesystem::path& dir);
+  void add_train_state(nlohmann::json& state) const;  // with LoRA: the base model's config
+  void after_final_save(const std::filesystem::path& output_dir, const TrainOptions& options);  // --merge
+
+ private:
+  void apply_lora_for_training(const std::optional<std::filesystem::path>& resume);
+  // The tokenizer files (and the chat template) beside the saved weights, so a saved directory is complete for
+  // from_pretrained and for `trainer generate --prompt` / `--chat`.
+  void copy_tokenizer_files_to(const std::filesystem::path& to) const;
+
+  const Config& config_;
+  bool primary_;
+  std::unique_ptr<LanguageModel> model_;
+  std::unique_ptr<LoraAdapters> lora_;
+  std::string lora_base_;  // the adapter's base_model_name_or_path
+  DataFamily family_ = DataFamily::kCausal;
+  int32_t pad_id_ = 0;
+};
+
+}  // namespace trainer
