@@ -1,0 +1,228 @@
+"""DPO (training.objective=dpo) against TRL's DPOTrainer itself (trl 1.16, transformers 5), fp32 on the CPU.
+
+(a) `trainer data --dump` gives the ids and completion labels DPOTrainer tokenizes, for standard, conversational and
+    implicit-prompt records, with its truncation (keep_start) and its dropping of prompts that fill max_length;
+(b) three optimizer steps on the same pairs give TRL's loss, every reward metric (rewards/*, logps/*, logits/*) and
+    the weights after them within 1e-5, for LoRA (the reference is the base with the adapters off) and a full
+    fine-tune (a frozen copy), on a tiny Qwen2 and a tiny Llama, for each loss type; trainer splits each step into
+    micro-batches of 3 pairs while TRL runs the 8 pairs in one (the loss is a mean over pairs: the split is exact).
+DPOConfig defaults to bf16 on a CPU that supports it: bf16=False here, as the issue's facts say.
+"""
+import json
+import shutil
+
+import datasets
+import peft
+import pytest
+import torch
+import transformers
+import trl
+from safetensors.torch import load_file
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SEED = 3
+
+
+def make_model_dir(root, path, arch):
+    """A tiny causal model (transformers' random initialisation) with the tiny Qwen2's tokenizer and chat template."""
+    tiny = root / "configs" / "models" / "tiny-qwen2"
+    if arch == "qwen2":
+        config = transformers.AutoConfig.from_pretrained(tiny)
+    else:
+        config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                          bos_token_id=509, eos_token_id=509, max_position_embeddings=1024)
+    torch.manual_seed(1234)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]:
+        shutil.copy(tiny / name, path / name)
+    return path
+
+
+def records(kind):
+    """Eight pairs of one format (TRL decides the format per dataset)."""
+    out = []
+    for i in range(8):
+        dish = ["soup", "stew", "salad", "pie", "bread", "curry", "tart", "chili"][i]
+        good = f"Simmer the {dish} for {10 + i} minutes, then season it." + " Stir well." * (i % 3)
+        bad = ["Just cook it.", f"Burn the {dish}.", "No idea."][i % 3]
+        question = f"How do I cook a {dish}?" + " Quickly, please." * (i % 2)
+        if kind == "standard":
+            out.append({"prompt": f"Recipe for {dish}:", "chosen": " " + good, "rejected": " " + bad})
+        elif kind == "conversational":
+            out.append({"prompt": [{"role": "user", "content": question}],
+                        "chosen": [{"role": "assistant", "content": good}],
+                        "rejected": [{"role": "assistant", "content": bad}]})
+        else:  # implicit prompt: whole conversations sharing the user turn
+            user = {"role": "user", "content": question}
+            out.append({"chosen": [user, {"role": "assistant", "content": good}],
+                        "rejected": [user, {"role": "assistant", "content": bad}]})
+    return out
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def trl_args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=3,
+                learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+                adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, bf16=False, fp16=False,
+                report_to=[], save_strategy="no", use_cpu=True, seed=SEED, max_length=192, dataloader_drop_last=False)
+    base.update(kw)
+    return trl.DPOConfig(**base)
+
+
+def trainer_config(tmp_path, model_dir, train_file, out, *, lora, loss_type=("sigmoid",), loss_weights=(),
+                   label_smoothing=0.0, beta=0.1, max_length=192):
+    config = {
+        "model": {"path": str(model_dir), "init": "pretrained"},
+        "data": {"train_files": [str(train_file)], "validation_files": [], "max_length": max_length,
+                 "num_workers": 1},
+        "training": {"objective": "dpo", "batch_size": 8, "micro_batch_size": 3, "max_steps": 3, "seed": SEED,
+                     "max_grad_norm": 1.0},
+        "dpo": {"beta": beta, "loss_type": list(loss_type), "loss_weights": list(loss_weights),
+                "label_smoothing": label_smoothing},
+        "lora": {"enabled": lora, "r": 8, "alpha": 16, "dropout": 0.0, "target_modules": TARGETS},
+        "evaluation": {"every_steps": 0},
+        "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
+        "scheduler": {"name": "constant", "warmup_steps": 0},
+        "precision": {"mode": "fp32"},
+        "device": {"type": "cpu"},
+        "checkpoint": {"output_dir": str(out), "every_steps": 0},
+        "logging": {"every_steps": 1, "tensorboard": False},
+    }
+    path = tmp_path / "dpo.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def our_initial_lora_a(model):
+    """trainer's LoRA A at the start (src/models/lora.cpp): uniform in +-1/sqrt(in) from a CPU generator seeded with
+    training.seed, drawn per adapted layer in the model's order."""
+    generator = torch.Generator().manual_seed(SEED)
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in TARGETS:
+            bound = 1.0 / module.in_features ** 0.5
+            out[name] = torch.empty(8, module.in_features).uniform_(-bound, bound, generator=generator)
+    return out
+
+
+def run_trl(tmp_path, model_dir, rows, *, lora, **kw):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    initial = our_initial_lora_a(model) if lora else None
+    peft_config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
+                                  task_type="CAUSAL_LM") if lora else None
+    dpo = trl.DPOTrainer(model=model, args=trl_args(tmp_path / "trl", **kw), train_dataset=datasets.Dataset.from_list(rows),
+                         processing_class=tokenizer, peft_config=peft_config)
+    if lora:
+        with torch.no_grad():
+            for name, module in dpo.model.named_modules():
+                if isinstance(module, peft.tuners.lora.LoraLayer):
+                    base_name = name.removeprefix("base_model.model.")
+                    module.lora_A["default"].weight.copy_(initial[base_name])
+    dpo.train()
+    return dpo
+
+
+def step_logs(dpo):
+    return [entry for entry in dpo.state.log_history if "loss" in entry and "train_runtime" not in entry]
+
+
+METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected"]
+
+
+def compare_run(ours_dir, dpo, lora):
+    ours = [json.loads(line) for line in (ours_dir / "metrics.jsonl").read_text().splitlines()]
+    ours = [r for r in ours if "loss" in r]
+    theirs = step_logs(dpo)
+    assert len(ours) == len(theirs) == 3
+    for step, (a, b) in enumerate(zip(ours, theirs), start=1):
+        for key in ["loss", *METRICS]:
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=1e-5), f"step {step} {key}: {a[key]} vs {b[key]}"
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-5, rel=1e-4), f"step {step} grad_norm"
+    # The steps must have moved the weights by far more than the tolerance, or agreement proves nothing.
+    assert abs(ours[-1]["rewards/margins"]) > 1e-3
+    if lora:
+        theirs_state = peft.get_peft_model_state_dict(dpo.model)
+        saved = load_file(ours_dir / "final" / "adapter_model.safetensors")
+        assert set(saved) == set(theirs_state)
+        for name, value in theirs_state.items():
+            torch.testing.assert_close(saved[name], value.detach(), **TOL, msg=name)
+    else:
+        saved = load_file(ours_dir / "final" / "model.safetensors")
+        state = dpo.model.state_dict()
+        for name, value in saved.items():
+            torch.testing.assert_close(value, state[name].detach(), **TOL, msg=name)
+
+
+@pytest.fixture(scope="module")
+def models(root, tmp_path_factory):
+    base = tmp_path_factory.mktemp("dpo-models")
+    return {arch: make_model_dir(root, base / arch, arch) for arch in ["qwen2", "llama"]}
+
+
+@pytest.mark.parametrize("kind", ["standard", "conversational", "implicit"])
+def test_dumped_pairs_are_trls_tokenized_pairs(kind, models, tmp_path, run_trainer):
+    rows = records(kind)
+    # A prompt longer than max_length: TRL drops it, trainer skips it (counted as too long).
+    long_prompt = "word " * 80
+    if kind == "standard":
+        rows.append({"prompt": long_prompt, "chosen": " yes", "rejected": " no"})
+    elif kind == "conversational":
+        rows.append({"prompt": [{"role": "user", "content": long_prompt}],
+                     "chosen": [{"role": "assistant", "content": "yes"}],
+                     "rejected": [{"role": "assistant", "content": "no"}]})
+    max_length = 40  # cuts some completions: keep_start truncation
+    model_dir = models["qwen2"]
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    config = trainer_config(tmp_path, model_dir, train_file, tmp_path / "run", lora=True, max_length=max_length)
+    dump = run_trainer("data", "--config", config, "--dump", "100")
+    ours = [json.loads(line) for line in dump.stdout.splitlines() if line.startswith("{")]
+    assert len(ours) == len(rows)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dpo = trl.DPOTrainer(model=model, args=trl_args(tmp_path / "trl", max_length=max_length),
+                         train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+    theirs = list(dpo.train_dataset)
+    kept = [entry for entry in ours if "skipped" not in entry]
+    assert len(kept) == len(theirs), [entry.get("skipped") for entry in ours]
+    if kind != "implicit":
+        assert "prompt alone" in ours[-1]["skipped"]
+    for a, b in zip(kept, theirs):
+        prompt = b["prompt_ids"]
+        for side, ids_key, labels_key in [("chosen", "input_ids", "labels"),
+                                          ("rejected", "rejected_ids", "rejected_labels")]:
+            whole = (prompt + b[f"{side}_ids"])[:max_length]
+            assert a[ids_key] == whole, side
+            completion = ([0] * len(prompt) + [1] * len(b[f"{side}_ids"]))[:max_length]
+            assert a[labels_key] == [t if m else -100 for t, m in zip(whole, completion)], side
+
+
+@pytest.mark.parametrize("arch,kind,lora", [("qwen2", "conversational", True), ("qwen2", "standard", False),
+                                            ("llama", "implicit", True), ("llama", "standard", False)])
+def test_three_steps_equal_trls(arch, kind, lora, models, tmp_path, run_trainer):
+    rows = records(kind)
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "ours"
+    run_trainer("--config", trainer_config(tmp_path, models[arch], train_file, out, lora=lora))
+    compare_run(out, run_trl(tmp_path, models[arch], rows, lora=lora), lora)
+
+
+@pytest.mark.parametrize("loss_type,weights,smoothing", [(["hinge"], [], 0.0), (["ipo"], [], 0.0),
+                                                         (["robust"], [], 0.2), (["sigmoid", "sft"], [1.0, 0.5], 0.0)])
+def test_each_loss_type_equals_trls(loss_type, weights, smoothing, models, tmp_path, run_trainer):
+    rows = records("conversational")
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "ours"
+    run_trainer("--config", trainer_config(tmp_path, models["qwen2"], train_file, out, lora=True, loss_type=loss_type,
+                                           loss_weights=weights, label_smoothing=smoothing))
+    dpo = run_trl(tmp_path, models["qwen2"], rows, lora=True, loss_type=loss_type,
+                  loss_weights=weights or None, label_smoothing=smoothing)
+    compare_run(out, dpo, True)
