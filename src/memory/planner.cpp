@@ -313,6 +313,21 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   plan.targets_per_example = static_cast<int64_t>(a.targets);
   plan.activations_per_example = a.saved * compute_bytes;
   plan.activations_per_example_checkpointed = (a.checkpointed + a.largest_block) * compute_bytes;
+  if (config.training.objective == TrainingObjective::kDpo) {
+    // A DPO example is a pair: two sequences of data.max_length through forward and backward, and the reference's
+    // forward without autograd beside them (its hidden states for every position while its log-probabilities are
+    // summed; a block's activations at a time otherwise). A full fine-tune keeps a frozen copy of the starting
+    // weights as the reference; with LoRA the reference is the base under the adapters (nothing more).
+    plan.activations_per_example *= 2;
+    plan.activations_per_example_checkpointed *= 2;
+    plan.loss_per_example *= 2;
+    plan.loss_rows_per_example = 3 * plan.loss_rows_per_example;
+    plan.targets_per_example *= 2;
+    if (!config.lora.enabled) {
+      plan.reference_weights = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
+      plan.weights += plan.reference_weights;
+    }
+  }
   plan.capacity = capacity;
   plan.capacity_source = capacity_source;
   plan.safety_margin = config.memory.auto_safety_margin;
@@ -408,6 +423,8 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
       : config.model.quantize != QuantizeMode::kNone ? std::string("frozen base, linear layers in 4 bits (") +
                                                          enum_name(config.model.quantize) + "), + fp32 adapters"
                                                    : "frozen base + fp32 adapters");
+  if (plan.reference_weights > 0)
+    row("  of which the DPO reference", plan.reference_weights, "a frozen copy of the starting weights");
   if (plan.dequantized_base > 0)
     row(plan.keeps_dequantized_base ? "  of which dequantized 4-bit weights" : "dequantized 4-bit weights (not kept)",
         plan.dequantized_base, plan.dequantized_base_reason);
@@ -416,7 +433,9 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
           ")",
       plan.optimizer_state, optimizer_state_note(config));
   row("workspace", plan.workspace, "optimizer scratch, autocast weight copies, device libraries");
-  row("activations per example", plan.activations_per_example, "at the maximum lengths");
+  const bool pairs = config.training.objective == TrainingObjective::kDpo;
+  row(pairs ? "activations per pair" : "activations per example", plan.activations_per_example,
+      pairs ? "two sequences at data.max_length" : "at the maximum lengths");
   row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
   // The chunked loss is the default: its row first; the full logits only with training.chunked_loss=false.
   row("chunked loss (per micro-batch)", plan.loss_chunked(1),

@@ -47,6 +47,7 @@ struct MemoryPlan {
   // resident (memory.dequantized_base; then they are counted in `weights`) and why.
   double dequantized_base = 0;
   bool keeps_dequantized_base = false;
+  double reference_weights = 0;  // training.objective=dpo, full fine-tune: the frozen reference copy (in `weights`)
   std::string dequantized_base_reason;
 
   // The chunked loss's bytes with `micro` examples per micro-batch and chunks of `chunk` tokens (0: the config's).

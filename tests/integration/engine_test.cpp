@@ -1,5 +1,5 @@
-// The engine's guarantees, each one test run over every task (text, image classification, contrastive CLIP, and text
-// with QLoRA: LoRA over a 4-bit base) through the real binary on the tiny demo configs: --resume-if-present continues, kill -9 at a random moment resumes to the
+// The engine's guarantees, each one test run over every task (text, image classification, contrastive CLIP, text
+// with QLoRA: LoRA over a 4-bit base, and DPO with LoRA and as a full fine-tune) through the real binary on the tiny demo configs: --resume-if-present continues, kill -9 at a random moment resumes to the
 // uninterrupted weights, SIGTERM writes a checkpoint and exits 0, an out-of-memory error mid-run ends at the
 // unconstrained weights, the end of the memory ladder moves the run to the CPU, --allow-data-change starts a new
 // epoch, memory.snapshot_on_oom is honoured, a missing model directory gets one error, the progress counts what the
@@ -56,6 +56,23 @@ const TaskCase kQlora{"Qlora",
                       "text",
                       "data/demo/recipes-causal.jsonl",
                       "adapter_model.safetensors"};
+
+// DPO: preference pairs on the tiny Qwen2, with LoRA (the reference is the base under the adapters) and as a full
+// fine-tune (a frozen copy of the starting weights is the reference, and moves with the run). Sequences of 128 tokens
+// keep the runs short.
+const TaskCase kDpo{"Dpo",
+                    "configs/tiny-qwen2-dpo.json",
+                    "pairs",
+                    {"--set", "data.max_length=128"},
+                    "dpo",
+                    "data/demo/preferences.jsonl",
+                    "adapter_model.safetensors"};
+const TaskCase kDpoFull{"DpoFull",
+                        "configs/tiny-qwen2-dpo.json",
+                        "pairs",
+                        {"--set", "data.max_length=128", "--set", "lora.enabled=false", "--set", "optimizer.lr=3e-4"},
+                        "dpo",
+                        "data/demo/preferences.jsonl"};
 
 bool same_bytes(const fs::path& a, const fs::path& b) { return read_text(a) == read_text(b); }
 
@@ -214,7 +231,7 @@ TEST_P(Task, TheEndOfTheLadderMovesTheRunToTheCpu) {
 TEST_P(Task, AllowDataChangeStartsANewEpochOverTheNewData) {
   // A copy of the task's training data with one record fewer.
   std::vector<std::string> data;
-  if (GetParam().task == "text") {
+  if (!GetParam().train_file.empty()) {
     fs::copy_file(fs::path(TRAINER_SOURCE_DIR) / GetParam().train_file, dir.file("train.jsonl"));
     data = {"--set", "data.train_files=[\"" + dir.file("train.jsonl") + "\"]"};
   } else {
@@ -229,7 +246,7 @@ TEST_P(Task, AllowDataChangeStartsANewEpochOverTheNewData) {
   if (GetParam().name == "Image") {
     fs::remove(dir.path() / "images" / "train" / "checker-purple" / "checker-purple-0000.jpg");
   } else {
-    const fs::path file = GetParam().task == "text" ? fs::path(dir.file("train.jsonl"))
+    const fs::path file = !GetParam().train_file.empty() ? fs::path(dir.file("train.jsonl"))
                                                     : dir.path() / "images" / "train-captions.jsonl";
     std::string text = read_text(file);
     text.erase(0, text.find('\n') + 1);
@@ -297,7 +314,7 @@ TEST_P(Task, TheProgressCountsWhatTheTaskCounts) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(IntegrationEngine, Task, ::testing::Values(kText, kImage, kClip, kQlora),
+INSTANTIATE_TEST_SUITE_P(IntegrationEngine, Task, ::testing::Values(kText, kImage, kClip, kQlora, kDpo, kDpoFull),
                          [](const ::testing::TestParamInfo<TaskCase>& param) { return param.param.name; });
 
 // Evaluation out of memory at evaluation micro-batch 1 on one of two ranks: every rank stops with exit 4 and one error

@@ -73,6 +73,28 @@ TEST(Config, ReadsEveryValueType) {
   EXPECT_EQ(c.device.min_free_memory.bytes, 1048576u);
 }
 
+// training.objective=dpo: TRL's names and ranges, the loss types trainer implements, one weight per loss type, and a
+// dpo section without the objective is a mistake named as such.
+TEST(Config, DpoSettingsAreCheckedWithTheKeyAndWhatIsAllowed) {
+  const Config c = parse_config(kMinimal, "test.json", {"training.objective=dpo", "dpo.loss_type=[\"sigmoid\",\"sft\"]",
+                                                        "dpo.loss_weights=[1, 0.5]"});
+  EXPECT_EQ(c.training.objective, TrainingObjective::kDpo);
+  EXPECT_EQ(c.dpo.loss_type, (std::vector<std::string>{"sigmoid", "sft"}));
+  EXPECT_EQ(c.dpo.loss_weights, (std::vector<double>{1, 0.5}));
+  EXPECT_EQ(parse_config(kMinimal, "test.json", {"training.objective=dpo", "dpo.loss_type=ipo"}).dpo.loss_type,
+            std::vector<std::string>{"ipo"});  // one name without the list, as TRL takes a string
+  const auto problems = problems_of(kMinimal, {"training.objective=dpo", "dpo.beta=0", "dpo.loss_type=[\"kto\"]",
+                                               "dpo.loss_weights=[1, 2]", "dpo.label_smoothing=0.5",
+                                               "data.packing=true"});
+  EXPECT_TRUE(contains(problem_at(problems, "dpo.beta"), "must be > 0"));
+  EXPECT_TRUE(contains(problem_at(problems, "dpo.loss_type"), "'kto' is not one of"));
+  EXPECT_TRUE(contains(problem_at(problems, "dpo.loss_weights"), "2 weights for 1 loss types"));
+  EXPECT_TRUE(contains(problem_at(problems, "dpo.label_smoothing"), "[0, 0.5)"));
+  EXPECT_TRUE(contains(problem_at(problems, "data.packing"), "counts preference pairs"));
+  EXPECT_TRUE(contains(problem_at(problems_of(kMinimal, {"dpo.beta=0.2"}), "dpo"),
+                       "applies only with training.objective=dpo"));
+}
+
 TEST(Config, SerialisesBackToTheSameConfig) {
   Config c = parse_config(kMinimal, "test.json");
   c.training.micro_batch_size = MicroBatchSize::fixed(4);

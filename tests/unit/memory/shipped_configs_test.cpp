@@ -91,6 +91,7 @@ const std::map<std::string, Card>& cards() {
   static const std::map<std::string, Card> table = {
       {"clip-cars.json", {kClipB32, 16.0 * (1ull << 30)}},
       {"qwen2.5-7b-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
+      {"qwen2.5-7b-dpo-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
       {"qwen2.5-7b-qlora.json", {kQwen25_7B, 16.0 * (1ull << 30)}},
       {"qwen2.5-14b-qlora.json", {kQwen25_14B, 24.0 * (1ull << 30)}},
       {"t5xl.json", {kFlanT5XL, 32.0 * (1ull << 30)}},

@@ -171,6 +171,31 @@ TEST(Lora, ZeroInitialisedBMeansTheAdaptedModelStartsAsTheBase) {
   EXPECT_FALSE(at::equal(la->layers()[0].second->lora_A, lc->layers()[0].second->lora_A));
 }
 
+// DPO's reference under LoRA: with the adapters off the model computes the base alone (PEFT's disable_adapter), and
+// they are on again after the scope, however it ends.
+TEST(Lora, AdaptersOffGivesTheBaseAndTheyAreOnAgainAfter) {
+  auto model = tiny_model("tiny-qwen2");
+  const Batch batch = padded_batch(false);
+  const at::Tensor base = logits_of(*model, batch);
+  auto adapters = apply_lora(*model, lora(8), 5);
+  for (const auto& [path, layer] : adapters->layers()) layer->lora_B.data().normal_(0, 0.5);
+  const at::Tensor adapted = logits_of(*model, batch);
+  ASSERT_GT((adapted - base).abs().max().item<double>(), 1e-2);
+  {
+    AdaptersOff off(adapters.get());
+    EXPECT_TRUE(at::equal(logits_of(*model, batch), base));
+  }
+  EXPECT_TRUE(at::equal(logits_of(*model, batch), adapted));
+  try {
+    AdaptersOff off(adapters.get());
+    throw std::runtime_error("leaving the scope early");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_TRUE(at::equal(logits_of(*model, batch), adapted));
+  AdaptersOff none(nullptr);  // a model without adapters: nothing to turn off
+  EXPECT_TRUE(at::equal(logits_of(*model, batch), adapted));
+}
+
 TEST(Lora, TheAdaptedLayerComputesPeftsFormula) {
   EXPECT_DOUBLE_EQ(lora_scaling(16, 4, false), 4.0);
   EXPECT_DOUBLE_EQ(lora_scaling(16, 4, true), 8.0);  // rsLoRA: alpha / sqrt(r)

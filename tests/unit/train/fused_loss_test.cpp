@@ -76,6 +76,32 @@ TEST(FusedLinearCrossEntropy, GivesThePlainLossAndGradientsInFp32) {
   }
 }
 
+// DPO's backward: each position's loss weighted by its own factor (its sequence's share of the loss) gives the
+// gradients of sum(w_i * loss_i) through autograd; token_losses gives the per-position losses of the same logits and
+// the logits' mean over the vocabulary, 0 where not trained.
+TEST(FusedLinearCrossEntropy, RowWeightsGiveTheWeightedLossGradientsAndTokenLossesThePerPositionLosses) {
+  const Inputs in = random_inputs(40, 16, 50);
+  at::manual_seed(7);
+  const at::Tensor row_weights = at::randn({40});
+  const at::Tensor h = in.hidden.clone().requires_grad_(true);
+  const at::Tensor w = in.weight.clone().requires_grad_(true);
+  const at::Tensor logits = at::linear(h * 0.5, w);
+  const at::Tensor per_position = at::cross_entropy_loss(logits, in.targets, {}, at::Reduction::None, -100);
+  (per_position * row_weights * 3.0).sum().backward();
+
+  at::Tensor weight_grad = at::zeros_like(in.weight);
+  const auto fused = fused_linear_cross_entropy(in.hidden, in.targets, in.weight, 0.5, 3.0, 7, std::nullopt,
+                                                weight_grad, row_weights);
+  expect_close(fused.grad_hidden, h.grad(), 1e-5, "hidden gradient");
+  expect_close(weight_grad, w.grad(), 1e-5, "weight gradient");
+  EXPECT_NEAR(fused.loss_sum.item<double>(), per_position.sum().item<double>(), 1e-4);
+
+  const TokenLosses losses = token_losses(in.hidden, in.targets, in.weight, 0.5, 7, std::nullopt);
+  expect_close(losses.loss, per_position.detach(), 1e-5, "per-position losses");
+  const at::Tensor trained = in.targets != -100;
+  expect_close(losses.mean_logit, at::where(trained, logits.detach().mean(1), at::zeros({40})), 1e-5, "mean logits");
+}
+
 TEST(FusedLinearCrossEntropy, AccumulatesIntoAnExistingWeightGradientAndHandlesNoTrainedRows) {
   const Inputs in = random_inputs(20, 8, 31);
   const Reference ref = plain_loss(in.hidden, in.targets, in.weight, 1.0, 1.0, false);
