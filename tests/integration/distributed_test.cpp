@@ -280,6 +280,30 @@ TEST(IntegrationDistributed, LoraOnThreeRanksTrainsTheAdapterOfOneProcess) {
                       one, three, 3, "adapter_model.safetensors");
 }
 
+// DPO on 2 ranks: each rank scores its share of the pairs (and its reference log-probabilities), the gradients and
+// the reward metrics are summed over the ranks: the adapter, the loss and every metric of one process. A full
+// fine-tune (a frozen reference copy on each rank) the same.
+TEST(IntegrationDistributed, DpoOnTwoRanksTrainsTheWeightsAndMetricsOfOneProcess) {
+  for (const bool lora : {true, false}) {
+    SCOPED_TRACE(lora ? "LoRA" : "full fine-tune");
+    TempDir dir;
+    const auto one = dir.path() / "one", two = dir.path() / "two";
+    const std::vector<std::string> dpo = {"--set", "data.max_length=96", "--set",
+                                          std::string("lora.enabled=") + (lora ? "true" : "false"), "--set",
+                                          "optimizer.lr=1e-3"};
+    expect_same_weights(with(short_run("configs/tiny-qwen2-dpo.json", one), dpo),
+                        with(with(short_run("configs/tiny-qwen2-dpo.json", two), dpo), kSmallBuckets), one, two, 2,
+                        lora ? "adapter_model.safetensors" : "model.safetensors");
+    for (const char* metric : {"rewards/chosen", "rewards/accuracies", "rewards/margins", "logps/rejected",
+                               "logits/chosen"}) {
+      const auto a = metric_values(one / "metrics.jsonl", metric), b = metric_values(two / "metrics.jsonl", metric);
+      ASSERT_EQ(a.size(), 3u) << metric;
+      ASSERT_EQ(a.size(), b.size()) << metric;
+      for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << metric << " step " << i + 1;
+    }
+  }
+}
+
 TEST(IntegrationDistributed, TokenBudgetMicroBatchesOnTwoRanksTrainTheWeightsOfOneProcess) {
   TempDir dir;
   const auto one = dir.path() / "one", two = dir.path() / "two";

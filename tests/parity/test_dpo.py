@@ -76,17 +76,18 @@ def trl_args(out, **kw):
 
 
 def trainer_config(tmp_path, model_dir, train_file, out, *, lora, loss_type=("sigmoid",), loss_weights=(),
-                   label_smoothing=0.0, beta=0.1, max_length=192):
+                   label_smoothing=0.0, beta=0.1, max_length=192, validation_file=None):
     config = {
         "model": {"path": str(model_dir), "init": "pretrained"},
-        "data": {"train_files": [str(train_file)], "validation_files": [], "max_length": max_length,
+        "data": {"train_files": [str(train_file)],
+                 "validation_files": [str(validation_file)] if validation_file else [], "max_length": max_length,
                  "num_workers": 1},
         "training": {"objective": "dpo", "batch_size": 8, "micro_batch_size": 3, "max_steps": 3, "seed": SEED,
                      "max_grad_norm": 1.0},
         "dpo": {"beta": beta, "loss_type": list(loss_type), "loss_weights": list(loss_weights),
                 "label_smoothing": label_smoothing},
         "lora": {"enabled": lora, "r": 8, "alpha": 16, "dropout": 0.0, "target_modules": TARGETS},
-        "evaluation": {"every_steps": 0},
+        "evaluation": {"every_steps": 3 if validation_file else 0, "micro_batch_size": 3},
         "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
         "scheduler": {"name": "constant", "warmup_steps": 0},
         "precision": {"mode": "fp32"},
@@ -111,13 +112,15 @@ def our_initial_lora_a(model):
     return out
 
 
-def run_trl(tmp_path, model_dir, rows, *, lora, **kw):
+def run_trl(tmp_path, model_dir, rows, *, lora, eval_rows=None, **kw):
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     initial = our_initial_lora_a(model) if lora else None
     peft_config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
                                   task_type="CAUSAL_LM") if lora else None
-    dpo = trl.DPOTrainer(model=model, args=trl_args(tmp_path / "trl", **kw), train_dataset=datasets.Dataset.from_list(rows),
+    eval_dataset = datasets.Dataset.from_list(eval_rows) if eval_rows else None
+    dpo = trl.DPOTrainer(model=model, args=trl_args(tmp_path / "trl", per_device_eval_batch_size=8, **kw),
+                         train_dataset=datasets.Dataset.from_list(rows), eval_dataset=eval_dataset,
                          processing_class=tokenizer, peft_config=peft_config)
     if lora:
         with torch.no_grad():
@@ -213,6 +216,39 @@ def test_three_steps_equal_trls(arch, kind, lora, models, tmp_path, run_trainer)
     out = tmp_path / "ours"
     run_trainer("--config", trainer_config(tmp_path, models[arch], train_file, out, lora=lora))
     compare_run(out, run_trl(tmp_path, models[arch], rows, lora=lora), lora)
+
+
+def test_evaluation_after_three_steps_equals_trls(models, tmp_path, run_trainer):
+    """The validation pairs' loss and metrics after three steps (trainer: evaluation in micro-batches of 3)."""
+    rows, held_out = records("conversational"), records("implicit")
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    validation_file = write_jsonl(tmp_path / "validation.jsonl", held_out)
+    out = tmp_path / "ours"
+    run_trainer("--config", trainer_config(tmp_path, models["qwen2"], train_file, out, lora=True,
+                                           validation_file=validation_file))
+    dpo = run_trl(tmp_path, models["qwen2"], rows, lora=True, eval_rows=held_out)
+    theirs = dpo.evaluate()
+    ours = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ours = [r for r in ours if "eval_loss" in r][-1]
+    assert ours["step"] == 3 and ours["eval_pairs"] == 8
+    for key in ["loss", *METRICS]:
+        assert ours["eval_" + key] == pytest.approx(theirs["eval_" + key], abs=1e-5, rel=1e-5), key
+
+
+def test_bad_records_name_their_file_and_line(models, tmp_path, run_trainer):
+    rows = records("standard")
+    lines = [json.dumps(r) for r in rows]
+    lines[4] = json.dumps({"prompt": "a", "chosen": "b"})
+    train_file = tmp_path / "pairs.jsonl"
+    train_file.write_text("\n".join(lines) + "\n")
+    config = trainer_config(tmp_path, models["qwen2"], train_file, tmp_path / "run", lora=True)
+    result = run_trainer("--config", config, check=False)
+    assert result.returncode == 3, result.stderr
+    assert f"{train_file}:5: no \"rejected\" field" in result.stderr, result.stderr
+    skipped = run_trainer("--config", config, "--set", "data.on_bad_record=skip", "--set", "checkpoint.output_dir=" +
+                          str(tmp_path / "skip"))
+    assert f"data: skipped {train_file}:5: no \"rejected\" field" in skipped.stderr, skipped.stderr
+    assert "bad records skipped 0" not in skipped.stdout, skipped.stdout
 
 
 @pytest.mark.parametrize("loss_type,weights,smoothing", [(["hinge"], [], 0.0), (["ipo"], [], 0.0),
