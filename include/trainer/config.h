@@ -661,6 +661,7 @@ struct DpoConfig {
   std::vector<double> loss_weights;
   double label_smoothing = 0.0;
   bool disable_dropout = true;
+  std::string reference_model;
 
   template <class V>
   void visit(V& v) {
@@ -675,6 +676,10 @@ struct DpoConfig {
       "robust: the probability that a pair's preference is flipped, in [0, 0.5)");
     v("disable_dropout", disable_dropout,
       "turn every dropout off (the model's and LoRA's) for the policy and the reference, as TRL does by default");
+    v("reference_model", reference_model,
+      "a model directory or Hub id (ORG/NAME@REV) to use as the reference instead of the starting weights (TRL's "
+      "ref_model): loaded frozen beside the trained model, also with LoRA; its tokenizer and vocabulary must be "
+      "model.path's. Empty: model.path's weights (with LoRA: the base under the adapters, no copy)");
   }
   bool operator==(const DpoConfig&) const = default;
 };

@@ -48,6 +48,9 @@ HubResolution resolve_config_paths(Config& config, bool dry_run, bool metadata_o
   const bool weights = !metadata_only && config.model.init == ModelInit::kPretrained;
   resolve_one(config.model.path, "model.path", weights ? hub::FileSet::kModel : hub::FileSet::kMetadata);
   if (!config.tokenizer.path.empty()) resolve_one(config.tokenizer.path, "tokenizer.path", hub::FileSet::kMetadata);
+  if (!config.dpo.reference_model.empty())
+    resolve_one(config.dpo.reference_model, "dpo.reference_model",
+                metadata_only ? hub::FileSet::kMetadata : hub::FileSet::kModel);
   return result;
 }
 

@@ -323,8 +323,9 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
     plan.loss_per_example *= 2;
     plan.loss_rows_per_example = 3 * plan.loss_rows_per_example;
     plan.targets_per_example *= 2;
-    if (!config.lora.enabled) {
-      plan.reference_weights = p * (mode == PrecisionMode::kBf16 ? 2 : 4);
+    if (!config.lora.enabled || !config.dpo.reference_model.empty()) {  // a second model (counted as this one's size)
+      const bool bf16 = mode == PrecisionMode::kBf16 || (config.lora.enabled && config.lora.base_in_bf16);
+      plan.reference_weights = p * (bf16 ? 2 : 4);
       plan.weights += plan.reference_weights;
     }
   }
@@ -424,7 +425,8 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
                                                          enum_name(config.model.quantize) + "), + fp32 adapters"
                                                    : "frozen base + fp32 adapters");
   if (plan.reference_weights > 0)
-    row("  of which the DPO reference", plan.reference_weights, "a frozen copy of the starting weights");
+    row("  of which the DPO reference", plan.reference_weights,
+        config.dpo.reference_model.empty() ? "a frozen copy of the starting weights" : "dpo.reference_model, frozen");
   if (plan.dequantized_base > 0)
     row(plan.keeps_dequantized_base ? "  of which dequantized 4-bit weights" : "dequantized 4-bit weights (not kept)",
         plan.dequantized_base, plan.dequantized_base_reason);

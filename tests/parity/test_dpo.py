@@ -76,7 +76,7 @@ def trl_args(out, **kw):
 
 
 def trainer_config(tmp_path, model_dir, train_file, out, *, lora, loss_type=("sigmoid",), loss_weights=(),
-                   label_smoothing=0.0, beta=0.1, max_length=192, validation_file=None):
+                   label_smoothing=0.0, beta=0.1, max_length=192, validation_file=None, reference_model=""):
     config = {
         "model": {"path": str(model_dir), "init": "pretrained"},
         "data": {"train_files": [str(train_file)],
@@ -85,7 +85,7 @@ def trainer_config(tmp_path, model_dir, train_file, out, *, lora, loss_type=("si
         "training": {"objective": "dpo", "batch_size": 8, "micro_batch_size": 3, "max_steps": 3, "seed": SEED,
                      "max_grad_norm": 1.0},
         "dpo": {"beta": beta, "loss_type": list(loss_type), "loss_weights": list(loss_weights),
-                "label_smoothing": label_smoothing},
+                "label_smoothing": label_smoothing, "reference_model": str(reference_model)},
         "lora": {"enabled": lora, "r": 8, "alpha": 16, "dropout": 0.0, "target_modules": TARGETS},
         "evaluation": {"every_steps": 3 if validation_file else 0, "micro_batch_size": 3},
         "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
@@ -112,14 +112,16 @@ def our_initial_lora_a(model):
     return out
 
 
-def run_trl(tmp_path, model_dir, rows, *, lora, eval_rows=None, **kw):
+def run_trl(tmp_path, model_dir, rows, *, lora, eval_rows=None, ref_dir=None, **kw):
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     initial = our_initial_lora_a(model) if lora else None
     peft_config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
                                   task_type="CAUSAL_LM") if lora else None
     eval_dataset = datasets.Dataset.from_list(eval_rows) if eval_rows else None
-    dpo = trl.DPOTrainer(model=model, args=trl_args(tmp_path / "trl", per_device_eval_batch_size=8, **kw),
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32) if ref_dir else None
+    dpo = trl.DPOTrainer(model=model, ref_model=ref_model,
+                         args=trl_args(tmp_path / "trl", per_device_eval_batch_size=8, **kw),
                          train_dataset=datasets.Dataset.from_list(rows), eval_dataset=eval_dataset,
                          processing_class=tokenizer, peft_config=peft_config)
     if lora:
@@ -233,6 +235,25 @@ def test_evaluation_after_three_steps_equals_trls(models, tmp_path, run_trainer)
     assert ours["step"] == 3 and ours["eval_pairs"] == 8
     for key in ["loss", *METRICS]:
         assert ours["eval_" + key] == pytest.approx(theirs["eval_" + key], abs=1e-5, rel=1e-5), key
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_separate_reference_model_equals_trls_ref_model(lora, root, models, tmp_path, run_trainer):
+    """dpo.reference_model: another Qwen2 (other random weights) as the reference, TRL's ref_model."""
+    other = tmp_path / "reference"
+    config = transformers.AutoConfig.from_pretrained(models["qwen2"])
+    torch.manual_seed(99)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(other)
+    rows = records("conversational")
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "ours"
+    run_trainer("--config", trainer_config(tmp_path, models["qwen2"], train_file, out, lora=lora,
+                                           reference_model=other))
+    dpo = run_trl(tmp_path, models["qwen2"], rows, lora=lora, ref_dir=other)
+    compare_run(out, dpo, lora)
+    # Another reference than the start: the rewards at step 1 are not zero (with the start they are, at LoRA's B = 0).
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["rewards/chosen"]) > 1e-3
 
 
 def test_bad_records_name_their_file_and_line(models, tmp_path, run_trainer):

@@ -83,16 +83,16 @@ TEST(Config, DpoSettingsAreCheckedWithTheKeyAndWhatIsAllowed) {
   EXPECT_EQ(c.dpo.loss_weights, (std::vector<double>{1, 0.5}));
   EXPECT_EQ(parse_config(kMinimal, "test.json", {"training.objective=dpo", "dpo.loss_type=ipo"}).dpo.loss_type,
             std::vector<std::string>{"ipo"});  // one name without the list, as TRL takes a string
-  const auto problems = problems_of(kMinimal, {"training.objective=dpo", "dpo.beta=0", "dpo.loss_type=[\"kto\"]",
-                                               "dpo.loss_weights=[1, 2]", "dpo.label_smoothing=0.5",
-                                               "data.packing=true"});
+  const auto problems = problems_of(R"({"model": {"path": "m"}, "data": {"train_files": ["d.jsonl"], "packing": true},
+      "training": {"objective": "dpo"},
+      "dpo": {"beta": 0, "loss_type": ["kto"], "loss_weights": [1, 2], "label_smoothing": 0.5}})");
   EXPECT_TRUE(contains(problem_at(problems, "dpo.beta"), "must be > 0"));
   EXPECT_TRUE(contains(problem_at(problems, "dpo.loss_type"), "'kto' is not one of"));
   EXPECT_TRUE(contains(problem_at(problems, "dpo.loss_weights"), "2 weights for 1 loss types"));
   EXPECT_TRUE(contains(problem_at(problems, "dpo.label_smoothing"), "[0, 0.5)"));
   EXPECT_TRUE(contains(problem_at(problems, "data.packing"), "counts preference pairs"));
-  EXPECT_TRUE(contains(problem_at(problems_of(kMinimal, {"dpo.beta=0.2"}), "dpo"),
-                       "applies only with training.objective=dpo"));
+  EXPECT_TRUE(contains(problem_at(problems_of(R"({"model": {"path": "m"}, "data": {"train_files": ["d.jsonl"]},
+      "dpo": {"beta": 0.2}})"), "dpo"), "applies only with training.objective=dpo"));
 }
 
 TEST(Config, SerialisesBackToTheSameConfig) {

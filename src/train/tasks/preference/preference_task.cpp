@@ -181,18 +181,30 @@ void PreferenceTask::build_model(const std::optional<fs::path>& resume, const c1
                      "use a Llama, Qwen2 or Mistral model, or drop training.objective");
   pad_id_ = text_model_.pad_id();
   model_->train(dropout_on());
-  if (text_model_.lora()) {
+  const std::string& other = config().dpo.reference_model;
+  if (text_model_.lora() && other.empty()) {
     spdlog::info("DPO reference: the base model with the LoRA adapters off (no second copy)");
     return;
   }
-  // The reference is the starting weights, also when a full fine-tune resumes from its checkpoint.
-  const bool bf16 = config().precision.mode == PrecisionMode::kBf16;
+  // The reference is the starting weights (also when a full fine-tune resumes from its checkpoint), or
+  // dpo.reference_model's. Held as the base is: bf16 where the trained model's frozen weights are.
+  const bool bf16 = config().precision.mode == PrecisionMode::kBf16 ||
+                    (config().lora.enabled && config().lora.base_in_bf16);
   const auto options = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat).device(device);
-  reference_ = load_model(config().model.path, config().model.init, options,
-                          static_cast<uint64_t>(config().training.seed), quantize_options(config().model));
+  if (other.empty()) {
+    reference_ = load_model(config().model.path, config().model.init, options,
+                            static_cast<uint64_t>(config().training.seed), quantize_options(config().model));
+  } else {
+    reference_ = load_model(other, ModelInit::kPretrained, options, 0, quantize_options(config().model));
+    if (reference_->vocab_size() != model_->vocab_size() || reference_->family() != model_->family())
+      throw DataError("dpo.reference_model " + other + " is a " + reference_->model_type() + " with a vocabulary of " +
+                          std::to_string(reference_->vocab_size()) + ", model.path a " + model_->model_type() +
+                          " with " + std::to_string(model_->vocab_size()),
+                      "the reference must share model.path's tokenizer: name a model of the same family");
+  }
   reference_->train(false);
   reference_->for_each_parameter([](const std::string&, at::Tensor& p) { p.requires_grad_(false); });
-  spdlog::info("DPO reference: a frozen copy of {} ({} parameters)", config().model.path,
+  spdlog::info("DPO reference: a frozen copy of {} ({} parameters)", other.empty() ? config().model.path : other,
                count_parameters(*reference_));
 }
 
