@@ -630,6 +630,8 @@ def test_syntax_error_names_line_and_column(chat):
     ("{% unknown_tag %}", 1),
     ("{% break %}", 1),                               # break outside a loop
     ("{{ a.b( }}", 1),
+    ("a\n{{ x | nosuchfilter }}", 2),                 # unknown filter: refused when parsed, not when rendered
+    ("a\n\n{{ m is nosuchtest }}", 3),
 ])
 def test_syntax_errors_are_reported_like_jinja2(chat, template, line):
     import jinja2
@@ -642,6 +644,20 @@ def test_syntax_errors_are_reported_like_jinja2(chat, template, line):
     assert got["line"] == line
     if isinstance(info.value, jinja2.exceptions.TemplateSyntaxError) and not template.startswith("{% for"):
         assert info.value.lineno == line  # jinja2 reports an unclosed block at the template's end; we at its start
+
+
+def test_every_jinja2_filter_and_test_name_parses(chat):
+    # Filters and tests are resolved when the template is parsed: every name jinja2 has must be known (those we do
+    # not implement are an error only when a render reaches them), or a template transformers loads would not load.
+    import jinja2.defaults
+
+    names = [f"{{{{ x | {name} }}}}" for name in jinja2.defaults.DEFAULT_FILTERS]
+    names += [f"{{{{ x is {name} }}}}" for name in jinja2.defaults.DEFAULT_TESTS if name.isidentifier()]
+    for expression in names:
+        template = "{% if false %}" + expression + "{% endif %}ok"
+        assert reference(template, [])["text"] == "ok"
+        got = ours(chat, template, [])
+        assert got.get("text") == "ok", (expression, got)
 
 
 def reference_compile(template):
