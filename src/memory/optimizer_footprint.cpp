@@ -1,6 +1,8 @@
 // What an optimizer's state costs (see optimizer_footprint.h).
 #include "memory/optimizer_footprint.h"
 
+#include <algorithm>
+
 namespace trainer {
 
 bool adamw_uses_fused_kernel(const OptimizerConfig& config, bool bf16_trainable_parameters) {
@@ -30,6 +32,21 @@ int64_t optimizer_state_bytes(const OptimizerConfig& config, c10::IntArrayRef si
   }
   if (bf16_param && config.bf16_update == Bf16Update::kKahan) bytes += 2 * numel;
   return bytes;
+}
+
+std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world) {
+  std::vector<int> owners(numels.size(), 0);
+  if (world <= 1) return owners;
+  std::vector<std::size_t> order(numels.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return numels[a] > numels[b]; });
+  std::vector<int64_t> load(static_cast<std::size_t>(world), 0);
+  for (const std::size_t i : order) {
+    const auto least = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owners[i] = static_cast<int>(least);
+    load[least] += numels[i];
+  }
+  return owners;
 }
 
 }  // namespace trainer

@@ -1,11 +1,13 @@
-// What an optimizer's state costs, from the config alone: the bytes of state per trainable parameter and whether
-// AdamW takes ATen's fused kernel (which decides its update scratch). The memory planner counts them before any
-// optimizer exists; the optimizers of train/optim are built to them (optimizer.h includes this header, and
-// tests/unit/train/optimizer_test.cpp checks state_bytes() against optimizer_state_bytes()). In memory/, below
-// train/, so that the planner includes nothing of train/ (docs/architecture.md#layers).
+// What an optimizer's state costs, from the config alone: the bytes of state per trainable parameter, whether
+// AdamW takes ATen's fused kernel (which decides its update scratch) and, sharded (ZeRO-1), which rank owns which
+// parameter's state. The memory planner counts them before any optimizer exists; the optimizers of train/optim are
+// built to them (optimizer.h includes this header, and tests/unit/train/optimizer_test.cpp checks state_bytes()
+// against optimizer_state_bytes()). In memory/, below train/, so that the planner includes nothing of train/
+// (docs/architecture.md#layers).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <c10/util/ArrayRef.h>
 
@@ -27,5 +29,10 @@ bool adamw_uses_fused_kernel(const OptimizerConfig& config, bool bf16_trainable_
 // Bytes of optimizer state (Kahan compensation included) for one trainable parameter of `sizes` in the dtype given
 // by `bf16_param`: what Optimizer::state_bytes() counts, for the planner before any weight exists.
 int64_t optimizer_state_bytes(const OptimizerConfig& config, c10::IntArrayRef sizes, bool bf16_param);
+
+// The owner rank of each parameter (by element count, in the optimizer's order) among `world` ranks: largest first
+// to the least-loaded rank (ties: the lower rank, then the earlier parameter), so each rank holds about 1/world of
+// the elements whenever no single parameter is larger than that. Depends only on the sizes: every rank agrees.
+std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world);
 
 }  // namespace trainer

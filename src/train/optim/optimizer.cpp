@@ -33,21 +33,6 @@ bool decays_by_default(const std::string& name) {
            name == "shared.weight" || name.find("relative_attention_bias") != std::string::npos);
 }
 
-std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world) {
-  std::vector<int> owners(numels.size(), 0);
-  if (world <= 1) return owners;
-  std::vector<std::size_t> order(numels.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return numels[a] > numels[b]; });
-  std::vector<int64_t> load(static_cast<std::size_t>(world), 0);
-  for (const std::size_t i : order) {
-    const auto least = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    owners[i] = static_cast<int>(least);
-    load[least] += numels[i];
-  }
-  return owners;
-}
-
 Optimizer::Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed, OptimizerShard shard)
     : shard_(shard), config_(config), seed_(seed) {
   model.for_each_parameter([&](const std::string& name, at::Tensor& p) {

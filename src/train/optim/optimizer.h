@@ -40,11 +40,6 @@ struct OptimizerShard {
   int world = 1;
 };
 
-// The owner rank of each parameter (by element count, in the optimizer's order) among `world` ranks: largest first
-// to the least-loaded rank (ties: the lower rank, then the earlier parameter), so each rank holds about 1/world of
-// the elements whenever no single parameter is larger than that. Depends only on the sizes: every rank agrees.
-std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world);
-
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
