@@ -60,4 +60,12 @@ class DataError : public Error {
   ExitCode exit_code() const override { return kExitData; }
 };
 
+// Out of memory with the micro-batch at its floor and every escalation used: exit code 4.
+// (Thrown by the training step, by data parallelism's gradient sums and by evaluation.)
+class OutOfMemoryAtFloor : public Error {
+ public:
+  using Error::Error;
+  ExitCode exit_code() const override { return kExitOutOfMemory; }
+};
+
 }  // namespace trainer

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/image.h"
+#include "data/image_loader.h"
 #include "data/image_preprocess.h"
 #include "models/clip.h"
 #include "models/clip_zero_shot.h"

@@ -9,6 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include "data/permutation.h"
+#include "models/hf_config.h"
+#include "models/image_model.h"
+#include "trainer/model_dir.h"
 
 namespace trainer {
 namespace fs = std::filesystem;
@@ -158,6 +161,34 @@ std::unique_ptr<ImageLoader> make_caption_loader(const Config& config,
     options.augment = config.data.augment;
   }
   return std::make_unique<ImageLoader>(std::move(dataset), spec, options);
+}
+
+data::ImageProcessorSpec image_processor_for(const std::string& dir, const ImageClassifier& model) {
+  return image_processor_for(dir, model.image_processor_type(), model.image_size());
+}
+
+data::ImageProcessorSpec image_processor_for(const std::string& dir, const std::string& processor_type,
+                                             int64_t image_size) {
+  auto spec = data::read_image_processor(dir, processor_type);
+  if (!std::filesystem::exists(std::filesystem::path(dir) / "preprocessor_config.json")) {
+    const auto size = static_cast<int>(image_size);
+    if (spec.shortest_edge > 0) {
+      spec.shortest_edge = spec.crop_height = spec.crop_width = size;
+    } else {
+      spec.resize_height = spec.resize_width = size;
+    }
+  }
+  return spec;
+}
+
+data::ImageProcessorSpec image_processor_for(const std::string& dir) {
+  const nlohmann::json config = read_json_file((std::filesystem::path(dir) / "config.json").string());
+  const std::string type = hf::get_string(config, "model_type", "");
+  if (type == "clip" || type == "clip_vision_model") {
+    const nlohmann::json vision = type == "clip" ? config.value("vision_config", nlohmann::json::object()) : config;
+    return image_processor_for(dir, "CLIPImageProcessor", hf::get_int(vision, "image_size", 224));
+  }
+  return image_processor_for(dir, "ViTImageProcessor", hf::get_int(config, "image_size", 224));
 }
 
 }  // namespace trainer

@@ -20,6 +20,8 @@
 
 namespace trainer {
 
+class ImageClassifier;
+
 // One effective batch of images: kept.size() x 3 x H x W float32 pixels (channel-first), a label per image, and
 // per image its index in the epoch's order (what its dropout masks and augmentation are keyed by does not change
 // with the split).
@@ -106,5 +108,15 @@ std::unique_ptr<ImageLoader> make_caption_loader(const Config& config,
                                                  std::shared_ptr<const data::ImageDataset> dataset,
                                                  const data::ImageProcessorSpec& spec, bool training,
                                                  int64_t batch_size, ImageShard shard = {});
+
+// The preprocessing of a model directory: its preprocessor_config.json, else the model's processor defaults
+// (image_processor_type()) at the model's own image size, not 224: ViT resizes to it, CLIP resizes the short side to
+// it and crops the centre square.
+data::ImageProcessorSpec image_processor_for(const std::string& dir, const ImageClassifier& model);
+// The same from dir/config.json alone, without building the model (`trainer data`).
+data::ImageProcessorSpec image_processor_for(const std::string& dir);
+// The same for any image model: `processor_type`'s defaults (e.g. "CLIPImageProcessor") at `image_size`.
+data::ImageProcessorSpec image_processor_for(const std::string& dir, const std::string& processor_type,
+                                             int64_t image_size);
 
 }  // namespace trainer

@@ -13,6 +13,7 @@
 #include <functional>
 
 #include "models/module.h"
+#include "trainer/errors.h"
 
 namespace trainer::distributed {
 

@@ -16,8 +16,8 @@
 #include <ATen/core/Tensor.h>
 
 #include "distributed/process_group.h"
+#include "distributed/step_sync.h"
 #include "log/reporter.h"
-#include "train/step.h"
 #include "trainer/data.h"
 
 namespace trainer {

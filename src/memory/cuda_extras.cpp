@@ -49,18 +49,6 @@ bool dump_allocator_snapshot(const std::string& path) {
   return true;
 }
 
-bool flash_attention_device(const c10::Device& device) {
-  if (!device.is_cuda()) return false;
-  const c10::DeviceIndex index = device.has_index() ? device.index() : at::accelerator::getDeviceIndex();
-  return at::cuda::getDeviceProperties(index)->major >= 8;
-}
-
-void* current_cuda_stream(const c10::Device& device) {
-  if (!device.is_cuda()) throw UsageError("no CUDA stream on " + device.str());
-  const c10::DeviceIndex index = device.has_index() ? device.index() : at::accelerator::getDeviceIndex();
-  return at::cuda::getCurrentCUDAStream(index).stream();
-}
-
 #else  // a CPU build of LibTorch: no CUDA headers, nothing to cap or record
 
 bool cuda_extras_available() { return false; }
@@ -74,13 +62,6 @@ void cap_device_memory(const c10::Device& device, int64_t /*bytes*/) {
 void start_recording_allocations() {}
 
 bool dump_allocator_snapshot(const std::string& /*path*/) { return false; }
-
-bool flash_attention_device(const c10::Device& /*device*/) { return false; }
-
-void* current_cuda_stream(const c10::Device& device) {
-  throw UsageError("no CUDA stream on " + device.str() + ": this trainer is built with a CPU-only LibTorch",
-                   "build trainer against a CUDA LibTorch (docs/building.md)");
-}
 
 #endif
 

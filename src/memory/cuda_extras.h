@@ -1,7 +1,8 @@
 // The CUDA-only extras: capping the process's share of a GPU (memory.limit on a GPU) and allocator snapshots for
 // pytorch.org/memory_viz (memory.snapshot_on_oom). They live in one file, cuda_extras.cpp, behind the one
 // compile-time switch TRAINER_WITH_CUDA (set by cmake/Torch.cmake when the LibTorch found has CUDA); in a CPU build
-// the functions say that they are unavailable and the CPU budget allocator plays the GPU's part.
+// the functions say that they are unavailable and the CPU budget allocator plays the GPU's part. The device queries
+// that models/ and util/ need (the current stream, flash attention) are in util/cuda_device.h, below them.
 #pragma once
 
 #include <cstdint>
@@ -26,13 +27,5 @@ void start_recording_allocations();
 // Writes the allocator's snapshot (with the recorded history) to `path` as the pickle memory_viz opens.
 // Returns false in a CPU build or when recording was not started.
 bool dump_allocator_snapshot(const std::string& path);
-
-// Whether ATen's flash-attention kernels run on `device`: a CUDA device of compute capability 8.0 or newer
-// (Ampere, Ada, Hopper, Blackwell). False in a CPU build and for any other device.
-bool flash_attention_device(const c10::Device& device);
-
-// The raw handle (cudaStream_t) of `device`'s current stream, for kernels of other libraries that take one
-// (bitsandbytes'). Throws UsageError in a CPU build.
-void* current_cuda_stream(const c10::Device& device);
 
 }  // namespace trainer

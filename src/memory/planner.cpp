@@ -24,14 +24,13 @@
 #include <unistd.h>
 
 #include "memory/cpu_budget.h"
+#include "memory/optimizer_footprint.h"
 #include "models/hf_config.h"
 #include "models/image_model.h"
 #include "models/inspect.h"
 #include "models/linear4bit.h"
 #include "models/lora.h"
 #include "models/model.h"
-#include "train/optim/grad_scaler.h"
-#include "train/optim/optimizer.h"
 #include "trainer/device.h"
 #include "trainer/model_dir.h"
 

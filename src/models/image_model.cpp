@@ -74,34 +74,6 @@ void save_image_classifier(ImageClassifier& model, const std::string& dir) {
   throw std::logic_error("save_image_classifier: no writer for model_type \"" + model.model_type() + "\"");
 }
 
-data::ImageProcessorSpec image_processor_for(const std::string& dir, const ImageClassifier& model) {
-  return image_processor_for(dir, model.image_processor_type(), model.image_size());
-}
-
-data::ImageProcessorSpec image_processor_for(const std::string& dir, const std::string& processor_type,
-                                             int64_t image_size) {
-  auto spec = data::read_image_processor(dir, processor_type);
-  if (!std::filesystem::exists(std::filesystem::path(dir) / "preprocessor_config.json")) {
-    const auto size = static_cast<int>(image_size);
-    if (spec.shortest_edge > 0) {
-      spec.shortest_edge = spec.crop_height = spec.crop_width = size;
-    } else {
-      spec.resize_height = spec.resize_width = size;
-    }
-  }
-  return spec;
-}
-
-data::ImageProcessorSpec image_processor_for(const std::string& dir) {
-  const nlohmann::json config = read_json_file((std::filesystem::path(dir) / "config.json").string());
-  const std::string type = hf::get_string(config, "model_type", "");
-  if (type == "clip" || type == "clip_vision_model") {
-    const nlohmann::json vision = type == "clip" ? config.value("vision_config", nlohmann::json::object()) : config;
-    return image_processor_for(dir, "CLIPImageProcessor", hf::get_int(vision, "image_size", 224));
-  }
-  return image_processor_for(dir, "ViTImageProcessor", hf::get_int(config, "image_size", 224));
-}
-
 void initialise_randomly(ImageClassifier& model, const c10::TensorOptions& options, uint64_t seed,
                          const std::vector<std::string>& labels) {
   if (!labels.empty() && labels != model.labels()) model.set_labels(labels, options.dtype(at::kFloat));

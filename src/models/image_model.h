@@ -13,7 +13,6 @@
 #include <c10/core/TensorOptions.h>
 #include <nlohmann/json.hpp>
 
-#include "data/image_preprocess.h"
 #include "models/model.h"
 #include "models/module.h"
 #include "trainer/config.h"
@@ -80,16 +79,6 @@ void initialise_randomly(ImageClassifier& model, const c10::TensorOptions& optio
 std::unique_ptr<ImageClassifier> load_image_classifier(const std::string& dir, ModelInit init,
                                                        const c10::TensorOptions& options, uint64_t seed = 0,
                                                        const std::vector<std::string>& labels = {});
-// The preprocessing of a model directory: its preprocessor_config.json, else the model's processor defaults
-// (image_processor_type()) at the model's own image size, not 224: ViT resizes to it, CLIP resizes the short side to
-// it and crops the centre square.
-data::ImageProcessorSpec image_processor_for(const std::string& dir, const ImageClassifier& model);
-// The same from dir/config.json alone, without building the model (`trainer data`).
-data::ImageProcessorSpec image_processor_for(const std::string& dir);
-// The same for any image model: `processor_type`'s defaults (e.g. "CLIPImageProcessor") at `image_size`.
-data::ImageProcessorSpec image_processor_for(const std::string& dir, const std::string& processor_type,
-                                             int64_t image_size);
-
 // Writes config.json (id2label/label2id, architectures) and model.safetensors so that transformers'
 // from_pretrained loads it.
 void save_image_classifier(ImageClassifier& model, const std::string& dir);

@@ -25,11 +25,11 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "models/layers.h"
-#include "memory/cuda_extras.h"
 #include "models/model.h"
 #include "quant/bnb_layout.h"
 #include "trainer/errors.h"
 #include "util/counter_rng.h"
+#include "util/cuda_device.h"
 
 namespace trainer {
 namespace {

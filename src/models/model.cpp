@@ -2,6 +2,8 @@
 // generation.cpp).
 #include "models/model.h"
 
+#include <array>
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -27,6 +29,19 @@ std::unique_ptr<LanguageModel> build_model(const nlohmann::json& config, const c
   std::string names;
   for (const auto& [known, family] : supported_model_types()) names += (names.empty() ? "" : ", ") + known;
   throw DataError("config.json: model_type \"" + type + "\" is not supported", "supported model types: " + names);
+}
+
+void check_fp16_supported(const std::string& model_type, const std::string& config_json) {
+  // The T5 family as transformers names it: each is T5's blocks (relative attention, gated or relu FF).
+  // (ByT5 and FLAN-T5 checkpoints say "t5".)
+  static constexpr std::array<const char*, 5> kT5Family = {"t5", "mt5", "umt5", "longt5", "switch_transformers"};
+  for (const char* type : kT5Family)
+    if (model_type == type)
+      throw UsageError("precision.mode=fp16-mixed is refused for " + config_json + " (model_type \"" + model_type +
+                           "\"): T5 / FLAN-T5 activations overflow fp16 in the forward pass (inf, then NaN loss), "
+                           "which no loss scale can prevent",
+                       "use precision.mode=bf16-mixed or bf16 where the GPU has bf16 (Ampere and newer, and the CPU), "
+                       "else precision.mode=fp32");
 }
 
 LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits) {

@@ -115,6 +115,11 @@ LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits 
 // Throws DataError for an unsupported model_type or a config value the model cannot honour.
 std::unique_ptr<LanguageModel> build_model(const nlohmann::json& config, const c10::TensorOptions& options);
 
+// precision.mode=fp16-mixed is refused for the T5 family (t5, mt5, umt5, longt5, ...): their activations overflow
+// fp16 in the forward pass itself, where no loss scale helps. Throws UsageError (exit 2) naming `config_json` and
+// the model_type, with the modes that work.
+void check_fp16_supported(const std::string& model_type, const std::string& config_json);
+
 // Parameter counts for `inspect` and `plan`.
 int64_t count_parameters(Module& model);
 

@@ -12,9 +12,9 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 
-#include "memory/cuda_extras.h"
 #include "models/dropout.h"
 #include "trainer/errors.h"
+#include "util/cuda_device.h"
 
 namespace trainer {
 namespace {

@@ -11,7 +11,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
-#include "memory/cuda_extras.h"
+#include "util/cuda_device.h"
 #if TRAINER_WITH_CUDA
 #include "util/counter_rng_cuda.h"
 #endif

@@ -28,6 +28,7 @@
 #include "trainer/device.h"
 #include "trainer/errors.h"
 #include "util/counter_rng.h"
+#include "util/cuda_device.h"
 #include "trainer/safetensors.h"
 
 namespace trainer::test {

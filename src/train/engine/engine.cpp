@@ -15,7 +15,6 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "distributed/checkpoint_parts.h"
 #include "distributed/data_parallel.h"
 #include "distributed/process_group.h"
 #include "log/reporter.h"
@@ -24,6 +23,7 @@
 #include "memory/policy.h"
 #include "models/module.h"
 #include "train/checkpoint_dir.h"
+#include "train/checkpoint_parts.h"
 #include "train/device_move.h"
 #include "train/engine/task.h"
 #include "train/fixed_memory.h"
@@ -476,7 +476,7 @@ void Engine::start_retention() {
 
 // checkpoint-N: the task's model (or adapter) files, the optimizer state with the RNG state, and train_state.json,
 // written to a temporary directory and renamed into place (a crash leaves the previous one whole); COMPLETE last.
-// Rank 0 writes it; with sharded optimizer state every rank writes its part (distributed/checkpoint_parts.h). Then
+// Rank 0 writes it; with sharded optimizer state every rank writes its part (train/checkpoint_parts.h). Then
 // what stays (keep_last, keep_best by the validation loss at this step) and the webhook. Every rank calls it at the
 // same step. `cursor` and `policy_state` are those of the moment after `step`: after an out-of-memory stop they are
 // the ones from before the failed batch, so a resume trains that batch again.

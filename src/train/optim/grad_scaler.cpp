@@ -1,7 +1,6 @@
 // Dynamic loss scaling for fp16-mixed (see grad_scaler.h).
 #include "train/optim/grad_scaler.h"
 
-#include <array>
 #include <cmath>
 #include <map>
 #include <tuple>
@@ -74,19 +73,6 @@ void GradScaler::restore(const nlohmann::json& state, const std::string& source)
   } catch (const nlohmann::json::exception& e) {
     throw DataError(source + ": loss_scaler: " + e.what(), "resume from another checkpoint");
   }
-}
-
-void check_fp16_supported(const std::string& model_type, const std::string& config_json) {
-  // The T5 family as transformers names it: each is T5's blocks (relative attention, gated or relu FF).
-  // (ByT5 and FLAN-T5 checkpoints say "t5".)
-  static constexpr std::array<const char*, 5> kT5Family = {"t5", "mt5", "umt5", "longt5", "switch_transformers"};
-  for (const char* type : kT5Family)
-    if (model_type == type)
-      throw UsageError("precision.mode=fp16-mixed is refused for " + config_json + " (model_type \"" + model_type +
-                           "\"): T5 / FLAN-T5 activations overflow fp16 in the forward pass (inf, then NaN loss), "
-                           "which no loss scale can prevent",
-                       "use precision.mode=bf16-mixed or bf16 where the GPU has bf16 (Ampere and newer, and the CPU), "
-                       "else precision.mode=fp32");
 }
 
 }  // namespace trainer

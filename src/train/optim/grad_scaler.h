@@ -55,9 +55,4 @@ class GradScaler {
   int64_t consecutive_skips_ = 0;
 };
 
-// precision.mode=fp16-mixed is refused for the T5 family (t5, mt5, umt5, longt5, ...): their activations overflow
-// fp16 in the forward pass itself, where no loss scale helps. Throws UsageError (exit 2) naming `config_json` and
-// the model_type, with the modes that work.
-void check_fp16_supported(const std::string& model_type, const std::string& config_json);
-
 }  // namespace trainer

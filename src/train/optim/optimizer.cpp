@@ -20,10 +20,8 @@
 namespace trainer {
 namespace {
 
-// optimizer.state_dtype=int8, as bitsandbytes' AdamW8bit: blocks of 256 elements (BLOCKSIZE_2STATE), fp32 moments
-// for parameters under 4096 elements (min_8bit_size); the update works in chunks of whole blocks.
-constexpr int64_t kInt8Block = 256;
-constexpr int64_t kInt8MinSize = 4096;
+// optimizer.state_dtype=int8 (kInt8Block, kInt8MinSize: memory/optimizer_footprint.h): the update works in chunks of
+// whole blocks.
 constexpr int64_t kInt8Chunk = int64_t{1} << 20;
 
 constexpr int64_t kUpdateChunk = 1 << 22;  // elements per update chunk: 16 MiB of fp32 scratch each
@@ -33,21 +31,6 @@ constexpr int64_t kUpdateChunk = 1 << 22;  // elements per update chunk: 16 MiB 
 bool decays_by_default(const std::string& name) {
   return !(name.ends_with(".bias") || name.find("norm") != std::string::npos || name.find("embed") != std::string::npos ||
            name == "shared.weight" || name.find("relative_attention_bias") != std::string::npos);
-}
-
-std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world) {
-  std::vector<int> owners(numels.size(), 0);
-  if (world <= 1) return owners;
-  std::vector<std::size_t> order(numels.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return numels[a] > numels[b]; });
-  std::vector<int64_t> load(static_cast<std::size_t>(world), 0);
-  for (const std::size_t i : order) {
-    const auto least = static_cast<std::size_t>(std::min_element(load.begin(), load.end()) - load.begin());
-    owners[i] = static_cast<int>(least);
-    load[least] += numels[i];
-  }
-  return owners;
 }
 
 Optimizer::Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed, OptimizerShard shard)
@@ -221,10 +204,6 @@ void Optimizer::load_state(const std::vector<std::pair<std::string, at::Tensor>>
       param.compensation.zero_();
   }
   step_ = steps;
-}
-
-bool adamw_uses_fused_kernel(const OptimizerConfig& config, bool bf16_trainable_parameters) {
-  return config.name == OptimizerName::kAdamW && config.state_dtype == StateDtype::kFp32 && !bf16_trainable_parameters;
 }
 
 AdamW::AdamW(Module& model, const OptimizerConfig& config, uint64_t seed, bool allow_fused, OptimizerShard shard)
@@ -553,31 +532,6 @@ std::unique_ptr<Optimizer> make_optimizer(Module& model, const OptimizerConfig& 
                    "rounded away, and such a run learns far less than in fp32; use stochastic (the default) or kahan");
   }
   return optimizer;
-}
-
-int64_t optimizer_state_bytes(const OptimizerConfig& config, c10::IntArrayRef sizes, bool bf16_param) {
-  int64_t numel = 1;
-  for (const int64_t s : sizes) numel *= s;
-  int64_t bytes = 0;
-  if (config.name == OptimizerName::kAdafactor) {
-    if (sizes.size() >= 2) {
-      const int64_t cols = sizes.back(), rows = sizes[sizes.size() - 2];
-      const int64_t matrices = rows * cols == 0 ? 0 : numel / (rows * cols);
-      bytes += 4 * matrices * (rows + cols);
-    } else {
-      bytes += 4 * numel;
-    }
-    if (config.adafactor_beta1) bytes += 4 * numel;
-  } else if (config.state_dtype == StateDtype::kInt8) {
-    // bitsandbytes' AdamW8bit: two uint8 codes and, per 256 elements, two fp32 absmax; fp32 moments below 4096
-    // elements (min_8bit_size); plus the step count (int64).
-    bytes += numel >= kInt8MinSize ? 2 * numel + 8 * ((numel + kInt8Block - 1) / kInt8Block) : 8 * numel;
-    bytes += 8;
-  } else {
-    bytes += 2 * numel * (config.state_dtype == StateDtype::kBf16 ? 2 : 4);
-  }
-  if (bf16_param && config.bf16_update == Bf16Update::kKahan) bytes += 2 * numel;
-  return bytes;
 }
 
 double scheduled_lr(const SchedulerConfig& s, double peak_lr, int64_t step, int64_t total) {

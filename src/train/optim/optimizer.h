@@ -25,6 +25,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/ArrayRef.h>
 
+#include "memory/optimizer_footprint.h"
 #include "models/module.h"
 #include "trainer/config.h"
 
@@ -38,11 +39,6 @@ struct OptimizerShard {
   int rank = 0;
   int world = 1;
 };
-
-// The owner rank of each parameter (by element count, in the optimizer's order) among `world` ranks: largest first
-// to the least-loaded rank (ties: the lower rank, then the earlier parameter), so each rank holds about 1/world of
-// the elements whenever no single parameter is larger than that. Depends only on the sizes: every rank agrees.
-std::vector<int> shard_owners(const std::vector<int64_t>& numels, int world);
 
 class Optimizer {
  public:
@@ -125,12 +121,6 @@ class Optimizer {
   int64_t step_ = 0;
 };
 
-// Whether AdamW runs ATen's fused kernel (_fused_adamw_: one vectorised pass per tensor, about 5x faster on a
-// CPU than the chunked update below) rather than its chunked update: when every trainable parameter and both
-// moments are fp32 (precision fp32 or bf16-mixed, or LoRA adapters; optimizer.state_dtype fp32). bf16 weights
-// or moments need stochastic rounding or Kahan compensation, which the kernel does not do.
-bool adamw_uses_fused_kernel(const OptimizerConfig& config, bool bf16_trainable_parameters);
-
 class AdamW final : public Optimizer {
  public:
   // `allow_fused` false keeps the chunked update even where the fused kernel applies (for comparisons).
@@ -210,10 +200,6 @@ class Adafactor final : public Optimizer {
 // optimizer.bf16_update=nearest meets bf16 parameters or moments.
 std::unique_ptr<Optimizer> make_optimizer(Module& model, const OptimizerConfig& config, uint64_t seed,
                                           OptimizerShard shard = {});
-
-// Bytes of optimizer state (Kahan compensation included) for one trainable parameter of `sizes` in the dtype given
-// by `bf16_param`: what state_bytes() counts, for the planner before any weight exists.
-int64_t optimizer_state_bytes(const OptimizerConfig& config, c10::IntArrayRef sizes, bool bf16_param);
 
 // Whether a parameter is decayed by default: not norms, biases or embeddings (nor T5's relative bias table).
 bool decays_by_default(const std::string& name);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/policy.h"
+#include "models/model.h"
 #include "models/weights.h"
 #include "support/paths.h"
 #include "train/optim/grad_scaler.h"

@@ -1,5 +1,5 @@
 // Checkpoints of data-parallel runs (see checkpoint_parts.h).
-#include "distributed/checkpoint_parts.h"
+#include "train/checkpoint_parts.h"
 
 #include <set>
 #include <utility>

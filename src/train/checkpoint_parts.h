@@ -3,6 +3,8 @@
 // train_state.json; the optimizer state comes from rank 0 alone, or with sharded optimizer state
 // (distributed.shard_optimizer, ZeRO-1) as one part per rank, listed in train_state.json's "optimizer_files", so that
 // any world size (one process included) resumes from it. COMPLETE is written only once every part is on disk.
+// In train/ (it writes checkpoint_dir's format and the Optimizer's state, over distributed/'s Communicator); its
+// functions keep the namespace distributed::, which says at each call that every rank takes part.
 #pragma once
 
 #include <cstdint>
