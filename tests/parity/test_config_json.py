@@ -8,7 +8,7 @@ def test_print_config_is_json_with_every_section(run_trainer):
     config = json.loads(printed)
     assert list(config) == ["model", "tokenizer", "data", "training", "evaluation", "optimizer", "scheduler",
                             "precision", "lora", "memory", "device", "checkpoint", "logging", "distributed",
-                            "contrastive"]
+                            "contrastive", "dpo"]
     assert config["training"]["batch_size"] == 128
     assert config["training"]["micro_batch_size"] == "auto"
     assert config["precision"]["mode"] == "bf16"
