@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -85,8 +86,9 @@ def theirs(model, data, out, steps, lora, precompute):
     spec = dict(model=model, data=data, out=out, steps=steps, lora=lora, precompute=precompute)
     run = run_measured([sys.executable, os.path.abspath(__file__), "--trl-side", json.dumps(spec)])
     check(run, "TRL " + out)
-    times = [t for t, line in run.lines if line.startswith("BENCH step")]
-    losses = [float(line.split()[-1]) for t, line in run.lines if line.startswith("BENCH loss")]
+    # tqdm's progress bar shares the lines (carriage returns, no newline): the marks are found anywhere in a line.
+    times = [t for t, line in run.lines if "BENCH step" in line]
+    losses = [float(m.group(1)) for t, line in run.lines if (m := re.search(r"BENCH loss (\S+)", line))]
     return run, times, losses[0] if losses else None
 
 
