@@ -21,12 +21,7 @@ using nlohmann::ordered_json;
 namespace fs = std::filesystem;
 
 Outcome chat_problem(std::string what, std::string hint = {}, bool fatal = false) {
-  Outcome outcome;
-  outcome.kind = OutcomeKind::kBadRecord;
-  outcome.problem = std::move(what);
-  outcome.hint = std::move(hint);
-  outcome.fatal = fatal;
-  return outcome;
+  return bad_record(std::move(what), std::move(hint), fatal);
 }
 
 bool marks_generation(const std::string& source) {

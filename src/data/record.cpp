@@ -13,19 +13,7 @@ namespace {
 
 using nlohmann::json;
 
-Outcome bad(std::string what) {
-  Outcome outcome;
-  outcome.kind = OutcomeKind::kBadRecord;
-  outcome.problem = std::move(what);
-  return outcome;
-}
-
-Outcome overlength_skipped(std::string what) {
-  Outcome outcome;
-  outcome.kind = OutcomeKind::kOverlengthSkipped;
-  outcome.problem = std::move(what);
-  return outcome;
-}
+Outcome bad(std::string what) { return bad_record(std::move(what)); }
 
 bool is_whitespace_only(std::string_view text) {
   for (char c : text)
@@ -251,6 +239,22 @@ std::size_t find_invalid_utf8(std::string_view text) {
     i += length;
   }
   return std::string_view::npos;
+}
+
+Outcome bad_record(std::string what, std::string hint, bool fatal) {
+  Outcome outcome;
+  outcome.kind = OutcomeKind::kBadRecord;
+  outcome.problem = std::move(what);
+  outcome.hint = std::move(hint);
+  outcome.fatal = fatal;
+  return outcome;
+}
+
+Outcome overlength_skipped(std::string what) {
+  Outcome outcome;
+  outcome.kind = OutcomeKind::kOverlengthSkipped;
+  outcome.problem = std::move(what);
+  return outcome;
 }
 
 Outcome map_record(std::string_view line, const MappingSpec& spec, const Tokenizer& tokenizer) {

@@ -43,6 +43,11 @@ struct Outcome {
   std::string chat_text;   // chat records with MappingSpec::keep_chat_text: the rendered conversation
 };
 
+// A bad record (`hint`: the likely fix when it is not the generic one; `fatal`: every record of its kind would have
+// it, so it stops the run even with data.on_bad_record = skip), and a record skipped for its length.
+Outcome bad_record(std::string what, std::string hint = {}, bool fatal = false);
+Outcome overlength_skipped(std::string what);
+
 // Maps one record (a line of JSON, without its newline). Never throws for bad data: a bad record is an Outcome,
 // so the loader decides (in record order) whether to stop or to count and skip it.
 Outcome map_record(std::string_view line, const MappingSpec& spec, const Tokenizer& tokenizer);

@@ -21,20 +21,9 @@ constexpr const char* kChosen = "chosen";
 constexpr const char* kRejected = "rejected";
 
 Outcome bad(std::string what, std::string hint = {}, bool fatal = false) {
-  Outcome outcome;
-  outcome.kind = OutcomeKind::kBadRecord;
-  outcome.problem = std::move(what);
-  outcome.hint = std::move(hint);
-  outcome.fatal = fatal;
-  return outcome;
+  return data::bad_record(std::move(what), std::move(hint), fatal);
 }
-
-Outcome overlength(std::string what) {
-  Outcome outcome;
-  outcome.kind = OutcomeKind::kOverlengthSkipped;
-  outcome.problem = std::move(what);
-  return outcome;
-}
+Outcome overlength(std::string what) { return data::overlength_skipped(std::move(what)); }
 
 // A conversation as TRL's is_conversational sees one: a list whose first item is an object with "role" and
 // "content". What is wrong with its messages, or nothing.
