@@ -26,7 +26,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import BENCH_DIR, ROOT, ensure_data, fresh_dir, log, machine_notes, median, ratio, run_measured, table, write_json  # noqa: E402,E501
+from common import (BENCH_DIR, ROOT, ensure_data, fresh_dir, log, machine_notes, median, ratio,  # noqa: E402
+                    run_measured, table, write_json)
 from vs_hf import MIB, STEP_LINE, check  # noqa: E402
 from qlora import TARGETS, weights_dir  # noqa: E402
 
@@ -169,8 +170,9 @@ def main():
     for side in sides:
         rate = median([r[0] for r in results[side]])
         rss = median([r[1] for r in results[side]])
+        against = side != "trainer"
         rows.append([side, f"{rate:.2f}" if rate else "n/a", f"{rss / MIB:.0f}", results[side][0][2],
-                     ratio(ours_rate, rate) if side != "trainer" else "", ratio(ours_rss, rss) if side != "trainer" else ""])
+                     ratio(ours_rate, rate) if against else "", ratio(ours_rss, rss) if against else ""])
     print(f"\nDPO, {name}, {'LoRA r 16' if lora else 'full fine-tune'}, {BATCH} pairs a step, max_length "
           f"{MAX_LENGTH}, fp32, {steps} steps ({warmup} warm-up), medians of {args.repeats}; {machine_notes()}\n")
     print(table(["side", "pairs/s", "peak RSS MiB", "first loss", "trainer's pairs/s", "trainer's peak RSS"], rows))
