@@ -50,52 +50,55 @@ void add_scalars(const nlohmann::json& record, std::vector<std::pair<std::string
 
 }  // namespace
 
-std::vector<ScalarName> scalar_names() {
-  std::vector<ScalarName> names = {{"loss", "train/loss"},
-          {"lr", "train/lr"},
-          {"grad_norm", "train/grad_norm"},
-          {"tokens_per_s", "train/tokens_per_s"},
-          {"tokens", "train/tokens"},
-          {"micro_batch", "memory/micro_batch"},
-          {"micro_steps", "memory/micro_steps"},
-          {"oom_retries", "memory/oom_retries"},
-          {"loss_scale", "train/loss_scale"},
-          {"skipped_steps", "train/skipped_steps"},
-          {"adaptations", "memory/adaptations"},
-          {"device_moves", "memory/device_moves"},
-          {"memory_allocated", "memory/allocated_bytes"},
-          {"memory_peak", "memory/peak_bytes"},
-          {"eval_loss", "eval/loss"},
-          {"eval_perplexity", "eval/perplexity"},
-          {"eval_tokens", "eval/tokens"},
-          {"eval_top1", "eval/top1"},
-          {"eval_top5", "eval/top5"},
-          {"eval_images", "eval/images"},
-          {"eval_i2t_r1", "eval/image_to_text_recall@1"},
-          {"eval_i2t_r5", "eval/image_to_text_recall@5"},
-          {"eval_i2t_r10", "eval/image_to_text_recall@10"},
-          {"eval_t2i_r1", "eval/text_to_image_recall@1"},
-          {"eval_t2i_r5", "eval/text_to_image_recall@5"},
-          {"eval_t2i_r10", "eval/text_to_image_recall@10"},
-          {"eval_pairs", "eval/pairs"},
-          {"eval_zero_shot_top1", "eval/zero_shot_top1"},
-          {"eval_exact_match", "eval/exact_match"},
-          {"eval_exact_match_normalized", "eval/exact_match_normalized"},
-          {"eval_rouge1", "eval/rouge1"},
-          {"eval_rouge2", "eval/rouge2"},
-          {"eval_rougeL", "eval/rougeL"},
-          {"eval_rougeLsum", "eval/rougeLsum"},
-          {"eval_bleu", "eval/bleu"},
-          {"eval_chrf", "eval/chrf"},
-          {"eval_generated", "eval/generated"}};
-  // DPO (TRL's names): per step, and eval_ + the name per evaluation.
-  for (const char* name : kPreferenceMetricNames) {
-    names.push_back({name, std::string("train/") + name});
-    names.push_back({std::string("eval_") + name, std::string("eval/") + name});
-  }
-  names.push_back({"pairs", "train/pairs"});
-  names.push_back({"pairs_per_s", "train/pairs_per_s"});
-  return names;
+const std::vector<ScalarName>& scalar_names() {
+  static const std::vector<ScalarName> table = [] {
+    std::vector<ScalarName> names = {{"loss", "train/loss"},
+            {"lr", "train/lr"},
+            {"grad_norm", "train/grad_norm"},
+            {"tokens_per_s", "train/tokens_per_s"},
+            {"tokens", "train/tokens"},
+            {"micro_batch", "memory/micro_batch"},
+            {"micro_steps", "memory/micro_steps"},
+            {"oom_retries", "memory/oom_retries"},
+            {"loss_scale", "train/loss_scale"},
+            {"skipped_steps", "train/skipped_steps"},
+            {"adaptations", "memory/adaptations"},
+            {"device_moves", "memory/device_moves"},
+            {"memory_allocated", "memory/allocated_bytes"},
+            {"memory_peak", "memory/peak_bytes"},
+            {"eval_loss", "eval/loss"},
+            {"eval_perplexity", "eval/perplexity"},
+            {"eval_tokens", "eval/tokens"},
+            {"eval_top1", "eval/top1"},
+            {"eval_top5", "eval/top5"},
+            {"eval_images", "eval/images"},
+            {"eval_i2t_r1", "eval/image_to_text_recall@1"},
+            {"eval_i2t_r5", "eval/image_to_text_recall@5"},
+            {"eval_i2t_r10", "eval/image_to_text_recall@10"},
+            {"eval_t2i_r1", "eval/text_to_image_recall@1"},
+            {"eval_t2i_r5", "eval/text_to_image_recall@5"},
+            {"eval_t2i_r10", "eval/text_to_image_recall@10"},
+            {"eval_pairs", "eval/pairs"},
+            {"eval_zero_shot_top1", "eval/zero_shot_top1"},
+            {"eval_exact_match", "eval/exact_match"},
+            {"eval_exact_match_normalized", "eval/exact_match_normalized"},
+            {"eval_rouge1", "eval/rouge1"},
+            {"eval_rouge2", "eval/rouge2"},
+            {"eval_rougeL", "eval/rougeL"},
+            {"eval_rougeLsum", "eval/rougeLsum"},
+            {"eval_bleu", "eval/bleu"},
+            {"eval_chrf", "eval/chrf"},
+            {"eval_generated", "eval/generated"}};
+    // DPO (TRL's names): per step, and eval_ + the name per evaluation.
+    for (const char* name : kPreferenceMetricNames) {
+      names.push_back({name, std::string("train/") + name});
+      names.push_back({std::string("eval_") + name, std::string("eval/") + name});
+    }
+    names.push_back({"pairs", "train/pairs"});
+    names.push_back({"pairs_per_s", "train/pairs_per_s"});
+    return names;
+  }();  // built once: every metrics record is looked up in it
+  return table;
 }
 
 std::string format_summary(const RunSummary& s) {

@@ -118,7 +118,7 @@ struct ScalarName {
   std::string key;
   std::string tag;
 };
-std::vector<ScalarName> scalar_names();
+const std::vector<ScalarName>& scalar_names();
 // What a DPO step and evaluation report beside the loss, as TRL names them.
 inline constexpr const char* kPreferenceMetricNames[] = {"rewards/chosen", "rewards/rejected", "rewards/accuracies",
                                                          "rewards/margins", "logps/chosen",    "logps/rejected",

@@ -52,6 +52,17 @@ void PreferenceSums::add(const DpoConfig& dpo, const PairScores& s) {
   margins += (chosen_rewards - rejected_rewards).sum().item<double>();
   logps_chosen += s.chosen.detach().sum().item<double>();
   logps_rejected += s.rejected.detach().sum().item<double>();
+  logits_chosen += s.logits_chosen;
+  logits_rejected += s.logits_rejected;
+  chosen_tokens += s.chosen_tokens.sum().item<double>();
+  rejected_tokens += s.rejected_tokens.sum().item<double>();
+}
+
+PreferenceSums& PreferenceSums::operator+=(const PreferenceSums& other) {
+  auto sum = to_vector();
+  const auto more = other.to_vector();
+  for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += more[i];
+  return *this = from_vector(sum);
 }
 
 std::vector<double> PreferenceSums::to_vector() const {

@@ -19,6 +19,7 @@ struct PairScores {
   at::Tensor chosen, rejected;          // the policy's; differentiable when the gradient is wanted
   at::Tensor ref_chosen, ref_rejected;
   at::Tensor chosen_tokens, rejected_tokens;
+  double logits_chosen = 0, logits_rejected = 0;  // the logits' means over the vocabulary, summed over the tokens
 };
 
 // What the effective batch holds: the divisors that make micro-batches exact.
@@ -40,6 +41,7 @@ struct PreferenceSums {
   double loss = 0;  // the loss summed as dpo_loss gives it (already per pair)
 
   void add(const DpoConfig& dpo, const PairScores& scores);
+  PreferenceSums& operator+=(const PreferenceSums& other);
   std::vector<double> to_vector() const;  // for a sum over the ranks
   static PreferenceSums from_vector(const std::vector<double>& v);
   // metrics.jsonl's names and values (TRL's names).

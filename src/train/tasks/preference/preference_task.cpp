@@ -42,19 +42,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The completion tokens a sequence's labels train (a causal example's target tokens).
-double completion_tokens(const std::vector<int32_t>& labels) {
-  double n = 0;
-  for (std::size_t i = 1; i < labels.size(); ++i) n += labels[i] != -100 ? 1 : 0;
-  return static_cast<double>(n);
+// The chosen completions' tokens of `pairs` (what the sft loss is a mean over), at least 1.
+double chosen_tokens(std::span<const Example> pairs) {
+  int64_t n = 0;
+  for (const Example& pair : pairs) n += target_tokens(pair, DataFamily::kCausal);
+  return static_cast<double>(std::max<int64_t>(1, n));
 }
-
-// What one micro-batch of pairs scored: the policy's and the reference's summed log-probabilities per sequence
-// (fp64, (k) each), the completion token counts, and the logits' means summed over completion tokens.
-struct Scored {
-  PairScores scores;
-  double logits_chosen = 0, logits_rejected = 0;
-};
 
 class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
  public:
@@ -76,8 +69,8 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
       throw UsageError("DPO renders and tokenizes preference records, but " + config().model.path +
                            " has no tokenizer files",
                        "set tokenizer.path to the model's tokenizer");
-    nlohmann::json fingerprint = data_fingerprint(config(), *tokenizer_);
-    return fingerprint;
+    mapper_ = preference_mapper(config(), *tokenizer_);  // the template parsed once, for training and evaluation
+    return data_fingerprint(config(), *tokenizer_);
   }
   std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohmann::json& current,
                                         std::vector<std::string>& warnings) const override {
@@ -91,7 +84,7 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
 
   void open_loader() override {
     loader_ = make_train_loader(config(), *tokenizer_, DataFamily::kCausal, distributed::record_share(world()),
-                                mapper());
+                                mapper_);
   }
 
   void build_step(const StepParts& parts) override {
@@ -142,7 +135,6 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   MemoryPolicy& policy() { return *policy_; }
 
  private:
-  RecordMapper mapper() const { return preference_mapper(config(), *tokenizer_); }
   Example worst_case_pair() const {
     Example pair;
     pair.input_ids.assign(static_cast<std::size_t>(config().data.max_length), 5);
@@ -154,12 +146,15 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   }
   // Scores of `pairs` (collated as rows chosen, rejected, ...): the reference's without autograd, the policy's
   // with `hidden` kept for the backward when `with_grad`.
-  Scored score(const Batch& batch, int64_t pairs, at::Tensor* hidden_out, at::Tensor* targets_out);
+  PairScores score(const Batch& batch, int64_t pairs, at::Tensor* hidden_out, at::Tensor* targets_out);
   Batch collate_pairs(std::span<const Example> pairs) const;
   std::optional<at::ScalarType> autocast() const { return autocast_dtype(config().precision.mode); }
   bool dropout_on() const { return !config().dpo.disable_dropout; }
+  // Trained positions per chunk of the fused head: the policy's (the smaller_loss_chunks escalation halves it).
+  int64_t loss_chunk() const { return policy_ ? policy_->loss_chunk_size() : config().training.loss_chunk_size; }
 
   std::unique_ptr<Tokenizer> tokenizer_;
+  RecordMapper mapper_;  // preference records -> pairs (reads tokenizer_)
   TextModel text_model_{config(), primary()};
   LanguageModel* model_ = nullptr;
   std::unique_ptr<LanguageModel> reference_;  // full fine-tune: the frozen starting weights
@@ -219,13 +214,13 @@ Batch PreferenceTask::collate_pairs(std::span<const Example> pairs) const {
   return Batch{collated.input_ids, collated.attention_mask, collated.labels, {}};
 }
 
-Scored PreferenceTask::score(const Batch& batch, int64_t pairs, at::Tensor* hidden_out, at::Tensor* targets_out) {
+PairScores PreferenceTask::score(const Batch& batch, int64_t pairs, at::Tensor* hidden_out, at::Tensor* targets_out) {
   const auto dtype = autocast();
-  const int64_t chunk = policy_ ? policy_->loss_chunk_size() : config().training.loss_chunk_size;
+  const int64_t chunk = loss_chunk();
   auto sequence_sums = [&](const at::Tensor& per_token, const at::Tensor& targets) {
     return per_token.reshape(targets.sizes()).to(at::kDouble).sum(1);  // (2k)
   };
-  Scored out;
+  PairScores out;
   {  // the reference, without autograd and without dropout
     at::NoGradGuard no_grad;
     LanguageModel& reference = reference_ ? *reference_ : *model_;
@@ -241,8 +236,8 @@ Scored PreferenceTask::score(const Batch& batch, int64_t pairs, at::Tensor* hidd
         token_losses(hidden, targets, reference.lm_head_weight(), reference.lm_head_scale(), chunk, dtype);
     reference.train(was_training);
     const at::Tensor logps = -sequence_sums(losses.loss, targets);
-    out.scores.ref_chosen = logps.slice(0, 0, 2 * pairs, 2);
-    out.scores.ref_rejected = logps.slice(0, 1, 2 * pairs, 2);
+    out.ref_chosen = logps.slice(0, 0, 2 * pairs, 2);
+    out.ref_rejected = logps.slice(0, 1, 2 * pairs, 2);
   }
   at::Tensor hidden, targets;
   {
@@ -255,10 +250,10 @@ Scored PreferenceTask::score(const Batch& batch, int64_t pairs, at::Tensor* hidd
   const at::Tensor trained = (targets != -100);
   const at::Tensor tokens = trained.to(at::kDouble).sum(1);
   const at::Tensor mean_logits = sequence_sums(losses.mean_logit, targets);
-  out.scores.chosen = logps.slice(0, 0, 2 * pairs, 2);
-  out.scores.rejected = logps.slice(0, 1, 2 * pairs, 2);
-  out.scores.chosen_tokens = tokens.slice(0, 0, 2 * pairs, 2);
-  out.scores.rejected_tokens = tokens.slice(0, 1, 2 * pairs, 2);
+  out.chosen = logps.slice(0, 0, 2 * pairs, 2);
+  out.rejected = logps.slice(0, 1, 2 * pairs, 2);
+  out.chosen_tokens = tokens.slice(0, 0, 2 * pairs, 2);
+  out.rejected_tokens = tokens.slice(0, 1, 2 * pairs, 2);
   out.logits_chosen = mean_logits.slice(0, 0, 2 * pairs, 2).sum().item<double>();
   out.logits_rejected = mean_logits.slice(0, 1, 2 * pairs, 2).sum().item<double>();
   if (hidden_out) *hidden_out = hidden;
@@ -275,9 +270,8 @@ double PreferenceTask::forward_backward(std::span<const Example> pairs, int64_t 
   std::optional<DropoutScope> dropout;
   if (dropout_on()) dropout.emplace(config().training.seed, step, 2 * first_pair, 2 * k, device_);
   at::Tensor hidden, targets;
-  Scored scored = score(batch, k, &hidden, &targets);
+  PairScores s = score(batch, k, &hidden, &targets);
   // The loss as a function of the sequences' log-probabilities; its gradient per sequence, then per token.
-  PairScores& s = scored.scores;
   s.chosen = s.chosen.detach().requires_grad_(true);
   s.rejected = s.rejected.detach().requires_grad_(true);
   const at::Tensor loss = dpo_loss(config().dpo, s, totals);
@@ -297,7 +291,7 @@ double PreferenceTask::forward_backward(std::span<const Example> pairs, int64_t 
   const double grad_scale = scaler_ ? scaler_->scale() : 1.0;
   const auto fused = fused_linear_cross_entropy(hidden.detach().reshape({-1, hidden.size(-1)}), targets,
                                                 weight.detach(), model_->lm_head_scale(), grad_scale,
-                                                policy_ ? policy_->loss_chunk_size() : config().training.loss_chunk_size,
+                                                loss_chunk(),
                                                 autocast(), weight_grad, row_weights);
   if (sync_ && weight_grad.defined() && !model_->lm_head_tied()) sync_->gradient_ready(weight);
   if (hidden.requires_grad()) hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));
@@ -306,10 +300,6 @@ double PreferenceTask::forward_backward(std::span<const Example> pairs, int64_t 
   s.chosen = s.chosen.detach();
   s.rejected = s.rejected.detach();
   sums.add(config().dpo, s);
-  sums.logits_chosen += scored.logits_chosen;
-  sums.logits_rejected += scored.logits_rejected;
-  sums.chosen_tokens += s.chosen_tokens.sum().item<double>();
-  sums.rejected_tokens += s.rejected_tokens.sum().item<double>();
   sums.loss += value;
   return value;
 }
@@ -365,9 +355,7 @@ StepResult PreferenceTask::train_step(TaskBatch& task_batch, int64_t step, doubl
   const std::span<const Example> all(batch.examples);
   PairTotals totals;
   totals.pairs = static_cast<double>(all.size());
-  totals.chosen_tokens = 0;
-  for (const Example& pair : all) totals.chosen_tokens += completion_tokens(pair.labels);
-  totals.chosen_tokens = std::max(1.0, totals.chosen_tokens);
+  totals.chosen_tokens = chosen_tokens(all);
   const auto [first, count] =
       sync_ ? sync_->share(all, /*by_tokens=*/false, /*seq2seq=*/false)
             : std::pair<int64_t, int64_t>{0, static_cast<int64_t>(all.size())};
@@ -384,7 +372,7 @@ StepResult PreferenceTask::train_step(TaskBatch& task_batch, int64_t step, doubl
 
 Evaluated PreferenceTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
   auto validation = make_validation_loader(config(), *tokenizer_, DataFamily::kCausal, config().training.batch_size,
-                                           distributed::record_share(world()), mapper());
+                                           distributed::record_share(world()), mapper_);
   if (!validation) return {};
   at::NoGradGuard no_grad;
   const bool was_training = model_->is_training();
@@ -395,9 +383,7 @@ Evaluated PreferenceTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
     std::span<const Example> pairs(batch->examples);
     PairTotals totals;  // each batch's loss is its pairs' mean: summed here per pair, divided by all pairs below
     totals.pairs = 1;
-    totals.chosen_tokens = 0;
-    for (const Example& pair : pairs) totals.chosen_tokens += completion_tokens(pair.labels);
-    totals.chosen_tokens = std::max(1.0, totals.chosen_tokens) / static_cast<double>(pairs.size());
+    totals.chosen_tokens = chosen_tokens(pairs) / static_cast<double>(pairs.size());
     if (world()) {
       const auto [first, count] = distributed::share_of(pairs, world()->rank(), world()->world_size(), false);
       pairs = pairs.subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(count));
@@ -407,25 +393,17 @@ Evaluated PreferenceTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
       part = PreferenceSums{};
       for (const auto& [begin, n] : split_counts(static_cast<int64_t>(pairs.size()), size)) {
         const auto some = pairs.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(n));
-        Scored scored = score(collate_pairs(some), n, nullptr, nullptr);
-        part.add(config().dpo, scored.scores);
-        part.logits_chosen += scored.logits_chosen;
-        part.logits_rejected += scored.logits_rejected;
-        part.chosen_tokens += scored.scores.chosen_tokens.sum().item<double>();
-        part.rejected_tokens += scored.scores.rejected_tokens.sum().item<double>();
-        part.loss += dpo_loss(config().dpo, scored.scores, totals).item<double>();
+        const PairScores scores = score(collate_pairs(some), n, nullptr, nullptr);
+        part.add(config().dpo, scores);
+        part.loss += dpo_loss(config().dpo, scores, totals).item<double>();
       }
     });
-    if (fit) {
-      const auto v = part.to_vector();
-      auto total = sums.to_vector();
-      for (std::size_t i = 0; i < v.size(); ++i) total[i] += v[i];
-      sums = PreferenceSums::from_vector(total);
-    }
+    if (fit) sums += part;
     if (config().evaluation.max_batches > 0 && ++batches >= config().evaluation.max_batches) break;
   }
   model_->train(was_training);
-  if (world()) sums = PreferenceSums::from_vector(world()->all_reduce_sum(sums.to_vector(), "summing DPO's evaluation"));
+  if (world())
+    sums = PreferenceSums::from_vector(world()->all_reduce_sum(sums.to_vector(), "summing DPO's evaluation"));
   if (sums.pairs == 0) return {};
   const double loss = sums.loss / sums.pairs;
   const auto metrics = sums.metrics();

@@ -35,7 +35,6 @@ void TextModel::check_settings(const TrainOptions& options) const {
                      "drop --merge, or set checkpoint.save_final=true");
 }
 
-
 // A checkpoint of another architecture cannot continue this run: its config.json (a LoRA checkpoint's base model
 // config) must equal model.path's, and a LoRA checkpoint needs the same adapter shape and scaling.
 void TextModel::check_checkpoint(const fs::path& checkpoint, const nlohmann::json& state) const {
@@ -69,7 +68,6 @@ void TextModel::check_checkpoint(const fs::path& checkpoint, const nlohmann::jso
     throw DataError("checkpoint " + checkpoint.string() + " belongs to another model than model.path:" + differences,
                     "resume with the model.path the checkpoint was trained from");
 }
-
 
 // The model (from model.path, or from the checkpoint when resuming a full fine-tune), LoRA, activation checkpointing.
 void TextModel::build(const std::optional<fs::path>& resume, const c10::Device& device, const Tokenizer& tokenizer) {
@@ -144,7 +142,6 @@ void TextModel::apply_lora_for_training(const std::optional<fs::path>& resume) {
                applied.base_in_bf16 ? " in bf16" : "", lora_->trainable_parameters());
 }
 
-
 void TextModel::save(const fs::path& dir) {
   if (lora_) {
     PeftAdapter adapter = to_peft_adapter(*lora_, *model_, lora_base_);
@@ -172,7 +169,6 @@ void TextModel::after_final_save(const fs::path& output_dir, const TrainOptions&
   merge_adapter(merge);
 }
 
-
 void TextModel::copy_tokenizer_files_to(const fs::path& to) const {
   fs::path from(config_.tokenizer.path.empty() ? config_.model.path : config_.tokenizer.path);
   if (!fs::is_directory(from)) from = from.parent_path();
@@ -182,6 +178,5 @@ void TextModel::copy_tokenizer_files_to(const fs::path& to) const {
   if (!config_.data.chat_template.empty())
     fs::copy_file(config_.data.chat_template, to / "chat_template.jinja", fs::copy_options::overwrite_existing);
 }
-
 
 }  // namespace trainer

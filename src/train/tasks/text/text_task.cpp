@@ -19,18 +19,12 @@
 #include "memory/planner.h"
 #include "memory/policy.h"
 #include "models/lora.h"
-#include "models/weights.h"
-#include "train/activation_checkpointing.h"
 #include "train/engine/loader_task.h"
 #include "train/resume_check.h"
 #include "train/tasks/text/generation_eval.h"
 #include "train/tasks/text/text_model.h"
 #include "train/step.h"
 #include "trainer/data.h"
-#include "trainer/hub.h"
-#include "trainer/model_dir.h"
-#include "trainer/peft.h"
-#include "trainer/safetensors.h"
 #include "trainer/tokenizer.h"
 
 namespace trainer {
