@@ -1,4 +1,4 @@
-// What data parallelism adds to a training step: the interface the step (train/step.h, run_attempts) calls and
+// What data parallelism adds to a training step: the interface the step (train/engine/attempts.h, run_attempts) calls and
 // DataParallel (data_parallel.h) implements. It lives here, in the distributed layer below train/, so that
 // distributed/ never includes train/ (docs/architecture.md#layers).
 #pragma once

@@ -4,7 +4,7 @@
 // class token. The text tower: token + position embeddings, causal self-attention, final_layer_norm, pooled at the
 // end-of-text token. Projections without bias map both to the shared space; logit_scale is learned in log space.
 // Parameter names are the checkpoint's ("vision_model.encoder.layers.0.self_attn.q_proj.weight"). Maths only:
-// LoRA, activation checkpointing, precision and gradient caching (train/contrastive.h) wrap it from outside.
+// LoRA, activation checkpointing, precision and gradient caching (train/tasks/contrastive/contrastive.h) wrap it from outside.
 #pragma once
 
 #include <cstdint>

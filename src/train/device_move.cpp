@@ -13,7 +13,7 @@
 #include "memory/policy.h"
 #include "models/module.h"
 #include "train/optim/optimizer.h"
-#include "train/step.h"
+#include "train/engine/attempts.h"
 
 namespace trainer {
 

@@ -8,8 +8,8 @@
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
-#include "train/step.h"
 #include "trainer/config.h"
+#include "trainer/errors.h"
 
 namespace trainer {
 

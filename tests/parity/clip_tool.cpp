@@ -44,7 +44,7 @@
 #include "models/clip_lora.h"
 #include "models/image_model.h"
 #include "memory/cpu_budget.h"
-#include "train/contrastive.h"
+#include "train/tasks/contrastive/contrastive.h"
 #include "train/activation_checkpointing.h"
 #include "trainer/errors.h"
 #include "trainer/safetensors.h"

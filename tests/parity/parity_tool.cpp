@@ -81,7 +81,7 @@
 #include "models/model.h"
 #include "models/weights.h"
 #include "train/optim/optimizer.h"
-#include "train/step.h"
+#include "train/tasks/text/text_step.h"
 #include "trainer/errors.h"
 #include "trainer/peft.h"
 #include "trainer/safetensors.h"

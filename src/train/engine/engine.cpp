@@ -33,7 +33,7 @@
 #include "train/retention.h"
 #include "train/rng.h"
 #include "train/signals.h"
-#include "train/step.h"
+#include "train/engine/attempts.h"
 #include "trainer/device.h"
 #include "trainer/hub.h"
 #include "trainer/model_dir.h"

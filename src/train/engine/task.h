@@ -1,7 +1,7 @@
 // What a training task plugs into the one engine (engine.h). The engine owns everything a run does whatever it
 // trains: resume (finding, checking and restoring every piece of state), the optimizer, the memory policy, data
 // parallelism and loss scaling, the micro-batch probe, the loop and the agreed stop, the attempt loop (run_attempts
-// in train/step.h) with its out-of-memory retries, escalations and device moves, evaluation's schedule, its own
+// in train/engine/attempts.h) with its out-of-memory retries, escalations and device moves, evaluation's schedule, its own
 // micro-batch and the ranks' agreement on it, the checkpoint writer, retention, reporting and the summary. A task
 // says what differs: the model, the data and its batches, forward and backward over a split, the evaluation's
 // metrics and the files a saved model consists of. A new task is one folder in src/train/tasks/ and one line in
@@ -21,7 +21,7 @@
 #include <c10/core/Device.h>
 #include <nlohmann/json_fwd.hpp>
 
-#include "train/step.h"
+#include "train/engine/attempts.h"
 #include "trainer/config.h"
 #include "trainer/data.h"
 #include "trainer/run.h"

@@ -13,7 +13,7 @@
 #include "support/paths.h"
 #include "support/temp_dir.h"
 #include "train/activation_checkpointing.h"
-#include "train/step.h"
+#include "train/tasks/text/text_step.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {

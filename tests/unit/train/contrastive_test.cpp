@@ -1,4 +1,4 @@
-// Gradient caching (train/contrastive.h) on a tiny random CLIP: the gradients of the full batch's contrastive loss,
+// Gradient caching (train/tasks/contrastive/contrastive.h) on a tiny random CLIP: the gradients of the full batch's contrastive loss,
 // whatever the micro-batch split, dropout on, and over ranks that gather their embeddings; the micro-batch negatives
 // mode changes the objective.
 #include <algorithm>
@@ -14,7 +14,7 @@
 
 #include "models/clip.h"
 #include "models/dropout.h"
-#include "train/contrastive.h"
+#include "train/tasks/contrastive/contrastive.h"
 #include "train/rng.h"
 #include "trainer/errors.h"
 

@@ -15,7 +15,7 @@
 #include "train/fused_loss.h"
 #include "train/optim/optimizer.h"
 #include "train/precision.h"
-#include "train/step.h"
+#include "train/tasks/text/text_step.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {

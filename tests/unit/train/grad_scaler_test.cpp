@@ -16,7 +16,7 @@
 #include "support/paths.h"
 #include "train/optim/grad_scaler.h"
 #include "train/optim/optimizer.h"
-#include "train/step.h"
+#include "train/tasks/text/text_step.h"
 #include "trainer/errors.h"
 
 namespace trainer {

@@ -13,7 +13,7 @@
 #include "support/paths.h"
 #include "support/temp_dir.h"
 #include "train/activation_checkpointing.h"
-#include "train/image_step.h"
+#include "train/tasks/image/image_step.h"
 #include "train/optim/optimizer.h"
 #include "trainer/errors.h"
 

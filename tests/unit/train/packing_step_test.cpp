@@ -20,7 +20,7 @@
 #include "support/paths.h"
 #include "train/activation_checkpointing.h"
 #include "train/optim/optimizer.h"
-#include "train/step.h"
+#include "train/tasks/text/text_step.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {

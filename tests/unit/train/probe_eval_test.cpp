@@ -8,6 +8,7 @@
 #include "support/paths.h"
 #include "train/engine/engine.h"
 #include "train/optim/optimizer.h"
+#include "train/tasks/text/text_step.h"
 #include "train/tasks/text/text_task.h"
 #include "trainer/data.h"
 #include "trainer/tokenizer.h"

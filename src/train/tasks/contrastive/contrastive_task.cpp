@@ -1,6 +1,6 @@
 // The contrastive task (training.objective = contrastive): image-caption JSONL pairs through the threaded image
 // loader, captions through the model directory's tokenizer, each effective batch trained by
-// contrastive_forward_backward (train/contrastive.h: gradient caching with contrastive.negatives = batch, so any
+// contrastive_forward_backward (train/tasks/contrastive/contrastive.h: gradient caching with contrastive.negatives = batch, so any
 // split, and any out-of-memory retry, trains the full batch's loss), then CLIP's cap on the logit scale; evaluation by
 // image->text and text->image recall@1/5/10, the validation loss and zero-shot accuracy; the result a CLIPModel
 // directory transformers loads (or a PEFT adapter). With data parallelism each rank embeds its share of the pairs and
@@ -27,7 +27,7 @@
 #include "models/clip_lora.h"
 #include "models/clip_zero_shot.h"
 #include "train/activation_checkpointing.h"
-#include "train/contrastive.h"
+#include "train/tasks/contrastive/contrastive.h"
 #include "train/engine/loader_task.h"
 #include "train/optim/grad_scaler.h"
 #include "train/optim/optimizer.h"

@@ -1,6 +1,6 @@
 // The image-classification task (ViT, CLIP vision classifiers): image folders or JSONL listings through the threaded
 // image loader (seeded augmentation; each rank decodes only its share), full fine-tune, linear probe or LoRA with the
-// head in full, trained by ImageTrainStep (train/image_step.h: cross-entropy per image of the effective batch),
+// head in full, trained by ImageTrainStep (train/tasks/image/image_step.h: cross-entropy per image of the effective batch),
 // evaluated by the loss and top-1 / top-5 accuracy, saved as a Hugging Face directory (config.json with the classes,
 // preprocessor_config.json) or as a PEFT adapter.
 #include "train/tasks/image/image_task.h"
@@ -22,7 +22,7 @@
 #include "models/image_model.h"
 #include "train/activation_checkpointing.h"
 #include "train/engine/loader_task.h"
-#include "train/image_step.h"
+#include "train/tasks/image/image_step.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {

@@ -1,5 +1,5 @@
 // The text task: seq2seq (T5) and causal (Llama, Qwen2, Mistral) language models on JSONL records through the
-// tokenizer and the streaming loader (packing, token-budget micro-batches), trained by TrainStep (train/step.h: the
+// tokenizer and the streaming loader (packing, token-budget micro-batches), trained by TrainStep (train/tasks/text/text_step.h: the
 // loss per target token of the effective batch, the fused chunked loss), evaluated by the validation loss and sample
 // generations, saved as a Hugging Face directory or with LoRA as a PEFT adapter (--merge writes the merged model too).
 #include "train/tasks/text/text_task.h"
@@ -23,7 +23,7 @@
 #include "train/resume_check.h"
 #include "train/tasks/text/generation_eval.h"
 #include "train/tasks/text/text_model.h"
-#include "train/step.h"
+#include "train/tasks/text/text_step.h"
 #include "trainer/data.h"
 #include "trainer/tokenizer.h"
 

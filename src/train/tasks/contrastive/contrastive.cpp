@@ -1,5 +1,5 @@
 // Gradient caching and micro-batch negatives for the CLIP objective (see contrastive.h).
-#include "train/contrastive.h"
+#include "train/tasks/contrastive/contrastive.h"
 
 #include <exception>
 #include <mutex>

@@ -1,5 +1,5 @@
 // The memory-adaptive image-classification step (see image_step.h).
-#include "train/image_step.h"
+#include "train/tasks/image/image_step.h"
 
 #include <algorithm>
 #include <optional>

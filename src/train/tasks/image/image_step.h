@@ -18,7 +18,7 @@
 #include "models/image_model.h"
 #include "train/optim/grad_scaler.h"
 #include "train/optim/optimizer.h"
-#include "train/step.h"
+#include "train/engine/attempts.h"
 #include "trainer/config.h"
 
 namespace trainer {
