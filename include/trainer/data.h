@@ -147,4 +147,8 @@ struct DataCommandOptions {
 // the exit code; throws DataError for bad data.
 int run_data(const Config& config, std::ostream& out, const DataCommandOptions& options = {});
 
+// `trainer data` for an image task: the training images (augmented when data.augment is on) and the validation
+// images, each once, through data.num_workers decoding threads.
+int run_image_data(const Config& config, std::ostream& out);
+
 }  // namespace trainer

@@ -23,7 +23,7 @@
 #include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
-#include "train/engine/task.h"
+#include "train/engine/task_kind.h"
 #include "trainer/cli.h"
 #include "trainer/config.h"
 #include "trainer/data.h"
@@ -514,8 +514,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     resolve_config_paths(config, false, /*metadata_only=*/true, out);
     if (!data_options.dump_file.empty() && data_options.dump < 0)
       throw UsageError("trainer data: a FILE is only read with --dump N", "add --dump N, or leave the FILE out");
-    data_options.mapper = task_record_mapper(config);
-    return run_data(config, out, data_options);
+    const TaskKind& kind = task_kind(config);
+    data_options.mapper = kind.record_mapper;
+    return kind.data(config, out, data_options);
   }
   if (plan_cmd->parsed()) {
     if (plan_world_size == 0) {
@@ -524,7 +525,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     }
     Config config = load_config(plan_config_path, plan_overrides);
     resolve_config_paths(config, false, /*metadata_only=*/true, out);
-    return run_plan(config, out, plan_world_size);
+    return task_kind(config).plan(config, out, plan_world_size);
   }
   if (inspect->parsed()) {
     inspect_model(resolve_flag_path(inspect_dir, "inspect", hub::FileSet::kMetadata), inspect_options, out);

@@ -20,8 +20,7 @@
 #include "trainer/version.h"
 #include "train/run_lock.h"
 #include "train/engine/engine.h"
-#include "train/tasks/contrastive/contrastive_task.h"
-#include "models/image_model.h"
+#include "train/engine/task_kind.h"
 
 namespace trainer {
 namespace {
@@ -109,69 +108,6 @@ void print_ranks_line(const distributed::Environment& environment, const Resolve
       << (environment.agent_store ? " (torchrun's store)" : "") << "); ";
 }
 
-// An image classifier's or a CLIP contrastive run (train/tasks/image, train/tasks/contrastive): its own plan lines,
-// then the engine. With data parallelism (`environment`) rank 0 holds the run's lock and every
-// rank joins the group.
-int run_image_train(const Config& config, const TrainOptions& options, std::ostream& out,
-                    const std::string& allocator_conf, const std::optional<distributed::Environment>& environment,
-                    const DeviceConfig& device_config) {
-  const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
-  const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
-  StartedRun started = start_run(config, options, environment, device_config);
-  const ResolvedDevice& device = started.device;
-  distributed::Communicator* world = started.world.get();
-  const auto& t = config.training;
-  const bool contrastive = t.objective == TrainingObjective::kContrastive;
-  const std::string init =
-      config.model.init == ModelInit::kRandom ? "random initialisation from config.json" : "pretrained weights";
-  out << "Plan:\n";
-  if (contrastive) {
-    out << "  model        " << config.model.path << " (CLIP, contrastive image-text training; " << init << "; "
-        << (config.contrastive.freeze_image_tower ? "image tower locked" : "both towers train") << ")\n";
-    out << "  data         " << train_files.size() << " training file(s), " << validation_files.size()
-        << " validation file(s) of image-caption pairs" << (config.data.augment ? "; augmented" : "") << "\n";
-    out << "  negatives    " << enum_name(config.contrastive.negatives)
-        << (config.contrastive.negatives == ContrastiveNegativesMode::kBatch
-                ? " (every pair of the effective batch, whatever the micro-batch: gradient caching)"
-                : " (only the pairs of the same micro-batch: the objective changes with the split)")
-        << "\n";
-  } else {
-    out << "  model        " << config.model.path << " (image classifier; " << init << "; "
-        << (t.linear_probe ? "linear probe: only the head trains" : "full fine-tune") << ")\n";
-    out << "  data         " << train_files.size() << " training source(s), " << validation_files.size()
-        << " validation source(s) (image folders or JSONL listings)" << (config.data.augment ? "; augmented" : "")
-        << "\n";
-  }
-  out << "  device       " << device.description << "; accelerators built in: " << accelerator_summary() << "\n";
-  out << "  batch        " << t.batch_size << (contrastive ? " image-caption pairs" : " images")
-      << " per optimizer step; "
-      << (t.micro_batch_size.is_auto ? std::string("micro-batch auto (probed against memory)")
-                                     : "micro-batch " + std::to_string(t.micro_batch_size.value))
-      << "\n";
-  if (environment) {
-    const int64_t n = environment->world_size;
-    print_ranks_line(*environment, device, out);
-    if (contrastive)
-      out << "each rank embeds " << t.batch_size / n
-          << (t.batch_size % n ? " or " + std::to_string(t.batch_size / n + 1) : std::string())
-          << " pairs of every effective batch, decoding only those"
-          << (config.contrastive.negatives == ContrastiveNegativesMode::kBatch
-                  ? "; the embeddings of all " + std::to_string(t.batch_size) + " are gathered on every rank"
-                  : "; negatives within each rank's micro-batches (not one process's objective)")
-          << (config.distributed.shard_optimizer ? "; optimizer state sharded over the ranks" : "") << "\n";
-    else
-      out << "each rank decodes and trains about " << (t.batch_size + n - 1) / n << " images of every effective batch"
-          << (config.distributed.shard_optimizer ? "; optimizer state sharded over the ranks" : "") << "\n";
-  }
-  print_length_and_memory(config, allocator_conf, out);
-  out << "  output       " << config.checkpoint.output_dir << "\n\n";
-  if (options.dry_run) {
-    out << "Dry run: the configuration is valid and every path resolves. Nothing was trained.\n";
-    return kExitOk;
-  }
-  return train(config, device, options, out, world);
-}
-
 }  // namespace
 
 int run_train(const Config& config, const TrainOptions& options, std::ostream& stdout_stream) {
@@ -185,67 +121,29 @@ int run_train(const Config& config, const TrainOptions& options, std::ostream& s
       << format_config_table(config, options.config_file, options.overrides) << "\n";
 
   const std::string allocator_conf = export_allocator_conf(config.memory);
-  const auto config_json = std::filesystem::path(config.model.path) / "config.json";
-  // A model directory that is missing (or has no config.json) gets the same error whatever the task.
-  if (!std::filesystem::exists(config_json))
+  // The kind of task (train/engine/task_kind.h) decides the plan's lines; a model directory that is missing (or has
+  // no config.json) gets the same error whatever the task.
+  if (!std::filesystem::exists(std::filesystem::path(config.model.path) / "config.json"))
     inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
-  const nlohmann::json model_config =
-      std::filesystem::exists(config_json) ? read_json_file(config_json.string()) : nlohmann::json::object();
-  if (config.training.objective == TrainingObjective::kContrastive && !is_clip_model_config(model_config))
-    throw UsageError("training.objective=contrastive needs a CLIPModel directory (config.json with model_type \"clip\" "
-                     "and a text_config); " + config.model.path + " is not one",
-                     "point model.path at a directory CLIPModel.save_pretrained wrote (configs/models/tiny-clip is the demo one)");
-  if (is_image_model_config(model_config)) {
-    return run_image_train(config, options, out, allocator_conf, environment, device_config);
-  }
-  const auto model = inspect_model_dir(config.model.path, config.model.init == ModelInit::kPretrained);
-  const auto train_files = data::expand_globs(config.data.train_files, "data.train_files");
-  const auto validation_files = data::expand_globs(config.data.validation_files, "data.validation_files");
+  const TaskKind& kind = task_kind(config);
+  const TrainPlanLines lines = kind.plan_lines(config, options, environment ? environment->world_size : 1);
   StartedRun started = start_run(config, options, environment, device_config);
   const ResolvedDevice& device = started.device;
   distributed::Communicator* world = started.world.get();
 
-  const auto& t = config.training;
+  auto row = [&out](const std::string& label, const std::string& text) {
+    out << "  " << label << std::string(label.size() < 13 ? 13 - label.size() : 1, ' ') << text << "\n";
+  };
   out << "Plan:\n";
-  out << "  model        " << model.dir << " (" << model.model_type << ", " << model.family << "; "
-      << (config.model.init == ModelInit::kRandom ? std::string("random initialisation from config.json")
-                                                  : human_bytes(static_cast<double>(model.weight_bytes)) +
-                                                        " of weights in " +
-                                                        std::to_string(model.weight_files.size()) + " file(s)")
-      << ")\n";
-  out << "  tokenizer    "
-      << (config.tokenizer.path.empty() ? (model.tokenizer_file.empty() ? "(none in model.path: pre-tokenized records only)"
-                                                                         : model.tokenizer_file)
-                                        : config.tokenizer.path)
-      << "\n";
-  out << "  data         " << train_files.size() << " training file(s), " << validation_files.size()
-      << " validation file(s)\n";
-  out << "  device       " << device.description << "; accelerators built in: " << accelerator_summary() << "\n";
-  out << "  batch        " << t.batch_size << " examples per optimizer step; "
-      << (t.micro_batch_tokens > 0 ? "micro-batches of at most " + std::to_string(t.micro_batch_tokens) +
-                                         " padded tokens"
-          : t.micro_batch_size.is_auto ? std::string("micro-batch auto (probed against memory)")
-                                       : "micro-batch " + std::to_string(t.micro_batch_size.value))
-      << "\n";
+  for (const auto& [label, text] : lines.before_device) row(label, text);
+  row("device", device.description + "; accelerators built in: " + accelerator_summary());
+  row("batch", lines.batch);
   if (environment) {
-    const int64_t n = environment->world_size;
     print_ranks_line(*environment, device, out);
-    out << "each rank trains "
-        << (t.micro_batch_tokens > 0 ? "a token-balanced share" : "about " + std::to_string((t.batch_size + n - 1) / n) +
-                                                                    " examples")
-        << " of every effective batch and tokenizes 1/" << n << " of the records (exchanged with the others)\n";
+    out << lines.ranks << "\n";
   }
   print_length_and_memory(config, allocator_conf, out);
-  if (config.lora.enabled) {
-    const auto& l = config.lora;
-    std::string targets;
-    for (const auto& target : l.target_modules) targets += (targets.empty() ? "" : ",") + target;
-    if (targets.empty()) targets = model.family == "seq2seq" ? "q,v" : "q_proj,v_proj";
-    out << "  lora         r=" << l.r << ", alpha " << l.alpha << (l.rslora ? " (rsLoRA)" : "") << ", on "
-        << targets
-        << (l.base_in_bf16 ? "; frozen base in bf16" : "; frozen base") << "; saved as a PEFT adapter"
-        << (options.merge ? " and merged" : "") << "\n";
-  }
+  for (const auto& [label, text] : lines.after_memory) row(label, text);
   out << "  output       " << config.checkpoint.output_dir << "\n\n";
 
   if (options.dry_run) {

@@ -118,24 +118,6 @@ void stream_images(const char* name, ImageLoader& loader, std::ostream& out) {
   for (const auto& problem : s.first_problems) out << "  problem: " << problem << "\n";
 }
 
-// `trainer data` on an image classifier's config: the training images (augmented when data.augment is on) and the
-// validation images, each once, through data.num_workers decoding threads.
-int run_image_data(const Config& config, std::ostream& out) {
-  Config one_pass = config;
-  one_pass.training.max_steps = 0;
-  one_pass.training.epochs = 1;
-  const auto dataset = open_training_images(one_pass, {});
-  const auto spec = image_processor_for(config.model.path);
-  out << fmt::format("data: image classifier ({} classes), {} worker(s), batch_size {}{}\n", dataset->classes.size(),
-                     config.data.num_workers, config.training.batch_size, config.data.augment ? ", augmented" : "");
-  auto train = make_image_train_loader(one_pass, dataset, spec);
-  out << fmt::format("train: {} records per epoch\n", train->examples_per_epoch());
-  stream_images("train", *train, out);
-  if (auto validation = make_image_validation_loader(one_pass, dataset->classes, spec, config.training.batch_size))
-    stream_images("validation", *validation, out);
-  out << fmt::format("peak RSS {:.1f} MiB\n", static_cast<double>(peak_rss_bytes()) / (1024.0 * 1024.0));
-  return kExitOk;
-}
 
 // The text of `ids` with the trained tokens (labels not -100) between [[ and ]].
 std::string mark_trained(const Tokenizer& tokenizer, const Example& example) {
@@ -263,10 +245,26 @@ void preview_chat(const Config& config, const Tokenizer& tokenizer, std::ostream
 
 }  // namespace
 
+// `trainer data` on an image classifier's config: the training images (augmented when data.augment is on) and the
+// validation images, each once, through data.num_workers decoding threads.
+int run_image_data(const Config& config, std::ostream& out) {
+  Config one_pass = config;
+  one_pass.training.max_steps = 0;
+  one_pass.training.epochs = 1;
+  const auto dataset = open_training_images(one_pass, {});
+  const auto spec = image_processor_for(config.model.path);
+  out << fmt::format("data: image classifier ({} classes), {} worker(s), batch_size {}{}\n", dataset->classes.size(),
+                     config.data.num_workers, config.training.batch_size, config.data.augment ? ", augmented" : "");
+  auto train = make_image_train_loader(one_pass, dataset, spec);
+  out << fmt::format("train: {} records per epoch\n", train->examples_per_epoch());
+  stream_images("train", *train, out);
+  if (auto validation = make_image_validation_loader(one_pass, dataset->classes, spec, config.training.batch_size))
+    stream_images("validation", *validation, out);
+  out << fmt::format("peak RSS {:.1f} MiB\n", static_cast<double>(peak_rss_bytes()) / (1024.0 * 1024.0));
+  return kExitOk;
+}
+
 int run_data(const Config& config, std::ostream& out, const DataCommandOptions& options) {
-  const auto config_json = std::filesystem::path(config.model.path) / "config.json";
-  if (std::filesystem::exists(config_json) && is_image_model_config(read_json_file(config_json.string())))
-    return run_image_data(config, out);
   const ModelDirInfo model = inspect_model_dir(config.model.path, false);
   const auto tokenizer = load_run_tokenizer(config, /*samples=*/false);
   const DataFamily family = model.family == "seq2seq" ? DataFamily::kSeq2Seq : DataFamily::kCausal;

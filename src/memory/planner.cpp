@@ -25,6 +25,7 @@
 
 #include "memory/cpu_budget.h"
 #include "memory/optimizer_footprint.h"
+#include "models/clip.h"
 #include "models/hf_config.h"
 #include "models/image_model.h"
 #include "models/inspect.h"
@@ -188,7 +189,7 @@ int64_t MemoryPlan::fitting_loss_chunk_size(int64_t micro) const {
 }
 
 MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
-                       double capacity, const std::string& capacity_source) {
+                       double capacity, const std::string& capacity_source, const ExampleShape& shape) {
   auto model = build_model(hf_config, at::TensorOptions().device(at::kMeta).dtype(at::kFloat));
   const bool seq2seq = model->family() == ModelFamily::kSeq2Seq;
   std::set<std::string> adapted;  // the linear layers LoRA adapts, selected as apply_lora selects them
@@ -312,21 +313,23 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   plan.targets_per_example = static_cast<int64_t>(a.targets);
   plan.activations_per_example = a.saved * compute_bytes;
   plan.activations_per_example_checkpointed = (a.checkpointed + a.largest_block) * compute_bytes;
-  if (config.training.objective == TrainingObjective::kDpo) {
-    // A DPO example is a pair: two sequences of data.max_length through forward and backward, and the reference's
-    // forward without autograd beside them (its hidden states for every position while its log-probabilities are
-    // summed; a block's activations at a time otherwise). A full fine-tune keeps a frozen copy of the starting
-    // weights as the reference; with LoRA the reference is the base under the adapters (nothing more).
-    plan.activations_per_example *= 2;
-    plan.activations_per_example_checkpointed *= 2;
-    plan.loss_per_example *= 2;
-    plan.loss_rows_per_example = 3 * plan.loss_rows_per_example;
-    plan.targets_per_example *= 2;
-    if (!config.lora.enabled || !config.dpo.reference_model.empty()) {  // a second model (counted as this one's size)
-      const bool bf16 = mode == PrecisionMode::kBf16 || (config.lora.enabled && config.lora.base_in_bf16);
-      plan.reference_weights = p * (bf16 ? 2 : 4);
-      plan.weights += plan.reference_weights;
-    }
+  plan.unit = shape.unit;
+  plan.unit_note = shape.unit_note;
+  if (shape.sequences != 1 || shape.reference_forward) {
+    // An example of several sequences (a DPO pair: two of data.max_length) through forward and backward, and with
+    // a reference's forward without autograd beside them its hidden states for every position while its
+    // log-probabilities are summed (a block's activations at a time otherwise).
+    const auto sequences = static_cast<double>(shape.sequences);
+    plan.activations_per_example *= sequences;
+    plan.activations_per_example_checkpointed *= sequences;
+    plan.loss_per_example *= sequences;
+    plan.loss_rows_per_example *= sequences + (shape.reference_forward ? 1 : 0);
+    plan.targets_per_example *= shape.sequences;
+  }
+  if (shape.reference_weights) {  // a second model, counted as this one's size
+    const bool bf16 = mode == PrecisionMode::kBf16 || (config.lora.enabled && config.lora.base_in_bf16);
+    plan.reference_weights = p * (bf16 ? 2 : 4);
+    plan.weights += plan.reference_weights;
   }
   plan.capacity = capacity;
   plan.capacity_source = capacity_source;
@@ -386,7 +389,8 @@ bool keep_dequantized_base(const MemoryPlan& plan, const Config& config, double 
   return fits;
 }
 
-bool choose_dequantized_base(const Config& config, const c10::Device& device, double copies, std::string& reason) {
+bool choose_dequantized_base(const Config& config, const c10::Device& device, double copies, std::string& reason,
+                             const ExampleShape& shape) {
   if (config.memory.dequantized_base != DequantizedBase::kAuto) return keep_dequantized_base({}, config, copies, reason);
   double capacity = 0;
   std::string source;
@@ -402,7 +406,7 @@ bool choose_dequantized_base(const Config& config, const c10::Device& device, do
     const auto hf_config = read_json_file((std::filesystem::path(config.model.path) / "config.json").string());
     Config per_use = config;
     per_use.memory.dequantized_base = DequantizedBase::kPerUse;  // the plan without the copies
-    plan = plan_memory(per_use, hf_config, device, capacity, source);
+    plan = plan_memory(per_use, hf_config, device, capacity, source, shape);
   } catch (const std::exception& e) {
     reason = std::string("dequantized on every use (memory.dequantized_base=auto: no memory plan: ") + e.what() + ")";
     return false;
@@ -434,9 +438,7 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
           ")",
       plan.optimizer_state, optimizer_state_note(config));
   row("workspace", plan.workspace, "optimizer scratch, autocast weight copies, device libraries");
-  const bool pairs = config.training.objective == TrainingObjective::kDpo;
-  row(pairs ? "activations per pair" : "activations per example", plan.activations_per_example,
-      pairs ? "two sequences at data.max_length" : "at the maximum lengths");
+  row("activations per " + plan.unit, plan.activations_per_example, plan.unit_note);
   row("  with activation checkpointing", plan.activations_per_example_checkpointed, "block inputs + one block");
   // The chunked loss is the default: its row first; the full logits only with training.chunked_loss=false.
   row("chunked loss (per micro-batch)", plan.loss_chunked(1),
@@ -514,7 +516,8 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
 }
 
 void print_optimizer_choices(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
-                             double capacity, const std::string& source, std::ostream& out) {
+                             double capacity, const std::string& source, std::ostream& out,
+                             const ExampleShape& shape) {
   struct Choice {
     const char* label;
     PrecisionMode mode;
@@ -552,7 +555,7 @@ void print_optimizer_choices(const Config& config, const nlohmann::json& hf_conf
     alternative.optimizer.name = c.name;
     alternative.optimizer.state_dtype = c.state;
     alternative.optimizer.bf16_update = c.update;
-    const auto plan = plan_memory(alternative, hf_config, device, capacity, source);
+    const auto plan = plan_memory(alternative, hf_config, device, capacity, source, shape);
     const double fixed = plan.weights + plan.gradients + plan.optimizer_state + plan.workspace;
     const int64_t micro = plan.largest_micro_batch(true, true);
     const bool current = c.mode == config.precision.mode && c.name == config.optimizer.name &&
@@ -576,75 +579,118 @@ void print_optimizer_choices(const Config& config, const nlohmann::json& hf_conf
         << ")\n";
 }
 
-int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
+PlanCapacity plan_capacity(const Config& config) {
   DeviceConfig device_config = config.device;
   device_config.wait_for_device = false;
   device_config.allow_cpu_fallback = true;
   const ResolvedDevice resolved = resolve_device(device_config);
-  double capacity = 0;
-  std::string source;
+  PlanCapacity c;
+  c.device = resolved.device;
+  c.device_description = resolved.description;
   if (config.memory.limit.bytes > 0) {
-    capacity = static_cast<double>(config.memory.limit.bytes);
-    source = "memory.limit on " + resolved.description;
+    c.capacity = static_cast<double>(config.memory.limit.bytes);
+    c.source = "memory.limit on " + resolved.description;
   } else if (!resolved.device.is_cpu()) {
-    capacity = static_cast<double>(at::accelerator::getMemoryInfo(resolved.device.index()).second);
-    source = resolved.description;
+    c.capacity = static_cast<double>(at::accelerator::getMemoryInfo(resolved.device.index()).second);
+    c.source = resolved.description;
   } else {
-    source = "CPU without memory.limit; this machine has " +
-             human_bytes(ram_bytes()) +
-             " of RAM";
+    c.source = "CPU without memory.limit; this machine has " + human_bytes(ram_bytes()) + " of RAM";
   }
-  if (const std::string path = config.model.path + "/config.json"; std::filesystem::exists(path) &&
-                                                                     is_image_model_config(read_json_file(path))) {
-    // An image classifier: fixed memory of the mode, activations per image at its size, what fits.
-    const auto e = estimate_image_memory(config.model.path);
-    const bool probe = config.training.linear_probe;
-    double fixed = probe ? e.probe_fixed : e.full_fixed;
-    const double per_image = probe ? 0.0 : e.activations_per_image;
-    const bool contrastive = config.training.objective == TrainingObjective::kContrastive;
-    out << "model " << config.model.path << " on " << resolved.description
-        << (contrastive ? " (CLIP, contrastive: the estimate covers the image tower only; the text tower, the "
-                          "projections and gradient caching's embeddings come on top, measured by the run, "
-                        : " (image classifier, ")
-        << e.image_size << " x " << e.image_size << " pixels, " << e.tokens << " tokens per image)\n";
-    if (world_size > 1 && !contrastive) {
-      // Each rank decodes and trains its share of every effective batch (docs/images.md#data-parallelism-for-image-
-      // classifiers); sharded, it keeps about 1/N of the AdamW moments (8 bytes per trainable parameter).
-      const int64_t share = (config.training.batch_size + world_size - 1) / world_size;
-      const bool sharded = config.distributed.shard_optimizer;
-      out << "data parallelism: " << world_size << " ranks (backend " << (resolved.device.is_cuda() ? "nccl" : "gloo")
-          << "); each rank decodes and trains about " << share << " of the " << config.training.batch_size
-          << " images of every effective batch and holds the whole model and its gradients"
-          << (sharded ? " and about 1/" + std::to_string(world_size) +
-                            " of the AdamW state (distributed.shard_optimizer)"
-                      : std::string(" and the whole optimizer state"))
-          << ": every figure below is per rank\n";
-      if (sharded)
-        fixed -= 8.0 * static_cast<double>(probe ? e.head_parameters : e.parameters) *
-                 (1.0 - 1.0 / static_cast<double>(world_size));
-    }
-    out << "  mode                      " << (probe ? "linear probe (backbone frozen)" : "full fine-tune") << "\n";
-    out << "  weights + grads + AdamW   " << human_bytes(fixed) << "\n";
-    out << "  activations per image     " << human_bytes(per_image) << " (fp32 estimate)\n";
-    out << "  memory                    " << (capacity > 0 ? human_bytes(capacity) : std::string("no limit")) << " ("
-        << source << ")\n";
-    if (capacity > 0 && per_image > 0)
-      out << "  largest micro-batch       about "
-          << std::max<int64_t>(0, static_cast<int64_t>((capacity - fixed) / per_image)) << " images (the run "
-          << "measures it with training.micro_batch_size=auto)\n";
-    return kExitOk;
+  return c;
+}
+
+int run_image_plan(const Config& config, std::ostream& out, int64_t world_size, bool contrastive) {
+  const PlanCapacity planned = plan_capacity(config);
+  const double capacity = planned.capacity;
+  const std::string& source = planned.source;
+  // An image classifier: fixed memory of the mode, activations per image at its size, what fits.
+  const auto e = estimate_image_memory(config.model.path);
+  const bool probe = config.training.linear_probe;
+  double fixed = probe ? e.probe_fixed : e.full_fixed;
+  const double per_image = probe ? 0.0 : e.activations_per_image;
+  out << "model " << config.model.path << " on " << planned.device_description
+      << (contrastive ? " (CLIP, contrastive: the estimate covers the image tower only; the text tower, the "
+                        "projections and gradient caching's embeddings come on top, measured by the run, "
+                      : " (image classifier, ")
+      << e.image_size << " x " << e.image_size << " pixels, " << e.tokens << " tokens per image)\n";
+  if (world_size > 1 && !contrastive) {
+    // Each rank decodes and trains its share of every effective batch (docs/images.md#data-parallelism-for-image-
+    // classifiers); sharded, it keeps about 1/N of the AdamW moments (8 bytes per trainable parameter).
+    const int64_t share = (config.training.batch_size + world_size - 1) / world_size;
+    const bool sharded = config.distributed.shard_optimizer;
+    out << "data parallelism: " << world_size << " ranks (backend " << (planned.device.is_cuda() ? "nccl" : "gloo")
+        << "); each rank decodes and trains about " << share << " of the " << config.training.batch_size
+        << " images of every effective batch and holds the whole model and its gradients"
+        << (sharded ? " and about 1/" + std::to_string(world_size) +
+                          " of the AdamW state (distributed.shard_optimizer)"
+                    : std::string(" and the whole optimizer state"))
+        << ": every figure below is per rank\n";
+    if (sharded)
+      fixed -= 8.0 * static_cast<double>(probe ? e.head_parameters : e.parameters) *
+               (1.0 - 1.0 / static_cast<double>(world_size));
   }
+  out << "  mode                      " << (probe ? "linear probe (backbone frozen)" : "full fine-tune") << "\n";
+  out << "  weights + grads + AdamW   " << human_bytes(fixed) << "\n";
+  out << "  activations per image     " << human_bytes(per_image) << " (fp32 estimate)\n";
+  out << "  memory                    " << (capacity > 0 ? human_bytes(capacity) : std::string("no limit")) << " ("
+      << source << ")\n";
+  if (capacity > 0 && per_image > 0)
+    out << "  largest micro-batch       about "
+        << std::max<int64_t>(0, static_cast<int64_t>((capacity - fixed) / per_image)) << " images (the run "
+        << "measures it with training.micro_batch_size=auto)\n";
+  return kExitOk;
+}
+
+MemoryPlan plan_image_run(const Config& config, bool clip) {
+  const auto meta = at::TensorOptions().device(at::kMeta).dtype(at::kFloat);
+  int64_t parameters = 0, trained = 0;
+  auto count = [&](const at::Tensor& p, bool trains) {
+    parameters += p.numel();
+    if (trains && !config.lora.enabled) trained += p.numel();
+  };
+  if (clip) {
+    auto model = load_clip(config.model.path, ModelInit::kRandom, meta, 0);
+    model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+      bool trains = true;
+      if (config.contrastive.freeze_image_tower)
+        for (const char* prefix : ClipModel::kVisionPrefixes) trains = trains && !name.starts_with(prefix);
+      count(p, trains);
+    });
+  } else {
+    auto model = load_image_classifier(config.model.path, ModelInit::kRandom, meta);
+    const std::string head = model->head_prefix();
+    model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+      count(p, !config.training.linear_probe || name.starts_with(head));
+    });
+  }
+  MemoryPlan plan;
+  plan.parameters = parameters;
+  plan.trainable_parameters = trained;
+  plan.weights = static_cast<double>(parameters) * (config.precision.mode == PrecisionMode::kBf16 ? 2 : 4);
+  plan.gradients = 4.0 * static_cast<double>(trained);
+  plan.optimizer_state = config.optimizer.name == OptimizerName::kAdamW
+                             ? static_cast<double>(trained) * (config.optimizer.state_dtype == StateDtype::kBf16   ? 4
+                                                               : config.optimizer.state_dtype == StateDtype::kInt8 ? 2
+                                                                                                                   : 8)
+                             : 0.0;
+  return plan;
+}
+
+int run_plan(const Config& config, std::ostream& out, int64_t world_size, const ExampleShape& shape) {
+  const PlanCapacity planned = plan_capacity(config);
+  const double capacity = planned.capacity;
+  const std::string& source = planned.source;
   inspect_model_dir(config.model.path, /*need_weights=*/false);  // a clear error for a wrong model.path
   const auto hf_config = read_json_file(config.model.path + "/config.json");
   if (config.precision.mode == PrecisionMode::kFp16Mixed)  // refused as training refuses it
     check_fp16_supported(hf_config.value("model_type", std::string()), config.model.path + "/config.json");
-  auto plan = plan_memory(config, hf_config, resolved.device, capacity, source);
-  out << "model " << config.model.path << " on " << resolved.description << "\n";
+  auto plan = plan_memory(config, hf_config, planned.device, capacity, source, shape);
+  out << "model " << config.model.path << " on " << planned.device_description << "\n";
   if (world_size > 1) {
     // Each rank trains a share of the effective batch (docs/distributed.md): the rows and the accumulation
     // below are the share's.
     const int64_t share = (config.training.batch_size + world_size - 1) / world_size;
-    out << "data parallelism: " << world_size << " ranks (backend " << (resolved.device.is_cuda() ? "nccl" : "gloo")
+    out << "data parallelism: " << world_size << " ranks (backend " << (planned.device.is_cuda() ? "nccl" : "gloo")
         << "); each rank trains "
         << (config.training.micro_batch_tokens > 0 ? "a token-balanced share (about " : "about ") << share << " of the "
         << config.training.batch_size << " examples" << (config.training.micro_batch_tokens > 0 ? ")" : "")
@@ -667,7 +713,7 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size) {
     }
   }
   print_plan(plan, config, out);
-  print_optimizer_choices(config, hf_config, resolved.device, capacity, source, out);
+  print_optimizer_choices(config, hf_config, planned.device, capacity, source, out, shape);
   return kExitOk;
 }
 

@@ -16,6 +16,17 @@
 
 namespace trainer {
 
+// What one example of a task is to the planner, as its kind says (train/engine/task_kind.h): a text example is one
+// sequence; a preference pair (DPO) is two, with the reference's forward beside them and, for a full fine-tune, a
+// frozen copy of the weights.
+struct ExampleShape {
+  int64_t sequences = 1;           // sequences of the maximum lengths through forward and backward
+  bool reference_forward = false;  // a forward of the sequences without autograd beside them (a reference model)
+  bool reference_weights = false;  // a second, frozen copy of the weights, the size of the model's
+  std::string unit = "example";    // the plan's rows: "activations per pair"
+  std::string unit_note = "at the maximum lengths";
+};
+
 struct MemoryPlan {
   int64_t parameters = 0;
   int64_t trainable_parameters = 0;
@@ -47,7 +58,9 @@ struct MemoryPlan {
   // resident (memory.dequantized_base; then they are counted in `weights`) and why.
   double dequantized_base = 0;
   bool keeps_dequantized_base = false;
-  double reference_weights = 0;  // training.objective=dpo, full fine-tune: the frozen reference copy (in `weights`)
+  double reference_weights = 0;  // ExampleShape::reference_weights: the frozen reference copy (in `weights`)
+  std::string unit = "example";  // ExampleShape::unit and unit_note, for the plan's rows
+  std::string unit_note = "at the maximum lengths";
   std::string dequantized_base_reason;
 
   // The chunked loss's bytes with `micro` examples per micro-batch and chunks of `chunk` tokens (0: the config's).
@@ -63,9 +76,9 @@ struct MemoryPlan {
 };
 
 // Estimates the run `config` describes on `device` with `capacity` bytes (0: unknown) from the model's
-// config.json (`hf_config`); builds the architecture on the meta device only.
+// config.json (`hf_config`), an example being `shape`; builds the architecture on the meta device only.
 MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
-                       double capacity, const std::string& capacity_source);
+                       double capacity, const std::string& capacity_source, const ExampleShape& shape = {});
 
 // memory.dequantized_base for a run whose frozen 4-bit weights take `copies` bytes dequantized, given `plan` (which
 // does not count them): keep, per_use, or auto: keep when the configured micro-batch's peak (micro_batch_size=auto:
@@ -76,7 +89,8 @@ bool keep_dequantized_base(const MemoryPlan& plan, const Config& config, double 
 
 // The choice above for a run on `device` (the capacity as the run sees it: memory.limit, else the device's total,
 // else the RAM), planned from model.path's config.json; per_use with the reason when the plan cannot be made.
-bool choose_dequantized_base(const Config& config, const c10::Device& device, double copies, std::string& reason);
+bool choose_dequantized_base(const Config& config, const c10::Device& device, double copies, std::string& reason,
+                             const ExampleShape& shape = {});
 
 // The budget table and the recommendation, as `trainer plan` prints them.
 void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out);
@@ -85,11 +99,33 @@ void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out)
 // bf16 moments, Adafactor) with their fixed memory and the largest micro-batch each allows, least loss of precision
 // first, and the first that fits, as `trainer plan` prints them after the plan.
 void print_optimizer_choices(const Config& config, const nlohmann::json& hf_config, const c10::Device& device,
-                             double capacity, const std::string& capacity_source, std::ostream& out);
+                             double capacity, const std::string& capacity_source, std::ostream& out,
+                             const ExampleShape& shape = {});
 
-// `trainer plan --config FILE`: resolves the device (without waiting), reads model.path/config.json, prints.
-// With `world_size` > 1 (data parallelism) the figures are per rank: each rank trains its share of every
-// effective batch and holds the whole model, its gradients and the optimizer state.
-int run_plan(const Config& config, std::ostream& out, int64_t world_size = 1);
+// What `trainer plan` plans against: memory.limit, else the device's total (0 when neither: the CPU without a
+// limit), and a line that says which.
+struct PlanCapacity {
+  c10::Device device{c10::kCPU};
+  std::string device_description;
+  double capacity = 0;
+  std::string source;
+};
+PlanCapacity plan_capacity(const Config& config);
+
+// `trainer plan --config FILE` for a language model (text and preference tasks): resolves the device (without
+// waiting), reads model.path/config.json, prints. With `world_size` > 1 (data parallelism) the figures are per
+// rank: each rank trains its share of every effective batch and holds the whole model, its gradients and the
+// optimizer state.
+int run_plan(const Config& config, std::ostream& out, int64_t world_size = 1, const ExampleShape& shape = {});
+
+// `trainer plan` for an image classifier, or the image tower of a CLIP (`contrastive`): the fixed memory of the
+// mode, activations per image at the model's image size, and what fits.
+int run_image_plan(const Config& config, std::ostream& out, int64_t world_size, bool contrastive);
+
+// The fixed part of an image classifier's (or with `clip`, a CLIP's) run, counted on a shape-only model (the meta
+// device: nothing is allocated): weights in their precision; the trained parameters' fp32 gradients and AdamW
+// moments (a linear probe trains the head, a locked image tower leaves CLIP's vision side out; LoRA adapters are
+// small beside the base and are not counted; Adafactor's row and column statistics neither).
+MemoryPlan plan_image_run(const Config& config, bool clip);
 
 }  // namespace trainer

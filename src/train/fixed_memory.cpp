@@ -10,55 +10,10 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/planner.h"
-#include "models/clip.h"
-#include "models/image_model.h"
+#include "train/engine/task_kind.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {
-namespace {
-
-// The fixed part of an image classifier's or a CLIP's run, counted on a shape-only model (the meta device: nothing
-// is allocated): weights in their precision; the trained parameters' fp32 gradients and AdamW moments (a linear
-// probe trains the head, a locked image tower leaves CLIP's vision side out; LoRA adapters are small beside the
-// base and are not counted; Adafactor's row and column statistics neither).
-std::optional<MemoryPlan> plan_image_run(const Config& config, const nlohmann::json& hf_config) {
-  const auto meta = at::TensorOptions().device(at::kMeta).dtype(at::kFloat);
-  int64_t parameters = 0, trained = 0;
-  const bool clip = config.training.objective == TrainingObjective::kContrastive;
-  if (!clip && !is_image_model_config(hf_config)) return std::nullopt;
-  auto count = [&](const at::Tensor& p, bool trains) {
-    parameters += p.numel();
-    if (trains && !config.lora.enabled) trained += p.numel();
-  };
-  if (clip) {
-    auto model = load_clip(config.model.path, ModelInit::kRandom, meta, 0);
-    model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
-      bool trains = true;
-      if (config.contrastive.freeze_image_tower)
-        for (const char* prefix : ClipModel::kVisionPrefixes) trains = trains && !name.starts_with(prefix);
-      count(p, trains);
-    });
-  } else {
-    auto model = load_image_classifier(config.model.path, ModelInit::kRandom, meta);
-    const std::string head = model->head_prefix();
-    model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
-      count(p, !config.training.linear_probe || name.starts_with(head));
-    });
-  }
-  MemoryPlan plan;
-  plan.parameters = parameters;
-  plan.trainable_parameters = trained;
-  plan.weights = static_cast<double>(parameters) * (config.precision.mode == PrecisionMode::kBf16 ? 2 : 4);
-  plan.gradients = 4.0 * static_cast<double>(trained);
-  plan.optimizer_state = config.optimizer.name == OptimizerName::kAdamW
-                             ? static_cast<double>(trained) * (config.optimizer.state_dtype == StateDtype::kBf16   ? 4
-                                                               : config.optimizer.state_dtype == StateDtype::kInt8 ? 2
-                                                                                                                   : 8)
-                             : 0.0;
-  return plan;
-}
-
-}  // namespace
 
 OutOfMemoryAtFloor fixed_memory_error(const Config& config, const c10::Device& device, const std::string& what,
                                       const c10::OutOfMemoryError& error) {
@@ -71,8 +26,7 @@ OutOfMemoryAtFloor fixed_memory_error(const Config& config, const c10::Device& d
   try {
     // Counted on the meta device, as `trainer plan` counts them: nothing is allocated for this.
     const auto hf_config = read_json_file((std::filesystem::path(config.model.path) / "config.json").string());
-    const auto image_plan = plan_image_run(config, hf_config);
-    const auto plan = image_plan ? *image_plan : plan_memory(config, hf_config, device, capacity, budget);
+    const auto plan = task_kind(config).fixed_memory(config, hf_config, device, capacity, budget);
     fixed = plan.weights + plan.gradients + plan.optimizer_state;
     auto line = [](const std::string& name, double bytes) { return fmt::format("\n  {:<30}{}", name, human_bytes(bytes)); };
     message += "\nwhat the run needs before its first example (as `trainer plan` counts it):";

@@ -174,7 +174,7 @@ StepResult run_attempts(StepWork& work, const AttemptSettings& s) {
     result.micro_batch = outcome.largest_part;
     result.micro_steps = outcome.micro_steps;
     result.retries = attempt;
-    result.target_tokens = s.counted;
+    result.counted = s.counted;
     if (!apply_update(s, result, optimizer_retried)) continue;
     if (!result.skipped) work.after_update();
     return result;

@@ -24,7 +24,7 @@ struct StepResult {
   int64_t micro_batch = 0;
   int64_t micro_steps = 0; // forward/backward passes of the successful attempt
   int64_t retries = 0;     // attempts lost to out-of-memory errors
-  int64_t target_tokens = 0;
+  int64_t counted = 0;     // what the task counts (Counted: target tokens, images, pairs) in the effective batch
   // fp16-mixed: the loss scale this step's backward used (0 without loss scaling), and whether its gradients held
   // an inf or NaN, so that the update was skipped (train/optim/grad_scaler.h).
   double loss_scale = 0;
@@ -76,7 +76,7 @@ struct AttemptSettings {
   double lr = 0;
   int64_t examples = 0;   // of the effective batch (all ranks), for the memory policy
   double normaliser = 1;  // the step's loss is the ranks' summed loss_sum / normaliser
-  int64_t counted = 0;    // StepResult::target_tokens: target tokens, images or pairs of the effective batch
+  int64_t counted = 0;    // StepResult::counted: target tokens, images or pairs of the effective batch
 };
 
 // One optimizer step over an effective batch: attempts of `work` until one fits on every rank (on an out-of-memory

@@ -26,6 +26,7 @@
 #include "train/checkpoint_parts.h"
 #include "train/device_move.h"
 #include "train/engine/task.h"
+#include "train/engine/task_kind.h"
 #include "train/fixed_memory.h"
 #include "train/optim/grad_scaler.h"
 #include "train/optim/optimizer.h"
@@ -226,10 +227,8 @@ std::optional<fs::path> find_resume_dir(const Config& config, const TrainOptions
 
 // What a task's name means to a user, for the message when a checkpoint belongs to another kind of run.
 std::string describe_task(const std::string& name) {
-  if (name == "text") return "text (language model)";
-  if (name == "image") return "image-classification";
-  if (name == "contrastive") return "contrastive (CLIP)";
-  return "\"" + name + "\"";
+  const TaskKind* kind = task_kind_named(name);
+  return kind ? kind->description : "\"" + name + "\"";
 }
 
 // The memory budget and allocator recording: before anything is loaded.
@@ -586,9 +585,9 @@ bool Engine::train_one_step() {
   const StepResult result = run_step(*batch, cursor_before, policy_before, lr);
   ++step_index_;
   if (result.retries > 0) dump_snapshot_once(output_dir_, step_index_);
-  seen_ += result.target_tokens;
+  seen_ += result.counted;
   const auto memory = memory_now(device_);
-  reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.target_tokens, seen_,
+  reporter_.on_step({step_index_, result.loss, lr, result.grad_norm, result.counted, seen_,
                      result.micro_batch, result.micro_steps, result.retries,
                      static_cast<int64_t>(policy_->adaptations().size()), device_ladder_->moves(), memory.allocated,
                      memory.peak, std::chrono::duration<double>(Clock::now() - step_start).count(),

@@ -5,7 +5,7 @@
 // micro-batch and the ranks' agreement on it, the checkpoint writer, retention, reporting and the summary. A task
 // says what differs: the model, the data and its batches, forward and backward over a split, the evaluation's
 // metrics and the files a saved model consists of. A new task is one folder in src/train/tasks/ and one line in
-// make_task (tasks/registry.cpp).
+// task_kinds() (tasks/registry.cpp, task_kind.h).
 #pragma once
 
 #include <cstdint>
@@ -192,12 +192,7 @@ class Task {
   TaskContext context_;
 };
 
-// The task the config trains: text (seq2seq and causal language models), image classification or contrastive
-// CLIP, from training.objective and model.path's config.json (tasks/registry.cpp).
+// The task the config trains: its kind's (task_kind.h, tasks/registry.cpp).
 std::unique_ptr<Task> make_task(const TaskContext& context);
-
-// The task's own record mapping for `trainer data` (preference pairs with training.objective=dpo), or empty where
-// the task reads records with data/record.h's mapping.
-std::function<RecordMapper(const Config& config, const Tokenizer& tokenizer)> task_record_mapper(const Config& config);
 
 }  // namespace trainer

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/planner.h"
+#include "train/engine/task_kind.h"
 #include "models/image_model.h"
 #include "models/inspect.h"
 #include "support/paths.h"
@@ -131,7 +132,9 @@ TEST(ShippedConfigs, EveryGpuConfigFitsItsCardByThePlan) {
       ++checked;
       continue;
     }
-    const MemoryPlan plan = plan_memory(config, hf, c10::Device(c10::kCUDA, 0), card.bytes, "test card");
+    // What an example is to the planner is the task's (a DPO pair: two sequences and the reference).
+    const ExampleShape shape = task_kind(config).example_shape(config);
+    const MemoryPlan plan = plan_memory(config, hf, c10::Device(c10::kCUDA, 0), card.bytes, "test card", shape);
     std::ostringstream out;
     print_plan(plan, config, out);
     SCOPED_TRACE(out.str());

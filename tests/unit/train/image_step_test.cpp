@@ -142,7 +142,7 @@ TEST(ImageTrainStep, OutOfMemoryMidRunReachesTheSameWeights) {
   EXPECT_EQ(a[1].new_micro_batch, 4);
   EXPECT_EQ(last.micro_batch, 4);
   EXPECT_EQ(last.micro_steps, 4);
-  EXPECT_EQ(last.target_tokens, 16);  // images
+  EXPECT_EQ(last.counted, 16);  // images
   expect_close(weights_of(*free_run.model), weights_of(*constrained.model), 1e-5);
 }
 

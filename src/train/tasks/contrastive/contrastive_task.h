@@ -6,6 +6,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "train/engine/task.h"
+#include "train/engine/task_kind.h"
 
 namespace trainer {
 
@@ -14,5 +15,7 @@ namespace trainer {
 bool is_clip_model_config(const nlohmann::json& config);
 
 std::unique_ptr<Task> make_contrastive_task(const TaskContext& context);
+// The kind (task_kind.h): training.objective=contrastive (a whole CLIP in model.path).
+TaskKind contrastive_task_kind();
 
 }  // namespace trainer

@@ -155,7 +155,7 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
 
   std::unique_ptr<Tokenizer> tokenizer_;
   RecordMapper mapper_;  // preference records -> pairs (reads tokenizer_)
-  TextModel text_model_{config(), primary()};
+  TextModel text_model_{config(), primary(), preference_example_shape(config())};
   LanguageModel* model_ = nullptr;
   std::unique_ptr<LanguageModel> reference_;  // full fine-tune: the frozen starting weights
   Optimizer* optimizer_ = nullptr;

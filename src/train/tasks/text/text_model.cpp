@@ -21,7 +21,8 @@
 namespace trainer {
 namespace fs = std::filesystem;
 
-TextModel::TextModel(const Config& config, bool primary) : config_(config), primary_(primary) {}
+TextModel::TextModel(const Config& config, bool primary, ExampleShape shape)
+    : config_(config), primary_(primary), shape_(std::move(shape)) {}
 TextModel::~TextModel() = default;
 
 Module& TextModel::trainable() { return lora_ ? static_cast<Module&>(*lora_) : *model_; }
@@ -99,7 +100,7 @@ void TextModel::build(const std::optional<fs::path>& resume, const c10::Device& 
     std::string dequantized;
     const bool keep = choose_dequantized_base(config_, device,
                                               static_cast<double>(dequantized_weight_bytes(*model_, compute)),
-                                              dequantized);
+                                              dequantized, shape_);
     keep_dequantized_weights(*model_, keep);
     spdlog::info("4-bit layers: {}", four_bit_kernels(*model_, device.type(), compute));
     spdlog::info("4-bit base weights: {}", dequantized);

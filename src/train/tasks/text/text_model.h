@@ -13,6 +13,7 @@
 #include <c10/core/Device.h>
 #include <nlohmann/json_fwd.hpp>
 
+#include "memory/planner.h"
 #include "trainer/config.h"
 #include "trainer/data.h"
 #include "trainer/run.h"
@@ -26,7 +27,8 @@ class Tokenizer;
 
 class TextModel {
  public:
-  TextModel(const Config& config, bool primary);
+  // `shape`: what one example is to the memory planner (memory.dequantized_base=auto plans with it).
+  TextModel(const Config& config, bool primary, ExampleShape shape = {});
   ~TextModel();
 
   // --merge needs LoRA and a final save (UsageError).
@@ -58,6 +60,7 @@ class TextModel {
 
   const Config& config_;
   bool primary_;
+  ExampleShape shape_;
   std::unique_ptr<LanguageModel> model_;
   std::unique_ptr<LoraAdapters> lora_;
   std::string lora_base_;  // the adapter's base_model_name_or_path

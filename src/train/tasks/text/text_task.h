@@ -3,10 +3,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include <c10/core/Device.h>
 
 #include "train/engine/task.h"
+#include "train/engine/task_kind.h"
 
 namespace trainer {
 
@@ -14,6 +16,12 @@ class LanguageModel;
 class DataLoader;
 
 std::unique_ptr<Task> make_text_task(const TaskContext& context);
+// The kind (task_kind.h): every config no other kind takes.
+TaskKind text_task_kind();
+// `trainer train`'s plan lines of a language model's run (text and preference tasks), `unit` naming what the
+// effective batch counts ("examples", "pairs").
+TrainPlanLines language_model_plan_lines(const Config& config, const TrainOptions& options, int64_t world_size,
+                                         const std::string& unit);
 
 struct ValidationLoss {
   double loss = 0;  // mean per target token
