@@ -99,10 +99,7 @@ void EvaluationMicroBatch::agree() {
                            "size), or set evaluation.every_steps=0");
 }
 
-int64_t Task::evaluation_micro_batch(const MemoryPolicy& policy) const {
-  const auto& configured = config().evaluation.micro_batch_size;
-  return configured.is_auto ? policy.micro_batch() : configured.value;
-}
+int64_t TaskEvaluation::evaluation_micro_batch(const MemoryPolicy& policy) const { return policy.micro_batch(); }
 
 namespace {
 
@@ -324,7 +321,8 @@ void Engine::set_up() {
   build_optimizer_and_step();
   if (resume_.dir) restore();
   else if (config_.training.micro_batch_size.is_auto && !policy_->by_tokens()) probe_micro_batch();
-  eval_micro_.emplace(task_.evaluation_micro_batch(*policy_), world_);
+  const auto& evaluation_micro = config_.evaluation.micro_batch_size;
+  eval_micro_.emplace(evaluation_micro.is_auto ? task_.evaluation_micro_batch(*policy_) : evaluation_micro.value, world_);
   start_retention();
 }
 

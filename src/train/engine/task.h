@@ -98,26 +98,13 @@ struct Evaluated {
   std::map<std::string, double> metrics;   // evaluation by generation ("rougeL", ...): checkpoint.best_metric
 };
 
-class Task {
+// A task has four roles beside what it is (Task below); the engine calls each at its moment. A method with a body
+// is a default a task overrides only when it has something to say.
+
+// The data: records, their fingerprint, the loader and its cursor.
+class TaskData {
  public:
-  explicit Task(const TaskContext& context) : context_(context) {}
-  virtual ~Task() = default;
-
-  // ---- what it is -------------------------------------------------------------------------------------------------
-  // train_state.json's "task" ("text", "image", "contrastive"); a checkpoint without it is a text checkpoint.
-  virtual std::string name() const = 0;
-  virtual Counted counted() const = 0;
-  virtual std::string model_type() const = 0;
-
-  // ---- before anything loads --------------------------------------------------------------------------------------
-  // Settings and options this task refuses (UsageError).
-  virtual void check_settings(const TrainOptions& options) const { (void)options; }
-  // A checkpoint of another model or adapter shape cannot continue this run (the engine has checked its version and
-  // task already).
-  virtual void check_checkpoint(const std::filesystem::path& dir, const nlohmann::json& state) const {
-    (void)dir;
-    (void)state;
-  }
+  virtual ~TaskData() = default;
   // Opens the training data (and what reading it needs: the tokenizer) and returns its fingerprint, stored in every
   // checkpoint as "data_fingerprint".
   virtual nlohmann::json open_data() = 0;
@@ -125,25 +112,50 @@ class Task {
   // the epoch order intact. Empty: the same data.
   virtual std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohmann::json& current,
                                                 std::vector<std::string>& warnings) const = 0;
-
-  // ---- the model --------------------------------------------------------------------------------------------------
-  // Builds the model on `device`: weights (from `resume` when a full fine-tune resumes), LoRA (its adapters from
-  // `resume`), frozen parts, activation checkpointing. An out-of-memory error here is the engine's to report.
-  virtual void build_model(const std::optional<std::filesystem::path>& resume, const c10::Device& device) = 0;
-  virtual Module& model() = 0;
-  virtual Module* adapters() = 0;  // the LoRA adapters (they are not in the model's tree); null without LoRA
-  // What trains: the adapters with LoRA (plus what the task trains in full beside them), else the model.
-  virtual Module& trainable() = 0;
-
-  // ---- the data -------------------------------------------------------------------------------------------------
+  // The loader (after the model is built; LoaderTask in loader_task.h writes the rest of this role once).
   virtual void open_loader() = 0;
   virtual uint64_t examples_per_epoch() const = 0;
   virtual std::unique_ptr<TaskBatch> next_batch() = 0;  // null when the data is done
   virtual LoaderCursor cursor() const = 0;
   virtual void restore_cursor(const LoaderCursor& cursor) = 0;
   virtual DataStats data_stats() const = 0;
+};
 
-  // ---- the step -----------------------------------------------------------------------------------------------
+// The model: built (or resumed), what trains, saved.
+class TaskModel {
+ public:
+  virtual ~TaskModel() = default;
+  // A checkpoint of another model or adapter shape cannot continue this run (the engine has checked its version and
+  // task already).
+  virtual void check_checkpoint(const std::filesystem::path& dir, const nlohmann::json& state) const {
+    (void)dir;
+    (void)state;
+  }
+  // Builds the model on `device`: weights (from `resume` when a full fine-tune resumes), LoRA (its adapters from
+  // `resume`), frozen parts, activation checkpointing. An out-of-memory error here is the engine's to report.
+  virtual void build_model(const std::optional<std::filesystem::path>& resume, const c10::Device& device) = 0;
+  virtual Module& model() = 0;
+  virtual std::string model_type() const = 0;
+  // The LoRA adapters (they are not in the model's tree); null without LoRA.
+  virtual Module* adapters() { return nullptr; }
+  // What trains: the adapters with LoRA (plus what the task trains in full beside them), else the model.
+  virtual Module& trainable() { return model(); }
+  // The trained model (or adapter) with what loads it (tokenizer, preprocessing) into `dir`.
+  virtual void save(const std::filesystem::path& dir) = 0;
+  // What train_state.json holds beside the engine's keys (text with LoRA: the base model's config).
+  virtual void add_train_state(nlohmann::json& state) const { (void)state; }
+  // After the final save (rank 0): --merge.
+  virtual void after_final_save(const std::filesystem::path& output_dir, const TrainOptions& options) {
+    (void)output_dir;
+    (void)options;
+  }
+};
+
+// The step: the StepWork of its micro-batches in the engine's attempt loop (attempts.h), the probe's worst case,
+// what to change when even the floor does not fit.
+class TaskStep {
+ public:
+  virtual ~TaskStep() = default;
   virtual void build_step(const StepParts& parts) = 0;
   // One optimizer step over `batch` (run_attempts with the task's StepWork).
   virtual StepResult train_step(TaskBatch& batch, int64_t step, double lr) = 0;
@@ -154,33 +166,48 @@ class Task {
   // What a probe of `micro` ran, for its log line ("4 at maximum lengths").
   virtual std::string probe_case(int64_t micro) const { return std::to_string(micro) + " at the worst case"; }
   // When not even one example fits: what did not fit, and what to change.
-  virtual std::pair<std::string, std::string> probe_failure() const = 0;
+  virtual std::pair<std::string, std::string> probe_failure() const {
+    return {"not even one example fits for micro_batch_size=auto",
+            "turn on training.activation_checkpointing, or raise memory.limit"};
+  }
   // What shrinks a step of this task, for the report when even the floor did not fit (most effective first).
-  virtual std::vector<std::string> floor_suggestions() const = 0;
+  virtual std::vector<std::string> floor_suggestions() const { return {}; }
   // The run moved to another device (train/device_move.h): where the next batches run.
   virtual void set_device(const c10::Device& device) = 0;
+};
 
-  // ---- evaluation ------------------------------------------------------------------------------------------------
-  // evaluation.micro_batch_size=auto starts from this.
+// Evaluation: its metrics and the value checkpoint.keep_best compares.
+class TaskEvaluation {
+ public:
+  virtual ~TaskEvaluation() = default;
+  // evaluation.micro_batch_size=auto starts from this (default: training's micro-batch).
   virtual int64_t evaluation_micro_batch(const MemoryPolicy& policy) const;
-  // Over the validation data (every rank its share; sums over the ranks inside). Nothing is reported here.
-  virtual Evaluated evaluate(int64_t step, EvaluationMicroBatch& micro) = 0;
+  // Over the validation data (every rank its share; sums over the ranks inside). Nothing is reported here. The
+  // default evaluates nothing (Evaluated::loss empty).
+  virtual Evaluated evaluate(int64_t step, EvaluationMicroBatch& micro) {
+    (void)step;
+    (void)micro;
+    return {};
+  }
   // After an evaluation every rank agreed on: what rank 0 alone shows (text: sample generations).
   virtual void after_evaluation(int64_t step, Reporter& reporter) {
     (void)step;
     (void)reporter;
   }
+};
 
-  // ---- saving -------------------------------------------------------------------------------------------------
-  // The trained model (or adapter) with what loads it (tokenizer, preprocessing) into `dir`.
-  virtual void save(const std::filesystem::path& dir) = 0;
-  // What train_state.json holds beside the engine's keys (text with LoRA: the base model's config).
-  virtual void add_train_state(nlohmann::json& state) const { (void)state; }
-  // After the final save (rank 0): --merge.
-  virtual void after_final_save(const std::filesystem::path& output_dir, const TrainOptions& options) {
-    (void)output_dir;
-    (void)options;
-  }
+// What the engine trains: what it is, and the four roles.
+class Task : public TaskData, public TaskModel, public TaskStep, public TaskEvaluation {
+ public:
+  explicit Task(const TaskContext& context) : context_(context) {}
+  ~Task() override = default;
+
+  // train_state.json's "task" (its kind's name: "text", "image", "contrastive", "dpo"); a checkpoint without it is
+  // a text checkpoint.
+  virtual std::string name() const = 0;
+  virtual Counted counted() const = 0;
+  // Settings and options this task refuses before anything loads (UsageError).
+  virtual void check_settings(const TrainOptions& options) const { (void)options; }
 
  protected:
   const Config& config() const { return context_.config; }

@@ -152,8 +152,6 @@ class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
 
   // "auto" starts from training's micro-batch (in token mode: what its budget holds at the maximum lengths).
   int64_t evaluation_micro_batch(const MemoryPolicy& policy) const override {
-    const auto& configured = config().evaluation.micro_batch_size;
-    if (!configured.is_auto) return configured.value;
     if (!policy.by_tokens()) return policy.micro_batch();
     const int64_t longest = max_example_tokens(config().data, family_ == DataFamily::kSeq2Seq);
     return std::max<int64_t>(1, policy.micro_batch() / std::max<int64_t>(1, longest));
