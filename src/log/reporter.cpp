@@ -104,9 +104,9 @@ const std::vector<ScalarName>& scalar_names() {
 std::string format_summary(const RunSummary& s) {
   std::string text = fmt::format("\nDone: {} steps", s.steps);
   if (s.start_step > 0) text += fmt::format(" (resumed at step {})", s.start_step);
-  text += fmt::format(", {} {}; this run {} in {} ({:.0f} {}/s)\n", s.tokens_seen, s.counted, s.tokens_this_run,
+  text += fmt::format(", {} {}; this run {} in {} ({:.0f} {}/s)\n", s.seen, s.counted, s.seen_this_run,
                       describe_seconds(s.seconds),
-                      s.seconds > 0 ? static_cast<double>(s.tokens_this_run) / s.seconds : 0.0, s.counted_rate);
+                      s.seconds > 0 ? static_cast<double>(s.seen_this_run) / s.seconds : 0.0, s.counted_rate);
   if (s.eval_loss && s.eval_perplexity)
     text += fmt::format("  validation loss {:.4f} (perplexity {:.2f})\n", *s.eval_loss, std::exp(*s.eval_loss));
   else if (s.eval_loss)
@@ -227,13 +227,13 @@ void Reporter::on_step(const StepMetrics& m) {
   loss_ = m.loss;
   const double now = seconds_since_start();
   if (!clock_) clock_.emplace(m.step - 1, m.step, now);  // on_start was skipped (tests)
-  clock_->add_step(m.step, m.target_tokens, m.seconds, now);
+  clock_->add_step(m.step, m.counted, m.seconds, now);
   nlohmann::json record = {{"step", m.step},
                             {"loss", m.loss},
                             {"lr", m.lr},
                             {"grad_norm", m.grad_norm},
-                            {"tokens", m.tokens_seen},
-                            {"tokens_per_s", m.seconds > 0 ? static_cast<double>(m.target_tokens) / m.seconds : 0.0},
+                            {"tokens", m.seen},
+                            {"tokens_per_s", m.seconds > 0 ? static_cast<double>(m.counted) / m.seconds : 0.0},
                             {"micro_batch", m.micro_batch},
                             {"micro_steps", m.micro_steps},
                             {"oom_retries", m.oom_retries},
@@ -243,7 +243,7 @@ void Reporter::on_step(const StepMetrics& m) {
                             {"memory_peak", m.memory_peak}};
   // Image and CLIP runs count images or pairs: those keys too ("tokens" stays, as the TensorBoard tags read it).
   if (run_.unit != "tokens") {
-    record[run_.unit] = m.tokens_seen;
+    record[run_.unit] = m.seen;
     record[run_.unit + "_per_s"] = record["tokens_per_s"];
   }
   if (m.loss_scaling) {
@@ -360,7 +360,7 @@ void Reporter::on_finish(RunSummary summary) {
   clear_status();
   summary.seconds = seconds_since_start();
   summary.start_step = run_.start_step;
-  summary.tokens_this_run = summary.tokens_seen - run_.tokens_seen;
+  summary.seen_this_run = summary.seen - run_.seen;
   summary.eval_loss = eval_loss_;
   summary.last_checkpoint = last_checkpoint_;
   const fs::path output_dir(config_.checkpoint.output_dir);
@@ -372,7 +372,7 @@ void Reporter::on_finish(RunSummary summary) {
                          {"step", summary.steps},
                          {"total_steps", run_.total_steps},
                          {"loss", loss_},
-                         {"tokens", summary.tokens_seen},
+                         {"tokens", summary.seen},
                          {"seconds", summary.seconds},
                          {"adaptations", summary.adaptations.size()},
                          {"memory_peak", summary.memory_peak},

@@ -35,9 +35,9 @@ struct RunStart {
   int64_t total_steps = 0;
   int64_t micro_batch = 0;
   int64_t start_step = 0;         // above 0 when resuming
-  int64_t tokens_seen = 0;        // at start_step
+  int64_t seen = 0;               // what the task counts (unit), at start_step
   std::string resumed_from;       // the checkpoint directory, when resuming
-  std::string unit = "tokens";    // what tokens_seen and the rate count: tokens, images, pairs (engine/task.h)
+  std::string unit = "tokens";    // what seen and the rate count: tokens, images, pairs (engine/task.h)
 };
 
 // fp16-mixed's dynamic loss scaling at one step (train/optim/grad_scaler.h).
@@ -52,8 +52,8 @@ struct StepMetrics {
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;
-  int64_t target_tokens = 0;  // of this step (images or pairs for image and CLIP runs: RunStart::unit)
-  int64_t tokens_seen = 0;    // since step 0
+  int64_t counted = 0;        // what the task counts in this step: target tokens, images, pairs (RunStart::unit)
+  int64_t seen = 0;           // since step 0
   int64_t micro_batch = 0;
   int64_t micro_steps = 0;
   int64_t oom_retries = 0;    // attempts of this step lost to out-of-memory errors
@@ -69,11 +69,11 @@ struct StepMetrics {
 struct RunSummary {
   int64_t steps = 0;
   int64_t start_step = 0;
-  int64_t tokens_seen = 0;
-  int64_t tokens_this_run = 0;
+  int64_t seen = 0;
+  int64_t seen_this_run = 0;
   double seconds = 0;
   std::optional<double> eval_loss;  // the last evaluation's
-  // What tokens_seen counts, in the "Done:" line: "target tokens" (text), "images", "image-caption pairs"; and
+  // What seen counts, in the "Done:" line: "target tokens" (text), "images", "image-caption pairs"; and
   // whether exp(eval_loss) is a perplexity (a language model's loss per token; not for a contrastive loss).
   std::string counted = "target tokens";
   std::string counted_rate = "tokens";

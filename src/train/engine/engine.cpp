@@ -626,7 +626,7 @@ int Engine::finish() {
   summary.counted_rate = counted_.unit;
   summary.eval_perplexity = counted_.eval_perplexity;
   summary.steps = step_index_;
-  summary.tokens_seen = seen_;
+  summary.seen = seen_;
   summary.data = task_.data_stats();
   summary.memory_peak = memory_now(device_).peak;
   summary.adaptations = policy_->adaptations();

@@ -45,8 +45,8 @@ StepMetrics step_metrics(int64_t step) {
   m.loss = 3.0 - 0.1 * static_cast<double>(step);
   m.lr = 1e-3;
   m.grad_norm = 0.5;
-  m.target_tokens = 100;
-  m.tokens_seen = 100 * step;
+  m.counted = 100;
+  m.seen = 100 * step;
   m.micro_batch = 4;
   m.micro_steps = 2;
   m.adaptations = step >= 3 ? 1 : 0;
@@ -62,8 +62,8 @@ TEST(LogReporter, SummaryNamesEverythingTheUserLooksFor) {
   RunSummary s;
   s.steps = 60;
   s.start_step = 30;
-  s.tokens_seen = 48000;
-  s.tokens_this_run = 24000;
+  s.seen = 48000;
+  s.seen_this_run = 24000;
   s.seconds = 125;
   s.eval_loss = 1.25;
   s.data = {1000, 990, 4, 7, 3, {}};
@@ -201,7 +201,7 @@ TEST(LogReporter, WebhookPayloadsForEveryEvent) {
     reporter.on_stopped(SIGTERM, 1, "out/checkpoint-1");
     RunSummary summary;
     summary.steps = 1;
-    summary.tokens_seen = 100;
+    summary.seen = 100;
     summary.model_dir = "out/final";
     reporter.on_finish(summary);
     reporter.on_failure(DataError("data.jsonl:7: invalid JSON\nmore detail", "fix the record"));
