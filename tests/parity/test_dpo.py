@@ -415,3 +415,42 @@ def test_other_data_computes_the_reference_again(models, tmp_path, run_trainer):
     changed = run_trainer("--config", config)
     assert "was computed for other data or another reference" in changed.stderr, changed.stderr
     assert "pairs.jsonl" in changed.stderr and "DPO reference: 9 pairs computed" in changed.stderr, changed.stderr
+
+
+def read_chunks(directory, split="train"):
+    """{key: (chosen, rejected)} of a dpo-reference directory's chunk files (header: magic, position, count)."""
+    import struct
+    out = {}
+    for path in sorted(directory.glob(f"{split}-*.bin")):
+        data = path.read_bytes()
+        assert data[:8] == b"TRDPORF1"
+        position, count = struct.unpack_from("<QQ", data, 8)
+        for i in range(count):
+            key, chosen, rejected = struct.unpack_from("<Qdd", data, 24 + 24 * i)
+            out[key] = (chosen, rejected)
+    return out
+
+
+def test_out_of_memory_in_the_pass_halves_its_pieces_and_gives_the_same_values(tmp_path, run_trainer):
+    """The pass under memory.limit=4MiB (CPU budget: 32 pairs of a forward do not fit) halves its pieces, says so, and
+    stores the values of the pass without a limit (other padding: rounding only)."""
+    rows = [{"prompt": f"Question {i} about soups and stews and the way they simmer:",
+             "chosen": f" answer {i} is right and long enough to matter here.", "rejected": f" no {i}."}
+            for i in range(64)]
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    tables = {}
+    for limit in ["2GiB", "4MiB"]:
+        out = tmp_path / limit
+        result = run_trainer("--config", "configs/tiny-qwen2-dpo.json", "--set", f"data.train_files=[\"{train_file}\"]",
+                             "--set", "data.validation_files=[]", "--set", "training.batch_size=32", "--set",
+                             "training.micro_batch_size=1", "--set", "training.max_steps=1", "--set",
+                             "dpo.precompute_reference=true", "--set", "lora.enabled=false", "--set",
+                             f"memory.limit={limit}", "--set", f"checkpoint.output_dir={out}")
+        halved = "DPO reference: out of memory with 32 pairs in a forward; going on with 16" in result.stderr
+        assert halved == (limit == "4MiB"), result.stderr
+        tables[limit] = read_chunks(out / "dpo-reference")
+    free, constrained = tables["2GiB"], tables["4MiB"]
+    assert len(free) == 64 and set(free) == set(constrained)
+    for key, (chosen, rejected) in free.items():
+        assert constrained[key][0] == pytest.approx(chosen, rel=1e-6)
+        assert constrained[key][1] == pytest.approx(rejected, rel=1e-6)
