@@ -501,17 +501,20 @@ int64_t PreferenceTask::reference_pass(const ReferenceStore& store, const std::s
     }
     if (world()) values = world()->all_reduce_sum(values, "exchanging DPO's reference log-probabilities");
     std::vector<ReferenceEntry> entries(pairs.size());
-    for (std::size_t i = 0; i < pairs.size(); ++i) entries[i] = {pair_key(pairs[i]), {values[2 * i], values[2 * i + 1]}};
+    for (std::size_t i = 0; i < pairs.size(); ++i)
+      entries[i] = {pair_key(pairs[i]), {values[2 * i], values[2 * i + 1]}};
     if (primary()) store.write_chunk(split, chunks, loader->cursor().position, entries);
     ++chunks;
     computed += static_cast<int64_t>(pairs.size());
     const auto now = std::chrono::steady_clock::now();
-    if (now - last_log > std::chrono::seconds(10) || loader->cursor().position >= records) {
-      spdlog::info("DPO reference: {} records {}/{} ({:.0f}%)", split, loader->cursor().position, records,
-                   records ? 100.0 * static_cast<double>(loader->cursor().position) / static_cast<double>(records) : 100.0);
+    if (now - last_log > std::chrono::seconds(10)) {
+      const auto at = loader->cursor().position;
+      spdlog::info("DPO reference: {} records {}/{} ({:.0f}%)", split, at, records,
+                   records ? 100.0 * static_cast<double>(at) / static_cast<double>(records) : 100.0);
       last_log = now;
     }
   }
+  spdlog::info("DPO reference: {} done: {} pairs computed now, {} chunks in all", split, computed, chunks);
   return computed;
 }
 

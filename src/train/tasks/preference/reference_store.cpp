@@ -32,7 +32,7 @@ void fnv_ids_into(uint64_t& h, const std::vector<int32_t>& ids) {
   fnv_bytes_into(h, ids.data(), ids.size() * sizeof(int32_t));
 }
 
-// Writes `text` to `path` whole: a temporary file beside it, renamed over it.
+// Writes `bytes` to `path` whole: a temporary file beside it, renamed over it.
 void store_write_whole(const fs::path& path, const std::string& bytes) {
   const fs::path temporary = path.string() + ".tmp";
   {
@@ -174,8 +174,10 @@ ReferenceTable ReferenceStore::load(const std::string& split) const {
     if (!fs::is_regular_file(path)) break;
     const std::string bytes = store_read_all(path);
     const uint64_t count = bytes.size() >= kReferenceHeaderBytes ? store_get<uint64_t>(bytes, 16) : 0;
-    if (bytes.size() < kReferenceHeaderBytes || std::memcmp(bytes.data(), kReferenceMagic, sizeof kReferenceMagic) != 0 ||
-        bytes.size() != kReferenceHeaderBytes + count * kReferenceEntryBytes)
+    const bool whole = bytes.size() >= kReferenceHeaderBytes &&
+                       std::memcmp(bytes.data(), kReferenceMagic, sizeof kReferenceMagic) == 0 &&
+                       bytes.size() == kReferenceHeaderBytes + count * kReferenceEntryBytes;
+    if (!whole)
       throw DataError(path.string() + " is damaged (" + std::to_string(bytes.size()) + " bytes)",
                       "delete " + dir_.string() + " and the reference log-probabilities are computed again");
     for (uint64_t i = 0; i < count; ++i) {
