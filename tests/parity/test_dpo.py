@@ -454,3 +454,12 @@ def test_out_of_memory_in_the_pass_halves_its_pieces_and_gives_the_same_values(t
     for key, (chosen, rejected) in free.items():
         assert constrained[key][0] == pytest.approx(chosen, rel=1e-6)
         assert constrained[key][1] == pytest.approx(rejected, rel=1e-6)
+
+
+def test_the_plan_counts_no_reference_with_a_precomputed_one(run_trainer):
+    """A full fine-tune: `trainer plan` counts the frozen copy, and with dpo.precompute_reference neither it nor the
+    reference's forward (preference_example_shape)."""
+    plans = {p: run_trainer("plan", "--config", "configs/tiny-qwen2-dpo.json", "--set", "lora.enabled=false", "--set",
+                            f"dpo.precompute_reference={p}").stdout for p in ["false", "true"]}
+    assert "of which the DPO reference" in plans["false"], plans["false"]
+    assert "DPO reference" not in plans["true"], plans["true"]
