@@ -75,7 +75,7 @@ const TaskCase kDpoFull{"DpoFull",
                         "data/demo/preferences.jsonl"};
 
 // DPO with dpo.precompute_reference: a full fine-tune whose reference ran in one pass before training (no frozen
-// copy); a kill -9 may land in the pass, a resume reuses its file, a data change computes it again.
+// copy); resumes reuse its file, --allow-data-change computes it again, a memory limit halves its pieces.
 const TaskCase kDpoPrecomputed{"DpoPrecomputed",
                                "configs/tiny-qwen2-dpo.json",
                                "pairs",
