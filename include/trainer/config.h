@@ -662,6 +662,7 @@ struct DpoConfig {
   double label_smoothing = 0.0;
   bool disable_dropout = true;
   std::string reference_model;
+  bool precompute_reference = false;
 
   template <class V>
   void visit(V& v) {
@@ -680,6 +681,10 @@ struct DpoConfig {
       "a model directory or Hub id (ORG/NAME@REV) to use as the reference instead of the starting weights (TRL's "
       "ref_model): loaded frozen beside the trained model, also with LoRA; its tokenizer and vocabulary must be "
       "model.path's. Empty: model.path's weights (with LoRA: the base under the adapters, no copy)");
+    v("precompute_reference", precompute_reference,
+      "compute the reference's log-probabilities of every train and validation pair in one pass before training "
+      "(TRL's precompute_ref_log_probs) into checkpoint.output_dir/dpo-reference, reused on resume: no reference "
+      "copy and no reference forward during training");
   }
   bool operator==(const DpoConfig&) const = default;
 };

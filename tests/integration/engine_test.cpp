@@ -74,6 +74,16 @@ const TaskCase kDpoFull{"DpoFull",
                         "dpo",
                         "data/demo/preferences.jsonl"};
 
+// DPO with dpo.precompute_reference: a full fine-tune whose reference ran in one pass before training (no frozen
+// copy); resumes reuse its file, --allow-data-change computes it again, a memory limit halves its pieces.
+const TaskCase kDpoPrecomputed{"DpoPrecomputed",
+                               "configs/tiny-qwen2-dpo.json",
+                               "pairs",
+                               {"--set", "data.max_length=128", "--set", "lora.enabled=false", "--set",
+                                "optimizer.lr=3e-4", "--set", "dpo.precompute_reference=true"},
+                               "dpo",
+                               "data/demo/preferences.jsonl"};
+
 bool same_bytes(const fs::path& a, const fs::path& b) { return read_text(a) == read_text(b); }
 
 class Task : public ::testing::TestWithParam<TaskCase> {
@@ -314,7 +324,8 @@ TEST_P(Task, TheProgressCountsWhatTheTaskCounts) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(IntegrationEngine, Task, ::testing::Values(kText, kImage, kClip, kQlora, kDpo, kDpoFull),
+INSTANTIATE_TEST_SUITE_P(IntegrationEngine, Task,
+                         ::testing::Values(kText, kImage, kClip, kQlora, kDpo, kDpoFull, kDpoPrecomputed),
                          [](const ::testing::TestParamInfo<TaskCase>& param) { return param.param.name; });
 
 // Evaluation out of memory at evaluation micro-batch 1 on one of two ranks: every rank stops with exit 4 and one error

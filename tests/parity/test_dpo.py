@@ -5,7 +5,10 @@
 (b) three optimizer steps on the same pairs give TRL's loss, every reward metric (rewards/*, logps/*, logits/*) and
     the weights after them within 1e-5, for LoRA (the reference is the base with the adapters off) and a full
     fine-tune (a frozen copy), on a tiny Qwen2 and a tiny Llama, for each loss type; trainer splits each step into
-    micro-batches of 3 pairs while TRL runs the 8 pairs in one (the loss is a mean over pairs: the split is exact).
+    micro-batches of 3 pairs while TRL runs the 8 pairs in one (the loss is a mean over pairs: the split is exact);
+(c) dpo.precompute_reference=true against TRL's precompute_ref_log_probs=True (train and evaluation), and the pass's
+    file in checkpoint.output_dir/dpo-reference: reused, never recomputed, by a second run or a resume; a pass killed
+    after some chunks goes on from them; other data computes it again.
 DPOConfig defaults to bf16 on a CPU that supports it: bf16=False here, as the issue's facts say.
 """
 import json
@@ -76,23 +79,26 @@ def trl_args(out, **kw):
 
 
 def trainer_config(tmp_path, model_dir, train_file, out, *, lora, loss_type=("sigmoid",), loss_weights=(),
-                   label_smoothing=0.0, beta=0.1, max_length=192, validation_file=None, reference_model=""):
+                   label_smoothing=0.0, beta=0.1, max_length=192, validation_file=None, reference_model="",
+                   precompute=False, every_steps=0, max_steps=3, micro_batch_size=3):
     config = {
         "model": {"path": str(model_dir), "init": "pretrained"},
         "data": {"train_files": [str(train_file)],
                  "validation_files": [str(validation_file)] if validation_file else [], "max_length": max_length,
                  "num_workers": 1},
-        "training": {"objective": "dpo", "batch_size": 8, "micro_batch_size": 3, "max_steps": 3, "seed": SEED,
+        "training": {"objective": "dpo", "batch_size": 8, "micro_batch_size": micro_batch_size, "max_steps": max_steps,
+                     "seed": SEED,
                      "max_grad_norm": 1.0},
         "dpo": {"beta": beta, "loss_type": list(loss_type), "loss_weights": list(loss_weights),
-                "label_smoothing": label_smoothing, "reference_model": str(reference_model)},
+                "label_smoothing": label_smoothing, "reference_model": str(reference_model),
+                "precompute_reference": precompute},
         "lora": {"enabled": lora, "r": 8, "alpha": 16, "dropout": 0.0, "target_modules": TARGETS},
         "evaluation": {"every_steps": 3 if validation_file else 0, "micro_batch_size": 3},
         "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
         "scheduler": {"name": "constant", "warmup_steps": 0},
         "precision": {"mode": "fp32"},
         "device": {"type": "cpu"},
-        "checkpoint": {"output_dir": str(out), "every_steps": 0},
+        "checkpoint": {"output_dir": str(out), "every_steps": every_steps},
         "logging": {"every_steps": 1, "tensorboard": False},
     }
     path = tmp_path / "dpo.json"
@@ -283,3 +289,177 @@ def test_each_loss_type_equals_trls(loss_type, weights, smoothing, models, tmp_p
     dpo = run_trl(tmp_path, models["qwen2"], rows, lora=True, loss_type=loss_type,
                   loss_weights=weights or None, label_smoothing=smoothing)
     compare_run(out, dpo, True)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_precomputed_reference_equals_trls_precompute_ref_log_probs(lora, models, tmp_path, run_trainer):
+    """dpo.precompute_reference against TRL's precompute_ref_log_probs=True: TRL computes the reference's log-probs of
+    the train and eval datasets once before training (batches of per_device_train/eval_batch_size, padded per batch,
+    the policy with its adapters off or, for a full fine-tune without ref_model, the policy itself before its first
+    step) and keeps no reference model; trainer's pass runs in pieces of training.batch_size pairs. Training and the
+    evaluation after three steps give TRL's loss, metrics and weights. Micro-batches of all 8 pairs here, padded as
+    the pass pads them: at step 1 the policy is the reference (LoRA's B = 0; a full fine-tune's start), every reward
+    is 0 in TRL and rewards/accuracies counts chosen > rejected, which rounding of other padding (3 pairs) flips."""
+    rows, held_out = records("conversational"), records("implicit")
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    validation_file = write_jsonl(tmp_path / "validation.jsonl", held_out)
+    out = tmp_path / "ours"
+    result = run_trainer("--config", trainer_config(tmp_path, models["qwen2"], train_file, out, lora=lora,
+                                                    validation_file=validation_file, precompute=True,
+                                                    micro_batch_size=8))
+    assert "DPO reference: 16 pairs computed" in result.stderr, result.stderr
+    if not lora:  # no frozen copy while training
+        assert "a frozen copy" not in result.stderr, result.stderr
+    reference = out / "dpo-reference"
+    assert (reference / "complete.json").is_file() and (reference / "train-000000.bin").is_file()
+    assert (reference / "validation-000000.bin").is_file()
+    dpo = run_trl(tmp_path, models["qwen2"], rows, lora=lora, eval_rows=held_out, precompute_ref_log_probs=True)
+    assert dpo.ref_model is None and dpo.precompute_ref_logps
+    compare_run(out, dpo, lora)
+    theirs = dpo.evaluate()
+    ours = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    ours = [r for r in ours if "eval_loss" in r][-1]
+    assert ours["step"] == 3 and ours["eval_pairs"] == 8
+    for key in ["loss", *METRICS]:
+        assert ours["eval_" + key] == pytest.approx(theirs["eval_" + key], abs=1e-5, rel=1e-5), key
+
+
+def test_a_precomputed_reference_equals_the_reference_computed_while_training(models, tmp_path, run_trainer):
+    """A full fine-tune: the precomputed values are the frozen copy's (same metrics and weights within 1e-5; one
+    micro-batch of 8 pairs, for rewards/accuracies' ties at step 1 as above)."""
+    rows = records("standard")
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    runs = {}
+    for precompute in [False, True]:
+        out = tmp_path / f"precompute-{precompute}"
+        run_trainer("--config", trainer_config(tmp_path, models["llama"], train_file, out, lora=False,
+                                               precompute=precompute, micro_batch_size=8))
+        runs[precompute] = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
+                            load_file(out / "final" / "model.safetensors"))
+    (fly, fly_weights), (pre, pre_weights) = runs[False], runs[True]
+    for a, b in zip(fly, pre):
+        for key in ["loss", *METRICS]:
+            if key in a:
+                assert a[key] == pytest.approx(b[key], abs=1e-5, rel=1e-5), key
+    for name, value in fly_weights.items():
+        torch.testing.assert_close(pre_weights[name], value, **TOL, msg=name)
+
+
+def many_records(n):
+    return [{"prompt": f"Question {i}:", "chosen": f" answer {i} is right.", "rejected": f" no {i}."} for i in range(n)]
+
+
+def chunk_times(directory):
+    return {path.name: path.stat().st_mtime_ns for path in sorted(directory.glob("*.bin"))}
+
+
+def test_the_precomputed_reference_is_reused_by_a_resume_and_never_recomputed(models, tmp_path, run_trainer):
+    """Two steps with a checkpoint at each, then the run resumed to three: the resume reuses the complete file (its
+    chunks untouched) and ends at the weights of three steps run straight."""
+    rows = records("standard")
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_trainer("--config", trainer_config(tmp_path, models["qwen2"], train_file, straight, lora=False,
+                                           precompute=True))
+    first = run_trainer("--config", trainer_config(tmp_path, models["qwen2"], train_file, split, lora=False,
+                                                   precompute=True, every_steps=1, max_steps=2))
+    assert "DPO reference: 8 pairs computed" in first.stderr, first.stderr
+    before = chunk_times(split / "dpo-reference")
+    assert before
+    resumed = run_trainer("--config", trainer_config(tmp_path, models["qwen2"], train_file, split, lora=False,
+                                                     precompute=True, every_steps=1, max_steps=3), "--resume")
+    assert "resuming from" in resumed.stderr, resumed.stderr
+    assert "DPO reference: reusing" in resumed.stderr and "pairs computed" not in resumed.stderr, resumed.stderr
+    assert chunk_times(split / "dpo-reference") == before
+    a = load_file(straight / "final" / "model.safetensors")
+    b = load_file(split / "final" / "model.safetensors")
+    for name, value in a.items():
+        torch.testing.assert_close(b[name], value, atol=0, rtol=0, msg=name)
+
+
+def test_a_pass_killed_after_some_chunks_goes_on_from_them(models, tmp_path, run_trainer):
+    """1100 pairs are three chunks of the pass (512 pairs each). What a kill -9 during the third leaves (two chunk
+    files, the third's temporary file, no complete.json) is made from a finished pass; the next run computes the
+    third chunk alone, to the same bytes, and trains."""
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", many_records(1100))
+    out = tmp_path / "run"
+    config = trainer_config(tmp_path, models["qwen2"], train_file, out, lora=True, precompute=True, max_steps=1,
+                            max_length=32)
+    run_trainer("--config", config)
+    reference = out / "dpo-reference"
+    whole = {name: (reference / name).read_bytes() for name in chunk_times(reference)}
+    assert sorted(whole) == ["train-000000.bin", "train-000001.bin", "train-000002.bin"]
+    shutil.rmtree(out / "final")
+    (reference / "complete.json").unlink()
+    (reference / "train-000002.bin").rename(reference / "train-000002.bin.tmp")
+    kept = chunk_times(reference)
+    again = run_trainer("--config", config)
+    assert "after 2 train and 0 validation chunks" in again.stderr, again.stderr
+    assert "DPO reference: 76 pairs computed" in again.stderr, again.stderr
+    assert {name: t for name, t in chunk_times(reference).items() if name in kept} == kept
+    assert {name: (reference / name).read_bytes() for name in whole} == whole
+    assert (reference / "complete.json").is_file()
+
+
+def test_other_data_computes_the_reference_again(models, tmp_path, run_trainer):
+    """A run over the same output directory with a pair more: the stored values belong to other data, so the pass
+    runs again (with a warning naming the change); without a change it is reused."""
+    rows = records("standard")
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "run"
+    config = trainer_config(tmp_path, models["qwen2"], train_file, out, lora=True, precompute=True, max_steps=1)
+    run_trainer("--config", config)
+    reused = run_trainer("--config", config)
+    assert "DPO reference: reusing" in reused.stderr, reused.stderr
+    write_jsonl(train_file, rows + many_records(1))
+    changed = run_trainer("--config", config)
+    assert "was computed for other data or another reference" in changed.stderr, changed.stderr
+    assert "pairs.jsonl" in changed.stderr and "DPO reference: 9 pairs computed" in changed.stderr, changed.stderr
+
+
+def read_chunks(directory, split="train"):
+    """{key: (chosen, rejected)} of a dpo-reference directory's chunk files (header: magic, position, count)."""
+    import struct
+    out = {}
+    for path in sorted(directory.glob(f"{split}-*.bin")):
+        data = path.read_bytes()
+        assert data[:8] == b"TRDPORF1"
+        position, count = struct.unpack_from("<QQ", data, 8)
+        for i in range(count):
+            key, chosen, rejected = struct.unpack_from("<Qdd", data, 24 + 24 * i)
+            out[key] = (chosen, rejected)
+    return out
+
+
+def test_out_of_memory_in_the_pass_halves_its_pieces_and_gives_the_same_values(tmp_path, run_trainer):
+    """The pass under memory.limit=4MiB (CPU budget: 32 pairs of a forward do not fit) halves its pieces, says so, and
+    stores the values of the pass without a limit (other padding: rounding only)."""
+    rows = [{"prompt": f"Question {i} about soups and stews and the way they simmer:",
+             "chosen": f" answer {i} is right and long enough to matter here.", "rejected": f" no {i}."}
+            for i in range(64)]
+    train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    tables = {}
+    for limit in ["2GiB", "4MiB"]:
+        out = tmp_path / limit
+        result = run_trainer("--config", "configs/tiny-qwen2-dpo.json", "--set", f"data.train_files=[\"{train_file}\"]",
+                             "--set", "data.validation_files=[]", "--set", "training.batch_size=32", "--set",
+                             "training.micro_batch_size=1", "--set", "training.max_steps=1", "--set",
+                             "dpo.precompute_reference=true", "--set", "lora.enabled=false", "--set",
+                             f"memory.limit={limit}", "--set", f"checkpoint.output_dir={out}")
+        halved = "DPO reference: out of memory with 32 pairs in a forward; going on with 16" in result.stderr
+        assert halved == (limit == "4MiB"), result.stderr
+        tables[limit] = read_chunks(out / "dpo-reference")
+    free, constrained = tables["2GiB"], tables["4MiB"]
+    assert len(free) == 64 and set(free) == set(constrained)
+    for key, (chosen, rejected) in free.items():
+        assert constrained[key][0] == pytest.approx(chosen, rel=1e-6)
+        assert constrained[key][1] == pytest.approx(rejected, rel=1e-6)
+
+
+def test_the_plan_counts_no_reference_with_a_precomputed_one(run_trainer):
+    """A full fine-tune: `trainer plan` counts the frozen copy, and with dpo.precompute_reference neither it nor the
+    reference's forward (preference_example_shape)."""
+    plans = {p: run_trainer("plan", "--config", "configs/tiny-qwen2-dpo.json", "--set", "lora.enabled=false", "--set",
+                            f"dpo.precompute_reference={p}").stdout for p in ["false", "true"]}
+    assert "of which the DPO reference" in plans["false"], plans["false"]
+    assert "DPO reference" not in plans["true"], plans["true"]

@@ -16,8 +16,10 @@ namespace trainer {
 ExampleShape preference_example_shape(const Config& config) {
   ExampleShape shape;
   shape.sequences = 2;
-  shape.reference_forward = true;
-  shape.reference_weights = !config.lora.enabled || !config.dpo.reference_model.empty();
+  // dpo.precompute_reference: the reference ran before training (its copy, if any, freed): nothing while training.
+  const bool precomputed = config.dpo.precompute_reference;
+  shape.reference_forward = !precomputed;
+  shape.reference_weights = !precomputed && (!config.lora.enabled || !config.dpo.reference_model.empty());
   shape.unit = "pair";
   shape.unit_note = "two sequences at data.max_length";
   return shape;

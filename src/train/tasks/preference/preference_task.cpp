@@ -7,10 +7,16 @@
 // the fused chunked LM head (no full logits), and the gradient of the loss (dpo_loss.h) back through the same fused
 // head with each token weighted by its sequence's share of the loss. Evaluation: the validation pairs' loss and
 // TRL's reward metrics. The model is the text task's (TextModel: LoRA, 4-bit bases, saving, --merge).
+// dpo.precompute_reference: before the first step, one pass computes the reference's log-probabilities of every train
+// and validation pair into checkpoint.output_dir/dpo-reference (reference_store.h), resumed after the last finished
+// chunk, reused whole by a resumed run; training then reads them and runs no reference at all (a full fine-tune holds
+// no frozen copy).
 #include "train/tasks/preference/preference_task.h"
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
+#include <limits>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -28,12 +34,14 @@
 #include "models/weights.h"
 #include "train/activation_checkpointing.h"
 #include "train/device_move.h"
+#include "train/engine/attempts.h"
 #include "train/engine/loader_task.h"
 #include "train/fused_loss.h"
 #include "train/precision.h"
 #include "train/resume_check.h"
 #include "train/tasks/preference/dpo_loss.h"
 #include "train/tasks/preference/preference_data.h"
+#include "train/tasks/preference/reference_store.h"
 #include "train/tasks/text/text_model.h"
 #include "trainer/tokenizer.h"
 
@@ -70,7 +78,8 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
                            " has no tokenizer files",
                        "set tokenizer.path to the model's tokenizer");
     mapper_ = preference_mapper(config(), *tokenizer_);  // the template parsed once, for training and evaluation
-    return data_fingerprint(config(), *tokenizer_);
+    fingerprint_ = data_fingerprint(config(), *tokenizer_);
+    return fingerprint_;
   }
   std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohmann::json& current,
                                         std::vector<std::string>& warnings) const override {
@@ -93,13 +102,21 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
     sync_ = parts.sync;
     scaler_ = parts.scaler;
     device_ = parts.device;
+    if (config().dpo.precompute_reference) prepare_reference();
   }
   StepResult train_step(TaskBatch& batch, int64_t step, double lr) override;
   int64_t probe_limit() const override { return config().training.batch_size; }
   void probe(int64_t micro) override {
     std::vector<Example> pairs(static_cast<std::size_t>(micro), worst_case_pair());
     PreferenceSums sums;
-    forward_backward(pairs, 0, {static_cast<double>(micro), 1.0}, /*step=*/0, sums);
+    probing_ = true;  // a precomputed reference has no value for the made-up pair: zeros stand in
+    try {
+      forward_backward(pairs, 0, {static_cast<double>(micro), 1.0}, /*step=*/0, sums);
+    } catch (...) {
+      probing_ = false;
+      throw;
+    }
+    probing_ = false;
   }
   std::string probe_case(int64_t micro) const override {
     return std::to_string(micro) + " pairs of two sequences at data.max_length";
@@ -144,9 +161,24 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
     pair.rejected_labels = pair.labels;
     return pair;
   }
-  // Scores of `pairs` (collated as rows chosen, rejected, ...): the reference's without autograd, the policy's
-  // with `hidden` kept for the backward when `with_grad`.
-  PairScores score(const Batch& batch, int64_t pairs, at::Tensor* hidden_out, at::Tensor* targets_out);
+  // Scores of `pairs` (`batch` is them collated as rows chosen, rejected, ...): the reference's without autograd
+  // (or from `precomputed`, dpo.precompute_reference's table of these pairs), the policy's with `hidden` kept for
+  // the backward when `hidden_out` is given.
+  PairScores score(const Batch& batch, std::span<const Example> pairs, const ReferenceTable* precomputed,
+                   at::Tensor* hidden_out, at::Tensor* targets_out);
+  // The reference's summed log-probabilities of the chosen (even rows) and rejected (odd rows) sequences, fp64 (k).
+  std::pair<at::Tensor, at::Tensor> reference_logps(const Batch& batch, int64_t pairs);
+  std::pair<at::Tensor, at::Tensor> precomputed_logps(std::span<const Example> pairs, const ReferenceTable& table,
+                                                      const char* split) const;
+  // A frozen copy of the reference (model.path's starting weights or dpo.reference_model's) in reference_.
+  void load_reference();
+  // dpo.precompute_reference: the pass (or what is left of it) and the tables.
+  void prepare_reference();
+  nlohmann::json reference_identity() const;
+  // One split's pass from `chunks` finished chunks on (the loader at `position`); returns the pairs computed.
+  int64_t reference_pass(const ReferenceStore& store, const std::string& split, int64_t chunks, uint64_t position);
+  // The reference of `pairs` into out[2i], out[2i + 1], in pieces of pass_fit_ pairs, halved at each out-of-memory.
+  void reference_of(std::span<const Example> pairs, double* out);
   Batch collate_pairs(std::span<const Example> pairs) const;
   std::optional<at::ScalarType> autocast() const { return autocast_dtype(config().precision.mode); }
   bool dropout_on() const { return !config().dpo.disable_dropout; }
@@ -158,6 +190,11 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   TextModel text_model_{config(), primary(), preference_example_shape(config())};
   LanguageModel* model_ = nullptr;
   std::unique_ptr<LanguageModel> reference_;  // full fine-tune: the frozen starting weights
+  nlohmann::json fingerprint_;                 // open_data's
+  bool resumed_ = false;
+  bool probing_ = false;
+  std::optional<ReferenceTable> train_reference_, validation_reference_;  // dpo.precompute_reference's values
+  int64_t pass_fit_ = 1;  // pairs per forward of the reference pass
   Optimizer* optimizer_ = nullptr;
   MemoryPolicy* policy_ = nullptr;
   StepSync* sync_ = nullptr;
@@ -176,11 +213,22 @@ void PreferenceTask::build_model(const std::optional<fs::path>& resume, const c1
                      "use a Llama, Qwen2 or Mistral model, or drop training.objective");
   pad_id_ = text_model_.pad_id();
   model_->train(dropout_on());
-  const std::string& other = config().dpo.reference_model;
-  if (text_model_.lora() && other.empty()) {
+  resumed_ = resume.has_value();
+  if (config().dpo.precompute_reference) {
+    spdlog::info("DPO reference: precomputed before training into {} (no reference copy or forward while training)",
+                 (fs::path(config().checkpoint.output_dir) / ReferenceStore::kDirName).string());
+    return;
+  }
+  if (text_model_.lora() && config().dpo.reference_model.empty()) {
     spdlog::info("DPO reference: the base model with the LoRA adapters off (no second copy)");
     return;
   }
+  load_reference();
+}
+
+void PreferenceTask::load_reference() {
+  const c10::Device device = device_;
+  const std::string& other = config().dpo.reference_model;
   // The reference is the starting weights (also when a full fine-tune resumes from its checkpoint), or
   // dpo.reference_model's. Held as the base is: bf16 where the trained model's frozen weights are.
   const bool bf16 = config().precision.mode == PrecisionMode::kBf16 ||
@@ -214,30 +262,64 @@ Batch PreferenceTask::collate_pairs(std::span<const Example> pairs) const {
   return Batch{collated.input_ids, collated.attention_mask, collated.labels, {}};
 }
 
-PairScores PreferenceTask::score(const Batch& batch, int64_t pairs, at::Tensor* hidden_out, at::Tensor* targets_out) {
+std::pair<at::Tensor, at::Tensor> PreferenceTask::reference_logps(const Batch& batch, int64_t pairs) {
+  const auto dtype = autocast();
+  // without autograd and without dropout
+  at::NoGradGuard no_grad;
+  LanguageModel& reference = reference_ ? *reference_ : *model_;
+  AdaptersOff off(reference_ ? nullptr : text_model_.lora());
+  const bool was_training = reference.is_training();
+  reference.train(false);
+  at::Tensor hidden, targets;
+  {
+    AutocastScope scope(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
+    std::tie(hidden, targets) = reference.hidden_and_targets(batch);
+  }
+  const TokenLosses losses =
+      token_losses(hidden, targets, reference.lm_head_weight(), reference.lm_head_scale(), loss_chunk(), dtype);
+  reference.train(was_training);
+  const at::Tensor logps = -losses.loss.reshape(targets.sizes()).to(at::kDouble).sum(1);  // (2k)
+  return {logps.slice(0, 0, 2 * pairs, 2), logps.slice(0, 1, 2 * pairs, 2)};
+}
+
+std::pair<at::Tensor, at::Tensor> PreferenceTask::precomputed_logps(std::span<const Example> pairs,
+                                                                    const ReferenceTable& table,
+                                                                    const char* split) const {
+  std::vector<double> chosen, rejected;
+  for (const Example& pair : pairs) {
+    const auto found = table.find(pair_key(pair));
+    if (found == table.end()) {
+      const fs::path dir = fs::path(config().checkpoint.output_dir) / ReferenceStore::kDirName;
+      throw DataError("a " + std::string(split) + " preference pair (" + std::to_string(pair.input_ids.size()) +
+                          " and " + std::to_string(pair.rejected_ids.size()) +
+                          " tokens) has no precomputed reference log-probabilities in " + dir.string() +
+                          ": its record changed after the pass (edited in place, with the same size)",
+                      "delete " + dir.string() + " and they are computed again");
+    }
+    chosen.push_back(found->second.chosen);
+    rejected.push_back(found->second.rejected);
+  }
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  return {at::tensor(chosen, options).to(device_), at::tensor(rejected, options).to(device_)};
+}
+
+PairScores PreferenceTask::score(const Batch& batch, std::span<const Example> pair_list,
+                                 const ReferenceTable* precomputed, at::Tensor* hidden_out, at::Tensor* targets_out) {
+  const auto pairs = static_cast<int64_t>(pair_list.size());
   const auto dtype = autocast();
   const int64_t chunk = loss_chunk();
   auto sequence_sums = [&](const at::Tensor& per_token, const at::Tensor& targets) {
     return per_token.reshape(targets.sizes()).to(at::kDouble).sum(1);  // (2k)
   };
   PairScores out;
-  {  // the reference, without autograd and without dropout
-    at::NoGradGuard no_grad;
-    LanguageModel& reference = reference_ ? *reference_ : *model_;
-    AdaptersOff off(reference_ ? nullptr : text_model_.lora());
-    const bool was_training = reference.is_training();
-    reference.train(false);
-    at::Tensor hidden, targets;
-    {
-      AutocastScope scope(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
-      std::tie(hidden, targets) = reference.hidden_and_targets(batch);
-    }
-    const TokenLosses losses =
-        token_losses(hidden, targets, reference.lm_head_weight(), reference.lm_head_scale(), chunk, dtype);
-    reference.train(was_training);
-    const at::Tensor logps = -sequence_sums(losses.loss, targets);
-    out.ref_chosen = logps.slice(0, 0, 2 * pairs, 2);
-    out.ref_rejected = logps.slice(0, 1, 2 * pairs, 2);
+  if (!config().dpo.precompute_reference) {
+    std::tie(out.ref_chosen, out.ref_rejected) = reference_logps(batch, pairs);
+  } else if (probing_) {
+    out.ref_chosen = out.ref_rejected = at::zeros({pairs}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  } else {
+    const bool validation = validation_reference_ && precomputed == &*validation_reference_;
+    std::tie(out.ref_chosen, out.ref_rejected) =
+        precomputed_logps(pair_list, *precomputed, validation ? "validation" : "train");
   }
   at::Tensor hidden, targets;
   {
@@ -270,7 +352,7 @@ double PreferenceTask::forward_backward(std::span<const Example> pairs, int64_t 
   std::optional<DropoutScope> dropout;
   if (dropout_on()) dropout.emplace(config().training.seed, step, 2 * first_pair, 2 * k, device_);
   at::Tensor hidden, targets;
-  PairScores s = score(batch, k, &hidden, &targets);
+  PairScores s = score(batch, pairs, train_reference_ ? &*train_reference_ : nullptr, &hidden, &targets);
   // The loss as a function of the sequences' log-probabilities; its gradient per sequence, then per token.
   s.chosen = s.chosen.detach().requires_grad_(true);
   s.rejected = s.rejected.detach().requires_grad_(true);
@@ -302,6 +384,160 @@ double PreferenceTask::forward_backward(std::span<const Example> pairs, int64_t 
   sums.add(config().dpo, s);
   sums.loss += value;
   return value;
+}
+
+// ---- dpo.precompute_reference ------------------------------------------------------------------------------------
+
+// Pairs per chunk file of the pass: what a kill -9 can cost to recompute.
+constexpr int64_t kReferenceChunkPairs = 512;
+
+// What the values depend on: the data (the engine's fingerprint of the train files and the tokenizer, the validation
+// files' alike) and the settings that decide the pairs' tokens or the reference's weights and precision. Settings
+// that change neither (workers, logging, the learning rate, ...) are left out, so changing them reuses the values.
+nlohmann::json PreferenceTask::reference_identity() const {
+  const nlohmann::json resolved = nlohmann::json::parse(config_to_json(config()));
+  nlohmann::json settings = nlohmann::json::object();
+  for (const char* section : {"model", "tokenizer"})
+    for (const auto& [key, value] : resolved.at(section).items()) settings[std::string(section) + "." + key] = value;
+  const std::vector<std::pair<std::string, std::string>> keys = {
+      {"data", "validation_files"}, {"data", "validation_fraction"}, {"data", "chat_template"},
+      {"data", "max_length"},       {"data", "on_overlength"},       {"dpo", "reference_model"},
+      {"lora", "enabled"},          {"lora", "base_in_bf16"},        {"precision", "mode"},
+      {"training", "seed"}};  // the seed: the held-out split and model.init=random
+  for (const auto& [section, key] : keys) settings[section + "." + key] = resolved.at(section).at(key);
+  nlohmann::json validation;  // null: none, or the held-out part of the train files (their fingerprint and the seed)
+  if (!config().data.validation_files.empty()) {
+    Config files = config();
+    files.data.train_files = config().data.validation_files;
+    files.data.validation_fraction = 0;
+    validation = data_fingerprint(files, *tokenizer_);
+  }
+  return {{"version", 1}, {"train_data", fingerprint_}, {"validation_data", validation}, {"settings", settings}};
+}
+
+void PreferenceTask::prepare_reference() {
+  const ReferenceStore store(fs::path(config().checkpoint.output_dir) / ReferenceStore::kDirName);
+  const nlohmann::json identity = reference_identity();
+  // Rank 0 reads the directory (and starts it over when it belongs to other data or another reference); every rank
+  // goes on from its answer: complete, then the finished chunks and positions of train and validation.
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+  std::vector<int64_t> state(5, kNone);
+  if (primary()) {
+    const auto changes = store.identity_changes(identity);
+    if (!changes.empty()) {
+      std::string listed;
+      for (const auto& change : changes) listed += "\n  " + change;
+      spdlog::warn("DPO reference: {} was computed for other data or another reference:{}\ncomputing it again",
+                   store.dir().string(), listed);
+    }
+    if (!store.has_identity() || !changes.empty()) store.start(identity);
+    const auto train = store.progress("train");
+    const auto validation = store.progress("validation");
+    state = {store.complete() ? 1 : 0, train.chunks, static_cast<int64_t>(train.position), validation.chunks,
+             static_cast<int64_t>(validation.position)};
+  }
+  if (world()) state = world()->all_reduce_max(state);
+  if (state[0] == 1) {
+    spdlog::info("DPO reference: reusing {} (complete; not computed again)", store.dir().string());
+  } else {
+    // The reference for the pass: the base under the adapters (LoRA), the trained model itself before its first
+    // step (a full fine-tune that starts now), else a frozen copy (dpo.reference_model, or model.path's starting
+    // weights beside a resumed full fine-tune) loaded for the pass and freed after it.
+    const bool copy = !config().dpo.reference_model.empty() || (!text_model_.lora() && resumed_);
+    if (copy) load_reference();
+    const auto start = std::chrono::steady_clock::now();
+    if (state[1] > 0 || state[3] > 0)
+      spdlog::info("DPO reference: going on with the pass in {} after {} train and {} validation chunks",
+                   store.dir().string(), state[1], state[3]);
+    pass_fit_ = std::max<int64_t>(1, config().training.batch_size);
+    const int64_t pairs = reference_pass(store, "train", state[1], static_cast<uint64_t>(state[2])) +
+                          reference_pass(store, "validation", state[3], static_cast<uint64_t>(state[4]));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (primary()) store.mark_complete({{"pairs_computed", pairs}, {"seconds", seconds}});
+    spdlog::info("DPO reference: {} pairs computed in {:.1f} s into {}", pairs, seconds, store.dir().string());
+    reference_.reset();  // freed before training
+  }
+  if (world()) world()->barrier();  // rank 0's files are written before any rank reads them
+  train_reference_ = store.load("train");
+  validation_reference_ = store.load("validation");
+}
+
+int64_t PreferenceTask::reference_pass(const ReferenceStore& store, const std::string& split, int64_t chunks,
+                                       uint64_t position) {
+  // The records in file order, one pass, a chunk per batch; each rank maps its share of the records and gets the
+  // others' (RecordShare), so every rank sees every chunk whole.
+  Config pass = config();
+  pass.data.shuffle = false;
+  pass.data.group_by_length = false;
+  pass.training.max_steps = 0;
+  pass.training.epochs = 1;
+  pass.training.batch_size = kReferenceChunkPairs;
+  const bool train = split == "train";
+  std::unique_ptr<DataLoader> loader =
+      train ? make_train_loader(pass, *tokenizer_, DataFamily::kCausal, distributed::record_share(world()), mapper_)
+            : make_validation_loader(pass, *tokenizer_, DataFamily::kCausal, kReferenceChunkPairs,
+                                     distributed::record_share(world()), mapper_);
+  if (!loader) return 0;
+  LoaderCursor cursor = loader->cursor();
+  cursor.position = position;
+  loader->restore(cursor);
+  const uint64_t records = loader->examples_per_epoch();
+  const int rank = world() ? world()->rank() : 0;
+  const int ranks = world() ? world()->world_size() : 1;
+  const int64_t piece = std::max<int64_t>(1, config().training.batch_size);
+  int64_t computed = 0;
+  auto last_log = std::chrono::steady_clock::now();
+  while (auto batch = loader->next()) {
+    const std::span<const Example> pairs(batch->examples);
+    // The chunk in pieces of training.batch_size pairs, piece i on rank i % ranks: each piece is padded and
+    // computed as in one process, and the sum over the ranks (zeros elsewhere) is exact.
+    std::vector<double> values(2 * pairs.size(), 0.0);
+    const auto pieces = split_counts(static_cast<int64_t>(pairs.size()), piece);
+    for (std::size_t i = 0; i < pieces.size(); ++i) {
+      if (static_cast<int>(i % static_cast<std::size_t>(ranks)) != rank) continue;
+      const auto& [begin, count] = pieces[i];
+      reference_of(pairs.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+                   values.data() + 2 * begin);
+    }
+    if (world()) values = world()->all_reduce_sum(values, "exchanging DPO's reference log-probabilities");
+    std::vector<ReferenceEntry> entries(pairs.size());
+    for (std::size_t i = 0; i < pairs.size(); ++i)
+      entries[i] = {pair_key(pairs[i]), {values[2 * i], values[2 * i + 1]}};
+    if (primary()) store.write_chunk(split, chunks, loader->cursor().position, entries);
+    ++chunks;
+    computed += static_cast<int64_t>(pairs.size());
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_log > std::chrono::seconds(10)) {
+      const auto at = loader->cursor().position;
+      spdlog::info("DPO reference: {} records {}/{} ({:.0f}%)", split, at, records,
+                   records ? 100.0 * static_cast<double>(at) / static_cast<double>(records) : 100.0);
+      last_log = now;
+    }
+  }
+  spdlog::info("DPO reference: {} done: {} pairs computed now, {} chunks in all", split, computed, chunks);
+  return computed;
+}
+
+void PreferenceTask::reference_of(std::span<const Example> pairs, double* out) {
+  std::size_t begin = 0;
+  while (begin < pairs.size()) {
+    const std::size_t n = std::min(static_cast<std::size_t>(pass_fit_), pairs.size() - begin);
+    const auto some = pairs.subspan(begin, n);
+    try {
+      const auto [chosen, rejected] = reference_logps(collate_pairs(some), static_cast<int64_t>(n));
+      const at::Tensor both = at::stack({chosen, rejected}, 1).to(at::kCPU).contiguous();  // (n, 2)
+      std::copy_n(both.data_ptr<double>(), 2 * n, out + 2 * begin);
+      begin += n;
+    } catch (const c10::OutOfMemoryError& e) {
+      if (n <= 1)
+        throw OutOfMemoryAtFloor(std::string("out of memory in DPO's reference pass with one pair (two sequences of "
+                                             "up to data.max_length): ") + e.what_without_backtrace(),
+                                 "lower data.max_length, or raise memory.limit");
+      release_cached_memory();
+      pass_fit_ = static_cast<int64_t>(n / 2);
+      spdlog::warn("DPO reference: out of memory with {} pairs in a forward; going on with {}", n, pass_fit_);
+    }
+  }
 }
 
 bool PreferenceTask::escalate(int64_t step) {
@@ -393,7 +629,8 @@ Evaluated PreferenceTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
       part = PreferenceSums{};
       for (const auto& [begin, n] : split_counts(static_cast<int64_t>(pairs.size()), size)) {
         const auto some = pairs.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(n));
-        const PairScores scores = score(collate_pairs(some), n, nullptr, nullptr);
+        const PairScores scores = score(collate_pairs(some), some,
+                                        validation_reference_ ? &*validation_reference_ : nullptr, nullptr, nullptr);
         part.add(config().dpo, scores);
         part.loss += dpo_loss(config().dpo, scores, totals).item<double>();
       }

@@ -15,7 +15,8 @@ TaskKind preference_task_kind();
 
 // What a pair is to the memory planner: two sequences of data.max_length through forward and backward, the
 // reference's forward beside them, and for a full fine-tune (or dpo.reference_model) a frozen copy of the weights
-// (with LoRA the reference is the base under the adapters: nothing more).
+// (with LoRA the reference is the base under the adapters: nothing more); with dpo.precompute_reference neither the
+// reference's forward nor its copy (they ran before training).
 ExampleShape preference_example_shape(const Config& config);
 
 }  // namespace trainer
