@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <regex>
+#include <set>
 #include <span>
 #include <sstream>
 
@@ -84,9 +86,14 @@ void use_training_version(std::string& source, std::string& origin) {
   digest.update(source.data(), source.size());
   const chat::TrainingTemplate* found = chat::training_template_for(digest.hex_digest());
   if (!found) return;
-  spdlog::info("chat template: {} is the {} template; the loss mask comes from trainer's training version of it "
-               "({{% generation %}} around the assistant's text), as TRL's SFTTrainer(assistant_only_loss=True) swaps it",
-               origin, found->family);
+  // Once per template file: a run loads the setup for its training data, its validation data and its resume check.
+  static std::mutex logged_mutex;
+  static std::set<std::string> logged;
+  if (const std::lock_guard lock(logged_mutex); logged.insert(origin).second)
+    spdlog::info("chat template: {} is the {} template; the loss mask comes from trainer's training version of it "
+                 "({{% generation %}} around the assistant's text), as TRL's SFTTrainer(assistant_only_loss=True) "
+                 "swaps it",
+                 origin, found->family);
   source = std::string(found->text);
   origin = "trainer's " + std::string(found->family) + " training template (in place of " + origin + ")";
 }
