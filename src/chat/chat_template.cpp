@@ -1,6 +1,7 @@
 // Chat rendering over the Jinja interpreter: the variables transformers passes, the template lookup in a model
 // directory, and assistant spans by rendering prefix by prefix.
 #include "chat/chat_template.h"
+#include "chat/training_templates.h"
 
 #include <algorithm>
 #include <fstream>
@@ -181,7 +182,9 @@ std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const
 std::vector<Span> Conversation::assistant_spans_by_prefix(const Template& chat_template, std::string_view full) {
   const nlohmann::ordered_json& messages = messages_json_;
   const std::string hint =
-      "set data.train_on=all, or use a chat template that marks the assistant's text with {% generation %}";
+      "set data.train_on=all, or use a chat template that marks the assistant's text with {% generation %} "
+      "(trainer swaps in its own generation-marked version of a model's template it recognises byte for byte: " +
+      training_template_families() + "; this template is none of them)";
   std::vector<Span> spans;
   for (std::size_t i = 0; i < messages.size(); ++i) {
     const auto& message = messages[i];

@@ -5,11 +5,17 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <regex>
+#include <set>
 #include <span>
 #include <sstream>
 
+#include <spdlog/spdlog.h>
+
 #include "chat/chat_template.h"
+#include "chat/training_templates.h"
+#include "io/sha256.h"
 #include "tokenizer/token_bytes.h"
 #include "tokenizer/unicode.h"
 #include "trainer/errors.h"
@@ -71,6 +77,27 @@ std::string read_file(const fs::path& path) {
   return text.str();
 }
 
+// TRL's SFTTrainer(assistant_only_loss=True) swaps a recognised template without {% generation %} for its training
+// version and renders with that (the ids change where the version keeps what the original drops, Qwen3's reasoning):
+// the same here, for the families of chat/training_templates.h. The model's template is recognised by its exact text.
+void use_training_version(std::string& source, std::string& origin) {
+  if (marks_generation(source)) return;
+  hub::Sha256 digest;
+  digest.update(source.data(), source.size());
+  const chat::TrainingTemplate* found = chat::training_template_for(digest.hex_digest());
+  if (!found) return;
+  // Once per template file: a run loads the setup for its training data, its validation data and its resume check.
+  static std::mutex logged_mutex;
+  static std::set<std::string> logged;
+  if (const std::lock_guard lock(logged_mutex); logged.insert(origin).second)
+    spdlog::info("chat template: {} is the {} template; the loss mask comes from trainer's training version of it "
+                 "({{% generation %}} around the assistant's text), as TRL's SFTTrainer(assistant_only_loss=True) "
+                 "swaps it",
+                 origin, found->family);
+  source = std::string(found->text);
+  origin = "trainer's " + std::string(found->family) + " training template (in place of " + origin + ")";
+}
+
 // Parses one template into `slot`; a syntax error goes into the setup's error.
 void parse_into(ChatSetup& setup, const std::string& source, const std::string& origin,
                 std::optional<chat::Template>& slot) {
@@ -116,6 +143,19 @@ std::shared_ptr<const ChatSetup> load_chat_setup(const Config& config) {
     setup->error = e.what();
     setup->hint = e.hint();
     return setup;
+  }
+  // Only where assistant spans are needed: train_on=all trains every token of the model's own rendering, and
+  // DPOTrainer renders with the model's template (its completion starts where the prompt's tokens and the pair's
+  // part, so it needs no spans).
+  if (config.data.train_on != TrainOn::kAll && config.training.objective != TrainingObjective::kDpo) {
+    const bool same = setup->tools_source == setup->plain_source;
+    use_training_version(setup->plain_source, setup->plain_origin);
+    if (same) {
+      setup->tools_source = setup->plain_source;
+      setup->tools_origin = setup->plain_origin;
+    } else {
+      use_training_version(setup->tools_source, setup->tools_origin);
+    }
   }
   parse_into(*setup, setup->plain_source, setup->plain_origin, setup->plain);
   if (setup->error.empty()) {

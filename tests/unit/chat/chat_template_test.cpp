@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "chat/chat_template.h"
+#include "chat/training_templates.h"
 
 namespace trainer::chat {
 namespace {
@@ -113,7 +114,32 @@ TEST(ChatTemplate, PrefixSpansFailWithAHintWhenTheTemplateRewritesEarlierTurns) 
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("assistant message 1"), std::string::npos) << e.what();
     EXPECT_NE(e.hint().find("data.train_on=all"), std::string::npos);
+    EXPECT_NE(e.hint().find(training_template_families()), std::string::npos) << e.hint();
     EXPECT_EQ(e.exit_code(), kExitData);
+  }
+}
+
+// Each training version parses, marks both assistant turns of a two-turn conversation (bos_token for DeepSeek's),
+// and is found by its original's digest only. Parity with TRL is tests/parity/test_chat_training_templates.py's.
+TEST(ChatTemplate, TrainingTemplatesMarkEveryAssistantTurn) {
+  EXPECT_EQ(training_template_for("a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8")->family,
+            "Qwen3");
+  EXPECT_EQ(training_template_for(std::string(64, '0')), nullptr);
+  EXPECT_EQ(training_template_families(), "Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill, Gemma 3, gpt-oss");
+  ChatOptions options;
+  options.special_tokens = {{"bos_token", "<s>"}};
+  for (const std::string& digest : {"a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8",
+                                    "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326",
+                                    "56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f",
+                                    "7de1c58e208eda46e9c7f86397df37ec49883aeece39fb961e0a6b24088dd3c4",
+                                    "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146"}) {
+    const TrainingTemplate* found = training_template_for(digest);
+    ASSERT_NE(found, nullptr) << digest;
+    const ChatRendering r = render_chat(found->text, conversation(), options);
+    ASSERT_EQ(r.generation_spans.size(), 2u) << found->family << "\n" << r.text;
+    EXPECT_NE(text_of(r, r.generation_spans[0]).find("w\xc3\xb6rld"), std::string::npos) << found->family;
+    EXPECT_NE(text_of(r, r.generation_spans[1]).find("ok"), std::string::npos) << found->family;
+    EXPECT_EQ(text_of(r, r.generation_spans[0]).find("again"), std::string::npos) << found->family;
   }
 }
 
