@@ -109,14 +109,14 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   void probe(int64_t micro) override {
     std::vector<Example> pairs(static_cast<std::size_t>(micro), worst_case_pair());
     PreferenceSums sums;
-    probing_ = true;  // a precomputed reference has no value for the made-up pair: zeros stand in
-    try {
-      forward_backward(pairs, 0, {static_cast<double>(micro), 1.0}, /*step=*/0, sums);
-    } catch (...) {
-      probing_ = false;
-      throw;
-    }
-    probing_ = false;
+    // A precomputed reference has no value for the made-up pair: zeros stand in while probing_ is set, and it is
+    // cleared however the probe ends (an out-of-memory error is the probe's answer).
+    struct Probing {
+      bool& flag;
+      explicit Probing(bool& f) : flag(f) { flag = true; }
+      ~Probing() { flag = false; }
+    } probing(probing_);
+    forward_backward(pairs, 0, {static_cast<double>(micro), 1.0}, /*step=*/0, sums);
   }
   std::string probe_case(int64_t micro) const override {
     return std::to_string(micro) + " pairs of two sequences at data.max_length";
