@@ -282,15 +282,17 @@ TEST(IntegrationDistributed, LoraOnThreeRanksTrainsTheAdapterOfOneProcess) {
 
 // DPO on 2 ranks: each rank scores its share of the pairs (and its reference log-probabilities), the gradients and
 // the reward metrics are summed over the ranks: the adapter, the loss and every metric of one process. A full
-// fine-tune (a frozen reference copy on each rank) the same.
+// fine-tune (a frozen reference copy on each rank) the same, and a full fine-tune with dpo.precompute_reference (the
+// ranks score shares of each piece of the reference pass and sum them; rank 0 writes one process's files).
 TEST(IntegrationDistributed, DpoOnTwoRanksTrainsTheWeightsAndMetricsOfOneProcess) {
-  for (const bool lora : {true, false}) {
-    SCOPED_TRACE(lora ? "LoRA" : "full fine-tune");
+  for (const auto& [lora, precompute] : {std::pair{true, false}, std::pair{false, false}, std::pair{false, true}}) {
+    SCOPED_TRACE(lora ? "LoRA" : precompute ? "full fine-tune, precomputed reference" : "full fine-tune");
     TempDir dir;
     const auto one = dir.path() / "one", two = dir.path() / "two";
     const std::vector<std::string> dpo = {"--set", "data.max_length=96", "--set",
                                           std::string("lora.enabled=") + (lora ? "true" : "false"), "--set",
-                                          "optimizer.lr=1e-3"};
+                                          "optimizer.lr=1e-3", "--set",
+                                          std::string("dpo.precompute_reference=") + (precompute ? "true" : "false")};
     expect_same_weights(with(short_run("configs/tiny-qwen2-dpo.json", one), dpo),
                         with(with(short_run("configs/tiny-qwen2-dpo.json", two), dpo), kSmallBuckets), one, two, 2,
                         lora ? "adapter_model.safetensors" : "model.safetensors");
@@ -300,6 +302,12 @@ TEST(IntegrationDistributed, DpoOnTwoRanksTrainsTheWeightsAndMetricsOfOneProcess
       ASSERT_EQ(a.size(), 3u) << metric;
       ASSERT_EQ(a.size(), b.size()) << metric;
       for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << metric << " step " << i + 1;
+    }
+    if (precompute) {
+      for (const auto& run : {one, two})
+        EXPECT_TRUE(fs::is_regular_file(run / "dpo-reference" / "complete.json")) << run;
+      EXPECT_EQ(fs::file_size(one / "dpo-reference" / "train-000000.bin"),
+                fs::file_size(two / "dpo-reference" / "train-000000.bin"));
     }
   }
 }

@@ -84,3 +84,66 @@ def test_the_documented_diagram_is_the_checked_order():
         assert folder in module.LAYERS, f"src/{folder} is in no layer"
     for header in sorted(p.name for p in (ROOT / "include" / "trainer").glob("*.h")):
         assert header in module.PUBLIC_HEADERS, f"include/trainer/{header} is in no layer"
+
+
+def load_check_layers():
+    loader = importlib.machinery.SourceFileLoader("check_layers", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("check_layers", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def archive(build, name, sources):
+    """The static library `name` in `build`, of the C++ `sources` ({file name: text}) compiled by g++."""
+    objects = []
+    for file, text in sources.items():
+        (build / file).write_text(text)
+        obj = build / (file + ".o")
+        subprocess.run(["g++", "-c", str(build / file), "-o", str(obj)], check=True, timeout=60)
+        objects.append(str(obj))
+    subprocess.run(["ar", "rcs", str(build / name), *objects], check=True, timeout=60)
+
+
+def test_links_lists_a_call_up_the_layer_order_and_nothing_else(tmp_path):
+    """--links reads the built archives: a train function called from util is listed (the linker alone accepts it
+    when train's object is already pulled in); calls down the order, within a layer and to outside libraries pass."""
+    module = load_check_layers()
+    for names in module.LIBRARIES.values():
+        for name in names:
+            archive(tmp_path, name, {})
+    archive(tmp_path, "libtrainer_util.a", {"strings.cpp": "int trim() { return 1; }\n"})
+    archive(tmp_path, "libtrainer_train.a", {
+        "engine.cpp": "int trim(); int puts(const char*);\nint run_engine() { puts(\"x\"); return trim(); }\n"})
+    archive(tmp_path, "libtrainer_cli.a", {"cli.cpp": "int run_engine();\nint run_cli() { return run_engine(); }\n"})
+    result = subprocess.run([sys.executable, str(SCRIPT), "--links", str(tmp_path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no library uses a layer above its own" in result.stdout
+
+    archive(tmp_path, "libtrainer_util.a", {"counter_rng.cpp": "int run_engine();\nint mix() { return run_engine(); }\n"})
+    result = subprocess.run([sys.executable, str(SCRIPT), "--links", str(tmp_path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        "libtrainer_util.a(counter_rng.cpp.o): uses run_engine(), defined in libtrainer_train.a(engine.cpp.o) "
+        "(layer util may not use layer train)"], result.stdout
+
+    (tmp_path / "libtrainer_memory.a").unlink()
+    result = subprocess.run([sys.executable, str(SCRIPT), "--links", str(tmp_path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    assert f"{tmp_path / 'libtrainer_memory.a'}: missing" in result.stdout
+
+
+def test_every_layer_library_is_checked():
+    """CMakeLists.txt's layer libraries are the ones --links reads: none left out, none it reads that is not built."""
+    module = load_check_layers()
+    text = (ROOT / "CMakeLists.txt").read_text()
+    built = set(re.findall(r"^trainer_layer\((trainer_\w+)", text, re.MULTILINE))
+    built |= set(re.findall(r"^add_library\((trainer_\w+) STATIC", text, re.MULTILINE))
+    built -= {"trainer_fake_bitsandbytes", "trainer_cuda_kernels"}  # a test stand-in; CUDA builds' kernels
+    read = {name[len("lib"):-len(".a")] for names in module.LIBRARIES.values() for name in names}
+    assert read == built, (sorted(read - built), sorted(built - read))
+    for name in re.findall(r"^trainer_layer\((trainer_\w+)", text, re.MULTILINE):
+        assert name[len("trainer_"):] in module.LIBRARIES, name

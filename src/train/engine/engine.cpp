@@ -256,9 +256,9 @@ auto fixed_part(const Config& config, const c10::Device& device, const char* wha
 // rank 0 alone writes files and reports.
 class Engine {
  public:
-  Engine(Task& task, const Config& config, const c10::Device& device, const TrainOptions& options,
-         Reporter& reporter, distributed::Communicator* world)
-      : task_(task), config_(config), device_(device), options_(options), reporter_(reporter), world_(world),
+  Engine(const TaskKind& kind, Task& task, const Config& config, const c10::Device& device,
+         const TrainOptions& options, Reporter& reporter, distributed::Communicator* world)
+      : kind_(kind), task_(task), config_(config), device_(device), options_(options), reporter_(reporter), world_(world),
         primary_(!world || world->rank() == 0), output_dir_(config.checkpoint.output_dir), counted_(task.counted()) {}
 
   void set_up();
@@ -279,6 +279,7 @@ class Engine {
   void evaluate();
   int agreed_stop_signal();
 
+  const TaskKind& kind_;  // its name is train_state.json's "task"
   Task& task_;
   const Config& config_;
   c10::Device device_;  // changes only when the run moves (train/device_move.h)
@@ -341,9 +342,9 @@ void Engine::check_resume() {
                                                    : "start a new run; its final model loads with model.path");
     // Checkpoints written before tasks had names are text checkpoints.
     const std::string task = resume_.state.value("task", std::string("text"));
-    if (task != task_.name())
+    if (task != kind_.name)
       throw DataError("checkpoint " + dir.string() + " was written by a " + describe_task(task) + " run; this is a " +
-                          describe_task(task_.name()) + " run",
+                          describe_task(kind_.name) + " run",
                       "resume from a checkpoint of this kind of run, or point checkpoint.output_dir at another "
                       "directory");
     task_.check_checkpoint(dir, resume_.state);
@@ -479,7 +480,7 @@ void Engine::start_retention() {
 // the ones from before the failed batch, so a resume trains that batch again.
 std::string Engine::checkpoint(const LoaderCursor& cursor, const nlohmann::json& policy_state) {
   nlohmann::json state = {{"version", kCheckpointVersion},
-                          {"task", task_.name()},
+                          {"task", kind_.name},
                           {"step", step_index_},
                           {"optimizer_steps", optimizer_->steps()},
                           {counted_.state_key, seen_},
@@ -693,10 +694,11 @@ int train(const Config& config, const ResolvedDevice& resolved, const TrainOptio
   const bool primary = !world || world->rank() == 0;
   Reporter reporter(config, primary ? out : null_stream, primary);
   try {
-    const auto task = make_task({config, world, primary});
+    const TaskKind& kind = task_kind(config);
+    const auto task = kind.make({config, world, primary});
     task->check_settings(options);
     prepare_run(config, resolved.device);
-    Engine engine(*task, config, resolved.device, options, reporter, world);
+    Engine engine(kind, *task, config, resolved.device, options, reporter, world);
     engine.set_up();
     int code = engine.loop();
     if (code < 0) code = engine.finish();

@@ -25,7 +25,7 @@ namespace distributed {
 class Communicator;
 }
 
-// Trains what the config says (make_task picks the task) on `device`; returns the exit code. Throws trainer::Error
+// Trains what the config says (its kind, task_kind.h, makes the task) on `device`; returns the exit code. Throws trainer::Error
 // (OutOfMemoryAtFloor: exit 4). With options.resume / resume_from / resume_if_present it continues from a checkpoint:
 // weights, optimizer state, step, data position, RNG state, loss scale and the memory policy's micro-batch, so the
 // run reaches the weights an uninterrupted run would. With `world` this process is one rank of a data-parallel run.

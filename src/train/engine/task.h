@@ -196,15 +196,12 @@ class TaskEvaluation {
   }
 };
 
-// What the engine trains: what it is, and the four roles.
+// What the engine trains: what it counts, and the four roles. Its kind (task_kind.h) made it and names it.
 class Task : public TaskData, public TaskModel, public TaskStep, public TaskEvaluation {
  public:
   explicit Task(const TaskContext& context) : context_(context) {}
   ~Task() override = default;
 
-  // train_state.json's "task" (its kind's name: "text", "image", "contrastive", "dpo"); a checkpoint without it is
-  // a text checkpoint.
-  virtual std::string name() const = 0;
   virtual Counted counted() const = 0;
   // Settings and options this task refuses before anything loads (UsageError).
   virtual void check_settings(const TrainOptions& options) const { (void)options; }
@@ -218,8 +215,5 @@ class Task : public TaskData, public TaskModel, public TaskStep, public TaskEval
  private:
   TaskContext context_;
 };
-
-// The task the config trains: its kind's (task_kind.h, tasks/registry.cpp).
-std::unique_ptr<Task> make_task(const TaskContext& context);
 
 }  // namespace trainer

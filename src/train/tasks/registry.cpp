@@ -44,6 +44,4 @@ const TaskKind* task_kind_named(const std::string& name) {
   return nullptr;
 }
 
-std::unique_ptr<Task> make_task(const TaskContext& context) { return task_kind(context.config).make(context); }
-
 }  // namespace trainer

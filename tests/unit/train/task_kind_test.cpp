@@ -4,12 +4,15 @@
 #include <set>
 #include <string>
 
+#include <c10/core/Device.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "support/paths.h"
 #include "train/engine/task_kind.h"
 #include "trainer/config.h"
 #include "trainer/errors.h"
+#include "trainer/model_dir.h"
 
 namespace trainer {
 namespace {
@@ -44,7 +47,7 @@ TEST(TaskKinds, EveryKindAnswersEveryQuestionAndHasItsOwnName) {
   EXPECT_EQ(task_kind_named("no such task"), nullptr);
 }
 
-TEST(TaskKinds, APreferencePairIsTwoSequencesAndAFullFineTuneKeepsAReferenceCopy) {
+TEST(TaskKinds, APreferencePairIsTwoSequencesAndAFullFineTuneKeepsAReferenceCopyUnlessPrecomputed) {
   Config config = shipped("tiny-qwen2-dpo.json");
   const TaskKind& kind = task_kind(config);
   ASSERT_TRUE(config.lora.enabled);
@@ -55,6 +58,20 @@ TEST(TaskKinds, APreferencePairIsTwoSequencesAndAFullFineTuneKeepsAReferenceCopy
   config.lora.enabled = false;
   EXPECT_TRUE(kind.example_shape(config).reference_weights);
   EXPECT_EQ(task_kind(shipped("tiny-qwen2.json")).example_shape(config).sequences, 1);
+
+  // dpo.precompute_reference: the reference ran before training (its copy freed), so the plan of a full fine-tune
+  // holds the model once and no reference forward.
+  const auto hf = read_json_file(config.model.path + "/config.json");
+  const MemoryPlan copy = plan_memory(config, hf, at::Device(at::kCPU), 0, "test", kind.example_shape(config));
+  config.dpo.precompute_reference = true;
+  shape = kind.example_shape(config);
+  EXPECT_FALSE(shape.reference_weights);
+  EXPECT_FALSE(shape.reference_forward);
+  EXPECT_EQ(shape.sequences, 2);
+  const MemoryPlan precomputed = plan_memory(config, hf, at::Device(at::kCPU), 0, "test", shape);
+  EXPECT_GT(copy.reference_weights, 0.0);
+  EXPECT_DOUBLE_EQ(precomputed.reference_weights, 0.0);
+  EXPECT_DOUBLE_EQ(copy.weights - precomputed.weights, copy.reference_weights);
 }
 
 TEST(TaskKinds, AContrastiveObjectiveWithoutAClipModelIsRefusedWithAHint) {

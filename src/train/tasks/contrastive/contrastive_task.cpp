@@ -137,7 +137,6 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
  public:
   using LoaderTask::LoaderTask;
 
-  std::string name() const override { return "contrastive"; }
   Counted counted() const override { return {"pairs_seen", "image-caption pairs", "pairs", false}; }
   std::string model_type() const override { return "clip"; }
 

@@ -40,7 +40,6 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
  public:
   using LoaderTask::LoaderTask;
 
-  std::string name() const override { return "image"; }
   Counted counted() const override { return {"images_seen", "images", "images", true}; }
   std::string model_type() const override { return model_->model_type(); }
 

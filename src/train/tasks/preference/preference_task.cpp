@@ -35,13 +35,13 @@
 #include "train/activation_checkpointing.h"
 #include "train/device_move.h"
 #include "train/engine/attempts.h"
-#include "train/engine/loader_task.h"
 #include "train/fused_loss.h"
 #include "train/precision.h"
 #include "train/resume_check.h"
 #include "train/tasks/preference/dpo_loss.h"
 #include "train/tasks/preference/preference_data.h"
 #include "train/tasks/preference/reference_store.h"
+#include "train/tasks/text/language_model_task.h"
 #include "train/tasks/text/text_model.h"
 #include "trainer/tokenizer.h"
 
@@ -57,19 +57,13 @@ double chosen_tokens(std::span<const Example> pairs) {
   return static_cast<double>(std::max<int64_t>(1, n));
 }
 
-class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
+class PreferenceTask final : public LanguageModelTask {
  public:
-  using LoaderTask::LoaderTask;
-  ~PreferenceTask() override { loader_.reset(); }  // the loader's workers read tokenizer_ (as the text task)
+  explicit PreferenceTask(const TaskContext& context)
+      : LanguageModelTask(context, preference_example_shape(context.config)) {}
+  ~PreferenceTask() override { loader_.reset(); }  // the loader's workers read mapper_, destroyed before the base's
 
-  std::string name() const override { return "dpo"; }
   Counted counted() const override { return {"pairs_seen", "preference pairs", "pairs", false}; }
-  std::string model_type() const override { return model_->model_type(); }
-
-  void check_settings(const TrainOptions& options) const override { text_model_.check_settings(options); }
-  void check_checkpoint(const fs::path& checkpoint, const nlohmann::json& state) const override {
-    text_model_.check_checkpoint(checkpoint, state);
-  }
 
   nlohmann::json open_data() override {
     tokenizer_ = load_run_tokenizer(config(), /*samples=*/false);
@@ -81,15 +75,8 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
     fingerprint_ = data_fingerprint(config(), *tokenizer_);
     return fingerprint_;
   }
-  std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohmann::json& current,
-                                        std::vector<std::string>& warnings) const override {
-    return trainer::data_changes(saved, current, warnings);
-  }
 
   void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override;
-  Module& model() override { return *model_; }
-  Module* adapters() override { return text_model_.lora(); }
-  Module& trainable() override { return text_model_.trainable(); }
 
   void open_loader() override {
     loader_ = make_train_loader(config(), *tokenizer_, DataFamily::kCausal, distributed::record_share(world()),
@@ -137,12 +124,6 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
 
   Evaluated evaluate(int64_t step, EvaluationMicroBatch& micro) override;
 
-  void save(const fs::path& dir) override { text_model_.save(dir); }
-  void add_train_state(nlohmann::json& state) const override { text_model_.add_train_state(state); }
-  void after_final_save(const fs::path& output_dir, const TrainOptions& options) override {
-    text_model_.after_final_save(output_dir, options);
-  }
-
   // One attempt's forward and backward of `pairs` (the effective batch's pairs from `first_pair` on) in
   // micro-batches; the loss's part of them. Public for the step's work.
   double forward_backward(std::span<const Example> pairs, int64_t first_pair, const PairTotals& totals, int64_t step,
@@ -185,10 +166,7 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   // Trained positions per chunk of the fused head: the policy's (the smaller_loss_chunks escalation halves it).
   int64_t loss_chunk() const { return policy_ ? policy_->loss_chunk_size() : config().training.loss_chunk_size; }
 
-  std::unique_ptr<Tokenizer> tokenizer_;
   RecordMapper mapper_;  // preference records -> pairs (reads tokenizer_)
-  TextModel text_model_{config(), primary(), preference_example_shape(config())};
-  LanguageModel* model_ = nullptr;
   std::unique_ptr<LanguageModel> reference_;  // full fine-tune: the frozen starting weights
   nlohmann::json fingerprint_;                 // open_data's
   bool resumed_ = false;
@@ -205,8 +183,7 @@ class PreferenceTask final : public LoaderTask<DataLoader, EffectiveBatch> {
 
 void PreferenceTask::build_model(const std::optional<fs::path>& resume, const c10::Device& device) {
   device_ = device;
-  text_model_.build(resume, device, *tokenizer_);
-  model_ = &text_model_.model();
+  build_text_model(resume, device);
   if (model_->family() != ModelFamily::kCausal)
     throw UsageError("training.objective=dpo trains causal language models; " + config().model.path + " is a " +
                          model_->model_type() + " (seq2seq) model",

@@ -19,9 +19,9 @@
 #include "memory/planner.h"
 #include "memory/policy.h"
 #include "models/lora.h"
-#include "train/engine/loader_task.h"
 #include "train/resume_check.h"
 #include "train/tasks/text/generation_eval.h"
+#include "train/tasks/text/language_model_task.h"
 #include "train/tasks/text/text_model.h"
 #include "train/tasks/text/text_step.h"
 #include "trainer/data.h"
@@ -68,43 +68,24 @@ std::pair<double, int64_t> evaluation_loss(LanguageModel& model, const Batch& ba
   return {sum, rows.numel()};
 }
 
-class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
+class TextTask final : public LanguageModelTask {
  public:
-  using LoaderTask::LoaderTask;
-  // The loader's workers encode records with tokenizer_, and LoaderTask (which owns the loader) is destroyed after
-  // this class's members: stop the workers first, or one still encoding reads a freed tokenizer (a run that ends on
-  // an error while records are in flight).
-  ~TextTask() override { loader_.reset(); }
+  using LanguageModelTask::LanguageModelTask;
 
-  std::string name() const override { return "text"; }
   Counted counted() const override { return {"tokens_seen", "target tokens", "tokens", true}; }
-  std::string model_type() const override { return model_->model_type(); }
-
-  void check_settings(const TrainOptions& options) const override { text_model_.check_settings(options); }
-  void check_checkpoint(const fs::path& checkpoint, const nlohmann::json& state) const override {
-    text_model_.check_checkpoint(checkpoint, state);
-  }
 
   nlohmann::json open_data() override {
     // Without tokenizer files in model.path: pre-tokenized records only (trainer/tokenizer.h).
     tokenizer_ = load_run_tokenizer(config(), /*samples=*/true);
     return data_fingerprint(config(), *tokenizer_);
   }
-  std::vector<std::string> data_changes(const nlohmann::json& saved, const nlohmann::json& current,
-                                        std::vector<std::string>& warnings) const override {
-    return trainer::data_changes(saved, current, warnings);
-  }
 
   void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override {
     device_ = device;
-    text_model_.build(resume, device, *tokenizer_);
-    model_ = &text_model_.model();
+    build_text_model(resume, device);
     family_ = text_model_.family();
     pad_id_ = text_model_.pad_id();
   }
-  Module& model() override { return *model_; }
-  Module* adapters() override { return text_model_.lora(); }
-  Module& trainable() override { return text_model_.trainable(); }
 
   void open_loader() override {
     // Data parallelism: each rank tokenizes only its share of the records and gets the rest from the others.
@@ -159,16 +140,7 @@ class TextTask final : public LoaderTask<DataLoader, EffectiveBatch> {
   Evaluated evaluate(int64_t step, EvaluationMicroBatch& micro) override;
   void after_evaluation(int64_t step, Reporter& reporter) override;
 
-  void save(const fs::path& dir) override { text_model_.save(dir); }
-  void add_train_state(nlohmann::json& state) const override { text_model_.add_train_state(state); }
-  void after_final_save(const fs::path& output_dir, const TrainOptions& options) override {
-    text_model_.after_final_save(output_dir, options);
-  }
-
  private:
-  std::unique_ptr<Tokenizer> tokenizer_;
-  TextModel text_model_{config(), primary()};
-  LanguageModel* model_ = nullptr;  // text_model_'s
   DataFamily family_ = DataFamily::kCausal;
   int32_t pad_id_ = 0;
   std::unique_ptr<TrainStep> step_;
