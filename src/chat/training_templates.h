@@ -19,7 +19,8 @@ struct TrainingTemplate {
 // The training version of the template whose text has this SHA-256, or nullptr.
 const TrainingTemplate* training_template_for(std::string_view original_sha256);
 
-// The families that have a training version, for hints: "Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill".
+// The families that have a training version, each once however many revisions it has, for hints:
+// "Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill, ...".
 std::string training_template_families();
 
 }  // namespace trainer::chat
