@@ -120,7 +120,8 @@ TEST(ChatTemplate, PrefixSpansFailWithAHintWhenTheTemplateRewritesEarlierTurns) 
 }
 
 // Each training version parses, marks both assistant turns of a two-turn conversation (bos_token for DeepSeek's,
-// eos_token for Mistral's; the text and its end-of-turn marker for the families TRL has no version of), and is found by its original's digest only. Parity with TRL is tests/parity/test_chat_training_templates.py's.
+// eos_token for Mistral's; the text and its end-of-turn marker for the families TRL has no version of), and is found
+// by its original's digest only. Parity with TRL is tests/parity/test_chat_training_templates.py's.
 TEST(ChatTemplate, TrainingTemplatesMarkEveryAssistantTurn) {
   EXPECT_EQ(training_template_for("a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8")->family,
             "Qwen3");
