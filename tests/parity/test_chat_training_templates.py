@@ -360,3 +360,21 @@ def test_own_sft_ids_and_labels_equal_transformers_masks(name, root, tmp_path, r
         mask = list(expected["assistant_masks"])
         assert 0 < sum(mask) < len(mask), case
         assert got["labels"] == [t if m else -100 for t, m in zip(got["input_ids"], mask)], case
+
+
+def test_gemma_4_release_revision_needs_no_training_version(root, tmp_path, run_trainer):
+    """google/gemma-4-E2B-it's release template (4742fe8, TRL's gemma4_v2.jinja) writes no reasoning and the tools'
+    answers as turns of their own: it renders earlier turns the same whatever follows, so trainer splits it prefix by
+    prefix, with no swap, on the conversations that need one for the later revisions."""
+    template = (TRL_TEMPLATES / "gemma4_v2.jinja").read_text(encoding="utf-8")
+    assert trainers_training_version(template) is None
+    directory = model_dir(root, tmp_path / "model", template)
+    cases = [case for case in own_conversations("Gemma 4 at 8995379") if case[0] != "tool-responses"]
+    rows = [{"messages": m} if t is None else {"messages": m, "tools": t} for _, m, t in cases]
+    ours, result = dump(run_trainer, tmp_path, directory, rows)
+    assert "training template" not in result.stdout + result.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    for (case, messages, tools), got in zip(cases, ours):
+        assert "skipped" not in got, (case, got)
+        assert got["text"] == tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), case
+        assert 0 < sum(trained(got["labels"])) < len(got["labels"]), case
