@@ -1,6 +1,7 @@
 // The training versions (see training_templates.h). Each text is the model's template with {% generation %}
 // around what the assistant writes (its header, a prompt cue, stays outside) and the change its opening comment
-// names; trainer's own, checked against transformers' rendering of the original and TRL's masks by
+// names; trainer's own, checked against transformers' rendering of the original and TRL's masks (for Gemma 4 and
+// Mistral v3, which TRL 1.16 has no training version of, against transformers' masks of these marks) by
 // tests/parity/test_chat_training_templates.py.
 #include "chat/training_templates.h"
 

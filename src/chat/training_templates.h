@@ -1,8 +1,9 @@
 // Training versions of chat templates that rendering prefix by prefix cannot split, as TRL's
-// get_training_chat_template swaps them in for SFTTrainer(assistant_only_loss=True): each is the model's own
-// template with {% generation %} around the assistant's text, plus the change that makes earlier turns render the
-// same once the conversation goes on. A model's template is recognised by the SHA-256 of its exact text, so a
-// template that differs by one byte is never replaced.
+// get_training_chat_template swaps them in for SFTTrainer(assistant_only_loss=True), and by the same rule (the
+// assistant's text and end-of-turn marker) for templates TRL has no version of (Gemma 4's, Mistral v3's): each is
+// the model's own template with {% generation %} around the assistant's text, plus the change, where there is one,
+// that makes earlier turns render the same once the conversation goes on. A model's template is recognised by the
+// SHA-256 of its exact text, so a template that differs by one byte is never replaced.
 #pragma once
 
 #include <string>
