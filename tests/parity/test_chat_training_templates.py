@@ -9,9 +9,16 @@ by the exact text, as trainer does). For each family trainer knows:
 (3) DPO pairs equal DPOTrainer's, which renders with the model's own template (TRL swaps nothing there);
 (4) a template one byte away from a known one is not recognised: it keeps the refusal, whose hint names the families;
     and train_on=all keeps the model's own rendering (TRL swaps only for assistant_only_loss).
+For the templates TRL 1.16 has no training version of (the Gemma 4 revisions it ships as gemma4*.jinja, Mistral v3's
+from test_chat_templates.py), trainer's own version (read from src/chat/training_templates.cpp) is checked instead
+against transformers: it renders what the original renders, its {% generation %} marks are the assistant's text and
+end-of-turn marker (Gemma 3's rule), and the dump's ids are the original's rendering, its labels those marks as
+return_assistant_tokens_mask places them; (3) and (4) as above.
 """
+import hashlib
 import json
 import pathlib
+import re
 import shutil
 
 import datasets
@@ -19,7 +26,10 @@ import pytest
 import torch
 import transformers
 import trl
+from transformers.utils.chat_template_utils import render_jinja_template
 from trl.chat_template_utils import get_training_chat_template
+
+from test_chat_templates import MISTRAL_V03, WEATHER_TOOL
 
 TRL_TEMPLATES = pathlib.Path(trl.__file__).parent / "chat_templates"
 FAMILIES = {"Qwen3": "qwen3", "Qwen3-Instruct-2507": "qwen3_instruct_2507",
@@ -28,7 +38,38 @@ FAMILIES = {"Qwen3": "qwen3", "Qwen3-Instruct-2507": "qwen3_instruct_2507",
 SAME_RENDERING = {"Qwen3-Instruct-2507", "Gemma 3", "gpt-oss"}
 
 
+# Templates TRL 1.16 recognises but has no training version of, and Mistral v3's, which it does not know: trainer's own
+# versions. Gemma 4 by the commit of google/gemma-4-E2B-it that shipped each revision (TRL's file names in brackets);
+# its release revision (4742fe8, TRL's gemma4_v2.jinja) renders earlier turns the same, so prefix by prefix splits it.
+OWN = {"Gemma 4 at b446025": "gemma4_v3", "Gemma 4 at 6b7e72c": "gemma4", "Gemma 4 at 905e84b": "gemma4_v4",
+       "Gemma 4 at 8995379": "gemma4_v5", "Mistral v3": None}
+END_OF_TURN = {"Gemma 4": "<turn|>\n", "Mistral v3": "<|endoftext|>"}  # the tiny tokenizer's eos_token
+SOURCE = pathlib.Path(__file__).resolve().parents[2] / "src" / "chat" / "training_templates.cpp"
+
+
+def trainers_training_templates():
+    """{SHA-256 of a model's template: (family, trainer's training version)}, as src/chat/training_templates.cpp
+    holds them."""
+    source = SOURCE.read_text(encoding="utf-8")
+    texts = dict(re.findall(r'constexpr std::string_view (k\w+) = R"jinja\((.*?)\)jinja";', source, re.S))
+    rows = re.findall(r'TrainingTemplate\{"([^"]+)",\s*"([0-9a-f]{64})", (k\w+)\}', source)
+    assert rows and all(ident in texts for _, _, ident in rows)
+    return {digest: (family, texts[ident]) for family, digest, ident in rows}
+
+
+def trainers_training_version(template):
+    """trainer's training version of `template` (its exact text), or None."""
+    found = trainers_training_templates().get(hashlib.sha256(template.encode("utf-8")).hexdigest())
+    return None if found is None else found[1]
+
+
+def family_of(name):
+    return name if name in FAMILIES else name.split(" at ")[0]
+
+
 def original(family):
+    if family in OWN:
+        return MISTRAL_V03 if OWN[family] is None else (TRL_TEMPLATES / f"{OWN[family]}.jinja").read_text(encoding="utf-8")
     return (TRL_TEMPLATES / f"{FAMILIES[family]}.jinja").read_text(encoding="utf-8")
 
 
@@ -124,7 +165,7 @@ def test_sft_ids_and_labels_equal_trls_assistant_only_loss(family, root, tmp_pat
         assert 0 < sum(trained(expected["labels"])) < len(expected["labels"])
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(OWN))
 def test_train_on_all_keeps_the_models_rendering(family, root, tmp_path, run_trainer):
     directory = model_dir(root, tmp_path / "model", original(family))
     rows = [{"messages": messages} for messages in conversations(family)]
@@ -136,7 +177,7 @@ def test_train_on_all_keeps_the_models_rendering(family, root, tmp_path, run_tra
         assert got["labels"] == got["input_ids"]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(OWN))
 def test_dpo_pairs_equal_dpotrainers(family, root, tmp_path, run_trainer):
     """DPOTrainer renders prompt and prompt + completion with the model's template and starts the completion where
     their tokens part: no swap, and a template that re-renders earlier turns is no problem there."""
@@ -182,4 +223,158 @@ def test_a_template_one_byte_away_keeps_the_refusal(root, tmp_path, run_trainer)
     # With data.on_bad_record=error the message carries the hint, which names the recognised families.
     _, failed = dump(run_trainer, tmp_path, directory, rows, extra={"data": {"on_bad_record": "error"}}, check=False)
     assert failed.returncode != 0
-    assert "Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill, Gemma 3, gpt-oss" in failed.stderr, failed.stderr
+    assert ("Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill, Gemma 3, Gemma 4, gpt-oss, Mistral v3"
+            in failed.stderr), failed.stderr
+
+
+def test_a_gemma_4_template_one_byte_away_keeps_the_refusal(root, tmp_path, run_trainer):
+    """The current Gemma 4 revision with a word of its opening comment changed renders the same, and is refused where
+    it drops reasoning, as the unrecognised template it is."""
+    changed = original("Gemma 4 at 8995379").replace("Canonical", "canonical", 1)
+    assert changed != original("Gemma 4 at 8995379")
+    directory = model_dir(root, tmp_path / "model", changed)
+    rows = [{"messages": dict((name, m) for name, m, _ in own_conversations("Gemma 4 at 8995379"))["reasoning"]}]
+    ours, result = dump(run_trainer, tmp_path, directory, rows)
+    assert "training template" not in result.stdout + result.stderr
+    assert "cannot find the span" in ours[0].get("skipped", ""), ours
+
+
+# ---- templates TRL has no training version of: trainer's own -------------------------------------------------------
+
+def own_conversations(name):
+    """(name, messages, tools): the conversations above, and those where the template changes earlier turns (Gemma 4
+    drops reasoning once a user message follows) or writes the tools' answers into the model's turn."""
+    out = [(f"plain-{i}", messages, None) for i, messages in enumerate(conversations(name))]
+    def call(i, city):
+        return {"id": f"abcdefgh{i}", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": city}}}
+    if family_of(name) == "Gemma 4":
+        out += [
+            ("reasoning", [{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "4", "reasoning_content": "add"},
+                           {"role": "user", "content": "3+3?"},
+                           {"role": "assistant", "content": "6", "reasoning_content": "again"}], None),
+            ("tool-calls", [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "Paris and Rome?"},
+                            {"role": "assistant", "content": "", "reasoning_content": "two cities",
+                             "tool_calls": [call(1, "Paris"), call(2, "Rome")]},
+                            {"role": "tool", "tool_call_id": "abcdefgh1", "content": "sunny"},
+                            {"role": "tool", "tool_call_id": "abcdefgh2", "content": "rain"},
+                            {"role": "assistant", "content": "Paris sunny, Rome rain.", "reasoning_content": "compare"},
+                            {"role": "user", "content": "Thanks."},
+                            {"role": "assistant", "content": "You are welcome.", "reasoning_content": "polite"}],
+             [WEATHER_TOOL]),
+            ("last-tool-call", [{"role": "user", "content": "Weather in Paris?"},
+                                {"role": "assistant", "content": "", "tool_calls": [call(1, "Paris")],
+                                 "reasoning_content": "look it up"}], [WEATHER_TOOL]),
+            ("tool-responses", [{"role": "user", "content": "Paris?"},
+                                {"role": "assistant", "content": "", "tool_calls": [call(1, "Paris")],
+                                 "tool_responses": [{"name": "get_weather", "response": {"sky": "sunny"}}]},
+                                {"role": "assistant", "content": "Sunny."}], [WEATHER_TOOL]),
+        ]
+    else:
+        out.append(("tool-calls", [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Weather in Paris?"},
+                                   {"role": "assistant", "content": None, "tool_calls": [call(1, "Paris")]},
+                                   {"role": "tool", "tool_call_id": "abcdefgh1", "name": "get_weather",
+                                    "content": "sunny"},
+                                   {"role": "assistant", "content": "Sunny."}], [WEATHER_TOOL]))
+    return out
+
+
+def render(template, messages, tools, add_generation_prompt=False):
+    """transformers' rendering and {% generation %} spans (characters), merged where they touch."""
+    texts, spans = render_jinja_template(conversations=[messages], chat_template=template, tools=tools,
+                                         add_generation_prompt=add_generation_prompt, return_assistant_tokens_mask=True,
+                                         bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    merged = []
+    for start, end in sorted(spans[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        elif end > start:
+            merged.append((start, end))
+    return texts[0], merged
+
+
+# What each conversation's marks cover, where the template writes more than the answers into the model's turn.
+GEMMA_4_MARKS = {
+    "tool-calls": ['<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+                   '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|><|tool_response>',
+                   "Paris sunny, Rome rain.<turn|>\n", "{reasoning}You are welcome.<turn|>\n"],
+    "last-tool-call": ['<|channel>thought\nlook it up\n<channel|><|tool_call>call:get_weather{city:<|"|>Paris<|"|>}'
+                       '<tool_call|><|tool_response>'],
+    "tool-responses": ['<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>',
+                       "Sunny.<turn|>\n"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN))
+def test_own_training_version_renders_the_original_and_marks_the_answers(name, root, tmp_path):
+    family = family_of(name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir(root, tmp_path / "m", original(name)))
+    with pytest.raises(ValueError, match="patching is not supported"):  # TRL has none
+        get_training_chat_template(tokenizer)
+    ours = trainers_training_version(original(name))
+    assert ours is not None and "generation %}" in ours
+    assert trainers_training_templates()[hashlib.sha256(original(name).encode()).hexdigest()][0] == family
+    for case, messages, tools in own_conversations(name):
+        text, spans = render(ours, messages, tools)
+        assert text == render(original(name), messages, tools)[0], case  # only the marks differ
+        prompt = messages[:-1]
+        assert render(ours, prompt, tools, True)[0] == render(original(name), prompt, tools, True)[0], case
+        marked = [text[a:b] for a, b in spans]
+        if family == "Gemma 4" and case in GEMMA_4_MARKS:
+            reasoning = "<|channel>thought\npolite\n<channel|>" if name.endswith("8995379") else ""
+            assert marked == [m.replace("{reasoning}", reasoning) for m in GEMMA_4_MARKS[case]], case
+            continue
+        answers = [m for m in messages if m["role"] == "assistant"]
+        assert len(marked) == len(answers), (case, marked)
+        for m, span in zip(answers, marked):
+            if m.get("tool_calls"):
+                assert span.startswith("[TOOL_CALLS] [") and span.endswith("]" + END_OF_TURN[family]), (case, span)
+            else:
+                assert span.endswith(m["content"].strip() + END_OF_TURN[family]), (case, span)
+        assert not any(m["content"] in "".join(marked) for m in messages if m["role"] == "user"), case
+
+
+@pytest.mark.parametrize("name", sorted(OWN))
+def test_own_sft_ids_and_labels_equal_transformers_masks(name, root, tmp_path, run_trainer):
+    """The dump renders as the model's template, and trains the tokens return_assistant_tokens_mask places under
+    trainer's training version's marks."""
+    directory = model_dir(root, tmp_path / "model", original(name))
+    cases = own_conversations(name)
+    rows = [{"messages": m} if t is None else {"messages": m, "tools": t} for _, m, t in cases]
+    ours, result = dump(run_trainer, tmp_path, directory, rows)
+    assert f"is the {family_of(name)} template" in result.stdout + result.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    training = trainers_training_version(original(name))
+    assert len(ours) == len(cases)
+    for (case, messages, tools), got in zip(cases, ours):
+        assert "skipped" not in got, (case, got)
+        assert got["text"] == tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), case
+        expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                                 chat_template=training, return_assistant_tokens_mask=True)
+        assert got["input_ids"] == list(expected["input_ids"]), case
+        assert got["input_ids"] == list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                                      return_dict=True)["input_ids"]), case
+        mask = list(expected["assistant_masks"])
+        assert 0 < sum(mask) < len(mask), case
+        assert got["labels"] == [t if m else -100 for t, m in zip(got["input_ids"], mask)], case
+
+
+def test_gemma_4_release_revision_needs_no_training_version(root, tmp_path, run_trainer):
+    """google/gemma-4-E2B-it's release template (4742fe8, TRL's gemma4_v2.jinja) writes no reasoning and the tools'
+    answers as turns of their own: it renders earlier turns the same whatever follows, so trainer splits it prefix by
+    prefix, with no swap, on the conversations that need one for the later revisions."""
+    template = (TRL_TEMPLATES / "gemma4_v2.jinja").read_text(encoding="utf-8")
+    assert trainers_training_version(template) is None
+    directory = model_dir(root, tmp_path / "model", template)
+    cases = [case for case in own_conversations("Gemma 4 at 8995379") if case[0] != "tool-responses"]
+    rows = [{"messages": m} if t is None else {"messages": m, "tools": t} for _, m, t in cases]
+    ours, result = dump(run_trainer, tmp_path, directory, rows)
+    assert "training template" not in result.stdout + result.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    for (case, messages, tools), got in zip(cases, ours):
+        assert "skipped" not in got, (case, got)
+        assert got["text"] == tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), case
+        assert 0 < sum(trained(got["labels"])) < len(got["labels"]), case

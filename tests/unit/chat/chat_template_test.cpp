@@ -119,20 +119,28 @@ TEST(ChatTemplate, PrefixSpansFailWithAHintWhenTheTemplateRewritesEarlierTurns) 
   }
 }
 
-// Each training version parses, marks both assistant turns of a two-turn conversation (bos_token for DeepSeek's),
-// and is found by its original's digest only. Parity with TRL is tests/parity/test_chat_training_templates.py's.
+// Each training version parses, marks both assistant turns of a two-turn conversation (bos_token for DeepSeek's,
+// eos_token for Mistral's; the text and its end-of-turn marker for the families TRL has no version of), and is found
+// by its original's digest only. Parity with TRL is tests/parity/test_chat_training_templates.py's.
 TEST(ChatTemplate, TrainingTemplatesMarkEveryAssistantTurn) {
   EXPECT_EQ(training_template_for("a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8")->family,
             "Qwen3");
   EXPECT_EQ(training_template_for(std::string(64, '0')), nullptr);
-  EXPECT_EQ(training_template_families(), "Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill, Gemma 3, gpt-oss");
+  EXPECT_EQ(training_template_families(),
+            "Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill, Gemma 3, Gemma 4, gpt-oss, Mistral v3");
   ChatOptions options;
-  options.special_tokens = {{"bos_token", "<s>"}};
+  options.special_tokens = {{"bos_token", "<s>"}, {"eos_token", "</s>"}};
   for (const std::string& digest : {"a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8",
                                     "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326",
                                     "56a1447ad31926fdc21fb07e56e5642bd9c850c4f52d8c8af7bbe5f079a84f5f",
                                     "7de1c58e208eda46e9c7f86397df37ec49883aeece39fb961e0a6b24088dd3c4",
-                                    "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146"}) {
+                                    "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146",
+                                    // Gemma 4 at b446025, 6b7e72c, 905e84b and 8995379; Mistral v3
+                                    "781d10940fbc44be40064b5d43a056fc486c84ceaa55538226368b57314132bf",
+                                    "33204f1acb5bd0002713e16a593847f24ceeafe711ed88bda2a352dc996a3373",
+                                    "2f1b4d75d067bae3fe44e676721c7f077d243bc007156cb9c2f8b5836613d082",
+                                    "0a2c8073c878ab1da004bee933a998606537bbb62016310352c7285c3f01c5b5",
+                                    "e16746b40344d6c5b5265988e0328a0bf7277be86f1c335156eae07e29c82826"}) {
     const TrainingTemplate* found = training_template_for(digest);
     ASSERT_NE(found, nullptr) << digest;
     const ChatRendering r = render_chat(found->text, conversation(), options);
@@ -140,6 +148,8 @@ TEST(ChatTemplate, TrainingTemplatesMarkEveryAssistantTurn) {
     EXPECT_NE(text_of(r, r.generation_spans[0]).find("w\xc3\xb6rld"), std::string::npos) << found->family;
     EXPECT_NE(text_of(r, r.generation_spans[1]).find("ok"), std::string::npos) << found->family;
     EXPECT_EQ(text_of(r, r.generation_spans[0]).find("again"), std::string::npos) << found->family;
+    if (found->family == "Gemma 4") EXPECT_EQ(text_of(r, r.generation_spans[1]), "ok<turn|>\n");
+    if (found->family == "Mistral v3") EXPECT_EQ(text_of(r, r.generation_spans[1]), " ok</s>");
   }
 }
 
