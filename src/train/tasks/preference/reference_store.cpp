@@ -1,7 +1,6 @@
 // DPO's precomputed reference on disk (see reference_store.h).
 #include "train/tasks/preference/reference_store.h"
 
-#include <cstdio>
 #include <cstring>
 #include <fstream>
 
@@ -9,6 +8,7 @@
 
 #include "train/resume_check.h"
 #include "trainer/errors.h"
+#include "trainer/safetensors.h"
 
 namespace trainer {
 namespace fs = std::filesystem;
@@ -30,20 +30,6 @@ void fnv_ids_into(uint64_t& h, const std::vector<int32_t>& ids) {
   const uint64_t n = ids.size();
   fnv_bytes_into(h, &n, sizeof n);
   fnv_bytes_into(h, ids.data(), ids.size() * sizeof(int32_t));
-}
-
-// Writes `bytes` to `path` whole: a temporary file beside it, renamed over it.
-void store_write_whole(const fs::path& path, const std::string& bytes) {
-  const fs::path temporary = path.string() + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out)
-      throw Error("cannot write " + temporary.string() + " (DPO's precomputed reference)",
-                  "check that checkpoint.output_dir is writable and its disk has room");
-  }
-  fs::rename(temporary, path);
 }
 
 template <class T>
@@ -125,7 +111,7 @@ void ReferenceStore::start(const nlohmann::json& identity) const {
   if (fs::exists(dir_))
     for (const auto& entry : fs::directory_iterator(dir_)) fs::remove_all(entry.path());
   fs::create_directories(dir_);
-  store_write_whole(dir_ / "identity.json", identity.dump(2) + "\n");
+  write_text_file((dir_ / "identity.json").string(), identity.dump(2) + "\n");
 }
 
 fs::path ReferenceStore::chunk_path(const std::string& split, int64_t index) const {
@@ -160,11 +146,11 @@ void ReferenceStore::write_chunk(const std::string& split, int64_t index, uint64
     store_put<double>(bytes, entry.logps.chosen);
     store_put<double>(bytes, entry.logps.rejected);
   }
-  store_write_whole(chunk_path(split, index), bytes);
+  write_text_file(chunk_path(split, index).string(), bytes);
 }
 
 void ReferenceStore::mark_complete(const nlohmann::json& summary) const {
-  store_write_whole(dir_ / "complete.json", summary.dump(2) + "\n");
+  write_text_file((dir_ / "complete.json").string(), summary.dump(2) + "\n");
 }
 
 ReferenceTable ReferenceStore::load(const std::string& split) const {
