@@ -14,7 +14,9 @@ namespace fs = std::filesystem;
 
 const std::vector<std::pair<std::string, std::string>>& supported_model_types() {
   static const std::vector<std::pair<std::string, std::string>> types = {
-      {"t5", "seq2seq"}, {"llama", "causal"}, {"qwen2", "causal"}, {"mistral", "causal"}};
+      {"t5", "seq2seq"},      {"llama", "causal"},   {"qwen2", "causal"},  {"mistral", "causal"},
+      {"qwen3", "causal"},    {"smollm3", "causal"}, {"olmo2", "causal"},  {"granite", "causal"},
+      {"gemma2", "causal"},   {"gemma3_text", "causal"}, {"phi3", "causal"}};
   return types;
 }
 

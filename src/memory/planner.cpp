@@ -26,6 +26,7 @@
 #include "memory/cpu_budget.h"
 #include "memory/optimizer_footprint.h"
 #include "models/clip.h"
+#include "models/decoder/spec.h"
 #include "models/hf_config.h"
 #include "models/image_model.h"
 #include "models/inspect.h"
@@ -103,25 +104,32 @@ Activations t5_activations(const nlohmann::json& c, double t, double l, double d
   return a;
 }
 
-// Llama, Qwen2, Mistral (llama.cpp): per token and layer 6 d_model + 4 intermediate + 2 (q and attention output)
-// heads x head_dim + 2 (k, v) kv_heads x head_dim, plus the float attention mask of t x t per layer; more with
-// attention dropout (below).
-Activations llama_activations(const nlohmann::json& c, double t) {
-  const double d = static_cast<double>(hf::get_int(c, "hidden_size"));
-  const double ff = static_cast<double>(hf::get_int(c, "intermediate_size"));
-  const auto heads_int = hf::get_int(c, "num_attention_heads");
-  const double heads = static_cast<double>(heads_int);
-  const double kv_heads = static_cast<double>(hf::get_int(c, "num_key_value_heads", heads_int));
-  const double head_dim = static_cast<double>(hf::get_int(c, "head_dim", hf::get_int(c, "hidden_size") / heads_int));
-  const double layers = static_cast<double>(hf::get_int(c, "num_hidden_layers"));
-  const double vocab = static_cast<double>(hf::get_int(c, "vocab_size"));
+// The decoder families (models/decoder): per token and layer 6 d_model + 4 intermediate + 2 (q and attention
+// output) heads x head_dim + 2 (k, v) kv_heads x head_dim, plus the float attention mask of t x t per layer; a
+// d_model more for each norm beyond Llama's two and a q and k more with q/k norms; more with attention dropout or
+// soft-capped scores (below). The shapes are the family's (head_dim and the rest with its config class's defaults).
+Activations decoder_activations(const nlohmann::json& c, double t) {
+  const auto spec = decoder_spec_for(hf::get_string(c, "model_type", ""), c);
+  if (!spec) throw DataError("config.json: model_type \"" + hf::get_string(c, "model_type", "") + "\" is not a decoder family");
+  const double d = static_cast<double>(spec->hidden);
+  const double ff = static_cast<double>(spec->intermediate);
+  const double heads = static_cast<double>(spec->heads);
+  const double kv_heads = static_cast<double>(spec->kv_heads);
+  const double head_dim = static_cast<double>(spec->head_dim);
+  const double layers = static_cast<double>(spec->layers.size());
+  const double vocab = static_cast<double>(spec->vocab_size);
 
   double block = t * (6 * d + 4 * ff + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
+  const int norms = !spec->pre_attention_norm.empty() + !spec->post_attention_norm.empty() +
+                    !spec->pre_mlp_norm.empty() + !spec->post_mlp_norm.empty();
+  if (norms > 2) block += t * d * (norms - 2);
+  if (spec->qk_norm != QkNorm::kNone) block += t * (heads + kv_heads) * head_dim;
   // attention_dropout > 0: keyed dropout computes the probabilities explicitly, keeping per head and (query, key)
   // the probabilities and the dropped probabilities (the byte mask is within the fit), and with grouped-query
   // attention the keys and values repeated per head (measured: within 5% of the difference, 0.1% to 5% overall).
-  if (hf::get_double(c, "attention_dropout", 0.0) > 0)
-    block += t * (2 * heads * t + (kv_heads != heads ? heads * head_dim : 0));
+  // Soft-capped scores (Gemma 2) take the same explicit path, keeping the scores, their tanh and the probabilities.
+  if (spec->attention_dropout > 0 || spec->attention_softcap)
+    block += t * ((spec->attention_softcap ? 3 : 2) * heads * t + (kv_heads != heads ? heads * head_dim : 0));
   const double outside = t * (3 * d + 21 + 2 * head_dim);
   Activations a;
   a.saved = layers * block + outside;
@@ -280,7 +288,7 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   const Activations base_activations =
       seq2seq ? t5_activations(hf_config, static_cast<double>(config.data.max_input_length),
                                static_cast<double>(config.data.max_target_length), dropout_share)
-              : llama_activations(hf_config, static_cast<double>(config.data.max_length));
+              : decoder_activations(hf_config, static_cast<double>(config.data.max_length));
   Activations a = base_activations;
   plan.longest_example_tokens = max_example_tokens(config.data, seq2seq);
   if (config.lora.enabled) {
@@ -305,7 +313,8 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
   // chunk's head-weight gradient in bf16 before it is added to the fp32 one.
   const at::Tensor head = model->lm_head_weight();
   const double hidden_size = static_cast<double>(head.size(1));
-  plan.loss_chunk_bytes_per_token = vocab * logits_bytes;
+  // A soft-capped head (Gemma 2) keeps the chunk's tanh beside it for the cap's gradient: 4 more bytes a logit.
+  plan.loss_chunk_bytes_per_token = vocab * (logits_bytes + (model->final_logit_softcap() ? 4 : 0));
   plan.loss_rows_per_example = a.targets * hidden_size * compute_bytes;
   const bool head_trained = !config.lora.enabled;
   plan.loss_fixed = head_trained && mixed ? vocab * hidden_size * compute_bytes : 0;

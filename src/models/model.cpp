@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include "models/decoder/spec.h"
 #include "models/dropout.h"
 #include "models/hf_config.h"
 #include "trainer/errors.h"
@@ -15,13 +16,14 @@
 namespace trainer {
 
 std::unique_ptr<LanguageModel> make_t5(const nlohmann::json& config, const c10::TensorOptions& options);
-std::unique_ptr<LanguageModel> make_llama(const nlohmann::json& config, const c10::TensorOptions& options);
+std::unique_ptr<LanguageModel> make_decoder(const nlohmann::json& config, DecoderSpec spec,
+                                           const c10::TensorOptions& options);
 
 std::unique_ptr<LanguageModel> build_model(const nlohmann::json& config, const c10::TensorOptions& options) {
   const std::string type = hf::get_string(config, "model_type", "");
   std::unique_ptr<LanguageModel> model;
   if (type == "t5") model = make_t5(config, options);
-  if (type == "llama" || type == "qwen2" || type == "mistral") model = make_llama(config, options);
+  if (auto spec = decoder_spec_for(type, config)) model = make_decoder(config, std::move(*spec), options);
   if (model) {
     assign_dropout_sites(*model);  // each dropout's masks keyed by its module path
     return model;

@@ -67,6 +67,8 @@ class LanguageModel : public Module {
   // the head is tied.
   virtual at::Tensor lm_head_weight() const = 0;
   virtual double lm_head_scale() const = 0;
+  // Final-logit soft-capping (Gemma 2): lm_head returns cap * tanh(logits / cap); the fused loss applies it too.
+  virtual std::optional<double> final_logit_softcap() const { return std::nullopt; }
 
   // Checkpoint names that are other names of one of our parameters (tied embeddings): (alias, canonical).
   // A checkpoint may hold them or not; saving writes only the canonical names.

@@ -129,7 +129,7 @@ std::shared_ptr<const VarlenLayout> plan_varlen_attention(const at::Tensor& segm
 }
 
 at::Tensor attend_varlen(const VarlenLayout& layout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         std::optional<int64_t> sliding_window) {
+                         std::optional<int64_t> sliding_window, std::optional<double> scale) {
   varlen_calls.fetch_add(1);
   const int64_t b = q.size(0), heads = q.size(1), d = q.size(3), kv_heads = k.size(1);
   TORCH_CHECK(b == layout.batch && q.size(2) == layout.length && k.size(2) == layout.length,
@@ -150,7 +150,7 @@ at::Tensor attend_varlen(const VarlenLayout& layout, const at::Tensor& q, const 
   at::Tensor out = std::get<0>(at::_flash_attention_forward(
       stream(q, heads), stream(k, kv_heads), stream(v, kv_heads), layout.cu_seqlens, layout.cu_seqlens,
       layout.max_length, layout.max_length, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false,
-      /*scale=*/std::nullopt, left, right));
+      scale, left, right));
   out = out.reshape({layout.total, heads * d});
   if (layout.real_index.defined())
     out = at::zeros({b * layout.length, heads * d}, out.options()).index_copy(0, layout.real_index, out);

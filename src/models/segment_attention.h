@@ -108,6 +108,6 @@ std::shared_ptr<const VarlenLayout> plan_varlen_attention(const at::Tensor& segm
 // positions; keys within `sliding_window` positions of the query when given (as segment_mask has it). q, k and v
 // in fp32 under autocast are cast to autocast's dtype, as scaled_dot_product_attention would be.
 at::Tensor attend_varlen(const VarlenLayout& layout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         std::optional<int64_t> sliding_window);
+                         std::optional<int64_t> sliding_window, std::optional<double> scale = std::nullopt);
 
 }  // namespace trainer

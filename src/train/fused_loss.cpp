@@ -11,7 +11,8 @@ namespace trainer {
 FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& targets,
                                            const at::Tensor& weight, double scale, double grad_scale,
                                            int64_t chunk_size, std::optional<at::ScalarType> compute_dtype,
-                                           at::Tensor weight_grad, const at::Tensor& row_weights) {
+                                           at::Tensor weight_grad, const at::Tensor& row_weights,
+                                           std::optional<double> softcap) {
   at::NoGradGuard no_grad;
   const at::ScalarType dtype = compute_dtype.value_or(hidden.scalar_type());
   const at::Tensor flat_targets = targets.reshape({-1});
@@ -29,6 +30,11 @@ FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::T
     h = h.to(dtype);
     // (n, V) logits in fp32; the compute-dtype product is dropped as soon as it is converted.
     at::Tensor x = at::mm(h, w.t()).to(at::kFloat);
+    at::Tensor capped;  // tanh(logits / cap) when soft-capped: the cap's derivative is 1 - capped^2
+    if (softcap) {
+      capped = x.div_(*softcap).tanh_();
+      x = capped * *softcap;
+    }
     // Cross-entropy per row: log(sum(exp(x - max))) + max - x[target]; x becomes exp(x - max) in place.
     const at::Tensor picked = x.gather(1, target);  // (n, 1)
     const at::Tensor max = std::get<0>(x.max(1, /*keepdim=*/true));
@@ -45,6 +51,8 @@ FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::T
       x.mul_(sum.reciprocal().mul_(grad_scale));
       x.scatter_add_(1, target, at::full_like(picked, -grad_scale));
     }
+    if (softcap) x.mul_(1 - capped.square());
+    capped = at::Tensor();
     const at::Tensor g = x.scalar_type() == dtype ? x : x.to(dtype);
     x = at::Tensor();  // the fp32 gradient is not needed once g holds it in the compute dtype
     at::Tensor grad_h = at::mm(g, w);
@@ -62,7 +70,8 @@ FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::T
 }
 
 TokenLosses token_losses(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& weight, double scale,
-                         int64_t chunk_size, std::optional<at::ScalarType> compute_dtype) {
+                         int64_t chunk_size, std::optional<at::ScalarType> compute_dtype,
+                         std::optional<double> softcap) {
   at::NoGradGuard no_grad;
   const at::ScalarType dtype = compute_dtype.value_or(hidden.scalar_type());
   const at::Tensor flat_targets = targets.reshape({-1});
@@ -77,7 +86,8 @@ TokenLosses token_losses(const at::Tensor& hidden, const at::Tensor& targets, co
     const at::Tensor target = flat_targets.index_select(0, index).unsqueeze(1);
     at::Tensor h = flat_hidden.index_select(0, index);
     if (scale != 1.0) h = h * scale;
-    const at::Tensor x = at::mm(h.to(dtype), w.t()).to(at::kFloat);  // (n, V)
+    at::Tensor x = at::mm(h.to(dtype), w.t()).to(at::kFloat);  // (n, V)
+    if (softcap) x = at::tanh(x / *softcap) * *softcap;
     out.mean_logit.index_copy_(0, index, x.mean(1));
     out.loss.index_copy_(0, index, (at::logsumexp(x, {1}) - x.gather(1, target).squeeze(1)));
   }

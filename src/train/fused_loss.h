@@ -22,11 +22,13 @@ struct FusedLossResult {
 // When `weight_grad` is defined (V, D), the head weight's gradient times grad_scale is added into it chunk by
 // chunk. `chunk_size` trained positions per chunk. `row_weights` (N, fp32), when defined: position i's loss counts
 // row_weights[i] times in the gradient (a loss that weighs tokens by what their sequence scored: DPO); loss_sum stays
-// the plain sum.
+// the plain sum. `softcap`: the logits are soft-capped, cap * tanh(logits / cap), before the cross-entropy (Gemma 2's
+// final_logit_softcapping), and the gradient goes back through the cap.
 FusedLossResult fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& targets,
                                            const at::Tensor& weight, double scale, double grad_scale,
                                            int64_t chunk_size, std::optional<at::ScalarType> compute_dtype,
-                                           at::Tensor weight_grad = {}, const at::Tensor& row_weights = {});
+                                           at::Tensor weight_grad = {}, const at::Tensor& row_weights = {},
+                                           std::optional<double> softcap = std::nullopt);
 
 // The cross-entropy of every position without autograd, `chunk_size` trained positions at a time (the same logits
 // as fused_linear_cross_entropy): hidden (..., D), targets (...). Both (N) fp32 over the flattened positions, 0
@@ -36,6 +38,7 @@ struct TokenLosses {
   at::Tensor loss, mean_logit;
 };
 TokenLosses token_losses(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& weight, double scale,
-                         int64_t chunk_size, std::optional<at::ScalarType> compute_dtype);
+                         int64_t chunk_size, std::optional<at::ScalarType> compute_dtype,
+                         std::optional<double> softcap = std::nullopt);
 
 }  // namespace trainer

@@ -35,7 +35,42 @@ def llama_family(kind, **kw):
                 bos_token_id=1)
     base.update(kw)
     return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-            "mistral": transformers.MistralConfig}[kind](**base)
+            "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
+            "smollm3": transformers.SmolLM3Config, "olmo2": transformers.Olmo2Config,
+            "granite": transformers.GraniteConfig, "gemma2": transformers.Gemma2Config,
+            "gemma3_text": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config}[kind](**base)
+
+
+# The decoder families beyond Llama (models/decoder/families): odd shapes (head_dim != hidden / heads, GQA),
+# windows shorter than the batch's rows (12 tokens), tied and untied heads, and each family's own switches.
+FAMILIES = {
+    "qwen3-headdim-untied": lambda **kw: llama_family("qwen3", head_dim=16, tie_word_embeddings=False, **kw),
+    "qwen3-sliding-yarn-tied": lambda **kw: llama_family(
+        "qwen3", head_dim=8, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16}, **kw),
+    "smollm3-nope-tied": lambda **kw: llama_family("smollm3", no_rope_layer_interval=2, tie_word_embeddings=True, pad_token_id=None,
+                                                   **kw),
+    "olmo2-qk-norm": lambda **kw: llama_family("olmo2", head_dim=12, attention_bias=True, **kw),
+    "granite-multipliers": lambda **kw: llama_family(
+        "granite", embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0,
+        **kw),
+    "gemma2-softcaps": lambda **kw: llama_family(
+        "gemma2", head_dim=16, query_pre_attn_scalar=12, sliding_window=4, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, pad_token_id=0, **kw),
+    "gemma3-rope-per-type-untied": lambda **kw: llama_family(
+        "gemma3_text", head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False, final_logit_softcapping=4.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **kw),
+    "phi3-partial-longrope": lambda **kw: llama_family(
+        "phi3", max_position_embeddings=64, original_max_position_embeddings=8, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]}, **kw),
+    "llama-dynamic-rope": lambda **kw: llama_family(
+        "llama", max_position_embeddings=8, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                             "factor": 2.0}, **kw),
+}
 
 
 MODELS = {
@@ -49,6 +84,7 @@ MODELS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}, **kw),
     "qwen2-gqa-tied": lambda **kw: llama_family("qwen2", tie_word_embeddings=True, **kw),
     "mistral-sliding-window": lambda **kw: llama_family("mistral", sliding_window=4, num_key_value_heads=1, **kw),
+    **FAMILIES,
 }
 
 

@@ -253,7 +253,8 @@ std::pair<at::Tensor, at::Tensor> PreferenceTask::reference_logps(const Batch& b
     std::tie(hidden, targets) = reference.hidden_and_targets(batch);
   }
   const TokenLosses losses =
-      token_losses(hidden, targets, reference.lm_head_weight(), reference.lm_head_scale(), loss_chunk(), dtype);
+      token_losses(hidden, targets, reference.lm_head_weight(), reference.lm_head_scale(), loss_chunk(), dtype,
+                   reference.final_logit_softcap());
   reference.train(was_training);
   const at::Tensor logps = -losses.loss.reshape(targets.sizes()).to(at::kDouble).sum(1);  // (2k)
   return {logps.slice(0, 0, 2 * pairs, 2), logps.slice(0, 1, 2 * pairs, 2)};
@@ -304,7 +305,7 @@ PairScores PreferenceTask::score(const Batch& batch, std::span<const Example> pa
     std::tie(hidden, targets) = model_->hidden_and_targets(batch);
   }
   const TokenLosses losses = token_losses(hidden.detach(), targets, model_->lm_head_weight().detach(),
-                                          model_->lm_head_scale(), chunk, dtype);
+                                          model_->lm_head_scale(), chunk, dtype, model_->final_logit_softcap());
   const at::Tensor logps = -sequence_sums(losses.loss, targets);
   const at::Tensor trained = (targets != -100);
   const at::Tensor tokens = trained.to(at::kDouble).sum(1);
@@ -351,7 +352,7 @@ double PreferenceTask::forward_backward(std::span<const Example> pairs, int64_t 
   const auto fused = fused_linear_cross_entropy(hidden.detach().reshape({-1, hidden.size(-1)}), targets,
                                                 weight.detach(), model_->lm_head_scale(), grad_scale,
                                                 loss_chunk(),
-                                                autocast(), weight_grad, row_weights);
+                                                autocast(), weight_grad, row_weights, model_->final_logit_softcap());
   if (sync_ && weight_grad.defined() && !model_->lm_head_tied()) sync_->gradient_ready(weight);
   if (hidden.requires_grad()) hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));
 

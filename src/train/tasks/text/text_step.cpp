@@ -103,7 +103,8 @@ double TrainStep::forward_backward(const Batch& batch, double normaliser) {
   }
   const auto fused = fused_linear_cross_entropy(hidden.detach().reshape({-1, hidden.size(-1)}), targets,
                                                 weight.detach(), model_.lm_head_scale(), grad_scale,
-                                                policy_.loss_chunk_size(), dtype, weight_grad);
+                                                policy_.loss_chunk_size(), dtype, weight_grad, /*row_weights=*/{},
+                                                model_.final_logit_softcap());
   // An untied head's gradient is complete now (a tied one still gets the embedding's part from backward).
   if (options_.sync && weight_grad.defined() && !model_.lm_head_tied()) options_.sync->gradient_ready(weight);
   if (hidden.requires_grad()) hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));

@@ -1,0 +1,23 @@
+// The decoder families: each turns its config.json into a DecoderSpec (decoder/spec.h), with its config class's
+// defaults (transformers' configuration_*.py) for the keys a file leaves out. A new family is one such file and
+// a line in spec.cpp's table.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "models/decoder/spec.h"
+
+namespace trainer {
+
+DecoderSpec llama_spec(const nlohmann::json& config);        // llama.cpp
+DecoderSpec qwen2_spec(const nlohmann::json& config);        // llama.cpp
+DecoderSpec mistral_spec(const nlohmann::json& config);      // llama.cpp
+DecoderSpec qwen3_spec(const nlohmann::json& config);        // qwen3.cpp
+DecoderSpec smollm3_spec(const nlohmann::json& config);      // smollm3.cpp
+DecoderSpec olmo2_spec(const nlohmann::json& config);        // olmo2.cpp
+DecoderSpec granite_spec(const nlohmann::json& config);      // granite.cpp
+DecoderSpec gemma2_spec(const nlohmann::json& config);       // gemma.cpp
+DecoderSpec gemma3_text_spec(const nlohmann::json& config);  // gemma.cpp
+DecoderSpec phi3_spec(const nlohmann::json& config);         // phi3.cpp
+
+}  // namespace trainer
