@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from test_models import hf_model, make_batch, parity_tool, real_positions, run_parity_tool  # noqa: F401 (fixture)
+from test_models import FAMILIES, hf_model, make_batch, make_model_dir, parity_tool, real_positions, run_parity_tool  # noqa: F401,E501 (fixture)
 
 TINY = ["tiny-t5", "tiny-qwen2"]
 # Attention and MLP projections of each family; the rank_pattern entry gives one module a rank of its own.
@@ -169,3 +169,57 @@ def test_a_lora_training_run_writes_an_adapter_peft_loads_and_a_merged_model(nam
     # of ~12 was seen): the bound is relative to that scale, far below MIN_EFFECT.
     scale = theirs[real].abs().max().item()
     torch.testing.assert_close(ours[real], theirs[real], atol=2e-5 * max(scale, 1.0), rtol=1e-4)
+
+
+# The decoder families (test_models.FAMILIES): every linear layer of the family under LoRA, with transformers'
+# (and so PEFT's) names: Phi-3's fused qkv_proj and gate_up_proj, the q/k norms and the extra norms untouched.
+FAMILY_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_peft_loads_our_adapter_of_each_decoder_family(name, tmp_path, parity_tool):
+    model_dir = make_model_dir(name, tmp_path / "model")
+    config, batch = batch_for(model_dir, tmp_path)
+    targets = FAMILY_TARGETS.get(config.model_type, LLAMA_TARGETS)
+    # Granite's multipliers (residual 0.5, logits / 2) damp what three steps change: a larger step shows it.
+    lr = 8.0 if config.model_type == "granite" else 2.0
+    settings = {"r": 4, "alpha": 8, "rslora": False, "target_modules": targets, "steps": 3, "lr": lr, "seed": 3}
+    run_parity_tool(parity_tool, "lora-train", model_dir, tmp_path / "batch.safetensors", tmp_path / "adapter",
+                    json.dumps(settings))
+    ours = load_file(tmp_path / "adapter" / "logits.safetensors")["logits"]
+    base = hf_model(model_dir)
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    model.eval()
+    assert set(model.peft_config["default"].target_modules) == set(targets)
+    with torch.no_grad():
+        theirs = model(**batch).logits
+    real = real_positions(config, batch)
+    assert (theirs[real] - base_logits[real]).abs().max() > MIN_EFFECT, "the adapter changes nothing"
+    tolerance_close(ours[real], theirs[real])
+
+
+@pytest.mark.parametrize("name", ["phi3-partial-longrope", "gemma2-softcaps", "qwen3-headdim-untied"])
+def test_we_load_a_peft_adapter_of_a_decoder_family(name, tmp_path, parity_tool):
+    model_dir = make_model_dir(name, tmp_path / "model")
+    config, batch = batch_for(model_dir, tmp_path)
+    base = hf_model(model_dir)
+    lora = peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=FAMILY_TARGETS.get(
+        config.model_type, LLAMA_TARGETS))
+    model = peft.get_peft_model(base, lora)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "lora_" in param_name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    model.save_pretrained(tmp_path / "adapter")
+    model.eval()
+    run_parity_tool(parity_tool, "lora-forward", model_dir, tmp_path / "adapter", tmp_path / "batch.safetensors",
+                    tmp_path / "ours.safetensors")
+    ours = load_file(tmp_path / "ours.safetensors")
+    theirs = model(**batch)
+    real = real_positions(config, batch)
+    tolerance_close(ours["logits"][real], theirs.logits.detach()[real])
+    tolerance_close(ours["loss"][0], theirs.loss.detach())

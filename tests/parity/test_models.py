@@ -220,7 +220,7 @@ def test_bf16_logits_match_transformers(name, tmp_path, parity_tool):
     assert (ours[real] - theirs[real]).abs().max().item() <= BF16_TOLERANCE * scale
 
 
-@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "t5-relu-tied", "qwen2-gqa-tied", "llama"])
+@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "t5-relu-tied", "qwen2-gqa-tied", "llama", *FAMILIES])
 def test_transformers_loads_our_save_after_a_training_step(name, tmp_path, parity_tool):
     model_dir = make_model_dir(name, tmp_path / "model")
     config = transformers.AutoConfig.from_pretrained(model_dir)
@@ -240,7 +240,7 @@ def test_transformers_loads_our_save_after_a_training_step(name, tmp_path, parit
 
 
 @pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "t5-relu-tied", "qwen2-gqa-tied",
-                                  "mistral-sliding-window"])
+                                  "mistral-sliding-window", *FAMILIES])
 def test_greedy_generation_matches_transformers(name, tmp_path, run_trainer):
     # transformers' T5 cache assumes as many decoder layers as encoder layers (IndexError otherwise).
     overrides = {"num_decoder_layers": 2} if name.startswith(("t5", "flan")) else {}
