@@ -63,13 +63,13 @@ FAMILIES = {
         tie_word_embeddings=False, final_logit_softcapping=4.0,
         rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **kw),
-    "phi3-partial-longrope": lambda **kw: llama_family(
-        "phi3", max_position_embeddings=64, original_max_position_embeddings=8, pad_token_id=0,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                         "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]}, **kw),
-    "llama-dynamic-rope": lambda **kw: llama_family(
-        "llama", max_position_embeddings=8, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
-                                                             "factor": 2.0}, **kw),
+    "phi3-partial-longrope": lambda **kw: llama_family("phi3", **{
+        "max_position_embeddings": 64, "original_max_position_embeddings": 8, "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                            "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]}, **kw}),
+    "llama-dynamic-rope": lambda **kw: llama_family("llama", **{
+        "max_position_embeddings": 8, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                          "factor": 2.0}, **kw}),
 }
 
 

@@ -1,0 +1,95 @@
+"""Training each decoder family with the real trainer binary reaches the weights of a plain PyTorch loop over the
+transformers model: AdamW (trainer's defaults: betas 0.9/0.999, eps 1e-8; weight decay 0.01, gradient clipping at
+1.0), three steps of an effective batch of 4 pre-tokenized examples of different lengths (prompt tokens masked),
+the loss the mean over the effective batch's target tokens. Once with the whole batch in one micro-batch, once
+accumulated over micro-batches of one example (what a memory budget forces): both within 1e-4 of PyTorch's
+weights, and the saved model is what transformers loads (the families: test_models.FAMILIES)."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_models import FAMILIES, VOCAB, hf_model, make_model_dir
+
+STEPS, BATCH, LR = 3, 4, 1e-3
+# Dynamic RoPE and longrope choose their frequencies by the longest position of a forward (as transformers does, and
+# transformers' dynamic RoPE also keeps the longest it has seen): past max_position_embeddings /
+# original_max_position_embeddings the frequencies depend on the micro-batch's padded width, so a split changes
+# them (docs/models.md). Trained here within those lengths; beyond them test_models compares forward and generation.
+WITHIN_ORIGINAL_LENGTH = {"llama-dynamic-rope": {"max_position_embeddings": 32},
+                          "phi3-partial-longrope": {"original_max_position_embeddings": 32}}
+
+
+def examples():
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(STEPS * BATCH):
+        n = [7, 12, 5, 10][i % BATCH] + i % 3
+        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        labels = [-100] * 3 + ids[3:]  # a prompt of three tokens
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def reference_weights(model_dir, records):
+    """transformers' model, trained by hand: one padded forward per effective batch."""
+    model = hf_model(model_dir)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    for step in range(STEPS):
+        part = records[step * BATCH:(step + 1) * BATCH]
+        width = max(len(r["input_ids"]) for r in part)
+        ids = torch.zeros(BATCH, width, dtype=torch.long)
+        mask = torch.zeros(BATCH, width, dtype=torch.long)
+        labels = torch.full((BATCH, width), -100)
+        for i, r in enumerate(part):
+            n = len(r["input_ids"])
+            ids[i, :n] = torch.tensor(r["input_ids"])
+            mask[i, :n] = 1
+            labels[i, :n] = torch.tensor(r["labels"])
+        optimizer.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return {n: p.detach() for n, p in model.state_dict().items()}
+
+
+def train(run_trainer, model_dir, data, out, micro_batch):
+    config = {
+        "model": {"path": str(model_dir), "init": "pretrained"},
+        "data": {"train_files": [str(data)], "max_length": 32, "shuffle": False},
+        "training": {"batch_size": BATCH, "micro_batch_size": micro_batch, "max_steps": STEPS, "seed": 1},
+        "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.01},
+        "scheduler": {"name": "constant", "warmup_steps": 0},
+        "precision": {"mode": "fp32"},
+        "device": {"type": "cpu"},
+        "checkpoint": {"output_dir": str(out), "every_steps": 0},
+        "logging": {"progress": "off"},
+    }
+    path = out.parent / f"{out.name}.json"
+    path.write_text(json.dumps(config))
+    run_trainer("--config", path)
+    return out / "final"
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_family_trains_to_the_weights_of_a_pytorch_loop(name, tmp_path, run_trainer):
+    model_dir = make_model_dir(name, tmp_path / "model", **WITHIN_ORIGINAL_LENGTH.get(name, {}))
+    records = examples()
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    expected = reference_weights(model_dir, records)
+    before = load_file(model_dir / "model.safetensors")
+    for micro_batch in (BATCH, 1):
+        final = train(run_trainer, model_dir, data, tmp_path / f"run-{micro_batch}", micro_batch)
+        ours = {n: p for n, p in hf_model(final).state_dict().items()}
+        assert set(ours) == set(expected)
+        moved = max((ours[n] - before[n]).abs().max().item() for n in before if n in ours)
+        assert moved > 1e-3, "training changed nothing"
+        for n, p in expected.items():
+            torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m, n=n, mb=micro_batch: f"micro-batch {mb}, {n}: {m}")
