@@ -3,7 +3,7 @@
 real Hugging Face config) and a tokenizer trained on the demo data (tiny-qwen2's with Qwen2.5's chat template).
 No weights: the tiny configs initialise randomly (model.init = "random").
 
-    scripts/make_tiny_models.py            # rewrites configs/models/tiny-t5 and configs/models/tiny-qwen2
+    scripts/make_tiny_models.py            # rewrites configs/models/tiny-t5, tiny-qwen2, tiny-qwen3, tiny-gemma3
 
 Deterministic: the same data gives the same tokenizers.
 """
@@ -14,7 +14,7 @@ import tempfile
 
 import sentencepiece as spm
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-from transformers import Qwen2Config, Qwen2Tokenizer, T5Config
+from transformers import Gemma3TextConfig, Qwen2Config, Qwen2Tokenizer, Qwen3Config, T5Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,12 +143,44 @@ def tiny_qwen2(out_dir, data):
                 eos_token_id=eos).save_pretrained(out_dir)
 
 
+def with_tiny_qwen2_tokenizer(out_dir, qwen2_dir, config):
+    """A decoder family in miniature on tiny-qwen2's tokenizer and chat template (the tiny configs' demo data)."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        with open(os.path.join(qwen2_dir, name), encoding="utf-8") as src, \
+                open(os.path.join(out_dir, name), "w", encoding="utf-8") as dst:
+            dst.write(src.read())
+    with open(os.path.join(qwen2_dir, "config.json"), encoding="utf-8") as f:
+        qwen2 = json.load(f)
+    config(vocab_size=qwen2["vocab_size"], bos_token_id=qwen2["eos_token_id"],
+           eos_token_id=qwen2["eos_token_id"]).save_pretrained(out_dir)
+
+
+def tiny_qwen3(out_dir, qwen2_dir):
+    # Qwen3 in miniature: q/k norms per head, head_dim 32 (not hidden / heads), grouped-query attention, untied.
+    with_tiny_qwen2_tokenizer(out_dir, qwen2_dir, lambda **kw: Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=1024, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6, tie_word_embeddings=False, **kw))
+
+
+def tiny_gemma3(out_dir, qwen2_dir):
+    # Gemma 3's text model in miniature: a sliding layer (window 64) with its local RoPE, then a full one; q/k norms,
+    # (1 + weight) norms, scaled embeddings, tied.
+    with_tiny_qwen2_tokenizer(out_dir, qwen2_dir, lambda **kw: Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=1024, pad_token_id=None, **kw))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(ROOT, "configs", "models"))
     args = parser.parse_args()
     tiny_t5(os.path.join(args.out, "tiny-t5"), os.path.join(ROOT, "data", "demo", "recipes-seq2seq.jsonl"))
     tiny_qwen2(os.path.join(args.out, "tiny-qwen2"), os.path.join(ROOT, "data", "demo", "recipes-causal.jsonl"))
+    tiny_qwen3(os.path.join(args.out, "tiny-qwen3"), os.path.join(args.out, "tiny-qwen2"))
+    tiny_gemma3(os.path.join(args.out, "tiny-gemma3"), os.path.join(args.out, "tiny-qwen2"))
 
 
 if __name__ == "__main__":

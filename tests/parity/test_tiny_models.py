@@ -10,7 +10,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-TINY = {"tiny-t5": "configs/tiny-t5.json", "tiny-qwen2": "configs/tiny-qwen2.json"}
+TINY = {"tiny-t5": "configs/tiny-t5.json", "tiny-qwen2": "configs/tiny-qwen2.json",
+        "tiny-qwen3": "configs/tiny-qwen3.json", "tiny-gemma3": "configs/tiny-gemma3.json"}
 
 
 def first_records(path, n=8):
@@ -68,3 +69,19 @@ def test_trainer_reads_the_model_type_transformers_reads(root, run_trainer, name
     assert match, plan
     assert match.group(1) == config.model_type
     assert match.group(2) == ("seq2seq" if config.is_encoder_decoder else "causal")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma3"])
+def test_a_tiny_family_run_learns_and_saves_what_transformers_loads(root, run_trainer, tmp_path, name):
+    out = tmp_path / "run"
+    run_trainer("--config", TINY[name], "--set", "training.max_steps=6", "--set", "training.batch_size=8",
+                "--set", "evaluation.every_steps=0", "--set", "evaluation.sample_prompts=[]", "--set",
+                "logging.every_steps=1", "--set", f"checkpoint.output_dir={out}", "--set", "logging.progress=off")
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line and "eval_loss" not in line]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    config = transformers.AutoConfig.from_pretrained(root / "configs" / "models" / name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[config.model_type]
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits).all()

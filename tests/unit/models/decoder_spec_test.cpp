@@ -1,0 +1,134 @@
+// The decoder families' specs read from config.json (models/decoder/spec.h): the family defaults for keys a file
+// leaves out, and the clear errors for what the decoder cannot honour. The numerics are in
+// tests/parity/test_models.py (every family against transformers).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "models/decoder/rope.h"
+#include "models/decoder/spec.h"
+#include "models/model.h"
+#include "trainer/errors.h"
+#include "trainer/model_dir.h"
+
+namespace trainer {
+namespace {
+
+nlohmann::json config(const std::string& type, nlohmann::json extra = nlohmann::json::object()) {
+  nlohmann::json c = {{"model_type", type},           {"vocab_size", 64},      {"hidden_size", 32},
+                      {"intermediate_size", 48},      {"num_hidden_layers", 4}, {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2}};
+  c.update(extra);
+  return c;
+}
+
+// The UsageError (exit 2) building `c` throws: its message and hint.
+std::string usage_error(const nlohmann::json& c) {
+  try {
+    build_model(c, at::TensorOptions());
+  } catch (const UsageError& e) {
+    return std::string(e.what()) + " | " + e.hint();
+  }
+  ADD_FAILURE() << "no UsageError for " << c.dump();
+  return "";
+}
+
+}  // namespace
+
+TEST(DecoderSpec, EveryFamilyIsASupportedCausalModelType) {
+  for (const auto& type : decoder_model_types()) {
+    bool causal = false;
+    for (const auto& [known, family] : supported_model_types()) causal = causal || (known == type && family == "causal");
+    EXPECT_TRUE(causal) << type << " is a decoder family but not listed by supported_model_types()";
+  }
+  for (const auto& [known, family] : supported_model_types())
+    if (family == "causal") EXPECT_TRUE(decoder_spec_for(known, config(known)).has_value()) << known;
+}
+
+TEST(DecoderSpec, FamilyDefaultsFillWhatConfigJsonLeavesOut) {
+  const auto qwen3 = *decoder_spec_for("qwen3", config("qwen3"));
+  EXPECT_EQ(qwen3.head_dim, 128);  // Qwen3Config's default, not hidden / heads
+  EXPECT_EQ(qwen3.qk_norm, QkNorm::kPerHead);
+  EXPECT_FALSE(qwen3.tie);
+
+  const auto gemma2 = *decoder_spec_for("gemma2", config("gemma2"));
+  EXPECT_EQ(gemma2.head_dim, 256);
+  EXPECT_TRUE(gemma2.tie);
+  EXPECT_EQ(gemma2.act, "gelu_pytorch_tanh");
+  EXPECT_EQ(gemma2.attention_softcap, 50.0);  // absent: the default; null: off
+  EXPECT_EQ(gemma2.final_softcap, 30.0);
+  EXPECT_FALSE(decoder_spec_for("gemma2", config("gemma2", {{"final_logit_softcapping", nullptr}}))->final_softcap);
+  EXPECT_TRUE(gemma2.layers[0].window && !gemma2.layers[1].window);  // sliding, full, sliding, full
+  EXPECT_DOUBLE_EQ(gemma2.attention_scale, 1.0 / 16.0);              // query_pre_attn_scalar 256
+
+  // Gemma 3 in the older file format: rope_theta and rope_scaling for full layers, rope_local_base_freq for
+  // sliding ones, sliding_window_pattern.
+  const auto gemma3 = *decoder_spec_for(
+      "gemma3_text", config("gemma3_text", {{"rope_theta", 1000000.0}, {"rope_local_base_freq", 10000.0},
+                                            {"rope_scaling", {{"rope_type", "linear"}, {"factor", 8.0}}},
+                                            {"sliding_window_pattern", 2}, {"sliding_window", 8}}));
+  ASSERT_EQ(gemma3.ropes.size(), 2u);
+  EXPECT_EQ(gemma3.ropes[0].type, "linear");
+  EXPECT_DOUBLE_EQ(gemma3.ropes[0].theta, 1000000.0);
+  EXPECT_DOUBLE_EQ(gemma3.ropes[1].theta, 10000.0);
+  EXPECT_EQ(gemma3.layers[0].rope_index, 1u);  // sliding
+  EXPECT_EQ(gemma3.layers[1].rope_index, 0u);  // full
+  EXPECT_EQ(gemma3.layers[0].window, 8);
+
+  const auto smol = *decoder_spec_for("smollm3", config("smollm3"));
+  EXPECT_TRUE(smol.layers[0].rope && smol.layers[2].rope);
+  EXPECT_FALSE(smol.layers[3].rope);  // every fourth layer: no RoPE
+
+  const auto phi3 = *decoder_spec_for("phi3", config("phi3", {{"rope_scaling", {{"type", "su"}}}}));
+  EXPECT_TRUE(phi3.fused_qkv && phi3.fused_gate_up);
+  EXPECT_EQ(phi3.ropes[0].type, "longrope");  // su, as older Phi-3 files name it
+}
+
+TEST(DecoderSpec, ConfigsTheDecoderCannotHonourAreUsageErrorsNamingTheKey) {
+  auto rope = usage_error(config("llama", {{"rope_parameters", {{"rope_type", "su-per"}, {"rope_theta", 1e4}}}}));
+  EXPECT_NE(rope.find("rope_parameters.rope_type \"su-per\""), std::string::npos) << rope;
+  EXPECT_NE(rope.find("yarn"), std::string::npos) << rope;  // the hint lists the known types
+
+  const auto odd = usage_error(config("qwen3", {{"head_dim", 9}}));
+  EXPECT_NE(odd.find("config.json"), std::string::npos) << odd;
+  EXPECT_NE(odd.find("head_dim"), std::string::npos) << odd;
+
+  const auto types = usage_error(config("qwen3", {{"layer_types", {"full_attention", "full_attention"}}}));
+  EXPECT_NE(types.find("\"layer_types\" must list one type per layer (num_hidden_layers = 4), it has 2"),
+            std::string::npos)
+      << types;
+  const auto unknown = usage_error(config("llama", {{"layer_types", {"full_attention", "chunked_attention",
+                                                                     "full_attention", "full_attention"}}}));
+  EXPECT_NE(unknown.find("layer_types[1]"), std::string::npos) << unknown;
+  const auto no_window = usage_error(config("mistral", {{"layer_types", {"sliding_attention", "full_attention",
+                                                                         "full_attention", "full_attention"}}}));
+  EXPECT_NE(no_window.find("sliding_window"), std::string::npos) << no_window;
+
+  const auto longrope = usage_error(config("phi3", {{"rope_parameters", {{"rope_type", "longrope"},
+                                                                         {"short_factor", {1.0}},
+                                                                         {"long_factor", {1.0}}}}}));
+  EXPECT_NE(longrope.find("short_factor must list 2 numbers"), std::string::npos) << longrope;
+  const auto cap = usage_error(config("gemma2", {{"attn_logit_softcapping", -1.0}}));
+  EXPECT_NE(cap.find("attn_logit_softcapping"), std::string::npos) << cap;
+  const auto bidirectional = usage_error(config("gemma3_text", {{"use_bidirectional_attention", true}}));
+  EXPECT_NE(bidirectional.find("use_bidirectional_attention"), std::string::npos) << bidirectional;
+}
+
+TEST(DecoderSpec, LongropeAndDynamicFrequenciesFollowTheLength) {
+  RopeSpec longrope;
+  longrope.type = "longrope";
+  longrope.parameters = {{"short_factor", {1.0, 1.0}}, {"long_factor", {2.0, 4.0}},
+                         {"original_max_position_embeddings", 8}};
+  const Rope rope(longrope, 4, 32);
+  EXPECT_TRUE(at::allclose(rope.inverse_frequencies(8) / rope.inverse_frequencies(9), at::tensor({2.0f, 4.0f})));
+  EXPECT_NEAR(rope.attention_scaling(), std::sqrt(1 + std::log(4.0) / std::log(8.0)), 1e-12);  // factor 32 / 8
+
+  RopeSpec dynamic;
+  dynamic.type = "dynamic";
+  dynamic.parameters = {{"factor", 2.0}};
+  const Rope ntk(dynamic, 8, 16);
+  EXPECT_TRUE(at::equal(ntk.inverse_frequencies(16), ntk.inverse_frequencies(1)));  // within the trained length
+  EXPECT_FALSE(at::equal(ntk.inverse_frequencies(17), ntk.inverse_frequencies(16)));
+}
+
+}  // namespace trainer
