@@ -39,6 +39,27 @@ const nlohmann::json kQwen25_14B = {{"model_type", "qwen2"},        {"vocab_size
                                     {"hidden_act", "silu"},         {"tie_word_embeddings", false},
                                     {"bos_token_id", 151643},       {"eos_token_id", 151643},
                                     {"attention_dropout", 0.0},     {"use_sliding_window", false}};
+// Qwen/Qwen3-8B.
+const nlohmann::json kQwen3_8B = {{"model_type", "qwen3"},        {"vocab_size", 151936},
+                                  {"hidden_size", 4096},          {"intermediate_size", 12288},
+                                  {"num_hidden_layers", 36},      {"num_attention_heads", 32},
+                                  {"num_key_value_heads", 8},     {"head_dim", 128},
+                                  {"max_position_embeddings", 40960}, {"rms_norm_eps", 1e-6},
+                                  {"rope_theta", 1000000.0},      {"hidden_act", "silu"},
+                                  {"tie_word_embeddings", false}, {"attention_bias", false},
+                                  {"bos_token_id", 151643},       {"eos_token_id", 151645},
+                                  {"use_sliding_window", false},  {"max_window_layers", 36}};
+// microsoft/Phi-4-mini-instruct (its longrope factors: 48 a list, one per rotated pair of the 96 rotary dimensions;
+// their values do not change the memory).
+const nlohmann::json kPhi4Mini = {
+    {"model_type", "phi3"},          {"vocab_size", 200064},           {"hidden_size", 3072},
+    {"intermediate_size", 8192},     {"num_hidden_layers", 32},        {"num_attention_heads", 24},
+    {"num_key_value_heads", 8},      {"max_position_embeddings", 131072}, {"original_max_position_embeddings", 4096},
+    {"partial_rotary_factor", 0.75}, {"rms_norm_eps", 1e-5},           {"rope_theta", 10000.0},
+    {"hidden_act", "silu"},          {"tie_word_embeddings", true},    {"sliding_window", 262144},
+    {"rope_scaling", {{"type", "longrope"}, {"short_factor", std::vector<double>(48, 1.0)},
+                      {"long_factor", std::vector<double>(48, 1.0)}}},
+    {"bos_token_id", 199999},        {"eos_token_id", 199999},         {"pad_token_id", 199999}};
 const nlohmann::json kFlanT5XL = {{"model_type", "t5"},
                                   {"vocab_size", 32128},
                                   {"d_model", 2048},
@@ -92,6 +113,8 @@ const std::map<std::string, Card>& cards() {
   static const std::map<std::string, Card> table = {
       {"clip-cars.json", {kClipB32, 16.0 * (1ull << 30)}},
       {"qwen2.5-7b-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
+      {"qwen3-8b-lora.json", {kQwen3_8B, 24.0 * (1ull << 30)}},
+      {"phi-4-mini-qlora.json", {kPhi4Mini, 12.0 * (1ull << 30)}},
       {"qwen2.5-7b-dpo-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
       {"qwen2.5-7b-qlora.json", {kQwen25_7B, 16.0 * (1ull << 30)}},
       {"qwen2.5-14b-qlora.json", {kQwen25_14B, 24.0 * (1ull << 30)}},
