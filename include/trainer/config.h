@@ -489,7 +489,8 @@ struct LoraConfig {
     v("alpha", alpha, "scaling numerator: scale = alpha / r (alpha / sqrt(r) with rslora)");
     v("dropout", dropout, "dropout on the adapter input");
     v("target_modules", target_modules,
-      "module names to adapt; empty: q,v (T5), q_proj,v_proj (Llama family, CLIP) or query,value (ViT)");
+      "module names to adapt; empty: q,v (T5), q_proj,v_proj (decoder families, CLIP), qkv_proj (Phi-3) or "
+      "query,value (ViT)");
     v("rslora", rslora, "rank-stabilised scaling alpha / sqrt(r)");
     v("base_in_bf16", base_in_bf16, "hold the frozen base weights in bf16 to save memory");
   }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """RoPE's cost per qwen2-100m step (issue 19: "RoPE applied in place", kept only if it measures worth it): the ops
-trainer runs (src/models/llama.cpp: q * cos + rotate_half(q) * sin, and the same for the keys), forward and backward,
+trainer runs (src/models/decoder/decoder.cpp: q * cos + rotate_half(q) * sin, and the same for the keys), forward and backward,
 12 layers, batch 8 x 120 positions, 12 query heads and 2 key heads of 64, one thread, fp32 and bf16; prints the
 median of 7 timed steps. Compare with a step's time from vs_hf.py (docs/benchmarks.md).
 

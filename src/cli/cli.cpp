@@ -204,8 +204,12 @@ bool is_top_level_flag(const std::string& arg) {
 }  // namespace
 
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
-  CLI::App app{"trainer: fine-tune Hugging Face T5 and Llama-family models from JSONL with LibTorch, adapting\n"
-               "the micro-batch to the memory it has instead of dying of out-of-memory.",
+  std::string model_types;
+  for (const auto& [type, family] : supported_model_types()) model_types += (model_types.empty() ? "" : ", ") + type;
+  CLI::App app{"trainer: fine-tune Hugging Face seq2seq (T5), causal (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3/4,\n"
+               "SmolLM3, OLMo 2, Granite), image (ViT) and CLIP models with LibTorch, adapting the micro-batch to the\n"
+               "memory it has instead of dying of out-of-memory.\nText model types (config.json's model_type): " +
+                   model_types,
                "trainer"};
   app.set_version_flag("--version", std::string("trainer ") + kVersion + " (LibTorch " + kTorchBuildVersion + ", " +
                                         kTorchBuild + ")");
@@ -311,7 +315,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   inspect->add_option("--lora-r", inspect_options.lora_r, "LoRA rank for the LoRA memory row")->capture_default_str();
   inspect->add_option("--lora-targets", inspect_options.lora_targets,
                       "LoRA target modules for the LoRA row, comma-separated (default: q,v for T5, q_proj,v_proj "
-                      "for the Llama family)")
+                      "for the decoder families; Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj for every layer)")
       ->delimiter(',');
 
   MergeOptions merge_options;

@@ -105,8 +105,13 @@ int64_t LoraAdapters::trainable_parameters() const {
   return n;
 }
 
-std::vector<std::string> default_lora_targets(const LanguageModel& model) {
+std::vector<std::string> default_lora_targets(LanguageModel& model) {
   if (model.family() == ModelFamily::kSeq2Seq) return {"q", "v"};
+  // Phi-3's attention has one fused qkv_proj (PEFT has no default for it: the whole projection is the closest).
+  bool fused = false;
+  model.for_each_module(
+      [&](const std::string& name, Module&) { fused = fused || name.ends_with(".qkv_proj"); });
+  if (fused) return {"qkv_proj"};
   return {"q_proj", "v_proj"};
 }
 

@@ -84,8 +84,9 @@ class AdaptersOff {
   LoraAdapters* adapters_;
 };
 
-// PEFT's defaults by family, as lora.target_modules documents: q,v (T5) or q_proj,v_proj (Llama family).
-std::vector<std::string> default_lora_targets(const LanguageModel& model);
+// PEFT's defaults by family, as lora.target_modules documents: q,v (T5), q_proj,v_proj (the decoder families),
+// qkv_proj (Phi-3's fused attention projection, where PEFT has no default).
+std::vector<std::string> default_lora_targets(LanguageModel& model);
 
 // alpha / r, or alpha / sqrt(r) with rsLoRA.
 double lora_scaling(double alpha, int64_t r, bool rslora);

@@ -2,7 +2,7 @@
 // scores every pair of positions in the row and masks the pairs across examples; here each example's queries,
 // keys and values are gathered into a batch of segments (grouped by length, each group padded to its longest),
 // attended in one call per group, and scattered back, so a packed row pays attention only inside its examples.
-// The models (t5.cpp, llama.cpp) plan a layout once per forward and pass it to every layer; the attention maths
+// The models (t5.cpp, decoder/decoder.cpp) plan a layout once per forward and pass it to every layer; the attention maths
 // itself (bias, scaling, softmax, dropout) stays in the model and runs on each group.
 #pragma once
 

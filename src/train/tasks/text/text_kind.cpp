@@ -52,7 +52,8 @@ TrainPlanLines language_model_plan_lines(const Config& config, const TrainOption
     const auto& l = config.lora;
     std::string targets;
     for (const auto& target : l.target_modules) targets += (targets.empty() ? "" : ",") + target;
-    if (targets.empty()) targets = model.family == "seq2seq" ? "q,v" : "q_proj,v_proj";
+    if (targets.empty())
+      targets = model.family == "seq2seq" ? "q,v" : model.model_type == "phi3" ? "qkv_proj" : "q_proj,v_proj";
     std::ostringstream lora;
     lora << "r=" << l.r << ", alpha " << l.alpha << (l.rslora ? " (rsLoRA)" : "") << ", on " << targets
          << (l.base_in_bf16 ? "; frozen base in bf16" : "; frozen base") << "; saved as a PEFT adapter"
