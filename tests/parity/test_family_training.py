@@ -2,8 +2,9 @@
 transformers model: AdamW (trainer's defaults: betas 0.9/0.999, eps 1e-8; weight decay 0.01, gradient clipping at
 1.0), three steps of an effective batch of 4 pre-tokenized examples of different lengths (prompt tokens masked),
 the loss the mean over the effective batch's target tokens. Once with the whole batch in one micro-batch, once
-accumulated over micro-batches of one example (what a memory budget forces): both within 1e-4 of PyTorch's
-weights, and the saved model is what transformers loads (the families: test_models.FAMILIES)."""
+accumulated over micro-batches of one example (what a memory budget forces), once packed (several examples a row,
+attention and positions per example) with activation checkpointing: each within 1e-4 of PyTorch's weights, and the
+saved model is what transformers loads (the families: test_models.FAMILIES)."""
 import json
 
 import pytest
@@ -58,11 +59,12 @@ def reference_weights(model_dir, records):
     return {n: p.detach() for n, p in model.state_dict().items()}
 
 
-def train(run_trainer, model_dir, data, out, micro_batch):
+def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpointing=False):
     config = {
         "model": {"path": str(model_dir), "init": "pretrained"},
-        "data": {"train_files": [str(data)], "max_length": 32, "shuffle": False},
-        "training": {"batch_size": BATCH, "micro_batch_size": micro_batch, "max_steps": STEPS, "seed": 1},
+        "data": {"train_files": [str(data)], "max_length": 32, "shuffle": False, "packing": packing},
+        "training": {"batch_size": BATCH, "micro_batch_size": micro_batch, "max_steps": STEPS, "seed": 1,
+                     "activation_checkpointing": checkpointing},
         "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.01},
         "scheduler": {"name": "constant", "warmup_steps": 0},
         "precision": {"mode": "fp32"},
@@ -84,12 +86,15 @@ def test_a_family_trains_to_the_weights_of_a_pytorch_loop(name, tmp_path, run_tr
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     expected = reference_weights(model_dir, records)
     before = load_file(model_dir / "model.safetensors")
-    for micro_batch in (BATCH, 1):
-        final = train(run_trainer, model_dir, data, tmp_path / f"run-{micro_batch}", micro_batch)
+    # The whole batch in one micro-batch; one example a micro-batch; packed rows (attention per example) with
+    # activation checkpointing.
+    for micro_batch, packing in ((BATCH, False), (1, False), (2, True)):
+        final = train(run_trainer, model_dir, data, tmp_path / f"run-{micro_batch}-{packing}", micro_batch,
+                      packing=packing, checkpointing=packing)
         ours = {n: p for n, p in hf_model(final).state_dict().items()}
         assert set(ours) == set(expected)
         moved = max((ours[n] - before[n]).abs().max().item() for n in before if n in ours)
         assert moved > 1e-3, "training changed nothing"
         for n, p in expected.items():
             torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, n=n, mb=micro_batch: f"micro-batch {mb}, {n}: {m}")
+                                       msg=lambda m, n=n, mb=micro_batch, pk=packing: f"micro-batch {mb}, packing {pk}, {n}: {m}")
