@@ -25,6 +25,7 @@ struct PeftLoraConfig {
   double lora_alpha = 8.0;
   double lora_dropout = 0.0;
   std::vector<std::string> target_modules;  // a regular expression (PEFT's string form) is kept as one entry
+  bool target_modules_regex = false;        // target_modules[0] is that regular expression (written as a string)
   bool use_rslora = false;
 };
 

@@ -90,6 +90,7 @@ PeftLoraConfig parse_config(const nlohmann::json& c, const std::string& file) {
     const auto& targets = c["target_modules"];
     if (targets.is_string()) {
       config.target_modules.push_back(targets.get<std::string>());
+      config.target_modules_regex = true;
     } else if (targets.is_array()) {
       for (const auto& t : targets) {
         if (!t.is_string()) throw DataError(file + ": \"target_modules\" must hold strings, got " + t.dump());
@@ -117,7 +118,8 @@ void write_peft_adapter(const std::string& dir, const PeftAdapter& adapter) {
       {"r", c.r},
       {"lora_alpha", number(c.lora_alpha)},
       {"lora_dropout", c.lora_dropout},
-      {"target_modules", c.target_modules},
+      {"target_modules", c.target_modules_regex && c.target_modules.size() == 1 ? nlohmann::json(c.target_modules[0])
+                                                                                : nlohmann::json(c.target_modules)},
       {"use_rslora", c.use_rslora},
       {"bias", "none"},
       {"fan_in_fan_out", false},

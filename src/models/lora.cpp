@@ -256,6 +256,18 @@ PeftAdapter to_peft_adapter(const LoraAdapters& adapters, const LanguageModel& m
   out.config.lora_alpha = c.alpha;
   out.config.lora_dropout = c.dropout;
   out.config.target_modules = c.target_modules;
+  const bool plain_names = std::all_of(c.target_modules.begin(), c.target_modules.end(), [](const std::string& t) {
+    return !t.empty() && std::all_of(t.begin(), t.end(), [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; });
+  });
+  if (const std::string scope = model.text_model_path(); !scope.empty() && !c.target_modules.empty() && plain_names) {
+    // A multimodal model: PEFT's regular-expression form, so that PEFT adapts the text model's layers only (its
+    // vision tower has q_proj, v_proj ... too). Dots are literal; names are plain identifiers.
+    std::string names, escaped;
+    for (const auto& target : c.target_modules) names += (names.empty() ? "" : "|") + target;
+    for (const char ch : scope) escaped += ch == '.' ? std::string("\\.") : std::string(1, ch);
+    out.config.target_modules = {escaped + "\\..*\\.(" + names + ")"};
+    out.config.target_modules_regex = true;
+  }
   out.config.use_rslora = c.rslora;
   for (const auto& [path, layer] : adapters.layers())
     out.modules[path] = {layer->lora_A.detach(), layer->lora_B.detach()};

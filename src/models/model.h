@@ -81,6 +81,21 @@ class LanguageModel : public Module {
   // Hugging Face's initialisation scheme for this architecture, from the global generator (seed it first).
   virtual void init_weights() = 0;
 
+  // Where the checkpoint's names differ from the module tree's (a multimodal checkpoint whose language model is
+  // trained: transformers' files say "language_model.model.layers.0...", its modules "model.language_model.layers.0..."):
+  // the checkpoint name of parameter `name`, and the parameter a checkpoint name stands for, or nullopt for a
+  // tensor the model carries without using it (the vision tower and projector), loaded as stored and saved back
+  // unchanged. The defaults: the same names, nothing carried.
+  virtual std::string checkpoint_name(const std::string& name) const { return name; }
+  virtual std::optional<std::string> parameter_name(const std::string& checkpoint_name) const {
+    return checkpoint_name;
+  }
+  // The module path of the text model inside a multimodal model ("model.language_model"), else empty: PEFT
+  // adapters then name their targets within it (the towers have layers of the same names).
+  virtual std::string text_model_path() const { return {}; }
+  // The carried tensors by checkpoint name, in the checkpoint's dtype (filled by load_model).
+  std::vector<std::pair<std::string, at::Tensor>>& carried_tensors() { return carried_; }
+
   // Generation with a key-value cache over a batch of prompts (B, T) with their attention mask (B, T): causal
   // prompts padded on the left (positions count the real tokens, as transformers derives position ids from the
   // mask), seq2seq prompts padded anywhere (the encoder runs once). The cache is allocated for `new_tokens` more
@@ -102,6 +117,7 @@ class LanguageModel : public Module {
 
  private:
   BlockRunner block_runner_;
+  std::vector<std::pair<std::string, at::Tensor>> carried_;
 };
 
 // The sum of token losses (fp32) and the number of target tokens of one micro-batch. The training step divides

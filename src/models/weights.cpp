@@ -68,13 +68,21 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
   std::map<std::string, std::pair<std::size_t, const TensorInfo*>> where;  // name -> (file, tensor)
   for (const auto& path : info.weight_files) files.push_back(SafetensorsFile::open(path));
   ShapeMap got;
+  // Keyed by parameter name (models whose files name them otherwise map them: LanguageModel::parameter_name);
+  // the tensors the model carries unused are read as stored.
+  std::vector<std::pair<std::string, std::pair<std::size_t, const TensorInfo*>>> carried;
   for (std::size_t f = 0; f < files.size(); ++f) {
     for (const auto& tensor : files[f].tensors()) {
-      if (where.count(tensor.name))
-        throw DataError(tensor.name + " is in both " + files[where[tensor.name].first].path() + " and " +
+      const auto name = model->parameter_name(tensor.name);
+      if (!name) {
+        carried.push_back({tensor.name, {f, &tensor}});
+        continue;
+      }
+      if (where.count(*name))
+        throw DataError(tensor.name + " is in both " + files[where[*name].first].path() + " and " +
                         files[f].path());
-      where[tensor.name] = {f, &tensor};
-      got[tensor.name] = tensor.shape;
+      where[*name] = {f, &tensor};
+      got[*name] = tensor.shape;
     }
   }
   // A checkpoint with its own lm_head.weight has an untied head even where config.json says tied (transformers
@@ -104,7 +112,7 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
       const auto& file = files[it->second.first];
       nlohmann::json state;
       try {
-        state = nlohmann::json::parse(tensor_text(file.load(key)));
+        state = nlohmann::json::parse(tensor_text(file.load(it->second.second->name)));
         const auto shape = state.at("shape").get<std::vector<int64_t>>();
         for (auto g = got.begin(); g != got.end();)
           g = g->first.starts_with(path + ".weight.") ? got.erase(g) : std::next(g);
@@ -131,12 +139,12 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
       const auto& file = files[where.at(weight).first];
       auto load = [&](const std::string& suffix) {
         const auto it = where.find(weight + "." + suffix);
-        return it == where.end() ? at::Tensor() : files[it->second.first].load(weight + "." + suffix);
+        return it == where.end() ? at::Tensor() : files[it->second.first].load(it->second.second->name);
       };
       QuantState4bit state = state_from_saved(weight, state_json, load("absmax"), load("quant_map"),
                                               load("nested_absmax"), load("nested_quant_map"), load(state_key.substr(weight.size() + 1)),
                                               file.path());
-      const at::Tensor packed = file.load(weight);
+      const at::Tensor packed = file.load(where.at(weight).second->name);
       if (packed.scalar_type() != at::kByte || packed.numel() != (state.numel() + 1) / 2)
         throw DataError(file.path() + ": " + weight + " holds " + std::to_string(packed.numel()) + " " +
                             std::string(c10::toString(packed.scalar_type())) + " values; a 4-bit " +
@@ -158,13 +166,18 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
     at::Tensor loaded = files[file].load(tensor->name, dtype);
     p = device.is_cpu() ? loaded : loaded.to(device);
   });
+  // Carried tensors stay on the CPU in their stored dtype: never computed with, written back as they were.
+  for (const auto& [name, location] : carried)
+    model->carried_tensors().emplace_back(name, files[location.first].load(name));
   return model;
 }
 
 void save_model(LanguageModel& model, const std::string& dir, uint64_t max_shard_bytes) {
   fs::create_directories(dir);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  model.for_each_parameter([&](const std::string& name, at::Tensor& p) { tensors.emplace_back(name, p.detach()); });
+  model.for_each_parameter(
+      [&](const std::string& name, at::Tensor& p) { tensors.emplace_back(model.checkpoint_name(name), p.detach()); });
+  for (const auto& [name, tensor] : model.carried_tensors()) tensors.emplace_back(name, tensor);
   save_state_dict(dir, tensors, max_shard_bytes);
   nlohmann::json config = model.hf_config();
   config.erase("quantization_config");

@@ -246,6 +246,16 @@ class DecoderBody : public Module {
   std::shared_ptr<NormWeight> norm;
 };
 
+// model.* of a multimodal checkpoint: the text model as model.language_model (the towers are carried, not built).
+class LanguageModelHolder : public Module {
+ public:
+  std::shared_ptr<DecoderBody> hold(std::shared_ptr<DecoderBody> body) {
+    return register_module("language_model", std::move(body));
+  }
+};
+
+constexpr std::string_view kLanguageModel = "model.language_model.";
+
 struct DecoderGenerationState : GenerationState {
   DecoderGenerationState(std::size_t layers, int64_t capacity) : cache(layers, capacity) {}
   KvCache cache;           // per layer (B, Hkv, T, hd)
@@ -258,7 +268,13 @@ class DecoderModel : public LanguageModel {
   DecoderModel(const nlohmann::json& config, DecoderSpec spec, const c10::TensorOptions& options)
       : config_(config), spec_(std::make_shared<const DecoderSpec>(std::move(spec))), s_(*spec_), options_(options) {
     for (const auto& rope : s_.ropes) ropes_.emplace_back(rope, s_.head_dim, s_.max_position_embeddings);
-    model = register_module("model", std::make_shared<DecoderBody>(spec_, options));
+    if (s_.multimodal) {
+      // transformers 5's Gemma3ForConditionalGeneration: model.language_model is the text model.
+      auto outer = register_module("model", std::make_shared<LanguageModelHolder>());
+      model = outer->hold(std::make_shared<DecoderBody>(spec_, options));
+    } else {
+      model = register_module("model", std::make_shared<DecoderBody>(spec_, options));
+    }
     if (!s_.tie) untie_lm_head();
   }
 
@@ -381,8 +397,30 @@ class DecoderModel : public LanguageModel {
   double lm_head_scale() const override { return 1.0 / s_.logits_scaling; }
   std::optional<double> final_logit_softcap() const override { return s_.final_softcap; }
 
+  // A multimodal checkpoint's files name the text model language_model.model.* and its head
+  // language_model.lm_head.weight (what transformers writes and the Hub holds); transformers 5's own tree
+  // (model.language_model.*) is read too. Everything else in such a file is carried.
+  std::string checkpoint_name(const std::string& name) const override {
+    if (!s_.multimodal) return name;
+    if (name.starts_with(kLanguageModel)) return "language_model.model." + name.substr(kLanguageModel.size());
+    if (name == "lm_head.weight") return "language_model.lm_head.weight";
+    return name;
+  }
+  std::optional<std::string> parameter_name(const std::string& checkpoint) const override {
+    if (!s_.multimodal) return checkpoint;
+    static const std::string kLegacy = "language_model.model.";
+    if (checkpoint.starts_with(kLegacy)) return std::string(kLanguageModel) + checkpoint.substr(kLegacy.size());
+    if (checkpoint.starts_with(kLanguageModel)) return checkpoint;
+    if (checkpoint == "language_model.lm_head.weight" || checkpoint == "lm_head.weight") return "lm_head.weight";
+    return std::nullopt;
+  }
+
+  std::string text_model_path() const override { return s_.multimodal ? "model.language_model" : ""; }
+
   std::vector<std::pair<std::string, std::string>> aliases() const override {
-    if (lm_head_tied()) return {{"lm_head.weight", "model.embed_tokens.weight"}};
+    if (lm_head_tied())
+      return {{"lm_head.weight", s_.multimodal ? std::string(kLanguageModel) + "embed_tokens.weight"
+                                               : std::string("model.embed_tokens.weight")}};
     return {};
   }
   bool lm_head_tied() const override { return !lm_head_weight_.defined(); }

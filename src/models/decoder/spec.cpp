@@ -22,7 +22,7 @@ const std::vector<std::pair<std::string, DecoderSpec (*)(const nlohmann::json&)>
       {"llama", llama_spec},   {"qwen2", qwen2_spec},       {"mistral", mistral_spec},
       {"qwen3", qwen3_spec},   {"smollm3", smollm3_spec},   {"olmo2", olmo2_spec},
       {"granite", granite_spec}, {"gemma2", gemma2_spec},   {"gemma3_text", gemma3_text_spec},
-      {"phi3", phi3_spec}};
+      {"gemma3", gemma3_spec},   {"phi3", phi3_spec}};
   return table;
 }
 
@@ -148,7 +148,7 @@ std::optional<DecoderSpec> decoder_spec_for(const std::string& model_type, const
   for (const auto& [type, family] : families()) {
     if (type != model_type) continue;
     DecoderSpec spec = family(config);
-    spec.model_type = model_type;
+    spec.model_type = model_type;  // the checkpoint's (gemma3 for the multimodal one)
     finish_decoder_spec(spec);
     return spec;
   }

@@ -67,6 +67,10 @@ struct DecoderSpec {
   std::vector<RopeSpec> ropes{RopeSpec{}};
   std::vector<DecoderLayerSpec> layers;
   std::optional<int64_t> pad_token_id, eos;
+  // A multimodal checkpoint's language model (Gemma3ForConditionalGeneration): the modules sit under
+  // model.language_model (transformers 5's tree), the files say language_model.model (and transformers writes
+  // that), and every tensor outside it is carried unchanged.
+  bool multimodal = false;
 };
 
 // Defaults a family's config class has for keys config.json may leave out.

@@ -18,6 +18,7 @@ DecoderSpec olmo2_spec(const nlohmann::json& config);        // olmo2.cpp
 DecoderSpec granite_spec(const nlohmann::json& config);      // granite.cpp
 DecoderSpec gemma2_spec(const nlohmann::json& config);       // gemma.cpp
 DecoderSpec gemma3_text_spec(const nlohmann::json& config);  // gemma.cpp
+DecoderSpec gemma3_spec(const nlohmann::json& config);       // gemma.cpp: the multimodal checkpoint's text model
 DecoderSpec phi3_spec(const nlohmann::json& config);         // phi3.cpp
 
 }  // namespace trainer

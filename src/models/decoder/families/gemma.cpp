@@ -2,7 +2,8 @@
 // four of them per block (before and after attention and the MLP), embeddings scaled by sqrt(hidden_size) in the
 // weights' dtype, scores scaled by query_pre_attn_scalar^-0.5, alternating sliding and full layers. Gemma 2
 // soft-caps attention scores and the final logits; Gemma 3 adds an RMSNorm over each head's queries and keys and a
-// RoPE per layer type (a local base for sliding layers), and soft-caps the logits only when config.json says.
+// RoPE per layer type (a local base for sliding layers), and soft-caps the logits only when config.json says. The
+// multimodal Gemma 3 (Gemma-3-4B-it and larger) trains its text_config's model; its vision tower is carried.
 #include <cmath>
 
 #include "models/decoder/families/families.h"
@@ -69,6 +70,21 @@ DecoderSpec gemma3_text_spec(const nlohmann::json& c) {
     s.ropes = {read_rope(c, 1000000.0), local};
   }
   for (auto& layer : s.layers) layer.rope_index = layer.window ? 1 : 0;
+  return s;
+}
+
+DecoderSpec gemma3_spec(const nlohmann::json& c) {
+  const auto* text = hf::find(c, "text_config");
+  if (!text || !text->is_object())
+    throw UsageError("config.json: model_type \"gemma3\" without a \"text_config\" object",
+                     "a Gemma3ForConditionalGeneration config.json describes its language model in text_config");
+  nlohmann::json t = *text;
+  // Gemma3Config ties the LM head to the language model's embeddings unless its own tie_word_embeddings says not.
+  t["tie_word_embeddings"] = hf::get_bool(c, "tie_word_embeddings", hf::get_bool(t, "tie_word_embeddings", true));
+  if (!hf::find(t, "eos_token_id") && hf::find(c, "eos_token_id")) t["eos_token_id"] = c["eos_token_id"];
+  DecoderSpec s = gemma3_text_spec(t);
+  s.multimodal = true;
+  s.final_softcap.reset();  // Gemma3ForConditionalGeneration never applies text_config's final_logit_softcapping
   return s;
 }
 
