@@ -298,7 +298,7 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
     const double layers =
         seq2seq ? static_cast<double>(hf::get_int(hf_config, "num_layers") +
                                       hf::get_int(hf_config, "num_decoder_layers", hf::get_int(hf_config, "num_layers")))
-                : static_cast<double>(hf::get_int(hf_config, "num_hidden_layers"));
+                : static_cast<double>(decoder_spec_for(hf::get_string(hf_config, "model_type", ""), hf_config)->layers.size());
     a.saved += extra;
     a.largest_block += extra / layers;
   }

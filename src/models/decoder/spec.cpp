@@ -92,15 +92,15 @@ bool read_layer_types(const nlohmann::json& config, DecoderSpec& spec) {
 DecoderSpec common_decoder_spec(const nlohmann::json& c, const FamilyDefaults& d) {
   DecoderSpec s;
   s.model_type = hf::get_string(c, "model_type", "");
-  s.vocab_size = hf::get_int(c, "vocab_size");
-  s.hidden = hf::get_int(c, "hidden_size");
-  s.intermediate = hf::get_int(c, "intermediate_size");
-  const int64_t layers = hf::get_int(c, "num_hidden_layers");
-  s.heads = hf::get_int(c, "num_attention_heads");
+  s.vocab_size = hf::get_int(c, "vocab_size", d.vocab_size);
+  s.hidden = hf::get_int(c, "hidden_size", d.hidden);
+  s.intermediate = hf::get_int(c, "intermediate_size", d.intermediate);
+  const int64_t layers = hf::get_int(c, "num_hidden_layers", d.layers);
+  s.heads = hf::get_int(c, "num_attention_heads", d.heads);
   if (s.heads <= 0 || layers <= 0 || s.hidden <= 0)
     throw config_error("hidden_size, num_hidden_layers and num_attention_heads must be positive",
                        "is this the config.json of the model?");
-  s.kv_heads = hf::get_int(c, "num_key_value_heads", s.heads);
+  s.kv_heads = hf::get_int(c, "num_key_value_heads", d.kv_heads.value_or(s.heads));
   s.head_dim = hf::get_int(c, "head_dim", d.head_dim.value_or(s.hidden / s.heads));
   if (s.kv_heads <= 0 || s.heads % s.kv_heads != 0)
     throw DataError("config.json: num_attention_heads (" + std::to_string(s.heads) +
@@ -116,7 +116,7 @@ DecoderSpec common_decoder_spec(const nlohmann::json& c, const FamilyDefaults& d
   check_activation(s.act, std::string("config.json \"") + d.act_key + "\"");
   s.pad_token_id = hf::get_optional_int(c, "pad_token_id");
   if (s.pad_token_id && (*s.pad_token_id < 0 || *s.pad_token_id >= s.vocab_size)) s.pad_token_id.reset();
-  s.eos = hf::get_eos(c);
+  s.eos = hf::find(c, "eos_token_id") ? hf::get_eos(c) : d.eos;
   s.ropes = {read_rope(c, d.rope_theta)};
   s.layers.assign(static_cast<std::size_t>(layers), DecoderLayerSpec{});
   return s;

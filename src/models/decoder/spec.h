@@ -82,6 +82,8 @@ struct FamilyDefaults {
   const char* act = "silu";
   double rope_theta = 10000.0;
   int64_t max_position_embeddings = 2048;
+  // Sizes for the config classes that default them (Gemma: a Hub file's text_config may give only what differs).
+  std::optional<int64_t> vocab_size, hidden, intermediate, layers, heads, kv_heads, eos;
 };
 
 // The keys every Llama-like config.json has (sizes, eps, biases as attention_bias / mlp_bias, tie, activation,

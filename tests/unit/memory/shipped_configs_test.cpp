@@ -60,6 +60,18 @@ const nlohmann::json kPhi4Mini = {
     {"rope_scaling", {{"type", "longrope"}, {"short_factor", std::vector<double>(48, 1.0)},
                       {"long_factor", std::vector<double>(48, 1.0)}}},
     {"bos_token_id", 199999},        {"eos_token_id", 199999},         {"pad_token_id", 199999}};
+// google/gemma-3-4b-it as its config.json is (multimodal; text_config gives only what differs from the defaults).
+const nlohmann::json kGemma3_4B = {
+    {"model_type", "gemma3"},       {"architectures", {"Gemma3ForConditionalGeneration"}},
+    {"eos_token_id", {1, 106}},     {"image_token_index", 262144},
+    {"boi_token_index", 255999},    {"eoi_token_index", 256000},
+    {"mm_tokens_per_image", 256},
+    {"text_config", {{"hidden_size", 2560}, {"intermediate_size", 10240}, {"model_type", "gemma3_text"},
+                     {"num_hidden_layers", 34}, {"rope_scaling", {{"factor", 8.0}, {"rope_type", "linear"}}},
+                     {"sliding_window", 1024}}},
+    {"vision_config", {{"hidden_size", 1152}, {"image_size", 896}, {"intermediate_size", 4304},
+                       {"model_type", "siglip_vision_model"}, {"num_attention_heads", 16},
+                       {"num_hidden_layers", 27}, {"patch_size", 14}, {"vision_use_head", false}}}};
 const nlohmann::json kFlanT5XL = {{"model_type", "t5"},
                                   {"vocab_size", 32128},
                                   {"d_model", 2048},
@@ -115,6 +127,7 @@ const std::map<std::string, Card>& cards() {
       {"qwen2.5-7b-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
       {"qwen3-8b-lora.json", {kQwen3_8B, 24.0 * (1ull << 30)}},
       {"phi-4-mini-qlora.json", {kPhi4Mini, 12.0 * (1ull << 30)}},
+      {"gemma-3-4b-it-lora.json", {kGemma3_4B, 16.0 * (1ull << 30)}},
       {"qwen2.5-7b-dpo-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
       {"qwen2.5-7b-qlora.json", {kQwen25_7B, 16.0 * (1ull << 30)}},
       {"qwen2.5-14b-qlora.json", {kQwen25_14B, 24.0 * (1ull << 30)}},

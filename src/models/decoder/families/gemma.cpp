@@ -13,10 +13,13 @@
 namespace trainer {
 namespace {
 
-DecoderSpec gemma_common(const nlohmann::json& c, int64_t max_position_embeddings) {
+DecoderSpec gemma_common(const nlohmann::json& c, int64_t max_position_embeddings, int64_t vocab_size) {
+  // Gemma2Config's and Gemma3TextConfig's defaults: Gemma-3-4B-it's text_config gives only what differs from them.
   DecoderSpec s = common_decoder_spec(c, {.head_dim = 256, .tie = true, .act_key = "hidden_activation",
                                           .act = "gelu_pytorch_tanh",
-                                          .max_position_embeddings = max_position_embeddings});
+                                          .max_position_embeddings = max_position_embeddings,
+                                          .vocab_size = vocab_size, .hidden = 2304, .intermediate = 9216,
+                                          .layers = 26, .heads = 8, .kv_heads = 4, .eos = 1});
   s.pad_token_id = hf::get_optional_int(c, "pad_token_id").value_or(0);
   if (*s.pad_token_id < 0 || *s.pad_token_id >= s.vocab_size) s.pad_token_id.reset();
   s.norm = NormKind::kGemma;
@@ -44,7 +47,7 @@ void default_layer_types(const nlohmann::json& c, DecoderSpec& s, int64_t patter
 }  // namespace
 
 DecoderSpec gemma2_spec(const nlohmann::json& c) {
-  DecoderSpec s = gemma_common(c, 8192);
+  DecoderSpec s = gemma_common(c, 8192, 256000);
   s.attention_softcap = optional_double(c, "attn_logit_softcapping", 50.0);
   s.final_softcap = optional_double(c, "final_logit_softcapping", 30.0);
   default_layer_types(c, s, 2, 4096);
@@ -52,7 +55,7 @@ DecoderSpec gemma2_spec(const nlohmann::json& c) {
 }
 
 DecoderSpec gemma3_text_spec(const nlohmann::json& c) {
-  DecoderSpec s = gemma_common(c, 131072);
+  DecoderSpec s = gemma_common(c, 131072, 262208);
   s.qk_norm = QkNorm::kPerHead;
   // Gemma3Attention keeps attn_logit_softcapping but never applies it; the final logits are capped when set.
   s.final_softcap = optional_double(c, "final_logit_softcapping", std::nullopt);
