@@ -7,6 +7,7 @@ on this machine's CPU. Prints Markdown tables.
                                             # under a memory cap, OOM recovery
     scripts/bench/vs_hf.py --all            # the above + the loader benchmark + one table against the goals
     scripts/bench/vs_hf.py --parts cap oom  # some parts only
+    scripts/bench/vs_hf.py --parts throughput --models qwen3-100m gemma3-100m   # the decoder families (issue 53)
 
 Same work on both sides, and checked: the same config.json (written here; random init on each side), the same
 JSONL (scripts/make_demo_data.py), the same tokenizer files, fp32, the same effective batch with no gradient
@@ -62,6 +63,9 @@ MODELS = {
     "tiny-t5": dict(form="seq2seq", batch=16, steps=20, warmup=3),
     "t5-60m": dict(form="seq2seq", batch=8, steps=8, warmup=2),
     "qwen2-100m": dict(form="causal", batch=8, steps=6, warmup=2),
+    # The decoder families' shapes at the same size (issue 53): not in the default list; --models qwen3-100m ...
+    "qwen3-100m": dict(form="causal", batch=8, steps=6, warmup=2),
+    "gemma3-100m": dict(form="causal", batch=8, steps=6, warmup=2),
 }
 LENGTHS = {"seq2seq": {"max_input_length": 256, "max_target_length": 256}, "causal": {"max_length": 512}}
 LR, SEED = 1e-3, 1
@@ -74,10 +78,10 @@ def model_dir(name, dropout=None):
     tokenizer files. t5-60m has t5-small's dimensions and vocabulary size; qwen2-100m is Qwen2-shaped (GQA,
     biases, tied embeddings) with a 32k vocabulary. The tokenizers are the tiny models' (they use only the
     first 256 / 512 ids), so the same text gives the same ids on both sides."""
-    from transformers import AutoConfig, Qwen2Config, T5Config
+    from transformers import AutoConfig, Gemma3TextConfig, Qwen2Config, Qwen3Config, T5Config
     suffix = "" if dropout is None else f"-dropout{dropout:g}"
     path = os.path.join(BENCH_DIR, "models", name + suffix)
-    form = MODELS.get(name, {}).get("form", "causal" if "qwen" in name else "seq2seq")
+    form = MODELS.get(name, {}).get("form", "causal" if "qwen" in name or "gemma" in name else "seq2seq")
     tiny = os.path.join(ROOT, TINY_MODELS[form])
     tiny_config = AutoConfig.from_pretrained(tiny)
     if name.startswith("tiny"):
@@ -92,6 +96,21 @@ def model_dir(name, dropout=None):
                              num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=2048,
                              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                              bos_token_id=tiny_config.eos_token_id, eos_token_id=tiny_config.eos_token_id)
+    elif name == "qwen3-100m":
+        # Qwen3-shaped: q/k norms per head, head_dim 64, GQA, untied (as Qwen3-8B), no biases.
+        config = Qwen3Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                             num_attention_heads=12, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+                             tie_word_embeddings=False, bos_token_id=tiny_config.eos_token_id,
+                             eos_token_id=tiny_config.eos_token_id)
+    elif name == "gemma3-100m":
+        # Gemma 3-shaped: five sliding layers (window 256) to one full, each kind with its RoPE base, q/k norms,
+        # four (1 + w) norms a block, gelu-tanh MLP, scaled tied embeddings.
+        config = Gemma3TextConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                  num_attention_heads=12, num_key_value_heads=2, head_dim=64,
+                                  query_pre_attn_scalar=64, sliding_window=256, max_position_embeddings=2048,
+                                  pad_token_id=None, bos_token_id=tiny_config.eos_token_id,
+                                  eos_token_id=tiny_config.eos_token_id)
     else:
         raise ValueError(name)
     if dropout is not None:
@@ -714,7 +733,7 @@ def main():
     parser.add_argument("--all", action="store_true", help="also the loader benchmark and the goals table")
     parser.add_argument("--parts", nargs="+", default=["throughput", "cap", "oom"],
                         choices=["throughput", "cap", "oom", "loader"])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["tiny-t5", "t5-60m", "qwen2-100m"], choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side and model")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="multiply the measured steps per model")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both sides (default: torch's choice)")
