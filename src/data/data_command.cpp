@@ -24,7 +24,7 @@
 #include "data/jsonl.h"
 #include "data/packing.h"
 #include "data/record.h"
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "trainer/data.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"

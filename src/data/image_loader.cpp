@@ -10,7 +10,7 @@
 
 #include "data/permutation.h"
 #include "models/hf_config.h"
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {

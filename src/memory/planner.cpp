@@ -25,10 +25,10 @@
 
 #include "memory/cpu_budget.h"
 #include "memory/optimizer_footprint.h"
-#include "models/clip.h"
+#include "models/image/clip.h"
 #include "models/decoder/spec.h"
 #include "models/hf_config.h"
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "models/inspect.h"
 #include "models/linear4bit.h"
 #include "models/lora.h"

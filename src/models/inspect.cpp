@@ -11,7 +11,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "models/linear4bit.h"
 #include "models/lora.h"
 #include "models/model.h"
@@ -46,7 +46,7 @@ std::string with_commas(int64_t n) {
 
 namespace {
 
-// An image classifier (models/image_model.h): parameters by part, the training modes' fixed memory, and the
+// An image classifier (models/image/image_model.h): parameters by part, the training modes' fixed memory, and the
 // activations one image costs at the model's size.
 void inspect_image_model(const std::string& dir, std::ostream& out) {
   auto model = load_image_classifier(dir, ModelInit::kRandom, at::TensorOptions().device(at::kMeta).dtype(at::kFloat));

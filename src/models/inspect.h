@@ -18,7 +18,7 @@ struct InspectOptions {
 // adapters counted by applying them to the shape-only model, as training does). Throws DataError for a bad directory.
 void inspect_model(const std::string& dir, const InspectOptions& options, std::ostream& out);
 
-// An image classifier's memory at its configured size (models/image_model.h): fixed bytes (weights, gradients,
+// An image classifier's memory at its configured size (models/image/image_model.h): fixed bytes (weights, gradients,
 // AdamW state) of a full fine-tune or a linear probe, and an estimate of the activations one image keeps for
 // backward in fp32.
 struct ImageMemoryEstimate {

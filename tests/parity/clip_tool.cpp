@@ -40,9 +40,9 @@
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
-#include "models/clip.h"
-#include "models/clip_lora.h"
-#include "models/image_model.h"
+#include "models/image/clip.h"
+#include "models/image/clip_lora.h"
+#include "models/image/image_model.h"
 #include "memory/cpu_budget.h"
 #include "train/tasks/contrastive/contrastive.h"
 #include "train/activation_checkpointing.h"

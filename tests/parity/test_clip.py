@@ -1,4 +1,4 @@
-"""Our CLIP (src/models/clip.cpp) against transformers on the same weights and inputs: CLIPModel(return_loss=True)
+"""Our CLIP (src/models/image/clip.cpp) against transformers on the same weights and inputs: CLIPModel(return_loss=True)
 logits, embeddings, loss and every gradient within 1e-4 (quick_gelu and gelu, positions interpolated for other
 image sizes, legacy eos_token_id 2 pooling, several projection sizes); the vision classifier against
 CLIPForImageClassification; what we save loads in transformers with the same logits; caption ids from our

@@ -1,4 +1,4 @@
-"""Our ViT (src/models/vit.cpp) against transformers' ViTForImageClassification on the same weights and images:
+"""Our ViT (src/models/image/vit.cpp) against transformers' ViTForImageClassification on the same weights and images:
 fp32 logits, loss and every gradient within 1e-4; position embeddings interpolated for another image size as
 transformers' interpolate_pos_encoding; what we save loads in transformers with the same logits and classes.
 The C++ side runs through build/trainer_vit_parity."""

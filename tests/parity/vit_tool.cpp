@@ -17,7 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
-#include "models/vit.h"
+#include "models/image/vit.h"
 #include "train/activation_checkpointing.h"
 #include "trainer/errors.h"
 #include "trainer/safetensors.h"

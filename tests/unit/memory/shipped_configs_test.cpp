@@ -11,7 +11,7 @@
 
 #include "memory/planner.h"
 #include "train/engine/task_kind.h"
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "models/inspect.h"
 #include "support/paths.h"
 #include "support/temp_dir.h"

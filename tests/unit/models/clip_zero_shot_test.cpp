@@ -9,9 +9,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "models/clip.h"
-#include "models/clip_lora.h"
-#include "models/clip_zero_shot.h"
+#include "models/image/clip.h"
+#include "models/image/clip_lora.h"
+#include "models/image/clip_zero_shot.h"
 #include "support/paths.h"
 #include "support/temp_dir.h"
 #include "trainer/errors.h"

@@ -9,9 +9,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "models/clip.h"
-#include "models/image_model.h"
-#include "models/vit.h"
+#include "models/image/clip.h"
+#include "models/image/image_model.h"
+#include "models/image/vit.h"
 #include "support/temp_dir.h"
 #include "trainer/errors.h"
 #include "trainer/safetensors.h"

@@ -12,7 +12,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "models/clip.h"
+#include "models/image/clip.h"
 #include "models/dropout.h"
 #include "train/tasks/contrastive/contrastive.h"
 #include "train/rng.h"

@@ -8,8 +8,8 @@
 
 #include "memory/cpu_budget.h"
 #include "memory/policy.h"
-#include "models/image_lora.h"
-#include "models/image_model.h"
+#include "models/image/image_lora.h"
+#include "models/image/image_model.h"
 #include "support/paths.h"
 #include "support/temp_dir.h"
 #include "train/activation_checkpointing.h"

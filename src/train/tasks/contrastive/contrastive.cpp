@@ -10,7 +10,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "models/clip.h"
+#include "models/image/clip.h"
 #include "models/dropout.h"
 #include "train/rng.h"
 #include "trainer/errors.h"

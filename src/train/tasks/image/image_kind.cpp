@@ -6,7 +6,7 @@
 
 #include "data/jsonl.h"
 #include "memory/planner.h"
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "train/engine/task.h"
 #include "train/engine/task_kind.h"
 #include "train/tasks/image/image_task.h"

@@ -15,7 +15,7 @@
 
 #include "data/image_loader.h"
 #include "memory/policy.h"
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "train/optim/grad_scaler.h"
 #include "train/optim/optimizer.h"
 #include "train/engine/attempts.h"

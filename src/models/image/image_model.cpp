@@ -1,14 +1,14 @@
 // Image classifiers by model_type (see image_model.h).
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 
 #include <filesystem>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
 
-#include "models/clip.h"
+#include "models/image/clip.h"
 #include "models/hf_config.h"
-#include "models/vit.h"
+#include "models/image/vit.h"
 #include "trainer/errors.h"
 #include "trainer/model_dir.h"
 

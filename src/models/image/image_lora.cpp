@@ -1,5 +1,5 @@
 // LoRA for image classifiers (see image_lora.h).
-#include "models/image_lora.h"
+#include "models/image/image_lora.h"
 
 #include <cmath>
 #include <filesystem>

@@ -1,5 +1,5 @@
 // ViT image classification (see vit.h). Classes in dependency order; shapes in comments.
-#include "models/vit.h"
+#include "models/image/vit.h"
 
 #include <algorithm>
 #include <cmath>

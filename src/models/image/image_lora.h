@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "models/lora.h"
 
 namespace trainer {

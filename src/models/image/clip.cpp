@@ -1,6 +1,6 @@
 // CLIP: both towers, the contrastive head and the vision classifier (see clip.h). Classes in dependency order;
 // shapes in comments. Formulas follow transformers' modeling_clip.py so that fp32 results agree to rounding.
-#include "models/clip.h"
+#include "models/image/clip.h"
 
 #include <algorithm>
 #include <cmath>

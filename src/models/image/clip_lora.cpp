@@ -1,5 +1,5 @@
 // LoRA on CLIPModel (see clip_lora.h).
-#include "models/clip_lora.h"
+#include "models/image/clip_lora.h"
 
 #include <filesystem>
 #include <set>
@@ -10,8 +10,8 @@
 #include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 
-#include "models/clip.h"
-#include "models/image_lora.h"
+#include "models/image/clip.h"
+#include "models/image/image_lora.h"
 #include "models/layers.h"
 #include "trainer/errors.h"
 #include "trainer/peft.h"

@@ -15,7 +15,7 @@
 #include <c10/core/TensorOptions.h>
 #include <nlohmann/json.hpp>
 
-#include "models/image_model.h"
+#include "models/image/image_model.h"
 #include "models/model.h"
 #include "models/module.h"
 #include "trainer/config.h"

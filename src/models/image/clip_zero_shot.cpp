@@ -1,12 +1,12 @@
 // Zero-shot scoring with CLIP (see clip_zero_shot.h).
-#include "models/clip_zero_shot.h"
+#include "models/image/clip_zero_shot.h"
 
 #include <algorithm>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
-#include "models/clip.h"
+#include "models/image/clip.h"
 #include "trainer/errors.h"
 #include "trainer/tokenizer.h"
 
