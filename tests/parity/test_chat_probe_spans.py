@@ -152,17 +152,21 @@ def opener_of(text, before, last_before):
 
 
 def probe_spans(template, messages, tools):
-    """The probe rule of chat_template.h on transformers' renderings (character spans), or None where trainer
-    refuses: message i replaced by {its fields but content and what the model writes (its tool calls kept first),
-    content: a probe}, rendered
-    with two probes; the span is the real rendering between the text before and after the probe, widened at its start
-    by what the template writes between the generation prompt and the content when the message ends the conversation
-    (opener_of; if the text before the probe ends with it), and at its end by what follows the content then, as far as the whole
-    rendering goes on with it."""
+    """probe_spans_of on transformers' renderings of `template`."""
     def text(part, add_generation_prompt=False):
         found = render(template, part, tools, add_generation_prompt)
         return None if found is None else found[0]
+    return probe_spans_of(text, messages)
 
+
+def probe_spans_of(text, messages):
+    """The probe rule of chat_template.h (character spans), or None where trainer refuses; text(messages,
+    add_generation_prompt=False) is a rendering, None where the template refuses. Message i is replaced by {its fields
+    but content and what the model writes (its tool calls kept first), content: a probe}, rendered with two probes;
+    the span is the real rendering between the text before and after the probe, widened at its start by what the
+    template writes between the generation prompt and the content when the message ends the conversation (opener_of;
+    if the text before the probe ends with it), and at its end by what follows the content then, as far as the whole
+    rendering goes on with it."""
     full = text(messages)
     spans = []
     for i, message in enumerate(messages):
