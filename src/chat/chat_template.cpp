@@ -33,6 +33,23 @@ void require_list(const nlohmann::ordered_json& messages) {
   }
 }
 
+// Why probing assistant message `message` failed: what() is "cannot find the span of assistant message N by
+// probing: why", and assistant_spans puts `why` after the prefix method's reason.
+class ProbeRefusal : public ChatDataError {
+ public:
+  ProbeRefusal(std::size_t message, std::string why, std::string hint)
+      : ChatDataError("cannot find the span of assistant message " + std::to_string(message) + " by probing: " + why,
+                      std::move(hint)),
+        message_(message),
+        why_(std::move(why)) {}
+  std::size_t message() const { return message_; }
+  const std::string& why() const { return why_; }
+
+ private:
+  std::size_t message_;
+  std::string why_;
+};
+
 // What the spans' errors suggest: train on everything, or a template that marks the assistant's text.
 std::string span_hint() {
   return "set data.train_on=all, or use a chat template that marks the assistant's text with {% generation %} "
@@ -63,7 +80,8 @@ std::size_t character_boundary(std::string_view text, std::size_t end, std::size
 // and end.
 constexpr std::string_view kProbeA = "31415926";
 constexpr std::string_view kProbeB = "27182818";
-// What the model writes besides the content; the probe message has none of it, so the span covers it as rendered.
+// What the model writes besides the content: the probe message has none of it (its tool calls are kept first), so
+// the span covers it as the template renders it.
 constexpr std::array<const char*, 4> kModelWritten = {"tool_calls", "reasoning_content", "reasoning", "thinking"};
 
 // The text before and after the probe in two renderings that differ only by the probe string (views into `a`), or
@@ -300,13 +318,9 @@ AssistantSpans Conversation::assistant_spans(const Template& chat_template, std:
   } catch (const ChatDataError& by_prefix) {
     try {
       return {assistant_spans_by_probe(chat_template, full), SpanMethod::kProbe};
-    } catch (const ChatDataError& by_probe) {
-      // "cannot find the span of assistant message N by probing: why" -> "...; nor by probing (message N): why"
-      std::string why = by_probe.what();
-      const std::string message = why.substr(0, why.find(" by probing: "));
-      if (const auto at = why.find(" by probing: "); at != std::string::npos) why.erase(0, at + 13);
-      throw ChatDataError(std::string(by_prefix.what()) + "; nor by probing (" +
-                              message.substr(message.find("assistant message")) + "): " + why,
+    } catch (const ProbeRefusal& by_probe) {
+      throw ChatDataError(std::string(by_prefix.what()) + "; nor by probing (assistant message " +
+                              std::to_string(by_probe.message()) + "): " + by_probe.why(),
                           span_hint());
     }
   }
@@ -319,9 +333,7 @@ std::vector<Span> Conversation::assistant_spans_by_probe(const Template& chat_te
     if (!message.is_object() || message.value("role", "") != "assistant") continue;
     const Span span = probe_span(chat_template, i, full);
     if (!spans.empty() && span.first < spans.back().second) {
-      throw ChatDataError("cannot find the span of assistant message " + std::to_string(i) +
-                              " by probing: it would begin inside the span of the assistant message before it",
-                          span_hint());
+      throw ProbeRefusal(i, "it would begin inside the span of the assistant message before it", span_hint());
     }
     spans.push_back(span);
   }
@@ -363,14 +375,14 @@ Span Conversation::probe_span(const Template& chat_template, std::size_t index, 
   if (calls == messages_json_[index].end() || calls->is_null()) return probe_span(chat_template, index, full, false);
   try {
     return probe_span(chat_template, index, full, /*keep_tool_calls=*/true);
-  } catch (const ChatDataError&) {
+  } catch (const ProbeRefusal&) {
     return probe_span(chat_template, index, full, /*keep_tool_calls=*/false);
   }
 }
 
 Span Conversation::probe_span(const Template& chat_template, std::size_t index, std::string_view full,
                               bool keep_tool_calls) {
-  const std::string which = "cannot find the span of assistant message " + std::to_string(index) + " by probing: ";
+  const auto refuse = [&](const std::string& why) { return ProbeRefusal(index, why, span_hint()); };
   const auto probed = [&](std::string_view probe, bool keep_calls) {
     nlohmann::ordered_json messages = messages_json_;
     nlohmann::ordered_json& message = messages[index];
@@ -379,71 +391,63 @@ Span Conversation::probe_span(const Template& chat_template, std::size_t index, 
     message["content"] = std::string(probe);
     return TemplateValue(messages);
   };
-  const TemplateValue with_a = probed(kProbeA, keep_tool_calls), with_b = probed(kProbeB, keep_tool_calls);
-  // A template that refuses the conversation with the probe in place (it wants what the probe message leaves out,
-  // Mistral's tool call ids) cannot be probed.
-  const auto render_probed = [&](const TemplateValue& messages, std::size_t count, bool add_generation_prompt) {
+  // A template that refuses a conversation the probe needs (it wants what the probe message leaves out, Mistral's
+  // tool call ids) cannot be probed.
+  const auto render_or_refuse = [&](const TemplateValue& messages, std::size_t count, bool add_generation_prompt) {
     try {
       return render_first(chat_template, messages, count, add_generation_prompt).text;
     } catch (const TemplateError& e) {
-      throw ChatDataError(which + "the template refuses the conversation with a probe in the message's place (" +
-                              e.what() + ")",
-                          span_hint());
+      throw refuse(std::string("the template refuses a conversation the probe renders (") + e.what() + ")");
     }
   };
-  const std::string whole_a = render_probed(with_a, message_count_, options_.add_generation_prompt);
-  const std::string whole_b = render_probed(with_b, message_count_, options_.add_generation_prompt);
+  const TemplateValue with_a = probed(kProbeA, keep_tool_calls), with_b = probed(kProbeB, keep_tool_calls);
+  const std::string whole_a = render_or_refuse(with_a, message_count_, options_.add_generation_prompt);
+  const std::string whole_b = render_or_refuse(with_b, message_count_, options_.add_generation_prompt);
   const auto slot = probe_slot(whole_a, whole_b);
   if (!slot) {
-    throw ChatDataError(which + "with its text replaced by two probe strings, the conversation's renderings differ "
-                                "elsewhere than in that text's place (the template renders the text more than once, "
-                                "changes it, or renders other messages by it)",
-                        span_hint());
+    throw refuse("with its text replaced by two probe strings, the conversation's renderings differ elsewhere than "
+                 "in that text's place (the template renders the text more than once, changes it, or renders other "
+                 "messages by it)");
   }
-  const std::string last_a = render_probed(with_a, index + 1, false);
-  const std::string last_b = render_probed(with_b, index + 1, false);
+  const std::string last_a = render_or_refuse(with_a, index + 1, false);
+  const std::string last_b = render_or_refuse(with_b, index + 1, false);
   const auto last = probe_slot(last_a, last_b);
   if (!last) {
-    throw ChatDataError(which + "with its text replaced by two probe strings, the renderings of the conversation that "
-                                "ends with it differ elsewhere than in that text's place",
-                        span_hint());
+    throw refuse("with its text replaced by two probe strings, the renderings of the conversation that ends with it "
+                 "differ elsewhere than in that text's place");
   }
   // Kept tool calls come into the span with the end-of-turn text, so they must come after the content: the
   // rendering without them is the same up to it.
-  if (keep_tool_calls &&
-      !render_probed(probed(kProbeA, false), index + 1, false).starts_with(std::string(last->before) + kProbeA.data())) {
-    throw ChatDataError(which + "the template writes the message's tool calls before its text", span_hint());
+  if (keep_tool_calls && !render_or_refuse(probed(kProbeA, false), index + 1, false)
+                              .starts_with(std::string(last->before) + std::string(kProbeA))) {
+    throw refuse("the template writes the message's tool calls before its text");
   }
   // What the template writes between the generation prompt and the content belongs to the span where this
   // conversation renders it before the content too.
   const std::string opener = opener_of(chat_template, index, last->before);
   const std::size_t start = slot->before.size() - (slot->before.ends_with(opener) ? opener.size() : 0);
   if (common_prefix(full, slot->before) < start) {
-    throw ChatDataError(which + "the conversation's rendering differs from the probed one before the message's place "
-                                "(the template renders earlier text by this message)",
-                        span_hint());
+    throw refuse("the conversation's rendering differs from the probed one before the message's place (the template "
+                 "renders earlier text by this message)");
   }
   if (!full.ends_with(slot->after) || full.size() - slot->after.size() < start) {
-    throw ChatDataError(which + "the conversation's rendering differs from the probed one after the message's place "
-                                "(the template renders later messages by this one)",
-                        span_hint());
+    throw refuse("the conversation's rendering differs from the probed one after the message's place (the template "
+                 "renders later messages by this one)");
   }
-  // The end-of-turn text: what follows the content when the message ends the conversation, as far as the whole
-  // conversation goes on with it (<|im_end|>\n before the next turn; Phi-3's eos_token only at the very end).
   const std::size_t content_end = full.size() - slot->after.size();
   // The span's text must be what the template writes for the message when the conversation ends with it (what the
   // model writes there): text that only later messages bring in (Gemma 4 writes the tools' answers into the model's
   // turn) is not the message's.
-  const std::string alone = render_probed(messages_, index + 1, false);
+  const std::string alone = render_or_refuse(messages_, index + 1, false);
   const std::size_t message_from =
       std::min(common_prefix(alone, last->before), last->before.size() - std::min(opener.size(), last->before.size()));
   if (alone.find(full.substr(start, content_end - start), message_from) == std::string::npos) {
-    throw ChatDataError(which + "the text between the probed message's neighbours is not what the template writes for "
-                                "the message when the conversation ends with it (it holds later messages' text)",
-                        span_hint());
+    throw refuse("the text between the probed message's neighbours is not what the template writes for the message "
+                 "when the conversation ends with it (it holds later messages' text)");
   }
-  const std::size_t end =
-      character_boundary(full, content_end + common_prefix(last->after, slot->after), content_end);
+  // The end-of-turn text: what follows the content when the message ends the conversation, as far as the whole
+  // conversation goes on with it (<|im_end|>\n before the next turn; Phi-3's eos_token only at the very end).
+  const std::size_t end = character_boundary(full, content_end + common_prefix(last->after, slot->after), content_end);
   return {start, end};
 }
 

@@ -183,11 +183,11 @@ TEST(ChatTemplate, ProbeSpansRefuseTemplatesTheProbeCannotTrust) {
        "differ elsewhere"},
       // renders a later part by the content, in a way two probes of one length do not show
       {"{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content }};{% endfor %}"
-       "{{ messages[1].content | length }}",
+       "{% if messages | length > 1 %}{{ messages[1].content | length }}{% endif %}",
        "after the message's place"},
       // renders an earlier part by the content
-      {"{{ messages[1].content | length }}{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content }};"
-       "{% endfor %}",
+      {"{% if messages | length > 1 %}{{ messages[1].content | length }}{% endif %}"
+       "{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content }};{% endfor %}",
        "before the message's place"},
   };
   for (const auto& [source, why] : cases) {
