@@ -285,7 +285,7 @@ QWEN3_SINCE_APRIL_2025 = [
     ("message.reasoning_content is string",
      "message.reasoning_content is defined and message.reasoning_content is not none"),
 ]
-QWEN3_SYSTEM = """    {%- if messages[0].role == 'system' %}
+QWEN3_SYSTEM = r"""    {%- if messages[0].role == 'system' %}
         {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
     {%- endif %}
 {%- endif %}"""
