@@ -6,7 +6,8 @@ by the exact text, as trainer does). For each family trainer knows:
 (1) `trainer data --dump` renders the conversation as transformers renders TRL's training version (which keeps
     reasoning the original drops; where it drops nothing, as the original), and names the swap in its log;
 (2) the ids and labels equal SFTTrainer(assistant_only_loss=True)'s input_ids and labels (its assistant masks);
-(3) DPO pairs equal DPOTrainer's, which renders with the model's own template (TRL swaps nothing there);
+(3) DPO pairs equal DPOTrainer's, which renders with the model's own template (TRL swaps nothing there), except
+    where the pair's rendering does not begin with the prompt's: there the completion's assistant spans are trained;
 (4) a template one byte away from a known one is not recognised: it is not swapped, and trains by probing the
     template (src/chat/chat_template.h); copies that are not byte-identical (whitespace changes, a fork with a default
     system prompt, Qwen3's April 2025 revision) train with the masks their training version would give, their ids
@@ -183,7 +184,9 @@ def test_train_on_all_keeps_the_models_rendering(family, root, tmp_path, run_tra
 @pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(OWN))
 def test_dpo_pairs_equal_dpotrainers(family, root, tmp_path, run_trainer):
     """DPOTrainer renders prompt and prompt + completion with the model's template and starts the completion where
-    their tokens part: no swap, and a template that re-renders earlier turns is no problem there."""
+    their tokens part: no swap, and a template that re-renders earlier turns is no problem there. Where the pair's
+    rendering does not begin with the prompt's (Mistral v3 with a system message), trainer trains the completion's
+    assistant span instead of what follows the shared tokens, which would hold the prompt's last user turn."""
     directory = model_dir(root, tmp_path / "model", original(family), weights=True)
     rows = []
     for messages in conversations(family):
@@ -207,12 +210,32 @@ def test_dpo_pairs_equal_dpotrainers(family, root, tmp_path, run_trainer):
                          processing_class=tokenizer)
     theirs = list(dpo.train_dataset)
     assert len(ours) == len(theirs) == len(rows)
-    for a, b in zip(ours, theirs):
+    from test_chat_data import mask_of_spans, prefix_spans, spans_by_probing
+    spanned = 0
+    for row, a, b in zip(rows, ours, theirs):
         prompt = b["prompt_ids"]
+        asked = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
         for side, ids_key, labels_key in [("chosen", "input_ids", "labels"),
                                           ("rejected", "rejected_ids", "rejected_labels")]:
             assert a[ids_key] == prompt + b[f"{side}_ids"], side
-            assert a[labels_key] == [-100] * len(prompt) + b[f"{side}_ids"], side
+            messages = row["prompt"] + row[side]
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            if text.startswith(asked):
+                assert a[labels_key] == [-100] * len(prompt) + b[f"{side}_ids"], side
+                continue
+            # The template renders the prompt otherwise once the answer follows (Mistral v3 moves the system message
+            # into the last user turn only when it ends the conversation): DPOTrainer's completion would hold the
+            # prompt's own text; trainer trains the completion's assistant span, by the rule of chat records.
+            spans = prefix_spans(tokenizer, messages, None) or spans_by_probing(tokenizer, messages, None)
+            spans = spans[sum(m["role"] == "assistant" for m in row["prompt"]):]
+            assert trained(a[labels_key]) == mask_of_spans(tokenizer, text, spans), side
+            ids = [t for t, label in zip(a[ids_key], a[labels_key]) if label != -100]
+            assert row["prompt"][-1]["content"] not in tokenizer.decode(ids), side
+            answer = row[side][-1]["content"].split("</think>")[-1].strip()  # DeepSeek's drops the reasoning
+            assert answer in tokenizer.decode(ids), side
+            spanned += 1
+    if family == "Mistral v3":
+        assert spanned == 2  # the conversation with a system message, chosen and rejected
 
 
 def test_a_template_one_byte_away_is_not_swapped_and_trains_by_probing(root, tmp_path, run_trainer):
