@@ -108,11 +108,12 @@ std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const
 
 // For templates that rendering prefix by prefix cannot split (they render earlier turns differently once the
 // conversation goes on): each assistant message's span found in the whole conversation's rendering by probing.
-// Message i is replaced by a probe message (its role, its other fields, the content a probe string, and none of what
-// the model writes besides: reasoning_content, reasoning, thinking; its tool_calls kept first, and where that fails
-// left out too), rendered with two different probe strings: what differs between the two renderings is the content's place, the text before it (P) and after it (S) is
-// the template's. The span is the whole rendering's text between P and S: the message as the template renders it in
-// this conversation (reasoning and tool calls included, what the template drops for earlier turns not), widened
+// Message i is replaced by a probe message (its role and other fields, its content a probe string, none of the
+// reasoning the model writes: reasoning_content, reasoning, thinking; its tool_calls kept first, and where that fails
+// left out too), rendered with two different probe strings: what differs between the two renderings is the content's
+// place, the text before it (P) and after it (S) is the template's. The span is the whole rendering's text between P
+// and S: the message as the template renders it in this conversation (reasoning and tool calls included, what the
+// template drops for earlier turns not), widened
 //  - at its start by what the template writes between the generation prompt and the content when the message ends
 //    the conversation (Qwen3's "<think>\n\n</think>\n\n", Mistral's " "), when P ends with that text: the model
 //    writes it, the prompt does not (found from the messages before it, or else from a one-turn conversation);
@@ -120,9 +121,11 @@ std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const
 //    it agrees with S (<|im_end|>\n, <end_of_turn>\n, </s>, <|eot_id|> ...; the tool calls a template writes after
 //    the content, when they were kept).
 // Trusted only when the probe behaves: each probe rendering is P + probe + S (the content rendered once, unchanged,
-// and nothing else depends on it), the whole rendering ends with S (no later turn depends on the message) and agrees
-// with P up to the span's start (no earlier text depends on it), and the spans follow each other. Otherwise throws
-// Error (kExitData) naming the message and the check that failed, with the same hint as assistant_spans_by_prefix.
+// and nothing else depends on it); the whole rendering ends with S (no later turn depends on the message) and agrees
+// with P up to the span's start (no earlier text depends on it); kept tool calls come after the content; the span's
+// text is what the template writes for the message when the conversation ends with it (no later message's text);
+// the spans follow each other. Otherwise throws Error (kExitData) naming the message and the check that failed,
+// with the same hint as assistant_spans_by_prefix.
 std::vector<Span> assistant_spans_by_probe(const Template& chat_template, const nlohmann::ordered_json& messages,
                                            const ChatOptions& options, std::string_view full);
 
