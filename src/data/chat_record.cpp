@@ -77,6 +77,15 @@ std::string read_file(const fs::path& path) {
   return text.str();
 }
 
+// Whether `key` is seen for the first time in this process, for messages logged once per template file: a run loads
+// the setup for its training data, its validation data and its resume check, and maps records on several threads.
+bool first_time(const std::string& key) {
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  const std::lock_guard lock(mutex);
+  return seen.insert(key).second;
+}
+
 // TRL's SFTTrainer(assistant_only_loss=True) swaps a recognised template without {% generation %} for its training
 // version and renders with that (the ids change where the version keeps what the original drops, Qwen3's reasoning):
 // the same here, for the families of chat/training_templates.h. The model's template is recognised by its exact text.
@@ -86,10 +95,7 @@ bool use_training_version(std::string& source, std::string& origin) {
   digest.update(source.data(), source.size());
   const chat::TrainingTemplate* found = chat::training_template_for(digest.hex_digest());
   if (!found) return false;
-  // Once per template file: a run loads the setup for its training data, its validation data and its resume check.
-  static std::mutex logged_mutex;
-  static std::set<std::string> logged;
-  if (const std::lock_guard lock(logged_mutex); logged.insert(origin).second)
+  if (first_time(origin + " (swapped)"))
     spdlog::info("chat template: {} is the {} template; the loss mask comes from trainer's training version of it "
                  "({{% generation %}} around the assistant's text), as TRL's SFTTrainer(assistant_only_loss=True) "
                  "swaps it",
@@ -287,6 +293,11 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
         chat::AssistantSpans found = conversation->assistant_spans(chat_template, rendering.text);
         spans = std::move(found.spans);
         mask = chat::span_method_name(found.method);
+        if (found.method == chat::SpanMethod::kProbe && first_time(origin + " (probed)"))
+          spdlog::info("chat template: {} renders earlier turns differently once the conversation goes on; the loss "
+                       "mask of such records comes from probing the template (trainer data --dump names each "
+                       "record's method)",
+                       origin);
       } catch (const Error& e) {
         return chat_problem("the chat template of " + setup.model + " (" + origin + "): " + e.what(),
                    e.hint().empty() ? "set data.train_on=all, or use a chat template that marks the assistant's text "

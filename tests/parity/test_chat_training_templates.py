@@ -364,6 +364,7 @@ def test_copies_that_are_not_byte_identical_train_with_the_training_versions_mas
     ours, result = dump(run_trainer, tmp_path, directory, rows)
     assert "training template" not in result.stdout + result.stderr
     assert check_probed(directory, rows, ours, training) >= 1
+    assert (result.stdout + result.stderr).count("the loss mask of such records comes from probing the template") == 1
 
 
 def test_a_template_the_probe_cannot_trust_is_refused(root, tmp_path, run_trainer):
