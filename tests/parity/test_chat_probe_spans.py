@@ -10,9 +10,10 @@ that rendering prefix by prefix cannot split, against the training versions and 
     refused. The spans come from trainer_chat_tool on the template's text: nothing here recognises its bytes.
 (2) Qwen3's training version keeps the reasoning the original drops from earlier turns: there the probe spans are
     the training version's, less the <think> block the original does not render.
-(3) For every template TRL ships with a training version and trainer's own, on every conversation: trainer's probe
+(3) For every template TRL ships with a training version, trainer's own, and the real templates of
+    test_chat_templates.py, on every conversation: trainer's probe
     spans, byte for byte, are a Python version of the rule (probe_spans below) applied to transformers' renderings,
-    and the two refuse alike.
+    and the two refuse alike; where rendering prefix by prefix finds spans too, they are the same.
 """
 import os
 import pathlib
@@ -24,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
 
-from test_chat_templates import ChatTool, WEATHER_TOOL  # noqa: E402
+from test_chat_templates import TEMPLATES as RENDERING_SUITE, ChatTool, WEATHER_TOOL  # noqa: E402
 from test_chat_training_templates import FAMILIES, OWN, original, own_conversations, trainers_training_version  # noqa: E402
 
 TRL_TEMPLATES = pathlib.Path(trl.__file__).parent / "chat_templates"
@@ -100,6 +101,8 @@ def templates(every_trl_template):
             (TRL_TEMPLATES / f"{name}_training.jinja").read_text(encoding="utf-8")) for name in names
            if (TRL_TEMPLATES / f"{name}.jinja").exists()]
     out += [(f"trainer's {name}", original(name), trainers_training_version(original(name))) for name in sorted(OWN)]
+    if every_trl_template:  # and the rendering suite's real templates, with no training version
+        out += [(name, text, None) for name, text in sorted(RENDERING_SUITE.items()) if name != "mistral-v0.3"]
     return out
 
 
@@ -309,13 +312,16 @@ def test_probe_spans_equal_the_rule_on_transformers_renderings(chat, name, templ
         rendered = render(template, messages, tools)
         if rendered is None:
             continue
-        got = chat(template=template, messages=messages, tools=tools, special_tokens=SPECIAL, probe_spans=True)
+        got = chat(template=template, messages=messages, tools=tools, special_tokens=SPECIAL, probe_spans=True,
+                   prefix_spans=True)
         assert got.get("text") == rendered[0], (case, got)
         expected = probe_spans(template, messages, tools)
         if expected is None:
             assert "by probing" in got["probe_spans"]["error"], (case, got["probe_spans"])
         else:
             assert characters(rendered[0], got["probe_spans"]) == expected, case
+            if isinstance(got["prefix_spans"], list):  # where both methods find spans, they find the same
+                assert got["probe_spans"] == got["prefix_spans"], case
         compared += 1
     if compared == 0:
         pytest.skip(f"{name} renders none of the test conversations (it wants images or other content parts)")
