@@ -11,9 +11,9 @@ that rendering prefix by prefix cannot split, against the training versions and 
 (2) Qwen3's training version keeps the reasoning the original drops from earlier turns: there the probe spans are
     the training version's, less the <think> block the original does not render.
 (3) For every template TRL ships with a training version, trainer's own, and the real templates of
-    test_chat_templates.py, on every conversation: trainer's probe
-    spans, byte for byte, are a Python version of the rule (probe_spans below) applied to transformers' renderings,
-    and the two refuse alike; where rendering prefix by prefix finds spans too, they are the same.
+    test_chat_templates.py, on every conversation: trainer's probe spans, byte for byte, are a Python version of the
+    rule (probe_spans below) applied to transformers' renderings, and the two refuse alike; where rendering prefix by
+    prefix finds spans too, they are the same.
 """
 import os
 import pathlib
