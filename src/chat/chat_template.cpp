@@ -1,10 +1,12 @@
 // Chat rendering over the Jinja interpreter: the variables transformers passes, the template lookup in a model
-// directory, and assistant spans by rendering prefix by prefix.
+// directory, and assistant spans by rendering prefix by prefix or by probing.
 #include "chat/chat_template.h"
 #include "chat/training_templates.h"
 
 #include <algorithm>
+#include <array>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 namespace trainer::chat {
@@ -31,7 +33,79 @@ void require_list(const nlohmann::ordered_json& messages) {
   }
 }
 
+// Why probing assistant message `message` failed: what() is "cannot find the span of assistant message N by
+// probing: why", and assistant_spans puts `why` after the prefix method's reason.
+class ProbeRefusal : public ChatDataError {
+ public:
+  ProbeRefusal(std::size_t message, std::string why, std::string hint)
+      : ChatDataError("cannot find the span of assistant message " + std::to_string(message) + " by probing: " + why,
+                      std::move(hint)),
+        message_(message),
+        why_(std::move(why)) {}
+  std::size_t message() const { return message_; }
+  const std::string& why() const { return why_; }
+
+ private:
+  std::size_t message_;
+  std::string why_;
+};
+
+// What the spans' errors suggest: train on everything, or a template that marks the assistant's text.
+std::string span_hint() {
+  return "set data.train_on=all, or use a chat template that marks the assistant's text with {% generation %} "
+         "(trainer swaps in its own generation-marked version of a model's template it recognises byte for byte: " +
+         training_template_families() + "; this template is none of them)";
+}
+
+std::size_t common_prefix(std::string_view a, std::string_view b) {
+  std::size_t n = 0;
+  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+  return n;
+}
+
+std::size_t common_suffix(std::string_view a, std::string_view b) {
+  std::size_t n = 0;
+  while (n < a.size() && n < b.size() && a[a.size() - 1 - n] == b[b.size() - 1 - n]) ++n;
+  return n;
+}
+
+// Moves `end` back to the start of the UTF-8 character it is inside, never below `floor`.
+std::size_t character_boundary(std::string_view text, std::size_t end, std::size_t floor) {
+  while (end > floor && end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  return end;
+}
+
+// The probe strings: digits, which no filter a template applies to text (trim, upper, lower, title, capitalize,
+// escape, tojson) changes, and whose first and last digits differ, so two renderings part exactly where they begin
+// and end.
+constexpr std::string_view kProbeA = "31415926";
+constexpr std::string_view kProbeB = "27182818";
+// What the model writes besides the content: the probe message has none of it (its tool calls are kept first), so
+// the span covers it as the template renders it.
+constexpr std::array<const char*, 4> kModelWritten = {"tool_calls", "reasoning_content", "reasoning", "thinking"};
+
+// The text before and after the probe in two renderings that differ only by the probe string (views into `a`), or
+// nothing when they differ elsewhere too or the probe is not there unchanged.
+struct ProbeSlot {
+  std::string_view before, after;
+};
+std::optional<ProbeSlot> probe_slot(std::string_view a, std::string_view b) {
+  const std::size_t before = common_prefix(a, b);
+  const std::size_t after = common_suffix(a.substr(before), b.substr(before));
+  if (a.size() != before + kProbeA.size() + after || b.size() != before + kProbeB.size() + after) return std::nullopt;
+  if (a.substr(before, kProbeA.size()) != kProbeA || b.substr(before, kProbeB.size()) != kProbeB) return std::nullopt;
+  return ProbeSlot{a.substr(0, before), a.substr(a.size() - after)};
+}
+
 }  // namespace
+
+const char* span_method_name(SpanMethod method) {
+  switch (method) {
+    case SpanMethod::kPrefix: return "prefix";
+    case SpanMethod::kProbe: return "probe";
+  }
+  return "prefix";
+}
 
 // The same names and precedence as apply_chat_template: special tokens, then keyword arguments over them; then
 // messages, tools, documents and add_generation_prompt.
@@ -53,8 +127,13 @@ Conversation::Conversation(const nlohmann::ordered_json& messages, const ChatOpt
 
 ChatRendering Conversation::render_first(const Template& chat_template, std::size_t count,
                                          bool add_generation_prompt) {
+  return render_first(chat_template, messages_, count, add_generation_prompt);
+}
+
+ChatRendering Conversation::render_first(const Template& chat_template, const TemplateValue& messages,
+                                         std::size_t count, bool add_generation_prompt) {
   static const TemplateValue kTrue(nlohmann::ordered_json(true)), kFalse(nlohmann::ordered_json(false));
-  variables_[messages_index_].second = messages_.first(count);
+  variables_[messages_index_].second = messages.first(count);
   variables_.back().second = add_generation_prompt ? kTrue : kFalse;
   RenderResult result = chat_template.render(variables_, options_.limits);
   return {std::move(result.text), std::move(result.generation_spans)};
@@ -181,10 +260,7 @@ std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const
 
 std::vector<Span> Conversation::assistant_spans_by_prefix(const Template& chat_template, std::string_view full) {
   const nlohmann::ordered_json& messages = messages_json_;
-  const std::string hint =
-      "set data.train_on=all, or use a chat template that marks the assistant's text with {% generation %} "
-      "(trainer swaps in its own generation-marked version of a model's template it recognises byte for byte: " +
-      training_template_families() + "; this template is none of them)";
+  const std::string hint = span_hint();
   std::vector<Span> spans;
   for (std::size_t i = 0; i < messages.size(); ++i) {
     const auto& message = messages[i];
@@ -212,10 +288,9 @@ std::vector<Span> Conversation::assistant_spans_by_prefix(const Template& chat_t
                               "(the template renders earlier turns differently when more messages follow)",
                           hint);
     }
-    std::size_t end = prompt.size();
-    while (end < turn.size() && end < full.size() && turn[end] == full[end]) ++end;
     // Never end inside a UTF-8 character.
-    while (end > prompt.size() && end < full.size() && (static_cast<unsigned char>(full[end]) & 0xC0) == 0x80) --end;
+    const std::size_t end = character_boundary(
+        full, prompt.size() + common_prefix(turn.substr(prompt.size()), full.substr(prompt.size())), prompt.size());
     if (end == prompt.size() && turn.size() > prompt.size()) {
       throw ChatDataError("cannot find the span of " + which +
                               ": the whole conversation's rendering differs from the conversation rendered up to it "
@@ -225,6 +300,155 @@ std::vector<Span> Conversation::assistant_spans_by_prefix(const Template& chat_t
     spans.emplace_back(prompt.size(), end);
   }
   return spans;
+}
+
+std::vector<Span> assistant_spans_by_probe(const Template& chat_template, const nlohmann::ordered_json& messages,
+                                           const ChatOptions& options, std::string_view full) {
+  return Conversation(messages, options).assistant_spans_by_probe(chat_template, full);
+}
+
+AssistantSpans assistant_spans(const Template& chat_template, const nlohmann::ordered_json& messages,
+                               const ChatOptions& options, std::string_view full) {
+  return Conversation(messages, options).assistant_spans(chat_template, full);
+}
+
+AssistantSpans Conversation::assistant_spans(const Template& chat_template, std::string_view full) {
+  try {
+    return {assistant_spans_by_prefix(chat_template, full), SpanMethod::kPrefix};
+  } catch (const ChatDataError& by_prefix) {
+    try {
+      return {assistant_spans_by_probe(chat_template, full), SpanMethod::kProbe};
+    } catch (const ProbeRefusal& by_probe) {
+      throw ChatDataError(std::string(by_prefix.what()) + "; nor by probing (assistant message " +
+                              std::to_string(by_probe.message()) + "): " + by_probe.why(),
+                          span_hint());
+    }
+  }
+}
+
+std::vector<Span> Conversation::assistant_spans_by_probe(const Template& chat_template, std::string_view full) {
+  std::vector<Span> spans;
+  for (std::size_t i = 0; i < message_count_; ++i) {
+    const auto& message = messages_json_[i];
+    if (!message.is_object() || message.value("role", "") != "assistant") continue;
+    const Span span = probe_span(chat_template, i, full);
+    if (!spans.empty() && span.first < spans.back().second) {
+      throw ProbeRefusal(i, "it would begin inside the span of the assistant message before it", span_hint());
+    }
+    spans.push_back(span);
+  }
+  return spans;
+}
+
+// Taken from the conversation before message `index` (its rendering with the generation prompt, then the message's
+// probed rendering `last_before` goes on), or where that is not a prefix (Mistral v3 writes the system message into
+// the last message only when it is the user's), from a one-turn conversation of probes.
+std::string Conversation::opener_of(const Template& chat_template, std::size_t index, std::string_view last_before) {
+  // A render the template refuses (a one-turn conversation where it wants a system message first) gives no opener.
+  const auto rendered = [&](const TemplateValue& messages, std::size_t count,
+                            bool add_generation_prompt) -> std::optional<std::string> {
+    try {
+      return render_first(chat_template, messages, count, add_generation_prompt).text;
+    } catch (const TemplateError&) {
+      return std::nullopt;
+    }
+  };
+  if (const auto prompt = rendered(messages_, index, /*add_generation_prompt=*/true);
+      prompt && last_before.starts_with(*prompt)) {
+    return std::string(last_before.substr(prompt->size()));
+  }
+  static const nlohmann::ordered_json kOneTurn = {{{"role", "user"}, {"content", kProbeA}},
+                                                  {{"role", "assistant"}, {"content", kProbeB}}};
+  const TemplateValue one_turn(kOneTurn);
+  const auto asked = rendered(one_turn, 1, /*add_generation_prompt=*/true);
+  const auto answered = rendered(one_turn, 2, /*add_generation_prompt=*/false);
+  if (!asked || !answered || !answered->starts_with(*asked)) return {};
+  const std::size_t at = answered->find(kProbeB, asked->size());
+  return at == std::string::npos ? std::string() : answered->substr(asked->size(), at - asked->size());
+}
+
+// A message with tool calls is probed first with them kept (a template may render the tools' answers that follow by
+// them, Gemma 4 into the model's turn: they then stay out of the span, and the calls come in with the end-of-turn
+// text), then without (a template that writes "\n" between the content and the calls only when there is content).
+Span Conversation::probe_span(const Template& chat_template, std::size_t index, std::string_view full) {
+  const auto calls = messages_json_[index].find("tool_calls");
+  if (calls == messages_json_[index].end() || calls->is_null()) return probe_span(chat_template, index, full, false);
+  try {
+    return probe_span(chat_template, index, full, /*keep_tool_calls=*/true);
+  } catch (const ProbeRefusal&) {
+    return probe_span(chat_template, index, full, /*keep_tool_calls=*/false);
+  }
+}
+
+Span Conversation::probe_span(const Template& chat_template, std::size_t index, std::string_view full,
+                              bool keep_tool_calls) {
+  const auto refuse = [&](const std::string& why) { return ProbeRefusal(index, why, span_hint()); };
+  const auto probed = [&](std::string_view probe, bool keep_calls) {
+    nlohmann::ordered_json messages = messages_json_;
+    nlohmann::ordered_json& message = messages[index];
+    for (const char* field : kModelWritten)
+      if (!keep_calls || std::string_view(field) != "tool_calls") message.erase(field);
+    message["content"] = std::string(probe);
+    return TemplateValue(messages);
+  };
+  // A template that refuses a conversation the probe needs (it wants what the probe message leaves out, Mistral's
+  // tool call ids) cannot be probed.
+  const auto render_or_refuse = [&](const TemplateValue& messages, std::size_t count, bool add_generation_prompt) {
+    try {
+      return render_first(chat_template, messages, count, add_generation_prompt).text;
+    } catch (const TemplateError& e) {
+      throw refuse(std::string("the template refuses a conversation the probe renders (") + e.what() + ")");
+    }
+  };
+  const TemplateValue with_a = probed(kProbeA, keep_tool_calls), with_b = probed(kProbeB, keep_tool_calls);
+  const std::string whole_a = render_or_refuse(with_a, message_count_, options_.add_generation_prompt);
+  const std::string whole_b = render_or_refuse(with_b, message_count_, options_.add_generation_prompt);
+  const auto slot = probe_slot(whole_a, whole_b);
+  if (!slot) {
+    throw refuse("with its text replaced by two probe strings, the conversation's renderings differ elsewhere than "
+                 "in that text's place (the template renders the text more than once, changes it, or renders other "
+                 "messages by it)");
+  }
+  const std::string last_a = render_or_refuse(with_a, index + 1, false);
+  const std::string last_b = render_or_refuse(with_b, index + 1, false);
+  const auto last = probe_slot(last_a, last_b);
+  if (!last) {
+    throw refuse("with its text replaced by two probe strings, the renderings of the conversation that ends with it "
+                 "differ elsewhere than in that text's place");
+  }
+  // Kept tool calls come into the span with the end-of-turn text, so they must come after the content: the
+  // rendering without them is the same up to it.
+  if (keep_tool_calls && !render_or_refuse(probed(kProbeA, false), index + 1, false)
+                              .starts_with(std::string(last->before) + std::string(kProbeA))) {
+    throw refuse("the template writes the message's tool calls before its text");
+  }
+  // What the template writes between the generation prompt and the content belongs to the span where this
+  // conversation renders it before the content too.
+  const std::string opener = opener_of(chat_template, index, last->before);
+  const std::size_t start = slot->before.size() - (slot->before.ends_with(opener) ? opener.size() : 0);
+  if (common_prefix(full, slot->before) < start) {
+    throw refuse("the conversation's rendering differs from the probed one before the message's place (the template "
+                 "renders earlier text by this message)");
+  }
+  if (!full.ends_with(slot->after) || full.size() - slot->after.size() < start) {
+    throw refuse("the conversation's rendering differs from the probed one after the message's place (the template "
+                 "renders later messages by this one)");
+  }
+  const std::size_t content_end = full.size() - slot->after.size();
+  // The span's text must be what the template writes for the message when the conversation ends with it (what the
+  // model writes there): text that only later messages bring in (Gemma 4 writes the tools' answers into the model's
+  // turn) is not the message's.
+  const std::string alone = render_or_refuse(messages_, index + 1, false);
+  const std::size_t message_from =
+      std::min(common_prefix(alone, last->before), last->before.size() - std::min(opener.size(), last->before.size()));
+  if (alone.find(full.substr(start, content_end - start), message_from) == std::string::npos) {
+    throw refuse("the text between the probed message's neighbours is not what the template writes for the message "
+                 "when the conversation ends with it (it holds later messages' text)");
+  }
+  // The end-of-turn text: what follows the content when the message ends the conversation, as far as the whole
+  // conversation goes on with it (<|im_end|>\n before the next turn; Phi-3's eos_token only at the very end).
+  const std::size_t end = character_boundary(full, content_end + common_prefix(last->after, slot->after), content_end);
+  return {start, end};
 }
 
 }  // namespace trainer::chat

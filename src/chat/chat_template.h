@@ -34,6 +34,15 @@ ChatRendering render_chat(const Template& chat_template, const nlohmann::ordered
 ChatRendering render_chat(std::string_view template_text, const nlohmann::ordered_json& messages,
                           const ChatOptions& options);
 
+// How the assistant spans of a conversation were found (trainer data --dump names it).
+enum class SpanMethod { kPrefix, kProbe };
+const char* span_method_name(SpanMethod method);  // "prefix", "probe"
+
+struct AssistantSpans {
+  std::vector<Span> spans;
+  SpanMethod method = SpanMethod::kPrefix;
+};
+
 // One conversation converted for the interpreter once, for several renders: the whole conversation, and the
 // prefixes assistant_spans_by_prefix renders. `messages` and `options` must outlive it. Throws TemplateError when
 // messages is not a list.
@@ -44,9 +53,20 @@ class Conversation {
   ChatRendering render(const Template& chat_template);
   // assistant_spans_by_prefix(chat_template, messages, options, full).
   std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, std::string_view full);
+  // assistant_spans_by_probe(chat_template, messages, options, full).
+  std::vector<Span> assistant_spans_by_probe(const Template& chat_template, std::string_view full);
+  // assistant_spans(chat_template, messages, options, full).
+  AssistantSpans assistant_spans(const Template& chat_template, std::string_view full);
 
  private:
   ChatRendering render_first(const Template& chat_template, std::size_t count, bool add_generation_prompt);
+  ChatRendering render_first(const Template& chat_template, const TemplateValue& messages, std::size_t count,
+                             bool add_generation_prompt);
+  Span probe_span(const Template& chat_template, std::size_t index, std::string_view full);
+  Span probe_span(const Template& chat_template, std::size_t index, std::string_view full, bool keep_tool_calls);
+  // What the template writes between the generation prompt and assistant message `index`'s content when the message
+  // ends the conversation (Qwen3's "<think>\n\n</think>\n\n", Mistral's " "): the model writes it, not the prompt.
+  std::string opener_of(const Template& chat_template, std::size_t index, std::string_view last_before);
 
   const nlohmann::ordered_json& messages_json_;
   TemplateValue messages_;
@@ -85,5 +105,33 @@ std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const
 // The same when the whole conversation's rendering (render_chat with `options`) is at hand: it is not rendered again.
 std::vector<Span> assistant_spans_by_prefix(const Template& chat_template, const nlohmann::ordered_json& messages,
                                             const ChatOptions& options, std::string_view full);
+
+// For templates that rendering prefix by prefix cannot split (they render earlier turns differently once the
+// conversation goes on): each assistant message's span found in the whole conversation's rendering by probing.
+// Message i is replaced by a probe message (its role and other fields, its content a probe string, none of the
+// reasoning the model writes: reasoning_content, reasoning, thinking; its tool_calls kept first, and where that fails
+// left out too), rendered with two different probe strings: what differs between the two renderings is the content's
+// place, the text before it (P) and after it (S) is the template's. The span is the whole rendering's text between P
+// and S: the message as the template renders it in this conversation (reasoning and tool calls included, what the
+// template drops for earlier turns not), widened
+//  - at its start by what the template writes between the generation prompt and the content when the message ends
+//    the conversation (Qwen3's "<think>\n\n</think>\n\n", Mistral's " "), when P ends with that text: the model
+//    writes it, the prompt does not (found from the messages before it, or else from a one-turn conversation);
+//  - at its end by the end-of-turn text: what follows the content when the message ends the conversation, as far as
+//    it agrees with S (<|im_end|>\n, <end_of_turn>\n, </s>, <|eot_id|> ...; the tool calls a template writes after
+//    the content, when they were kept).
+// Trusted only when the probe behaves: each probe rendering is P + probe + S (the content rendered once, unchanged,
+// and nothing else depends on it); the whole rendering ends with S (no later turn depends on the message) and agrees
+// with P up to the span's start (no earlier text depends on it); kept tool calls come after the content; the span's
+// text is what the template writes for the message when the conversation ends with it (no later message's text);
+// the spans follow each other. Otherwise throws Error (kExitData) naming the message and the check that failed,
+// with the same hint as assistant_spans_by_prefix.
+std::vector<Span> assistant_spans_by_probe(const Template& chat_template, const nlohmann::ordered_json& messages,
+                                           const ChatOptions& options, std::string_view full);
+
+// The assistant spans of a template without {% generation %}: prefix by prefix, else by probing (for the spans of a
+// template with {% generation %} see ChatRendering). Throws Error (kExitData) saying why both failed, with the hint.
+AssistantSpans assistant_spans(const Template& chat_template, const nlohmann::ordered_json& messages,
+                               const ChatOptions& options, std::string_view full);
 
 }  // namespace trainer::chat

@@ -77,25 +77,32 @@ std::string read_file(const fs::path& path) {
   return text.str();
 }
 
+// Whether `key` is seen for the first time in this process, for messages logged once per template file: a run loads
+// the setup for its training data, its validation data and its resume check, and maps records on several threads.
+bool first_time(const std::string& key) {
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  const std::lock_guard lock(mutex);
+  return seen.insert(key).second;
+}
+
 // TRL's SFTTrainer(assistant_only_loss=True) swaps a recognised template without {% generation %} for its training
 // version and renders with that (the ids change where the version keeps what the original drops, Qwen3's reasoning):
 // the same here, for the families of chat/training_templates.h. The model's template is recognised by its exact text.
-void use_training_version(std::string& source, std::string& origin) {
-  if (marks_generation(source)) return;
+bool use_training_version(std::string& source, std::string& origin) {
+  if (marks_generation(source)) return false;
   hub::Sha256 digest;
   digest.update(source.data(), source.size());
   const chat::TrainingTemplate* found = chat::training_template_for(digest.hex_digest());
-  if (!found) return;
-  // Once per template file: a run loads the setup for its training data, its validation data and its resume check.
-  static std::mutex logged_mutex;
-  static std::set<std::string> logged;
-  if (const std::lock_guard lock(logged_mutex); logged.insert(origin).second)
+  if (!found) return false;
+  if (first_time(origin + " (swapped)"))
     spdlog::info("chat template: {} is the {} template; the loss mask comes from trainer's training version of it "
                  "({{% generation %}} around the assistant's text), as TRL's SFTTrainer(assistant_only_loss=True) "
                  "swaps it",
                  origin, found->family);
   source = std::string(found->text);
   origin = "trainer's " + std::string(found->family) + " training template (in place of " + origin + ")";
+  return true;
 }
 
 // Parses one template into `slot`; a syntax error goes into the setup's error.
@@ -149,12 +156,13 @@ std::shared_ptr<const ChatSetup> load_chat_setup(const Config& config) {
   // part, so it needs no spans).
   if (config.data.train_on != TrainOn::kAll && config.training.objective != TrainingObjective::kDpo) {
     const bool same = setup->tools_source == setup->plain_source;
-    use_training_version(setup->plain_source, setup->plain_origin);
+    setup->plain_swapped = use_training_version(setup->plain_source, setup->plain_origin);
     if (same) {
       setup->tools_source = setup->plain_source;
       setup->tools_origin = setup->plain_origin;
+      setup->tools_swapped = setup->plain_swapped;
     } else {
-      use_training_version(setup->tools_source, setup->tools_origin);
+      setup->tools_swapped = use_training_version(setup->tools_source, setup->tools_origin);
     }
   }
   parse_into(*setup, setup->plain_source, setup->plain_origin, setup->plain);
@@ -270,15 +278,26 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
   example.input_ids = tokenizer.encode(rendering.text);
   if (example.input_ids.empty()) return chat_problem("the chat template rendered the conversation as nothing");
 
+  const char* mask = "all";
   if (setup.train_on == TrainOn::kAll) {
     example.labels = example.input_ids;
   } else {
+    // The order: a marked template (the model's own {% generation %} blocks or trainer's training version), then
+    // rendering prefix by prefix, then probing (chat_template.h).
     std::vector<chat::Span> spans;
     if (generation) {
       spans = rendering.generation_spans;
+      mask = (with_tools ? setup.tools_swapped : setup.plain_swapped) ? "training_template" : "generation";
     } else {
       try {
-        spans = conversation->assistant_spans_by_prefix(chat_template, rendering.text);
+        chat::AssistantSpans found = conversation->assistant_spans(chat_template, rendering.text);
+        spans = std::move(found.spans);
+        mask = chat::span_method_name(found.method);
+        if (found.method == chat::SpanMethod::kProbe && first_time(origin + " (probed)"))
+          spdlog::info("chat template: {} renders earlier turns differently once the conversation goes on; the loss "
+                       "mask of such records comes from probing the template (trainer data --dump names each "
+                       "record's method)",
+                       origin);
       } catch (const Error& e) {
         return chat_problem("the chat template of " + setup.model + " (" + origin + "): " + e.what(),
                    e.hint().empty() ? "set data.train_on=all, or use a chat template that marks the assistant's text "
@@ -307,7 +326,10 @@ Outcome map_chat(const ordered_json& record, const MappingSpec& spec, const Toke
     return chat_problem("no token of the assistant's text is trained (it is the conversation's first token)",
                "add the assistant's answer to the conversation, or set data.train_on=all");
   Outcome outcome = finish_causal(std::move(example), spec);
-  if (spec.keep_chat_text) outcome.chat_text = std::move(rendering.text);
+  if (spec.keep_chat_text) {
+    outcome.chat_text = std::move(rendering.text);
+    outcome.chat_mask = mask;
+  }
   return outcome;
 }
 

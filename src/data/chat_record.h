@@ -33,6 +33,7 @@ struct ChatSetup {
   std::string plain_origin, tools_origin;    // where each came from, for messages
   std::string plain_source, tools_source;    // their text (for the data fingerprint)
   bool plain_marks_generation = false, tools_marks_generation = false;  // {% generation %} in the template
+  bool plain_swapped = false, tools_swapped = false;  // trainer's training version replaced the model's template
   nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object();
   // Why no template can be used (none found, a syntax error): reported at the first chat record, so data without
   // chat records never needs one.

@@ -216,6 +216,7 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
         buffer += ",\"text\":";
         append_json_string(buffer, outcome.chat_text);
       }
+      if (!outcome.chat_mask.empty()) buffer += ",\"mask\":\"" + outcome.chat_mask + "\"";
       buffer += '}';
       ++written;
     }

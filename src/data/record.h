@@ -41,6 +41,10 @@ struct Outcome {
   bool fatal = false;      // kBadRecord that every record of its kind would have (no chat template): stop even
                            // with data.on_bad_record = skip
   std::string chat_text;   // chat records with MappingSpec::keep_chat_text: the rendered conversation
+  // Chat records with MappingSpec::keep_chat_text: how the loss mask was made: "all" (data.train_on=all),
+  // "generation" (the template's {% generation %} blocks), "training_template" (trainer's training version of a
+  // template it recognises), "prefix" (rendering prefix by prefix) or "probe" (probing the template).
+  std::string chat_mask;
 };
 
 // A bad record (`hint`: the likely fix when it is not the generic one; `fatal`: every record of its kind would have

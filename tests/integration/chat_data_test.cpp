@@ -58,6 +58,7 @@ TEST(IntegrationChatData, DataMarksTrainedTokensAndDumpWritesExamples) {
   for (const auto& line : lines) {
     ASSERT_EQ(line["input_ids"].size(), line["labels"].size());
     EXPECT_TRUE(line["text"].get<std::string>().starts_with("<|im_start|>system\n"));
+    EXPECT_EQ(line["mask"], "prefix");  // Qwen2.5's template splits prefix by prefix
     int trained = 0;
     for (std::size_t i = 0; i < line["labels"].size(); ++i) {
       if (line["labels"][i] == -100) continue;

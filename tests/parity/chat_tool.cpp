@@ -3,9 +3,11 @@
 //
 // Request: {"template": str (or "model_dir": str, whose template and special tokens are loaded), "messages": [...], "tools": [...] | null, "add_generation_prompt": bool,
 //           "bos_token": str, "eos_token": str, "special_tokens": {...}, "extra": {...},
-//           "prefix_spans": bool, "max_steps": int, "max_output_bytes": int,
+//           "prefix_spans": bool, "probe_spans": bool, "spans": bool, "max_steps": int, "max_output_bytes": int,
 //           "repeat": int (render this many times more and report "seconds_per_render": a benchmark)}
-// Answer:  {"text": str, "origin": str (with model_dir), "generation_spans": [[b, e], ...], "prefix_spans": [[b, e], ...] | {"error": str}}
+// Answer:  {"text": str, "origin": str (with model_dir), "generation_spans": [[b, e], ...],
+//           "prefix_spans" / "probe_spans": [[b, e], ...] | {"error": str, "hint": str},
+//           "spans": {"spans": [[b, e], ...], "method": "prefix" | "probe"} | {"error": str, "hint": str}}
 //          or {"error": str, "kind": "syntax" | "render" | "raised" | "limit" | "other", "message": str,
 //              "line": int, "column": int}
 // Spans are byte offsets into the UTF-8 text.
@@ -82,6 +84,23 @@ ordered_json answer(const ordered_json& request, std::string& cached_source,
       out["prefix_spans"] = spans_json(trainer::chat::assistant_spans_by_prefix(*cached, messages, options));
     } catch (const trainer::Error& e) {
       out["prefix_spans"] = {{"error", std::string(e.what())}, {"hint", e.hint()}};
+    }
+  }
+  if (request.value("probe_spans", false)) {
+    try {
+      out["probe_spans"] =
+          spans_json(trainer::chat::assistant_spans_by_probe(*cached, messages, options, rendering.text));
+    } catch (const trainer::Error& e) {
+      out["probe_spans"] = {{"error", std::string(e.what())}, {"hint", e.hint()}};
+    }
+  }
+  if (request.value("spans", false)) {
+    try {
+      const auto found = trainer::chat::assistant_spans(*cached, messages, options, rendering.text);
+      out["spans"] = {{"spans", spans_json(found.spans)},
+                      {"method", trainer::chat::span_method_name(found.method)}};
+    } catch (const trainer::Error& e) {
+      out["spans"] = {{"error", std::string(e.what())}, {"hint", e.hint()}};
     }
   }
   return out;

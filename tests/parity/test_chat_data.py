@@ -2,8 +2,9 @@
 tokenizer (configs/models/tiny-qwen2's tokenizer.json) and the real chat templates of test_chat_templates.py:
 the ids equal apply_chat_template(..., tokenize=True); the trained tokens equal return_assistant_tokens_mask for
 templates with {% generation %} (and for those trainer swaps its training version in for, Mistral v0.3's, that
-version's), and elsewhere the assistant spans found prefix by prefix on transformers' own renderings, placed on tokens
-by the tokenizer's offsets as transformers places generation spans."""
+version's), and elsewhere the assistant spans found prefix by prefix on transformers' own renderings, or where that
+fails by probing the template (test_chat_probe_spans.py's rule), placed on tokens by the tokenizer's offsets as
+transformers places generation spans; the dump's "mask" names which of these made each record's mask."""
 import json
 import shutil
 
@@ -15,6 +16,7 @@ from test_chat_templates import (  # noqa: E402  (the templates and conversation
     ALTERNATING, SEARCH_TOOL, SUPPORTS_SYSTEM, SUPPORTS_TOOLS, TEMPLATES, TOOL_CONVERSATION, WEATHER_TOOL,
     WITH_SYSTEM)
 from test_chat_training_templates import trainers_training_version  # noqa: E402
+from test_chat_probe_spans import probe_spans_of  # noqa: E402
 
 GENERATION_TEMPLATES = {name for name, text in TEMPLATES.items() if "{% generation %}" in text
                         or "{%- generation %}" in text}
@@ -95,6 +97,17 @@ def prefix_spans(tokenizer, messages, tools):
     return spans
 
 
+def spans_by_probing(tokenizer, messages, tools):
+    """The probe rule on transformers' renderings with the tokenizer's template and special tokens."""
+    def text(part, add_generation_prompt=False):
+        try:
+            return tokenizer.apply_chat_template(part, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception:  # noqa: BLE001 - a conversation the template refuses has no rendering
+            return None
+    return probe_spans_of(text, messages)
+
+
 def mask_of_spans(tokenizer, text, spans):
     """transformers' placement of generation spans on tokens (char_to_token of each span's first and last
     character), as apply_chat_template(return_assistant_tokens_mask=True) does."""
@@ -128,6 +141,7 @@ def test_ids_and_assistant_mask_equal_transformers(root, tmp_path, run_trainer, 
         expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
                                                  return_assistant_tokens_mask=generation)
         swapped = None if generation else trainers_training_version(TEMPLATES[template])
+        method = "generation" if generation else "training_template" if swapped is not None else "prefix"
         if generation:
             mask = expected["assistant_masks"]
         elif swapped is not None:
@@ -139,14 +153,18 @@ def test_ids_and_assistant_mask_equal_transformers(root, tmp_path, run_trainer, 
         else:
             spans = prefix_spans(tokenizer, messages, tools)
             if spans is None:
-                # The template renders earlier turns differently once the conversation goes on (as Mistral v0.3's
-                # would, which trainer swaps above): trainer refuses the record, as this reference does.
+                # The template renders earlier turns differently once the conversation goes on: trainer probes it,
+                # and refuses the record where this reference of the rule does.
+                method = "probe"
+                spans = spans_by_probing(tokenizer, messages, tools)
+            if spans is None:
                 assert "cannot find the span" in got.get("skipped", ""), (name, got)
                 refused += 1
                 continue
             text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
             mask = mask_of_spans(tokenizer, text, spans)
         assert "skipped" not in got, (name, got)
+        assert got["mask"] == method, (name, got["mask"])
         assert got["input_ids"] == list(expected["input_ids"]), name
         assert got["text"] == tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), name
         assert 0 < sum(mask) < len(mask), name  # some tokens trained, not all

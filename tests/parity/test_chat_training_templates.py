@@ -6,9 +6,13 @@ by the exact text, as trainer does). For each family trainer knows:
 (1) `trainer data --dump` renders the conversation as transformers renders TRL's training version (which keeps
     reasoning the original drops; where it drops nothing, as the original), and names the swap in its log;
 (2) the ids and labels equal SFTTrainer(assistant_only_loss=True)'s input_ids and labels (its assistant masks);
-(3) DPO pairs equal DPOTrainer's, which renders with the model's own template (TRL swaps nothing there);
-(4) a template one byte away from a known one is not recognised: it keeps the refusal, whose hint names the families;
-    and train_on=all keeps the model's own rendering (TRL swaps only for assistant_only_loss).
+(3) DPO pairs equal DPOTrainer's, which renders with the model's own template (TRL swaps nothing there), except
+    where the pair's rendering does not begin with the prompt's: there the completion's assistant spans are trained;
+(4) a template one byte away from a known one is not recognised: it is not swapped, and trains by probing the
+    template (src/chat/chat_template.h); copies that are not byte-identical (whitespace changes, a fork with a default
+    system prompt, Qwen3's April 2025 revision) train with the masks their training version would give, their ids
+    transformers'; a template the probe cannot trust is refused, and the hint names the families; and train_on=all
+    keeps the model's own rendering (TRL swaps only for assistant_only_loss).
 For the templates TRL 1.16 has no training version of (the Gemma 4 revisions it ships as gemma4*.jinja, Mistral v3's
 from test_chat_templates.py), trainer's own version (read from src/chat/training_templates.cpp) is checked instead
 against transformers: it renders what the original renders, its {% generation %} marks are the assistant's text and
@@ -180,7 +184,9 @@ def test_train_on_all_keeps_the_models_rendering(family, root, tmp_path, run_tra
 @pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(OWN))
 def test_dpo_pairs_equal_dpotrainers(family, root, tmp_path, run_trainer):
     """DPOTrainer renders prompt and prompt + completion with the model's template and starts the completion where
-    their tokens part: no swap, and a template that re-renders earlier turns is no problem there."""
+    their tokens part: no swap, and a template that re-renders earlier turns is no problem there. Where the pair's
+    rendering does not begin with the prompt's (Mistral v3 with a system message), trainer trains the completion's
+    assistant span instead of what follows the shared tokens, which would hold the prompt's last user turn."""
     directory = model_dir(root, tmp_path / "model", original(family), weights=True)
     rows = []
     for messages in conversations(family):
@@ -204,39 +210,179 @@ def test_dpo_pairs_equal_dpotrainers(family, root, tmp_path, run_trainer):
                          processing_class=tokenizer)
     theirs = list(dpo.train_dataset)
     assert len(ours) == len(theirs) == len(rows)
-    for a, b in zip(ours, theirs):
+    from test_chat_data import mask_of_spans, prefix_spans, spans_by_probing
+    spanned = 0
+    for row, a, b in zip(rows, ours, theirs):
         prompt = b["prompt_ids"]
+        asked = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
         for side, ids_key, labels_key in [("chosen", "input_ids", "labels"),
                                           ("rejected", "rejected_ids", "rejected_labels")]:
             assert a[ids_key] == prompt + b[f"{side}_ids"], side
-            assert a[labels_key] == [-100] * len(prompt) + b[f"{side}_ids"], side
+            messages = row["prompt"] + row[side]
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            if text.startswith(asked):
+                assert a[labels_key] == [-100] * len(prompt) + b[f"{side}_ids"], side
+                continue
+            # The template renders the prompt otherwise once the answer follows (Mistral v3 moves the system message
+            # into the last user turn only when it ends the conversation): DPOTrainer's completion would hold the
+            # prompt's own text; trainer trains the completion's assistant span, by the rule of chat records.
+            spans = prefix_spans(tokenizer, messages, None) or spans_by_probing(tokenizer, messages, None)
+            spans = spans[sum(m["role"] == "assistant" for m in row["prompt"]):]
+            assert trained(a[labels_key]) == mask_of_spans(tokenizer, text, spans), side
+            ids = [t for t, label in zip(a[ids_key], a[labels_key]) if label != -100]
+            assert row["prompt"][-1]["content"] not in tokenizer.decode(ids), side
+            answer = row[side][-1]["content"].split("</think>")[-1].strip()  # DeepSeek's drops the reasoning
+            assert answer in tokenizer.decode(ids), side
+            spanned += 1
+    if family == "Mistral v3":
+        assert spanned == 2  # the conversation with a system message, chosen and rejected
 
 
-def test_a_template_one_byte_away_keeps_the_refusal(root, tmp_path, run_trainer):
+def test_a_template_one_byte_away_is_not_swapped_and_trains_by_probing(root, tmp_path, run_trainer):
+    """Not recognised, so not swapped: rendering prefix by prefix cannot split it, and probing the template finds the
+    spans (test_chat_probe_spans.py's rule, on transformers' renderings)."""
     changed = original("Qwen3").replace("# Tools", "# Tools:")
     assert changed != original("Qwen3")
     directory = model_dir(root, tmp_path / "model", changed)
     rows = [{"messages": conversations("Qwen3")[1]}]
     ours, result = dump(run_trainer, tmp_path, directory, rows)
     assert "training template" not in result.stdout + result.stderr
-    assert "cannot find the span" in ours[0].get("skipped", ""), ours
-    # With data.on_bad_record=error the message carries the hint, which names the recognised families.
-    _, failed = dump(run_trainer, tmp_path, directory, rows, extra={"data": {"on_bad_record": "error"}}, check=False)
-    assert failed.returncode != 0
-    assert ("Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill, Gemma 3, Gemma 4, gpt-oss, Mistral v3"
-            in failed.stderr), failed.stderr
+    check_probed(directory, rows, ours)
 
 
-def test_a_gemma_4_template_one_byte_away_keeps_the_refusal(root, tmp_path, run_trainer):
-    """The current Gemma 4 revision with a word of its opening comment changed renders the same, and is refused where
-    it drops reasoning, as the unrecognised template it is."""
+def test_a_gemma_4_template_one_byte_away_trains_by_probing(root, tmp_path, run_trainer):
+    """The current Gemma 4 revision with a word of its opening comment changed renders the same, drops reasoning
+    from earlier turns (prefix by prefix cannot split it), and trains by probing."""
     changed = original("Gemma 4 at 8995379").replace("Canonical", "canonical", 1)
     assert changed != original("Gemma 4 at 8995379")
     directory = model_dir(root, tmp_path / "model", changed)
     rows = [{"messages": dict((name, m) for name, m, _ in own_conversations("Gemma 4 at 8995379"))["reasoning"]}]
     ours, result = dump(run_trainer, tmp_path, directory, rows)
     assert "training template" not in result.stdout + result.stderr
-    assert "cannot find the span" in ours[0].get("skipped", ""), ours
+    check_probed(directory, rows, ours)
+
+
+def check_probed(directory, rows, ours, training=None):
+    """Each dumped record: transformers' rendering and ids; labels on the spans found prefix by prefix, else by
+    probing, on transformers' renderings (the dump's "mask" names which); where `training` (the template's training
+    version) renders the same text, labels on its {% generation %} marks too. Returns how many were probed."""
+    from test_chat_data import mask_of_spans, prefix_spans, spans_by_probing
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    probed = 0
+    assert len(ours) == len(rows)
+    for row, got in zip(rows, ours):
+        messages, tools = row["messages"], row.get("tools")
+        assert "skipped" not in got, got
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        assert got["text"] == text
+        assert got["input_ids"] == list(tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                                      return_dict=True)["input_ids"])
+        spans, method = prefix_spans(tokenizer, messages, tools), "prefix"
+        if spans is None:
+            spans, method = spans_by_probing(tokenizer, messages, tools), "probe"
+        assert spans is not None
+        assert got["mask"] == method
+        mask = mask_of_spans(tokenizer, text, spans)
+        assert 0 < sum(mask) < len(mask)
+        assert trained(got["labels"]) == mask
+        if training is not None and tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                                  chat_template=training) == text:
+            expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                                     chat_template=training, return_assistant_tokens_mask=True)
+            assert trained(got["labels"]) == list(expected["assistant_masks"])
+        probed += method == "probe"
+    return probed
+
+
+# Qwen3's template as its repositories shipped it in April 2025, rebuilt from the current one by undoing what changed
+# since: message.content read as it is (not only when a string), reasoning_content taken when defined and not none.
+QWEN3_SINCE_APRIL_2025 = [
+    ('message.role == "user" and message.content is string and not(', 'message.role == "user" and not('),
+    ("""    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+""", """    {%- set content = message.content %}
+"""),
+    ("message.reasoning_content is string",
+     "message.reasoning_content is defined and message.reasoning_content is not none"),
+]
+QWEN3_SYSTEM = r"""    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+def qwen3_of_april_2025(text):
+    for now, then in QWEN3_SINCE_APRIL_2025:
+        assert now in text
+        text = text.replace(now, then)
+    return text
+
+
+def with_default_system_prompt(text):
+    assert QWEN3_SYSTEM in text
+    return text.replace(QWEN3_SYSTEM, QWEN3_SYSTEM.replace(
+        "    {%- endif %}\n{%- endif %}",
+        "    {%- else %}\n        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n"
+        "    {%- endif %}\n{%- endif %}"))
+
+
+def with_whitespace_changes(text):
+    assert "{%- endfor %}" in text
+    return text.replace("{%- endfor %}", "{%-  endfor  %}") + "\n"
+
+
+# Copies of known templates that are not byte-identical: (family, the change, made to the template and its training
+# version alike).
+COPIES = {
+    "Qwen3 with whitespace changes": ("Qwen3", with_whitespace_changes),
+    "Qwen3 fork with a default system prompt": ("Qwen3", with_default_system_prompt),
+    "Qwen3 of April 2025": ("Qwen3", qwen3_of_april_2025),
+    "Mistral v3 with whitespace changes": ("Mistral v3", with_whitespace_changes),
+    "Gemma 4 at 8995379 with whitespace changes": ("Gemma 4 at 8995379", with_whitespace_changes),
+}
+
+
+@pytest.mark.parametrize("copy", sorted(COPIES))
+def test_copies_that_are_not_byte_identical_train_with_the_training_versions_masks(copy, root, tmp_path,
+                                                                                   run_trainer):
+    """Not recognised, so not swapped; their ids are transformers'; the spans found by probing them train what the
+    training version (with the same change) marks wherever the two render alike, and elsewhere what the rule finds on
+    transformers' renderings."""
+    family, change = COPIES[copy]
+    template = change(original(family))
+    assert template != original(family) and trainers_training_version(template) is None
+    training = change(trainers_training_version(original(family)))
+    directory = model_dir(root, tmp_path / "model", template)
+    if family_of(family) == "Qwen3":
+        rows = [{"messages": messages} for messages in conversations(family)]
+    else:
+        rows = [{"messages": m} if t is None else {"messages": m, "tools": t} for name, m, t in own_conversations(family)
+                if "tool" not in name]
+    ours, result = dump(run_trainer, tmp_path, directory, rows)
+    assert "training template" not in result.stdout + result.stderr
+    assert check_probed(directory, rows, ours, training) >= 1
+    assert (result.stdout + result.stderr).count("the loss mask of such records comes from probing the template") == 1
+
+
+def test_a_template_the_probe_cannot_trust_is_refused(root, tmp_path, run_trainer):
+    """A Qwen3 fork that writes the last message again at the end: prefix by prefix cannot split it (as Qwen3), and
+    probing sees the probe rendered twice; the record is refused with the clear error and its hint."""
+    echo = original("Qwen3") + "{{- '<!-- ' + messages[-1].content + ' -->' }}"
+    directory = model_dir(root, tmp_path / "model", echo)
+    rows = [{"messages": conversations("Qwen3")[1]}]
+    ours, result = dump(run_trainer, tmp_path, directory, rows)
+    skipped = ours[0].get("skipped", "")
+    assert "cannot find the span of assistant message" in skipped and "nor by probing" in skipped, ours
+    assert "differ elsewhere than in that text's place" in skipped
+    # With data.on_bad_record=error the message carries the hint, which names the recognised families.
+    _, failed = dump(run_trainer, tmp_path, directory, rows, extra={"data": {"on_bad_record": "error"}}, check=False)
+    assert failed.returncode != 0
+    assert ("Qwen3, Qwen3-Instruct-2507, DeepSeek-R1-Distill, Gemma 3, Gemma 4, gpt-oss, Mistral v3"
+            in failed.stderr), failed.stderr
+    assert "data.train_on=all" in failed.stderr
 
 
 # ---- templates TRL has no training version of: trainer's own -------------------------------------------------------

@@ -119,6 +119,94 @@ TEST(ChatTemplate, PrefixSpansFailWithAHintWhenTheTemplateRewritesEarlierTurns) 
   }
 }
 
+// A Qwen3-like template: the last assistant turn writes its reasoning in <think></think>, earlier turns drop it, so
+// rendering prefix by prefix cannot split it. `marked` puts {% generation %} where TRL's training versions put it
+// (after the header, through the end-of-turn marker and its newline).
+std::string reasoning_template(bool marked) {
+  const std::string open = marked ? "{% generation %}" : "", close = marked ? "{% endgeneration %}" : "";
+  return "{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}" + open +
+         "{% if loop.last %}{{ '<think>' + (m.reasoning_content or '') + '</think>' }}{% endif %}"
+         "{{ m.content + '<|im_end|>\\n' }}" + close +
+         "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+}
+
+TEST(ChatTemplate, ProbeSpansEqualTheMarksOfATemplateThatRewritesEarlierTurns) {
+  ordered_json messages = conversation();
+  messages[3]["reasoning_content"] = "why";
+  const Template original(reasoning_template(false)), marked(reasoning_template(true));
+  const ChatRendering r = render_chat(original, messages, {});
+  EXPECT_THROW(assistant_spans_by_prefix(original, messages, {}), Error);
+  const auto spans = assistant_spans_by_probe(original, messages, {}, r.text);
+  const ChatRendering expected = render_chat(marked, messages, {});
+  ASSERT_EQ(expected.text, r.text);
+  EXPECT_EQ(spans, expected.generation_spans);
+  ASSERT_EQ(spans.size(), 2u);
+  EXPECT_EQ(text_of(r, spans[0]), "w\xc3\xb6rld<|im_end|>\n");
+  EXPECT_EQ(text_of(r, spans[1]), "<think>why</think>ok<|im_end|>\n");  // the reasoning of the last turn is trained
+  // assistant_spans tries prefix by prefix first, and says which method found the spans.
+  const AssistantSpans found = assistant_spans(original, messages, {}, r.text);
+  EXPECT_EQ(found.spans, spans);
+  EXPECT_STREQ(span_method_name(found.method), "probe");
+  const Template chatml(kChatml);
+  const AssistantSpans by_prefix = assistant_spans(chatml, conversation(), {}, render_chat(chatml, conversation(), {}).text);
+  EXPECT_STREQ(span_method_name(by_prefix.method), "prefix");
+  EXPECT_EQ(by_prefix.spans, assistant_spans_by_prefix(chatml, conversation(), {}));
+}
+
+TEST(ChatTemplate, ProbeSpansEqualPrefixSpansWhereBothApply) {
+  // ChatML; Phi-3's shape (eos_token after the last turn unless a generation prompt follows); Llama 2's (content
+  // stripped, the answer after " " and closed by eos_token).
+  ChatOptions options;
+  options.special_tokens = {{"bos_token", "<s>"}, {"eos_token", "</s>"}};
+  for (const std::string& source :
+       {std::string(kChatml),
+        std::string("{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"),
+        std::string("{% for m in messages %}{% if m.role == 'user' %}{{ bos_token + '[INST] ' + m.content | trim + "
+                    "' [/INST]' }}{% else %}{{ ' ' + m.content | trim + ' ' + eos_token }}{% endif %}{% endfor %}")}) {
+    const Template t(source);
+    const std::string full = render_chat(t, conversation(), options).text;
+    EXPECT_EQ(assistant_spans_by_probe(t, conversation(), options, full), assistant_spans_by_prefix(t, conversation(), options))
+        << source;
+  }
+}
+
+TEST(ChatTemplate, ProbeSpansRefuseTemplatesTheProbeCannotTrust) {
+  // Each rewrites earlier turns ([LAST]), so prefix by prefix fails too, and then:
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      // renders the content twice
+      {"{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content }}/{{ m.content }};{% endfor %}",
+       "differ elsewhere"},
+      // changes the content in a way the probe sees
+      {"{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content | replace('1', 'one') }};{% endfor %}",
+       "differ elsewhere"},
+      // renders a later part by the content, in a way two probes of one length do not show
+      {"{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content }};{% endfor %}"
+       "{% if messages | length > 1 %}{{ messages[1].content | length }}{% endif %}",
+       "after the message's place"},
+      // renders an earlier part by the content
+      {"{% if messages | length > 1 %}{{ messages[1].content | length }}{% endif %}"
+       "{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m.content }};{% endfor %}",
+       "before the message's place"},
+  };
+  for (const auto& [source, why] : cases) {
+    const Template t(source);
+    const std::string full = render_chat(t, conversation(), {}).text;
+    try {
+      assistant_spans(t, conversation(), {}, full);
+      ADD_FAILURE() << "expected an error: " << source;
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("cannot find the span of assistant message 1"), std::string::npos) << what;
+      EXPECT_NE(what.find("nor by probing (assistant message 1): "), std::string::npos) << what;
+      EXPECT_NE(what.find(why), std::string::npos) << source << "\n" << what;
+      EXPECT_NE(e.hint().find("data.train_on=all"), std::string::npos) << e.hint();
+      EXPECT_EQ(e.exit_code(), kExitData);
+    }
+  }
+}
+
 // Each training version parses, marks both assistant turns of a two-turn conversation (bos_token for DeepSeek's,
 // eos_token for Mistral's; the text and its end-of-turn marker for the families TRL has no version of), and is found
 // by its original's digest only. Parity with TRL is tests/parity/test_chat_training_templates.py's.

@@ -1,5 +1,5 @@
 // Chat records: rendering by the template, ids of the whole rendering, labels on the assistant's turns
-// (data.train_on, {% generation %} and prefix-by-prefix spans), bad records, lengths, the loader's file:line, and the
+// (data.train_on, {% generation %}, prefix-by-prefix and probed spans, the method the dump names), bad records, lengths, the loader's file:line, and the
 // data fingerprint's chat part.
 #include <gtest/gtest.h>
 
@@ -105,6 +105,39 @@ TEST(ChatRecord, LastAssistantAndAll) {
   ASSERT_EQ(o.kind, OutcomeKind::kExample) << o.problem;
   EXPECT_EQ(o.example.labels, o.example.input_ids);
   EXPECT_EQ(o.chat_text.substr(0, 26), "<|im_start|>system\nBe brie");
+  EXPECT_EQ(o.chat_mask, "all");
+}
+
+// ChatML whose last assistant turn writes its reasoning in <think></think> and whose earlier turns drop it (Qwen3's
+// shape): prefix by prefix cannot split it, probing finds the spans; the dump names the method.
+TEST(ChatRecord, WhereThePrefixesFailTheSpansComeFromProbingTheTemplate) {
+  const std::string dropping_reasoning =
+      "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' and loop.last %}"
+      "{{ '<think>' + (m.reasoning_content or '') + '</think>' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}"
+      "{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+  ChatFixture f(dropping_reasoning);
+  f.spec.keep_chat_text = true;
+  const Outcome o = map_record(
+      R"({"messages": [{"role": "user", "content": "Soup?"}, {"role": "assistant", "content": "Boil water.",)"
+      R"( "reasoning_content": "hot"}, {"role": "user", "content": "Then?"},)"
+      R"( {"role": "assistant", "content": "Add salt.", "reasoning_content": "taste"}]})",
+      f.spec, qwen2_tokenizer());
+  ASSERT_EQ(o.kind, OutcomeKind::kExample) << o.problem;
+  EXPECT_EQ(o.chat_mask, "probe");
+  const Example e = expected({{"<|im_start|>user\nSoup?<|im_end|>\n<|im_start|>assistant\n", false},
+                              {"Boil water.<|im_end|>\n", true},
+                              {"<|im_start|>user\nThen?<|im_end|>\n<|im_start|>assistant\n", false},
+                              {"<think>taste</think>Add salt.<|im_end|>\n", true}});
+  EXPECT_EQ(o.example.input_ids, e.input_ids);
+  EXPECT_EQ(o.example.labels, e.labels);
+
+  ChatFixture chatml(kChatml);
+  chatml.spec.keep_chat_text = true;
+  EXPECT_EQ(map_record(kTwoTurns, chatml.spec, qwen2_tokenizer()).chat_mask, "prefix");
+  ChatFixture marked(kChatmlGeneration);
+  marked.spec.keep_chat_text = true;
+  EXPECT_EQ(map_record(kTwoTurns, marked.spec, qwen2_tokenizer()).chat_mask, "generation");
 }
 
 TEST(ChatRecord, GenerationBlocksDecideTheMask) {

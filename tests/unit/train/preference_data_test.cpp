@@ -6,6 +6,7 @@
 
 #include "data/record.h"
 #include "support/paths.h"
+#include "support/temp_dir.h"
 #include "train/tasks/preference/preference_data.h"
 #include "trainer/config.h"
 #include "trainer/tokenizer.h"
@@ -66,6 +67,35 @@ TEST(PreferenceData, AnImplicitPromptIsWhatTheConversationsShare) {
   EXPECT_EQ(implicit.example.labels, explicit_prompt.example.labels);
   EXPECT_EQ(implicit.example.rejected_labels, explicit_prompt.example.rejected_labels);
   EXPECT_GT(trained(implicit.example.labels), 0);
+}
+
+// Mistral v3's shape: the system message goes into the last user turn only when that turn ends the conversation, so
+// the pair's rendering does not begin with the prompt's, and the tokens after the shared ones would hold the user's
+// question: the completion's assistant span is trained instead (found by probing; the template needs no swap).
+TEST(PreferenceData, WhereThePairDoesNotBeginWithThePromptTheCompletionsSpanIsTrained) {
+  test::TempDir dir;
+  test::write_file(dir.file("chat.jinja"),
+                   "{% set system = messages[0].content if messages[0].role == 'system' else '' %}"
+                   "{% for m in messages if m.role != 'system' %}{% if m.role == 'user' %}{{ '[INST] ' }}"
+                   "{% if loop.last and system %}{{ system + '\\n\\n' }}{% endif %}{{ m.content + '[/INST]' }}"
+                   "{% else %}{{ ' ' + m.content + '</s>' }}{% endif %}{% endfor %}");
+  Fixture f;
+  f.config.data.chat_template = dir.file("chat.jinja");
+  f.spec = preference_spec(f.config, *f.tokenizer);
+  const auto out = f.map(
+      R"({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Soup?"}],)"
+      R"( "chosen": [{"role": "assistant", "content": "Simmer it."}],)"
+      R"( "rejected": [{"role": "assistant", "content": "Burn it."}]})");
+  ASSERT_EQ(out.kind, data::OutcomeKind::kExample) << out.problem;
+  const auto trained_text = [&](const std::vector<int32_t>& ids, const std::vector<int32_t>& labels) {
+    std::vector<int32_t> kept;
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      if (labels[i] != -100) kept.push_back(ids[i]);
+    return f.tokenizer->decode(kept, /*skip_special=*/false);
+  };
+  EXPECT_EQ(out.example.input_ids, f.tokenizer->encode("[INST] Soup?[/INST] Simmer it.</s>"));
+  EXPECT_EQ(trained_text(out.example.input_ids, out.example.labels), " Simmer it.</s>");
+  EXPECT_EQ(trained_text(out.example.rejected_ids, out.example.rejected_labels), " Burn it.</s>");
 }
 
 TEST(PreferenceData, BadRecordsSayWhatIsWrong) {

@@ -3,11 +3,13 @@
 
 #include <algorithm>
 #include <optional>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
 #include "chat/chat_template.h"
 #include "data/chat_record.h"
+#include "trainer/errors.h"
 
 namespace trainer {
 namespace {
@@ -78,7 +80,35 @@ ordered_json concat(const ordered_json& a, const ordered_json& b) {
 struct PairIds {
   std::vector<int32_t> prompt, prompt_chosen, prompt_rejected;
   std::string prompt_text, chosen_text, rejected_text;  // as rendered (keep_text)
+  // A side whose rendering does not begin with the prompt's: its labels on the whole prompt + completion ids.
+  std::optional<std::vector<int32_t>> chosen_labels, rejected_labels;
 };
+
+// The labels of prompt + completion (`messages`, `rendered` as `ids`) from the completion's assistant spans, found by
+// the rule of chat records (prefix by prefix, else by probing the template; chat_template.h): for a template that
+// renders the prompt otherwise once an answer follows (Mistral v3 writes the system message into the last user turn
+// only when that turn ends the conversation), where the tokens after the prompt's would hold the prompt's own text.
+// Throws Error when the spans cannot be found or placed on tokens.
+std::vector<int32_t> completion_labels(const chat::Template& chat_template, const ordered_json& messages,
+                                       std::size_t prompt_messages, const chat::ChatOptions& options,
+                                       const std::string& rendered, const std::vector<int32_t>& ids,
+                                       const Tokenizer& tokenizer) {
+  std::vector<chat::Span> spans = chat::assistant_spans(chat_template, messages, options, rendered).spans;
+  std::size_t earlier = 0;  // the prompt's assistant messages: one span each
+  for (std::size_t i = 0; i < prompt_messages; ++i) earlier += messages[i].value("role", "") == "assistant";
+  spans.erase(spans.begin(), spans.begin() + static_cast<std::ptrdiff_t>(std::min(earlier, spans.size())));
+  const auto ranges = data::token_byte_ranges(tokenizer, rendered, ids);
+  if (!ranges) {
+    throw DataError("the tokens of " + tokenizer.source() + " do not decode back to the rendered conversation, so the "
+                    "completion's text cannot be placed on tokens",
+                    "use the model's byte-level tokenizer.json");
+  }
+  const std::vector<bool> trained = data::tokens_in_spans(*ranges, spans);
+  std::vector<int32_t> labels(ids.size(), -100);
+  for (std::size_t t = 0; t < trained.size(); ++t)
+    if (trained[t]) labels[t] = ids[t];
+  return labels;
+}
 
 std::vector<int32_t> with_template(const Tokenizer& tokenizer, std::string_view text) {
   const SpecialTokenTemplate special = tokenizer.special_token_template();
@@ -189,6 +219,24 @@ Outcome map_preference(std::string_view line, const PreferenceSpec& spec, const 
     ids.prompt = tokenizer.encode(ids.prompt_text);
     ids.prompt_chosen = tokenizer.encode(ids.chosen_text);
     ids.prompt_rejected = tokenizer.encode(ids.rejected_text);
+    // DPOTrainer's completion is what follows the prompt's tokens; where the pair's rendering does not begin with
+    // the prompt's, that would train the prompt's own text, so the completion's assistant spans are trained instead
+    // (a template with {% generation %} keeps DPOTrainer's rule).
+    const bool generation = options.tools.is_null() ? setup.plain_marks_generation : setup.tools_marks_generation;
+    try {
+      if (!generation && !ids.chosen_text.starts_with(ids.prompt_text)) {
+        ids.chosen_labels = completion_labels(chat_template, concat(prompt, chosen), prompt.size(), options,
+                                              ids.chosen_text, ids.prompt_chosen, tokenizer);
+      }
+      if (!generation && !ids.rejected_text.starts_with(ids.prompt_text)) {
+        ids.rejected_labels = completion_labels(chat_template, concat(prompt, rejected), prompt.size(), options,
+                                                ids.rejected_text, ids.prompt_rejected, tokenizer);
+      }
+    } catch (const Error& e) {
+      return bad("the chat template of " + setup.model + " (" + origin + ") renders the prompt otherwise once the "
+                 "completion follows, and the completion's span: " + e.what(),
+                 e.hint());
+    }
   } else {
     if (spec.eos_text.empty())
       return bad("standard preference records end each completion with the EOS token, but the tokenizer " +
@@ -219,6 +267,13 @@ Outcome map_preference(std::string_view line, const PreferenceSpec& spec, const 
   Example& pair = outcome.example;
   fill(ids.prompt, ids.prompt_chosen, prompt_length, max_length, pair.input_ids, pair.labels);
   fill(ids.prompt, ids.prompt_rejected, prompt_length, max_length, pair.rejected_ids, pair.rejected_labels);
+  // fill's ids are the whole prompt + completion ids (they agree with the prompt's for prompt_length tokens).
+  for (auto [labels, side, size] : {std::tuple{&ids.chosen_labels, &pair.labels, pair.input_ids.size()},
+                                    std::tuple{&ids.rejected_labels, &pair.rejected_labels, pair.rejected_ids.size()}}) {
+    if (!*labels) continue;
+    *side = std::move(**labels);
+    side->resize(size);
+  }
   outcome.truncated = longest > max_length;
   if (spec.keep_text)
     outcome.chat_text = ordered_json{{kPrompt, ids.prompt_text}, {kChosen, ids.chosen_text},

@@ -9,7 +9,9 @@
 //                    share at the start (TRL's extract_prompt: whole messages, or characters without a trailing
 //                    space).
 // The completion starts where the tokenized prompt and prompt + completion diverge (the shorter of the two pairs'
-// common prefixes). A pair whose prompt alone fills data.max_length is skipped (nothing to learn); otherwise each
+// common prefixes); for a conversation whose rendering does not begin with the prompt's (the template renders the
+// prompt otherwise once an answer follows, Mistral v3 with a system message), only the completion's assistant spans
+// are trained, found by the rule of chat records (chat/chat_template.h: prefix by prefix, else by probing). A pair whose prompt alone fills data.max_length is skipped (nothing to learn); otherwise each
 // sequence keeps its first data.max_length tokens (TRL's keep_start), or with data.on_overlength=skip a pair with a
 // longer sequence is skipped. No LibTorch; thread-safe (the loader's worker threads call it).
 #pragma once
