@@ -64,6 +64,20 @@ def batch_for(model_dir, tmp_path):
     return config, batch
 
 
+def train_ours_load_in_peft(parity_tool, model_dir, batch, tmp_path, settings):
+    """trainer's LoRA steps (the parity tool, batch.safetensors in tmp_path), then PEFT over transformers' base loads
+    the adapter: our adapted logits, the base's logits and the PEFT model (eval mode)."""
+    run_parity_tool(parity_tool, "lora-train", model_dir, tmp_path / "batch.safetensors", tmp_path / "adapter",
+                    json.dumps(settings))
+    ours = load_file(tmp_path / "adapter" / "logits.safetensors")["logits"]
+    base = hf_model(model_dir)
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    model.eval()
+    return ours, base_logits, model
+
+
 @pytest.mark.parametrize("rslora", [False, True])
 @pytest.mark.parametrize("name", TINY)
 def test_peft_loads_our_adapter_and_reproduces_our_logits(name, rslora, root, tmp_path, parity_tool):
@@ -71,15 +85,7 @@ def test_peft_loads_our_adapter_and_reproduces_our_logits(name, rslora, root, tm
     config, batch = batch_for(model_dir, tmp_path)
     settings = {"r": 4, "alpha": 8, "rslora": rslora, "target_modules": TARGETS[name], "steps": 3, "lr": 2.0,
                 "seed": 3}
-    run_parity_tool(parity_tool, "lora-train", model_dir, tmp_path / "batch.safetensors", tmp_path / "adapter",
-                    json.dumps(settings))
-    ours = load_file(tmp_path / "adapter" / "logits.safetensors")["logits"]
-
-    base = hf_model(model_dir)
-    with torch.no_grad():
-        base_logits = base(**batch).logits
-    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
-    model.eval()
+    ours, base_logits, model = train_ours_load_in_peft(parity_tool, model_dir, batch, tmp_path, settings)
     loaded = model.peft_config["default"]
     assert (loaded.r, loaded.lora_alpha, loaded.use_rslora) == (4, 8, rslora)
     assert loaded.task_type == ("SEQ_2_SEQ_LM" if config.is_encoder_decoder else "CAUSAL_LM")
@@ -185,14 +191,7 @@ def test_peft_loads_our_adapter_of_each_decoder_family(name, tmp_path, parity_to
     # Granite's multipliers (residual 0.5, logits / 2) damp what three steps change: a larger step shows it.
     lr = 8.0 if config.model_type == "granite" else 2.0
     settings = {"r": 4, "alpha": 8, "rslora": False, "target_modules": targets, "steps": 3, "lr": lr, "seed": 3}
-    run_parity_tool(parity_tool, "lora-train", model_dir, tmp_path / "batch.safetensors", tmp_path / "adapter",
-                    json.dumps(settings))
-    ours = load_file(tmp_path / "adapter" / "logits.safetensors")["logits"]
-    base = hf_model(model_dir)
-    with torch.no_grad():
-        base_logits = base(**batch).logits
-    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
-    model.eval()
+    ours, base_logits, model = train_ours_load_in_peft(parity_tool, model_dir, batch, tmp_path, settings)
     assert set(model.peft_config["default"].target_modules) == set(targets)
     with torch.no_grad():
         theirs = model(**batch).logits
