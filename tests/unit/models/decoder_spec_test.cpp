@@ -41,8 +41,13 @@ TEST(DecoderSpec, EveryFamilyIsASupportedCausalModelType) {
     for (const auto& [known, family] : supported_model_types()) causal = causal || (known == type && family == "causal");
     EXPECT_TRUE(causal) << type << " is a decoder family but not listed by supported_model_types()";
   }
-  for (const auto& [known, family] : supported_model_types())
-    if (family == "causal") EXPECT_TRUE(decoder_spec_for(known, config(known)).has_value()) << known;
+  for (const auto& [known, family] : supported_model_types()) {
+    if (family != "causal") continue;
+    // A multimodal checkpoint describes its language model in text_config.
+    const auto c = known == "gemma3" ? nlohmann::json{{"model_type", known}, {"text_config", config("gemma3_text")}}
+                                     : config(known);
+    EXPECT_TRUE(decoder_spec_for(known, c).has_value()) << known;
+  }
 }
 
 TEST(DecoderSpec, FamilyDefaultsFillWhatConfigJsonLeavesOut) {
@@ -107,9 +112,11 @@ TEST(DecoderSpec, ConfigsTheDecoderCannotHonourAreUsageErrorsNamingTheKey) {
   const auto longrope = usage_error(config("phi3", {{"rope_parameters", {{"rope_type", "longrope"},
                                                                          {"short_factor", {1.0}},
                                                                          {"long_factor", {1.0}}}}}));
-  EXPECT_NE(longrope.find("short_factor must list 2 numbers"), std::string::npos) << longrope;
+  EXPECT_NE(longrope.find("short_factor must list 4 numbers"), std::string::npos) << longrope;  // head_dim 8
   const auto cap = usage_error(config("gemma2", {{"attn_logit_softcapping", -1.0}}));
   EXPECT_NE(cap.find("attn_logit_softcapping"), std::string::npos) << cap;
+  const auto multimodal = usage_error(config("gemma3"));
+  EXPECT_NE(multimodal.find("\"text_config\""), std::string::npos) << multimodal;
   const auto bidirectional = usage_error(config("gemma3_text", {{"use_bidirectional_attention", true}}));
   EXPECT_NE(bidirectional.find("use_bidirectional_attention"), std::string::npos) << bidirectional;
 }
