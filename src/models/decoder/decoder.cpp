@@ -332,7 +332,7 @@ class DecoderModel : public LanguageModel {
       return packed ? segment_mask(segments, segments, positions, positions, /*causal=*/true, window)
                     : causal_mask(key_mask, ids.size(1), offset, window);
     };
-    std::optional<at::Tensor> full_mask;
+    std::map<std::optional<int64_t>, at::Tensor> masks;  // per window (none: full attention), made once
     std::map<std::optional<int64_t>, std::shared_ptr<const SegmentLayout>> layouts;  // per window
     // On a CUDA card in bf16/fp16 without attention dropout or soft-capping: one variable-length flash attention
     // per layer.
@@ -356,11 +356,10 @@ class DecoderModel : public LanguageModel {
         // Per segment: no mask over the row. An empty tensor stands in (block inputs must be defined tensors for
         // activation checkpointing).
         mask = at::empty({0}, ids.options().dtype(at::kBool));
-      } else if (window) {
-        mask = mask_for(window);
       } else {
-        if (!full_mask) full_mask = mask_for(std::nullopt);
-        mask = *full_mask;
+        auto found = masks.find(window);
+        if (found == masks.end()) found = masks.emplace(window, mask_for(window)).first;
+        mask = found->second;
       }
       const auto& [cos, sin] = rotations[s_.layers[i].rope_index];
       auto& block = model->layers->items[i];
