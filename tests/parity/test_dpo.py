@@ -32,6 +32,14 @@ def make_model_dir(root, path, arch):
     tiny = root / "configs" / "models" / "tiny-qwen2"
     if arch == "qwen2":
         config = transformers.AutoConfig.from_pretrained(tiny)
+    elif arch == "gemma2":
+        # A decoder family whose logits are soft-capped (inside the fused loss and the log-probabilities), with
+        # soft-capped attention scores and a sliding window shorter than the pairs.
+        config = transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           query_pre_attn_scalar=16, sliding_window=8, attn_logit_softcapping=5.0,
+                                           final_logit_softcapping=3.0, bos_token_id=509, eos_token_id=509,
+                                           pad_token_id=None, max_position_embeddings=1024)
     else:
         config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
@@ -175,7 +183,7 @@ def compare_run(ours_dir, dpo, lora):
 @pytest.fixture(scope="module")
 def models(root, tmp_path_factory):
     base = tmp_path_factory.mktemp("dpo-models")
-    return {arch: make_model_dir(root, base / arch, arch) for arch in ["qwen2", "llama"]}
+    return {arch: make_model_dir(root, base / arch, arch) for arch in ["qwen2", "llama", "gemma2"]}
 
 
 @pytest.mark.parametrize("kind", ["standard", "conversational", "implicit"])
@@ -217,7 +225,8 @@ def test_dumped_pairs_are_trls_tokenized_pairs(kind, models, tmp_path, run_train
 
 
 @pytest.mark.parametrize("arch,kind,lora", [("qwen2", "conversational", True), ("qwen2", "standard", False),
-                                            ("llama", "implicit", True), ("llama", "standard", False)])
+                                            ("llama", "implicit", True), ("llama", "standard", False),
+                                            ("gemma2", "conversational", True), ("gemma2", "standard", False)])
 def test_three_steps_equal_trls(arch, kind, lora, models, tmp_path, run_trainer):
     rows = records(kind)
     train_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
