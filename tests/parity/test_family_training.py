@@ -6,6 +6,9 @@ accumulated over micro-batches of one example (what a memory budget forces), onc
 attention and positions per example) with activation checkpointing: each within 1e-4 of PyTorch's weights, and the
 saved model is what transformers loads (the families: test_models.FAMILIES)."""
 import json
+import os
+import pathlib
+import subprocess
 
 import pytest
 import torch
@@ -14,6 +17,8 @@ from safetensors.torch import load_file
 from test_models import FAMILIES, VOCAB, hf_model, make_model_dir
 
 STEPS, BATCH, LR = 3, 4, 1e-3
+TRAINER = pathlib.Path(os.environ.get("TRAINER_BINARY", pathlib.Path(__file__).resolve().parents[2] / "build" /
+                                      "trainer"))
 # Dynamic RoPE and longrope choose their frequencies by the longest position of a forward (as transformers does, and
 # transformers' dynamic RoPE also keeps the longest it has seen): past max_position_embeddings /
 # original_max_position_embeddings the frequencies depend on the micro-batch's padded width, so a split changes
@@ -59,7 +64,7 @@ def reference_weights(model_dir, records):
     return {n: p.detach() for n, p in model.state_dict().items()}
 
 
-def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpointing=False):
+def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpointing=False, ranks=1):
     config = {
         "model": {"path": str(model_dir), "init": "pretrained"},
         "data": {"train_files": [str(data)], "max_length": 32, "shuffle": False, "packing": packing},
@@ -74,7 +79,13 @@ def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpo
     }
     path = out.parent / f"{out.name}.json"
     path.write_text(json.dumps(config))
-    run_trainer("--config", path)
+    if ranks == 1:
+        run_trainer("--config", path)
+    else:  # data-parallel ranks on this machine (Gloo on the loopback), each training its share of every batch
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "TRAINER_NUM_THREADS": "1"}
+        result = subprocess.run([str(TRAINER), "launch", "--nproc-per-node", str(ranks), "--", "--config", str(path)],
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
     return out / "final"
 
 
@@ -98,3 +109,17 @@ def test_a_family_trains_to_the_weights_of_a_pytorch_loop(name, tmp_path, run_tr
         for n, p in expected.items():
             torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4,
                                        msg=lambda m, n=n, mb=micro_batch, pk=packing: f"micro-batch {mb}, packing {pk}, {n}: {m}")
+
+
+@pytest.mark.parametrize("name", ["gemma2-softcaps", "phi3-partial-longrope"])
+def test_two_data_parallel_ranks_train_a_family_to_the_same_weights(name, tmp_path):
+    """N ranks train what one process trains: 2 ranks (trainer launch), each 2 examples of every batch of 4."""
+    model_dir = make_model_dir(name, tmp_path / "model", **WITHIN_ORIGINAL_LENGTH.get(name, {}))
+    records = examples()
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    expected = reference_weights(model_dir, records)
+    final = train(None, model_dir, data, tmp_path / "ranks", 2, ranks=2)
+    ours = hf_model(final).state_dict()
+    for n, p in expected.items():
+        torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"2 ranks, {n}: {m}")
