@@ -4,7 +4,8 @@ transformers model: AdamW (trainer's defaults: betas 0.9/0.999, eps 1e-8; weight
 the loss the mean over the effective batch's target tokens. Once with the whole batch in one micro-batch, once
 accumulated over micro-batches of one example (what a memory budget forces), once packed (several examples a row,
 attention and positions per example) with activation checkpointing: each within 1e-4 of PyTorch's weights, and the
-saved model is what transformers loads (the families: test_models.FAMILIES)."""
+saved model is what transformers loads (the families: test_models.FAMILIES). For some families also: two
+data-parallel ranks, and a CPU memory budget that makes the whole-batch step run out of memory and split."""
 import json
 import os
 import pathlib
@@ -64,7 +65,7 @@ def reference_weights(model_dir, records):
     return {n: p.detach() for n, p in model.state_dict().items()}
 
 
-def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpointing=False, ranks=1):
+def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpointing=False, ranks=1, limit=None):
     config = {
         "model": {"path": str(model_dir), "init": "pretrained"},
         "data": {"train_files": [str(data)], "max_length": 32, "shuffle": False, "packing": packing},
@@ -74,6 +75,7 @@ def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpo
         "scheduler": {"name": "constant", "warmup_steps": 0},
         "precision": {"mode": "fp32"},
         "device": {"type": "cpu"},
+        "memory": {"limit": limit} if limit else {},
         "checkpoint": {"output_dir": str(out), "every_steps": 0},
         "logging": {"progress": "off"},
     }
@@ -123,3 +125,29 @@ def test_two_data_parallel_ranks_train_a_family_to_the_same_weights(name, tmp_pa
     ours = hf_model(final).state_dict()
     for n, p in expected.items():
         torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"2 ranks, {n}: {m}")
+
+
+def metric(out, key):
+    return [json.loads(line)[key] for line in (out / "metrics.jsonl").read_text().splitlines() if f'"{key}"' in line]
+
+
+@pytest.mark.parametrize("name", ["gemma2-softcaps", "qwen3-headdim-untied"])
+def test_an_out_of_memory_split_reaches_the_same_weights(name, tmp_path, run_trainer):
+    """A CPU budget between the peaks of micro-batches of 1 and 4 examples: the step of 4 runs out of memory, the
+    same effective batch is split and retried, and the run still ends at the PyTorch loop's weights."""
+    model_dir = make_model_dir(name, tmp_path / "model")
+    records = examples()
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    peaks = {}
+    for micro in (1, BATCH):
+        train(run_trainer, model_dir, data, tmp_path / f"peak-{micro}", micro)
+        peaks[micro] = max(metric(tmp_path / f"peak-{micro}", "memory_peak"))
+    assert peaks[1] < peaks[BATCH]
+    out = tmp_path / "constrained"
+    final = train(run_trainer, model_dir, data, out, BATCH, limit=int((peaks[1] + peaks[BATCH]) / 2))
+    assert sum(metric(out, "oom_retries")) >= 1, "the budget never ran out: the test proves nothing"
+    assert min(metric(out, "micro_batch")) < BATCH
+    ours = hf_model(final).state_dict()
+    for n, p in reference_weights(model_dir, records).items():
+        torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"after the split, {n}: {m}")
