@@ -55,6 +55,7 @@ struct NormTypes {
 NormTypes norm_types(const at::Tensor& x, const at::Tensor& weight, RmsNormStyle style) {
   if (style == RmsNormStyle::kLlama)
     return {x.scalar_type() == at::kBFloat16, at::promote_types(x.scalar_type(), weight.scalar_type())};
+  if (style == RmsNormStyle::kFp32Product) return {false, x.scalar_type()};
   const bool low = weight.scalar_type() == at::kBFloat16;
   return {low, low ? at::kBFloat16 : at::kFloat};
 }

@@ -1,4 +1,4 @@
-// Fused RMSNorm (Llama/Qwen2/Mistral RMSNorm, T5LayerNorm) for the CPU: one pass over each row forward, one
+// Fused RMSNorm (Llama/Qwen2/Mistral RMSNorm, T5LayerNorm, the OLMo 2 and Gemma norms) for the CPU: one pass over each row forward, one
 // backward, as a custom autograd function over the loops of fused_kernels.h. layers.cpp calls it where it applies
 // (CPU tensors, fp32 or bf16) and falls back to the ATen composition elsewhere; both give the same values (fp32
 // to rounding; in bf16 the fused backward keeps fp32 where the composition rounds intermediates to bf16).
@@ -16,6 +16,7 @@ namespace trainer {
 enum class RmsNormStyle {
   kLlama,  // LlamaRMSNorm: normalised row cast to the input's dtype, then times the weight
   kT5,     // T5LayerNorm: normalised row in fp32, cast to the weight's dtype when that is bf16/fp16
+  kFp32Product,  // Olmo2RMSNorm, GemmaRMSNorm (weight 1 + w): the product in fp32, cast to the input's dtype
 };
 
 // On unless TRAINER_FUSED_KERNELS=0 in the environment (read once); the benchmarks switch it in process.

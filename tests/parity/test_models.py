@@ -204,7 +204,7 @@ def test_fp32_chunked_loss_and_gradients_match_transformers(name, tmp_path, pari
                                    msg=lambda m, n=param_name: f"gradient of {n}: {m}")
 
 
-@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "qwen2-gqa-tied"])
+@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "qwen2-gqa-tied", "gemma2-softcaps", "olmo2-qk-norm"])
 def test_bf16_logits_match_transformers(name, tmp_path, parity_tool):
     model_dir = make_model_dir(name, tmp_path / "model")
     model = hf_model(model_dir, dtype=torch.bfloat16)

@@ -14,6 +14,7 @@
 #include "models/decoder/rope.h"
 #include "models/decoder/spec.h"
 #include "models/dropout.h"
+#include "models/fused_ops.h"
 #include "models/hf_config.h"
 #include "models/kv_cache.h"
 #include "models/layers.h"
@@ -25,6 +26,11 @@ namespace {
 
 at::Tensor rms_norm(NormKind kind, const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (kind == NormKind::kLlama) return llama_rms_norm(x, weight, eps);
+  // OLMo 2 and Gemma multiply in fp32 and cast the product: the fused CPU kernel's kFp32Product, Gemma's weight as
+  // 1 + w (its gradient flows back through the sum); elsewhere the composition transformers writes.
+  const at::Tensor fused = fused_rms_norm(x, kind == NormKind::kGemma ? 1.0 + weight.to(at::kFloat) : weight, eps,
+                                          RmsNormStyle::kFp32Product);
+  if (fused.defined()) return fused;
   const at::Tensor h = x.to(at::kFloat);
   const at::Tensor normed = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
   if (kind == NormKind::kFp32) return (weight.to(at::kFloat) * normed).to(x.scalar_type());

@@ -29,7 +29,12 @@ NormResult run_norm(bool fused, RmsNormStyle style, const at::Tensor& x0, const 
     y = fused_rms_norm(x, w, 1e-6, style);
     EXPECT_TRUE(y.defined()) << "the fused path must apply to " << x.scalar_type() << "/" << w.scalar_type();
   } else {
-    y = style == RmsNormStyle::kT5 ? t5_rms_norm_unfused(x, w, 1e-6) : llama_rms_norm_unfused(x, w, 1e-6);
+    if (style == RmsNormStyle::kFp32Product) {  // Olmo2RMSNorm as transformers writes it (Gemma's with w = 1 + w)
+      const at::Tensor h = x.to(at::kFloat);
+      y = (w.to(at::kFloat) * (h * at::rsqrt(h.pow(2).mean(-1, true) + 1e-6))).to(x.scalar_type());
+    } else {
+      y = style == RmsNormStyle::kT5 ? t5_rms_norm_unfused(x, w, 1e-6) : llama_rms_norm_unfused(x, w, 1e-6);
+    }
   }
   (y.to(at::kFloat) * g).sum().backward();
   return {y.detach(), x.grad(), weight_grad ? w.grad() : at::Tensor()};
@@ -56,10 +61,12 @@ TEST_F(FusedRmsNorm, MatchesTheCompositionInEveryDtypeCombination) {
     const at::Tensor x = at::randn({3, 5, dim}) * 2.0;
     const at::Tensor w = 1.0 + 0.2 * at::randn({dim});
     const at::Tensor g = at::randn({3, 5, dim});
-    for (auto style : {RmsNormStyle::kLlama, RmsNormStyle::kT5}) {
+    for (auto style : {RmsNormStyle::kLlama, RmsNormStyle::kT5, RmsNormStyle::kFp32Product}) {
       for (auto x_type : {at::kFloat, at::kBFloat16}) {
         for (auto w_type : {at::kFloat, at::kBFloat16}) {
-          const std::string what = std::string(style == RmsNormStyle::kT5 ? "t5" : "llama") + " x " +
+          const std::string what = std::string(style == RmsNormStyle::kT5      ? "t5"
+                                               : style == RmsNormStyle::kLlama ? "llama"
+                                                                               : "fp32-product") + " x " +
                                    c10::toString(x_type) + " w " + c10::toString(w_type) + " dim " + std::to_string(dim);
           const NormResult fused = run_norm(true, style, x.to(x_type), w.to(w_type), g);
           const NormResult plain = run_norm(false, style, x.to(x_type), w.to(w_type), g);
