@@ -38,7 +38,8 @@ def llama_family(kind, **kw):
             "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
             "smollm3": transformers.SmolLM3Config, "olmo2": transformers.Olmo2Config,
             "granite": transformers.GraniteConfig, "gemma2": transformers.Gemma2Config,
-            "gemma3_text": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config}[kind](**base)
+            "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig,
+            "phi3": transformers.Phi3Config}[kind](**base)
 
 
 # The decoder families beyond Llama (models/decoder/families): odd shapes (head_dim != hidden / heads, GQA),
@@ -63,6 +64,22 @@ FAMILIES = {
         tie_word_embeddings=False, final_logit_softcapping=4.0,
         rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **kw),
+    # Gemma 4 with everything its released configs switch on: full layers of their own head_dim with keys as values
+    # and one key/value head, proportional RoPE, the last two layers reusing earlier layers' keys and values with a
+    # double-wide MLP, per-layer input embeddings, soft-capped logits; layer_scalar buffers not 1 (make_model_dir).
+    "gemma4-shared-kv-ple": lambda **kw: llama_family("gemma4_text", **{
+        "num_hidden_layers": 5, "head_dim": 8, "global_head_dim": 16, "attention_k_eq_v": True,
+        "num_global_key_value_heads": 1, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+        "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": VOCAB, "sliding_window": 4,
+        "final_logit_softcapping": 5.0, "pad_token_id": 0,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                        "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.5},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **kw}),
+    "gemma4-plain-untied": lambda **kw: llama_family("gemma4_text", **{
+        "head_dim": 8, "global_head_dim": 8, "hidden_size_per_layer_input": 0, "sliding_window": 4,
+        "tie_word_embeddings": False, "layer_types": ["sliding_attention", "full_attention"], **kw}),
     "phi3-partial-longrope": lambda **kw: llama_family("phi3", **{
         "max_position_embeddings": 64, "original_max_position_embeddings": 8, "pad_token_id": 0,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -103,6 +120,12 @@ def make_model_dir(name, path, **overrides):
         saved["tie_word_embeddings"] = False
         saved.pop("scale_decoder_outputs", None)
         (path / "config.json").write_text(json.dumps(saved))
+    if name.startswith("gemma4"):
+        # Released Gemma 4 checkpoints scale each block's output by a layer_scalar buffer; random init leaves it 1.
+        weights = load_file(path / "model.safetensors")
+        for i, key in enumerate(sorted(k for k in weights if k.endswith("layer_scalar"))):
+            weights[key] = torch.tensor([0.5 + 0.25 * i])
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 
@@ -204,7 +227,8 @@ def test_fp32_chunked_loss_and_gradients_match_transformers(name, tmp_path, pari
                                    msg=lambda m, n=param_name: f"gradient of {n}: {m}")
 
 
-@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "qwen2-gqa-tied", "gemma2-softcaps", "olmo2-qk-norm"])
+@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "qwen2-gqa-tied", "gemma2-softcaps", "olmo2-qk-norm",
+                                  "gemma4-shared-kv-ple"])
 def test_bf16_logits_match_transformers(name, tmp_path, parity_tool):
     model_dir = make_model_dir(name, tmp_path / "model")
     model = hf_model(model_dir, dtype=torch.bfloat16)
