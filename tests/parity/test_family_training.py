@@ -113,7 +113,7 @@ def test_a_family_trains_to_the_weights_of_a_pytorch_loop(name, tmp_path, run_tr
                                        msg=lambda m, n=n, mb=micro_batch, pk=packing: f"micro-batch {mb}, packing {pk}, {n}: {m}")
 
 
-@pytest.mark.parametrize("name", ["gemma2-softcaps", "phi3-partial-longrope"])
+@pytest.mark.parametrize("name", ["gemma2-softcaps", "phi3-partial-longrope", "gemma4-shared-kv-ple"])
 def test_two_data_parallel_ranks_train_a_family_to_the_same_weights(name, tmp_path):
     """N ranks train what one process trains: 2 ranks (trainer launch), each 2 examples of every batch of 4."""
     model_dir = make_model_dir(name, tmp_path / "model", **WITHIN_ORIGINAL_LENGTH.get(name, {}))
