@@ -210,13 +210,87 @@ class DecoderMlp : public Module {
   std::string act_;
 };
 
+// One expert: a gated MLP under the names the files give it (gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2).
+class Expert : public Module {
+ public:
+  Expert(const DecoderSpec& s, const c10::TensorOptions& o) {
+    const MoeSpec& m = s.moe;
+    gate = register_module(m.gate, std::make_shared<Linear>(s.hidden, m.intermediate, false, o));
+    up = register_module(m.up, std::make_shared<Linear>(s.hidden, m.intermediate, false, o));
+    down = register_module(m.down, std::make_shared<Linear>(m.intermediate, s.hidden, false, o));
+  }
+  at::Tensor forward(const at::Tensor& x, const std::string& act) const {
+    return down->forward(activation(gate->forward(x), act) * up->forward(x));
+  }
+  std::shared_ptr<Linear> gate, up, down;
+};
+
+class Experts : public Module {
+ public:
+  void push_back(std::shared_ptr<Expert> expert) {
+    items.push_back(register_module(std::to_string(items.size()), std::move(expert)));
+  }
+  std::vector<std::shared_ptr<Expert>> items;
+};
+
+// The sparse MLP: the router's top-k experts per token, tokens grouped by expert (one sort, then one pass of each
+// expert over its tokens: no loop over tokens, no expert over tokens it was not chosen for), the outputs weighted
+// and summed back per token in expert order, as transformers' experts loop adds them.
+class MoeMlp : public Module {
+ public:
+  MoeMlp(const DecoderSpec& s, const c10::TensorOptions& o) : spec_(s.moe), act_(s.act) {
+    router = register_module(spec_.router, std::make_shared<Linear>(s.hidden, spec_.experts, false, o));
+    experts = register_module("experts", std::make_shared<Experts>());
+    for (int64_t e = 0; e < spec_.experts; ++e) experts->push_back(std::make_shared<Expert>(s, o));
+  }
+
+  // x (B, T, D) -> (B, T, D); `router_logits`, when given, receives the router's logits (B * T, experts).
+  at::Tensor forward(const at::Tensor& x, at::Tensor* router_logits = nullptr) const {
+    const int64_t hidden = x.size(-1);
+    const at::Tensor flat = x.reshape({-1, hidden});
+    const at::Tensor logits = router->forward(flat);
+    if (router_logits) *router_logits = logits;
+    const at::Tensor probabilities = at::softmax(logits.to(at::kFloat), -1);
+    auto [weights, chosen] = at::topk(probabilities, spec_.top_k, -1);  // (N, k)
+    if (spec_.norm_topk) weights = weights / weights.sum(-1, /*keepdim=*/true);
+    if (spec_.weights_in_dtype) weights = weights.to(logits.scalar_type());
+    // Assignments (token, slot) sorted by expert, stably: within an expert, tokens in order.
+    const at::Tensor expert_of = chosen.reshape({-1});
+    const at::Tensor order = std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+    const at::Tensor token_of = at::floor_divide(order, spec_.top_k);
+    const at::Tensor counts = at::bincount(expert_of, {}, spec_.experts).to(at::kCPU);
+    const int64_t* count = counts.data_ptr<int64_t>();
+    const at::Tensor routed = flat.index_select(0, token_of);
+    std::vector<at::Tensor> outputs;
+    int64_t start = 0;
+    for (int64_t e = 0; e < spec_.experts; ++e) {
+      if (count[e] == 0) continue;
+      outputs.push_back(experts->items[static_cast<std::size_t>(e)]->forward(routed.narrow(0, start, count[e]), act_));
+      start += count[e];
+    }
+    const at::Tensor weighted =
+        at::cat(outputs, 0) * weights.reshape({-1}).index_select(0, order).unsqueeze(-1);
+    return at::zeros_like(flat).index_add(0, token_of, weighted.to(flat.scalar_type())).view(x.sizes());
+  }
+
+  std::shared_ptr<Linear> router;
+  std::shared_ptr<Experts> experts;
+
+ private:
+  const MoeSpec& spec_;
+  std::string act_;
+};
+
 class DecoderBlock : public Module {
  public:
   DecoderBlock(std::shared_ptr<const DecoderSpec> spec, std::size_t index, const c10::TensorOptions& o)
       : spec_holder_(std::move(spec)), spec_(*spec_holder_) {
     const DecoderSpec& s = spec_;
     self_attn = register_module("self_attn", std::make_shared<DecoderAttention>(spec_holder_, index, o));
-    mlp = register_module("mlp", std::make_shared<DecoderMlp>(s, s.intermediate_of(index), o));
+    if (s.layers[index].sparse)
+      moe = register_module(s.moe.block, std::make_shared<MoeMlp>(s, o));
+    else
+      mlp = register_module("mlp", std::make_shared<DecoderMlp>(s, s.intermediate_of(index), o));
     auto make_norm = [&](const std::string& name) -> std::shared_ptr<NormWeight> {
       return name.empty() ? nullptr : register_module(name, std::make_shared<NormWeight>(s.hidden, o));
     };
@@ -247,7 +321,8 @@ class DecoderBlock : public Module {
     a = norm(post_attention_norm, a);
     if (resid_attn_dropout) a = resid_attn_dropout->forward(a, is_training());
     const at::Tensor h = residual(x, a);
-    at::Tensor m = norm(post_mlp_norm, mlp->forward(norm(pre_mlp_norm, h)));
+    const at::Tensor mlp_in = norm(pre_mlp_norm, h);
+    at::Tensor m = norm(post_mlp_norm, moe ? moe->forward(mlp_in) : mlp->forward(mlp_in));
     if (resid_mlp_dropout) m = resid_mlp_dropout->forward(m, is_training());
     at::Tensor out = residual(h, m);
     if (per_layer_input_gate) {
@@ -260,6 +335,7 @@ class DecoderBlock : public Module {
   }
   std::shared_ptr<DecoderAttention> self_attn;
   std::shared_ptr<DecoderMlp> mlp;
+  std::shared_ptr<MoeMlp> moe;
   std::shared_ptr<NormWeight> pre_attention_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm;
   std::shared_ptr<Dropout> resid_attn_dropout, resid_mlp_dropout;
   std::shared_ptr<Linear> per_layer_input_gate, per_layer_projection;

@@ -47,6 +47,21 @@ struct DecoderLayerSpec {
   int64_t head_dim = 0, kv_heads = 0, intermediate = 0;
   bool k_eq_v = false;                 // no v_proj: the values are the key projection's output (attention_k_eq_v)
   std::optional<std::size_t> kv_from;  // no k/v projections: attends over that earlier layer's keys and values
+  bool sparse = false;                 // a mixture of experts (DecoderSpec::moe) instead of the dense MLP
+};
+
+// A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router (`router`, a linear layer without bias over the
+// hidden state) scores `experts` experts, softmax in fp32, the top `top_k` weight each token's experts' outputs
+// (renormalised to sum 1 with norm_topk); each expert is a gated MLP of `intermediate` with transformers' module
+// names as the files store them (one tensor per expert: <block>.experts.<e>.<gate>/<up>/<down>).
+struct MoeSpec {
+  int64_t experts = 0, top_k = 0, intermediate = 0;
+  bool norm_topk = false;
+  bool weights_in_dtype = true;  // the routing weights cast to the compute dtype (Qwen3-MoE) or kept fp32 (Mixtral)
+  std::string block = "mlp", router = "gate", gate = "gate_proj", up = "up_proj", down = "down_proj";
+  // The load-balancing loss (output_router_logits): router_aux_loss_coef x transformers' load_balancing_loss_func.
+  bool aux_loss = false;
+  double aux_coef = 0.001;
 };
 
 struct DecoderSpec {
@@ -87,6 +102,7 @@ struct DecoderSpec {
   bool v_norm = false;
   int64_t per_layer_input = 0, per_layer_vocab = 0;
   bool layer_scalar = false;
+  MoeSpec moe;  // for the layers marked sparse
 
   int64_t head_dim_of(std::size_t layer) const { return layers[layer].head_dim ? layers[layer].head_dim : head_dim; }
   int64_t kv_heads_of(std::size_t layer) const { return layers[layer].kv_heads ? layers[layer].kv_heads : kv_heads; }

@@ -22,5 +22,7 @@ DecoderSpec gemma3_spec(const nlohmann::json& config);       // gemma.cpp: the m
 DecoderSpec gemma4_text_spec(const nlohmann::json& config);  // gemma4.cpp
 DecoderSpec gemma4_spec(const nlohmann::json& config);       // gemma4.cpp: the multimodal checkpoint's text model
 DecoderSpec phi3_spec(const nlohmann::json& config);         // phi3.cpp
+DecoderSpec qwen3_moe_spec(const nlohmann::json& config);    // moe.cpp
+DecoderSpec mixtral_spec(const nlohmann::json& config);      // moe.cpp
 
 }  // namespace trainer
