@@ -111,7 +111,7 @@ Activations t5_activations(const nlohmann::json& c, double t, double l, double d
 // per layer where they differ (Gemma 4: full layers' head_dim and kv heads, double-wide MLPs; a layer that reuses
 // another's keys and values keeps none of its own); Gemma 4's per-layer inputs keep per layer their gate, product
 // and projection (3 x width + d_model + the normed d_model) and, outside the blocks, the table rows, the projection
-// and its norm (4 x layers x width).
+// and its norm (4 x layers x width). A sparse layer's MLP: below.
 Activations decoder_activations(const nlohmann::json& c, double t) {
   const auto spec = decoder_spec_for(hf::get_string(c, "model_type", ""), c);
   if (!spec) throw DataError("config.json: model_type \"" + hf::get_string(c, "model_type", "") + "\" is not a decoder family");
@@ -129,7 +129,15 @@ Activations decoder_activations(const nlohmann::json& c, double t) {
     const double head_dim = static_cast<double>(spec->head_dim_of(i));
     const double kv_heads = spec->layers[i].kv_from ? 0.0 : static_cast<double>(spec->kv_heads_of(i));
     max_head_dim = std::max(max_head_dim, head_dim);
-    double block = t * (6 * d + 4 * ff + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
+    // A mixture of experts' MLP keeps per token, for each of its top_k experts, the routed copy of the input, the
+    // gate, up and gated products and the weighted output (what routing sends where changes which expert holds them,
+    // not how many there are), and the router's logits and fp32 probabilities.
+    const MoeSpec& moe = spec->moe;
+    const double mlp = spec->layers[i].sparse
+                           ? static_cast<double>(moe.top_k) * (3 * static_cast<double>(moe.intermediate) + 2 * d) +
+                                 3 * static_cast<double>(moe.experts)
+                           : 4 * ff;
+    double block = t * (6 * d + mlp + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
     if (norms > 2) block += t * d * (norms - 2);
     if (spec->qk_norm != QkNorm::kNone) block += t * (heads + kv_heads) * head_dim;
     if (spec->v_norm) block += t * kv_heads * head_dim;
