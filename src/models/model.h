@@ -111,6 +111,13 @@ class LanguageModel : public Module {
   }
   virtual void set_routing_totals(std::vector<double> totals) { (void)totals; }
   virtual at::Tensor routing_loss() { return {}; }
+  // Since the last set_routing_totals: the effective batch's top-k assignments per expert (over the sparse layers'
+  // real tokens) and this process's shares of the load-balancing loss (without its coefficient), summed.
+  struct RoutingSummary {
+    std::vector<double> assignments;
+    double balancing_loss = 0;
+  };
+  virtual RoutingSummary routing_summary() const { return {}; }
 
   // Generation with a key-value cache over a batch of prompts (B, T) with their attention mask (B, T): causal
   // prompts padded on the left (positions count the real tokens, as transformers derives position ids from the

@@ -168,9 +168,21 @@ def test_the_load_balancing_loss_is_the_effective_batchs_under_any_split(tmp_pat
     expected = reference_weights(model_dir, records)
     without = reference_weights(make_model_dir(name, tmp_path / "plain"), records)
     assert max((expected[n] - without[n]).abs().max().item() for n in expected) > 1e-3, "the loss changes nothing"
+    # transformers' balancing loss of the first effective batch (before any step): the first step's metric.
+    model = hf_model(model_dir)
+    first = records[:BATCH]
+    width = max(len(r["input_ids"]) for r in first)
+    ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in first])
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in first])
+    with torch.no_grad():
+        balancing = model(input_ids=ids, attention_mask=mask).aux_loss.item()
     for micro_batch, packing, ranks in ((BATCH, False, 1), (1, False, 1), (2, True, 1), (BATCH, False, 2)):
-        final = train(run_trainer, model_dir, data, tmp_path / f"run-{micro_batch}-{packing}-{ranks}", micro_batch,
-                      packing=packing, checkpointing=packing, ranks=ranks)
+        out = tmp_path / f"run-{micro_batch}-{packing}-{ranks}"
+        final = train(run_trainer, model_dir, data, out, micro_batch, packing=packing, checkpointing=packing,
+                      ranks=ranks)
+        logged = metric(out, "router/balancing_loss")
+        assert len(logged) == STEPS and abs(logged[0] - balancing) < 1e-5, (logged, balancing)
+        assert all(m >= 1.0 for m in metric(out, "router/busiest_expert_load"))
         ours = hf_model(final).state_dict()
         for n, p in expected.items():
             torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n, mb=micro_batch, pk=packing,

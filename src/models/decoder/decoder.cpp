@@ -669,7 +669,11 @@ class DecoderModel : public LanguageModel {
     const at::Tensor all = at::cat({r.assignments, r.rows.reshape({1})}).to(at::kDouble).to(at::kCPU);
     return {all.data_ptr<double>(), all.data_ptr<double>() + all.numel()};
   }
-  void set_routing_totals(std::vector<double> totals) override { routing_totals_ = std::move(totals); }
+  void set_routing_totals(std::vector<double> totals) override {
+    routing_totals_ = std::move(totals);
+    summary_ = {};
+  }
+  RoutingSummary routing_summary() const override { return summary_; }
 
   // transformers' load_balancing_loss_func: experts x sum_e (assignments_e / rows) (probabilities_e / rows), over
   // every sparse layer and real token of the effective batch; this forward's share is its probabilities' part, the
@@ -689,7 +693,12 @@ class DecoderModel : public LanguageModel {
       rows = at::scalar_tensor(routing_totals_.back(), r.probabilities.options());
     }
     router_logits_.clear();
-    return s_.moe.aux_coef * static_cast<double>(s_.moe.experts) * (assignments / rows * r.probabilities / rows).sum();
+    const at::Tensor loss = static_cast<double>(s_.moe.experts) * (assignments / rows * r.probabilities / rows).sum();
+    // For the metrics: the assignments the loss used (the effective batch's) and its share.
+    const at::Tensor counts = assignments.detach().to(at::kDouble).to(at::kCPU).contiguous();
+    summary_.assignments.assign(counts.data_ptr<double>(), counts.data_ptr<double>() + counts.numel());
+    summary_.balancing_loss += loss.item<double>();
+    return s_.moe.aux_coef * loss;
   }
 
   std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) override {
@@ -859,6 +868,7 @@ class DecoderModel : public LanguageModel {
   std::vector<at::Tensor> router_logits_;
   Batch last_batch_;
   std::vector<double> routing_totals_;
+  RoutingSummary summary_;
   c10::TensorOptions options_;
   at::Tensor lm_head_weight_;
 };

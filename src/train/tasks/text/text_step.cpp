@@ -286,9 +286,30 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
   const auto examples = all.subspan(static_cast<std::size_t>(share_begin), static_cast<std::size_t>(share_count));
   const double normaliser = static_cast<double>(std::max<int64_t>(1, batch.target_tokens));
   TextStepWork work(*this, examples, share_begin, normaliser);
-  return run_attempts(work, {optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm,
-                             options_.max_retries, step, lr, static_cast<int64_t>(all.size()), normaliser,
-                             batch.target_tokens});
+  StepResult result = run_attempts(work, {optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm,
+                                          options_.max_retries, step, lr, static_cast<int64_t>(all.size()),
+                                          normaliser, batch.target_tokens});
+  if (model_.has_routing_loss()) add_routing_metrics(result);
+  return result;
+}
+
+void TrainStep::add_routing_metrics(StepResult& result) {
+  // The load-balancing loss of the effective batch (its ranks' shares summed) and how evenly the top-k assignments
+  // fell: the busiest and the idlest expert's count over the mean count, and the counts' coefficient of variation.
+  const auto summary = model_.routing_summary();
+  double loss = summary.balancing_loss;
+  if (options_.sync) loss = options_.sync->sum({loss}, "the load-balancing loss")[0];
+  result.metrics.emplace_back("router/balancing_loss", loss);
+  const auto& counts = summary.assignments;
+  if (counts.empty()) return;
+  double total = 0, squares = 0;
+  for (double c : counts) total += c;
+  const double mean = total / static_cast<double>(counts.size());
+  if (mean <= 0) return;
+  for (double c : counts) squares += (c - mean) * (c - mean);
+  result.metrics.emplace_back("router/busiest_expert_load", *std::max_element(counts.begin(), counts.end()) / mean);
+  result.metrics.emplace_back("router/idlest_expert_load", *std::min_element(counts.begin(), counts.end()) / mean);
+  result.metrics.emplace_back("router/load_cv", std::sqrt(squares / static_cast<double>(counts.size())) / mean);
 }
 
 }  // namespace trainer

@@ -83,6 +83,8 @@ class TrainStep {
   bool count_routing(std::size_t parts, AttemptOutcome& outcome,
                      const std::function<std::vector<double>(std::size_t)>& counts_of);
   std::vector<double> routing_counts(const Batch& batch);
+  // The router's statistics of the step (mixtures of experts with the load-balancing loss) into its metrics.
+  void add_routing_metrics(StepResult& result);
   friend class TextStepWork;
 
   LanguageModel& model_;
