@@ -8,6 +8,7 @@ on this machine's CPU. Prints Markdown tables.
     scripts/bench/vs_hf.py --all            # the above + the loader benchmark + one table against the goals
     scripts/bench/vs_hf.py --parts cap oom  # some parts only
     scripts/bench/vs_hf.py --parts throughput --models qwen3-100m gemma3-100m   # the decoder families (issue 53)
+    scripts/bench/vs_hf.py --parts throughput --models qwen3moe-100m            # a mixture of experts (issue 57)
 
 Same work on both sides, and checked: the same config.json (written here; random init on each side), the same
 JSONL (scripts/make_demo_data.py), the same tokenizer files, fp32, the same effective batch with no gradient
@@ -66,6 +67,8 @@ MODELS = {
     # The decoder families' shapes at the same size (issue 53): not in the default list; --models qwen3-100m ...
     "qwen3-100m": dict(form="causal", batch=8, steps=6, warmup=2),
     "gemma3-100m": dict(form="causal", batch=8, steps=6, warmup=2),
+    # A mixture of experts (issue 57): --models qwen3moe-100m
+    "qwen3moe-100m": dict(form="causal", batch=8, steps=6, warmup=2),
 }
 LENGTHS = {"seq2seq": {"max_input_length": 256, "max_target_length": 256}, "causal": {"max_length": 512}}
 LR, SEED = 1e-3, 1
@@ -78,7 +81,7 @@ def model_dir(name, dropout=None):
     tokenizer files. t5-60m has t5-small's dimensions and vocabulary size; qwen2-100m is Qwen2-shaped (GQA,
     biases, tied embeddings) with a 32k vocabulary. The tokenizers are the tiny models' (they use only the
     first 256 / 512 ids), so the same text gives the same ids on both sides."""
-    from transformers import AutoConfig, Gemma3TextConfig, Qwen2Config, Qwen3Config, T5Config
+    from transformers import AutoConfig, Gemma3TextConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig, T5Config
     suffix = "" if dropout is None else f"-dropout{dropout:g}"
     path = os.path.join(BENCH_DIR, "models", name + suffix)
     form = MODELS.get(name, {}).get("form", "causal" if "qwen" in name or "gemma" in name else "seq2seq")
@@ -111,6 +114,14 @@ def model_dir(name, dropout=None):
                                   query_pre_attn_scalar=64, sliding_window=256, max_position_embeddings=2048,
                                   pad_token_id=None, bos_token_id=tiny_config.eos_token_id,
                                   eos_token_id=tiny_config.eos_token_id)
+    elif name == "qwen3moe-100m":
+        # Qwen3-MoE-shaped, ~110M parameters of which ~45M active per token: 8 sparse layers of 16 experts (384
+        # wide), 2 per token, q/k norms, GQA, untied 32k embeddings.
+        config = Qwen3MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, moe_intermediate_size=384,
+                                num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                                num_experts=16, num_experts_per_tok=2, norm_topk_prob=True,
+                                max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                bos_token_id=tiny_config.eos_token_id, eos_token_id=tiny_config.eos_token_id)
     else:
         raise ValueError(name)
     if dropout is not None:
