@@ -133,9 +133,10 @@ Activations decoder_activations(const nlohmann::json& c, double t) {
     // gate, up and gated products and the weighted output (what routing sends where changes which expert holds them,
     // not how many there are), and the router's logits and fp32 probabilities.
     const MoeSpec& moe = spec->moe;
+    // Gemma 4's experts run beside the dense MLP, with three norms more.
     const double mlp = spec->layers[i].sparse
                            ? static_cast<double>(moe.top_k) * (3 * static_cast<double>(moe.intermediate) + 2 * d) +
-                                 3 * static_cast<double>(moe.experts)
+                                 3 * static_cast<double>(moe.experts) + (moe.gemma4 ? 4 * ff + 4 * d : 0.0)
                            : 4 * ff;
     double block = t * (6 * d + mlp + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
     if (norms > 2) block += t * d * (norms - 2);

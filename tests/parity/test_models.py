@@ -100,6 +100,11 @@ FAMILIES = {
     "olmoe-clip-qkv": lambda **kw: llama_family("olmoe", **{
         "intermediate_size": 16, "num_experts": 5, "num_experts_per_tok": 3, "clip_qkv": 0.05, "pad_token_id": 1,
         **kw}),
+    # Gemma 4's mixture-of-experts block (26B-A4B): experts beside the dense MLP, stacked in the files.
+    "gemma4-moe-block": lambda **kw: llama_family("gemma4_text", **{
+        "head_dim": 8, "global_head_dim": 16, "hidden_size_per_layer_input": 0, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True, "num_experts": 5,
+        "top_k_experts": 2, "moe_intermediate_size": 12, "final_logit_softcapping": 5.0, **kw}),
     "phi3-partial-longrope": lambda **kw: llama_family("phi3", **{
         "max_position_embeddings": 64, "original_max_position_embeddings": 8, "pad_token_id": 0,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -171,6 +176,10 @@ def make_model_dir(name, path, **overrides):
         weights = load_file(path / "model.safetensors")
         for i, key in enumerate(sorted(k for k in weights if k.endswith("layer_scalar"))):
             weights[key] = torch.tensor([0.5 + 0.25 * i])
+        # Its router's scales start at 1 too (the mixture-of-experts block).
+        g = torch.Generator().manual_seed(5)
+        for key in sorted(k for k in weights if k.endswith(("router.scale", "router.per_expert_scale"))):
+            weights[key] = 0.5 + torch.rand(weights[key].shape, generator=g)
         save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 

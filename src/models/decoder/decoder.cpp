@@ -6,6 +6,7 @@
 // layers load and save by name.
 #include <cmath>
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <tuple>
@@ -240,6 +241,29 @@ class Experts : public Module {
   std::vector<std::shared_ptr<Expert>> items;
 };
 
+// The experts' part of a sparse MLP: flat (N, D) tokens, their top-k `weights` and `chosen` experts (N, k); the
+// (token, slot) assignments sorted by expert, stably (within an expert, tokens in order), each expert run once over
+// its tokens (`expert(e, tokens)`), the outputs weighted and added back per token in expert order.
+at::Tensor combine(const at::Tensor& flat, const at::Tensor& weights, const at::Tensor& chosen, int64_t experts,
+                   const std::function<at::Tensor(int64_t, const at::Tensor&)>& expert) {
+  const int64_t top_k = chosen.size(-1);
+  const at::Tensor expert_of = chosen.reshape({-1});
+  const at::Tensor order = std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const at::Tensor token_of = at::floor_divide(order, top_k);
+  const at::Tensor counts = at::bincount(expert_of, {}, experts).to(at::kCPU);
+  const int64_t* count = counts.data_ptr<int64_t>();
+  const at::Tensor routed = flat.index_select(0, token_of);
+  std::vector<at::Tensor> outputs;
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (count[e] == 0) continue;
+    outputs.push_back(expert(e, routed.narrow(0, start, count[e])));
+    start += count[e];
+  }
+  const at::Tensor weighted = at::cat(outputs, 0) * weights.reshape({-1}).index_select(0, order).unsqueeze(-1);
+  return at::zeros_like(flat).index_add(0, token_of, weighted.to(flat.scalar_type()));
+}
+
 // The sparse MLP: the router's top-k experts per token, tokens grouped by expert (one sort, then one pass of each
 // expert over its tokens: no loop over tokens, no expert over tokens it was not chosen for), the outputs weighted
 // and summed back per token in expert order, as transformers' experts loop adds them.
@@ -265,23 +289,9 @@ class MoeMlp : public Module {
     auto [weights, chosen] = at::topk(probabilities, spec_.top_k, -1);  // (N, k)
     if (spec_.norm_topk) weights = weights / weights.sum(-1, /*keepdim=*/true);
     if (spec_.weights_in_dtype) weights = weights.to(logits.scalar_type());
-    // Assignments (token, slot) sorted by expert, stably: within an expert, tokens in order.
-    const at::Tensor expert_of = chosen.reshape({-1});
-    const at::Tensor order = std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-    const at::Tensor token_of = at::floor_divide(order, spec_.top_k);
-    const at::Tensor counts = at::bincount(expert_of, {}, spec_.experts).to(at::kCPU);
-    const int64_t* count = counts.data_ptr<int64_t>();
-    const at::Tensor routed = flat.index_select(0, token_of);
-    std::vector<at::Tensor> outputs;
-    int64_t start = 0;
-    for (int64_t e = 0; e < spec_.experts; ++e) {
-      if (count[e] == 0) continue;
-      outputs.push_back(experts->items[static_cast<std::size_t>(e)]->forward(routed.narrow(0, start, count[e]), act_));
-      start += count[e];
-    }
-    const at::Tensor weighted =
-        at::cat(outputs, 0) * weights.reshape({-1}).index_select(0, order).unsqueeze(-1);
-    at::Tensor out = at::zeros_like(flat).index_add(0, token_of, weighted.to(flat.scalar_type()));
+    at::Tensor out = combine(flat, weights, chosen, spec_.experts, [&](int64_t e, const at::Tensor& tokens) {
+      return experts->items[static_cast<std::size_t>(e)]->forward(tokens, act_);
+    });
     if (shared_expert)  // Qwen2-MoE: plus the shared expert, gated per token
       out = out + at::sigmoid(shared_expert_gate->forward(flat)) * shared_expert->forward(flat);
     return out.view(x.sizes());
@@ -297,16 +307,52 @@ class MoeMlp : public Module {
   std::string act_;
 };
 
+// Gemma 4's router: the residual RMS-normed without a weight, times `scale` and hidden^-0.5, scored by `proj`.
+class Gemma4Router : public Module {
+ public:
+  Gemma4Router(const DecoderSpec& s, const c10::TensorOptions& o) {
+    proj = register_module("proj", std::make_shared<Linear>(s.hidden, s.moe.experts, false, o));
+    scale = at::ones({s.hidden}, o);
+    per_expert_scale = at::ones({s.moe.experts}, o);
+    register_parameter("scale", &scale);
+    register_parameter("per_expert_scale", &per_expert_scale);
+  }
+  std::shared_ptr<Linear> proj;
+  at::Tensor scale, per_expert_scale;
+};
+
+// Experts as two stacked tensors (Gemma 4's files): gate_up_proj (E, 2I, H), gate rows first; down_proj (E, H, I).
+class StackedExperts : public Module {
+ public:
+  StackedExperts(const DecoderSpec& s, const c10::TensorOptions& o) {
+    const MoeSpec& m = s.moe;
+    gate_up_proj = at::empty({m.experts, 2 * m.intermediate, s.hidden}, o);
+    down_proj = at::empty({m.experts, s.hidden, m.intermediate}, o);
+    register_parameter("gate_up_proj", &gate_up_proj);
+    register_parameter("down_proj", &down_proj);
+  }
+  at::Tensor forward(int64_t e, const at::Tensor& x, const std::string& act) const {
+    const at::Tensor both = at::linear(x, gate_up_proj.select(0, e));
+    const int64_t half = both.size(-1) / 2;
+    return at::linear(activation(both.narrow(-1, 0, half), act) * both.narrow(-1, half, half), down_proj.select(0, e));
+  }
+  at::Tensor gate_up_proj, down_proj;
+};
+
 class DecoderBlock : public Module {
  public:
   DecoderBlock(std::shared_ptr<const DecoderSpec> spec, std::size_t index, const c10::TensorOptions& o)
       : spec_holder_(std::move(spec)), spec_(*spec_holder_) {
     const DecoderSpec& s = spec_;
     self_attn = register_module("self_attn", std::make_shared<DecoderAttention>(spec_holder_, index, o));
-    if (s.layers[index].sparse)
+    if (s.layers[index].sparse && !s.moe.gemma4)
       moe = register_module(s.moe.block, std::make_shared<MoeMlp>(s, o));
     else
       mlp = register_module("mlp", std::make_shared<DecoderMlp>(s, s.intermediate_of(index), o));
+    if (s.layers[index].sparse && s.moe.gemma4) {  // beside the dense MLP
+      router = register_module("router", std::make_shared<Gemma4Router>(s, o));
+      experts = register_module("experts", std::make_shared<StackedExperts>(s, o));
+    }
     auto make_norm = [&](const std::string& name) -> std::shared_ptr<NormWeight> {
       return name.empty() ? nullptr : register_module(name, std::make_shared<NormWeight>(s.hidden, o));
     };
@@ -317,6 +363,11 @@ class DecoderBlock : public Module {
     if (s.residual_dropout > 0) {
       resid_attn_dropout = register_module("resid_attn_dropout", std::make_shared<Dropout>(s.residual_dropout));
       resid_mlp_dropout = register_module("resid_mlp_dropout", std::make_shared<Dropout>(s.residual_dropout));
+    }
+    if (router) {
+      post_feedforward_layernorm_1 = make_norm("post_feedforward_layernorm_1");
+      post_feedforward_layernorm_2 = make_norm("post_feedforward_layernorm_2");
+      pre_feedforward_layernorm_2 = make_norm("pre_feedforward_layernorm_2");
     }
     if (s.per_layer_input > 0) {
       per_layer_input_gate =
@@ -338,7 +389,9 @@ class DecoderBlock : public Module {
     if (resid_attn_dropout) a = resid_attn_dropout->forward(a, is_training());
     const at::Tensor h = residual(x, a);
     const at::Tensor mlp_in = norm(pre_mlp_norm, h);
-    at::Tensor m = norm(post_mlp_norm, moe ? moe->forward(mlp_in, router_logits) : mlp->forward(mlp_in));
+    at::Tensor m = moe ? moe->forward(mlp_in, router_logits) : mlp->forward(mlp_in);
+    if (router) m = norm(post_feedforward_layernorm_1, m) + gemma4_experts(h, router_logits);
+    m = norm(post_mlp_norm, m);
     if (resid_mlp_dropout) m = resid_mlp_dropout->forward(m, is_training());
     at::Tensor out = residual(h, m);
     if (per_layer_input_gate) {
@@ -352,6 +405,9 @@ class DecoderBlock : public Module {
   std::shared_ptr<DecoderAttention> self_attn;
   std::shared_ptr<DecoderMlp> mlp;
   std::shared_ptr<MoeMlp> moe;
+  std::shared_ptr<Gemma4Router> router;
+  std::shared_ptr<StackedExperts> experts;
+  std::shared_ptr<NormWeight> post_feedforward_layernorm_1, post_feedforward_layernorm_2, pre_feedforward_layernorm_2;
   std::shared_ptr<NormWeight> pre_attention_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm;
   std::shared_ptr<Dropout> resid_attn_dropout, resid_mlp_dropout;
   std::shared_ptr<Linear> per_layer_input_gate, per_layer_projection;
@@ -361,6 +417,25 @@ class DecoderBlock : public Module {
  private:
   at::Tensor norm(const std::shared_ptr<NormWeight>& n, const at::Tensor& x) const {
     return n ? rms_norm(spec_.norm, x, n->weight, spec_.eps) : x;
+  }
+  // Gemma 4's experts over the block's residual h (B, T, D), as Gemma4TextDecoderLayer runs them.
+  at::Tensor gemma4_experts(const at::Tensor& h, at::Tensor* router_logits) const {
+    const MoeSpec& m = spec_.moe;
+    const at::Tensor flat = h.reshape({-1, h.size(-1)});
+    const at::Tensor scored = unit_rms_norm(flat, spec_.eps) * router->scale *
+                              std::pow(static_cast<double>(spec_.hidden), -0.5);
+    const at::Tensor logits = router->proj->forward(scored);
+    if (router_logits) *router_logits = logits;
+    const at::Tensor probabilities = at::softmax(logits.to(at::kFloat), -1);
+    auto [weights, chosen] = at::topk(probabilities, m.top_k, -1);
+    weights = weights / weights.sum(-1, /*keepdim=*/true);
+    weights = weights * router->per_expert_scale.index({chosen});
+    const at::Tensor routed_in = norm(pre_feedforward_layernorm_2, flat);
+    const std::string& act = spec_.act;
+    const at::Tensor out = combine(routed_in, weights, chosen, m.experts, [&](int64_t e, const at::Tensor& tokens) {
+      return experts->forward(e, tokens, act);
+    });
+    return norm(post_feedforward_layernorm_2, out.view(h.sizes()));
   }
   at::Tensor residual(const at::Tensor& x, const at::Tensor& branch) const {
     return spec_.residual_multiplier == 1.0 ? x + branch : x + branch * spec_.residual_multiplier;
@@ -589,7 +664,7 @@ class DecoderModel : public LanguageModel {
       if (layer_input.defined()) inputs.push_back(layer_input);
       if (reuse) inputs.insert(inputs.end(), {reuse->keys, reuse->values});
       const bool has_layer_input = layer_input.defined(), reuses = reuse != nullptr;
-      const bool routes = routing_ && block->moe;  // the router's logits are wanted (the load-balancing loss)
+      const bool routes = routing_ && (block->moe || block->router);  // the router's logits are wanted (the load-balancing loss)
       // The block's outputs: x, then this layer's keys and values when later layers reuse them, then its router's
       // logits when wanted.
       auto run = [block, layout, varlen, window, has_layer_input, reuses, produces,
@@ -804,6 +879,7 @@ class DecoderModel : public LanguageModel {
     const double std_dev = s_.initializer_range;
     for_each_parameter([&](const std::string& name, at::Tensor& p) {
       if (name.ends_with("norm.weight")) p.fill_(s_.norm == NormKind::kGemma ? 0.0 : 1.0);  // Gemma: 1 + weight
+      else if (name.ends_with("router.scale") || name.ends_with("router.per_expert_scale")) p.fill_(1.0);
       else if (name.ends_with(".bias")) p.zero_();
       else p.normal_(0.0, std_dev);
     });

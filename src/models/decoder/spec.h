@@ -62,6 +62,12 @@ struct MoeSpec {
   // The load-balancing loss (output_router_logits): router_aux_loss_coef x transformers' load_balancing_loss_func.
   bool aux_loss = false;
   double aux_coef = 0.001;
+  // Gemma 4's block (enable_moe_block): the experts run beside the dense MLP, not instead of it, on the block's
+  // residual (pre_feedforward_layernorm_2 before them, post_feedforward_layernorm_1 / _2 on the two outputs, summed
+  // before post_feedforward_layernorm); its router (router.proj) scores the unweighted-RMS-normed residual times
+  // router.scale and hidden^-0.5, and multiplies the renormalised top-k weights by router.per_expert_scale; the
+  // experts are two stacked tensors as the files hold them (experts.gate_up_proj (E, 2I, H), experts.down_proj).
+  bool gemma4 = false;
   // Qwen2-MoE: a shared expert of this width (a gated MLP, shared_expert.*) every token also goes through, times
   // sigmoid(shared_expert_gate(x)); 0: none.
   int64_t shared_expert = 0;

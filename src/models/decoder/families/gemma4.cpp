@@ -5,7 +5,7 @@
 // values taken from the key projection; proportional RoPE on the full layers; the last num_kv_shared_layers layers
 // attending over the keys and values of the last earlier layer of their type (with twice the MLP width under
 // use_double_wide_mlp); per-layer input embeddings (PLE) added after each block's MLP; each block's output times
-// its layer_scalar buffer. The mixture-of-experts block (enable_moe_block) is refused.
+// its layer_scalar buffer; with enable_moe_block, a mixture of experts beside each block's dense MLP.
 #include <cmath>
 #include <map>
 #include <string>
@@ -94,9 +94,6 @@ DecoderSpec gemma4_text_spec(const nlohmann::json& c) {
                                           .layers = 30, .heads = 8, .kv_heads = 4, .eos = 1});
   s.pad_token_id = hf::get_optional_int(c, "pad_token_id").value_or(0);
   if (*s.pad_token_id < 0 || *s.pad_token_id >= s.vocab_size) s.pad_token_id.reset();
-  if (hf::get_bool(c, "enable_moe_block", false))
-    throw config_error("\"enable_moe_block\" is true: Gemma 4's mixture-of-experts block is not supported yet",
-                       "trainer fine-tunes the dense Gemma 4 models (E2B, E4B, 31B)");
   if (const auto* b = hf::find(c, "use_bidirectional_attention");
       b && ((b->is_string() && *b == "all") || (b->is_boolean() && b->get<bool>())))
     throw config_error("\"use_bidirectional_attention\" is " + b->dump() + ": every token attends both ways",
@@ -170,6 +167,23 @@ DecoderSpec gemma4_text_spec(const nlohmann::json& c) {
     s.layers[i].head_dim = s.head_dim_of(*s.layers[i].kv_from);
     s.layers[i].kv_heads = s.kv_heads_of(*s.layers[i].kv_from);
     if (double_wide) s.layers[i].intermediate = 2 * s.intermediate;
+  }
+
+  // The mixture-of-experts block (Gemma 4 26B-A4B): in every layer, beside the dense MLP.
+  if (hf::get_bool(c, "enable_moe_block", false)) {
+    MoeSpec& m = s.moe;
+    m.gemma4 = true;
+    m.experts = hf::get_int(c, "num_experts", 0);
+    m.top_k = hf::get_int(c, "top_k_experts", 0);
+    m.intermediate = hf::get_int(c, "moe_intermediate_size", 0);
+    m.norm_topk = true;
+    m.weights_in_dtype = false;
+    if (m.experts <= 0 || m.top_k <= 0 || m.top_k > m.experts || m.intermediate <= 0)
+      throw config_error("\"enable_moe_block\" is true but num_experts (" + std::to_string(m.experts) +
+                             "), top_k_experts (" + std::to_string(m.top_k) + ") or moe_intermediate_size (" +
+                             std::to_string(m.intermediate) + ") is missing or out of range",
+                         "the block needs num_experts, 1 <= top_k_experts <= num_experts and moe_intermediate_size");
+    for (auto& layer : s.layers) layer.sparse = true;
   }
 
   // Per-layer input embeddings (hidden_size_per_layer_input; 0 or null: none).
