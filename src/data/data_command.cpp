@@ -20,6 +20,7 @@
 
 #include "chat/jinja.h"
 #include "data/chat_record.h"
+#include "data/dataset.h"
 #include "data/image_loader.h"
 #include "data/jsonl.h"
 #include "data/packing.h"
@@ -167,9 +168,14 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
                    const DataCommandOptions& options, const RecordMapper& map, std::ostream& out) {
   data::MappingSpec spec = data::mapping_spec(config, family);
   spec.keep_chat_text = true;
-  data::LineReader reader(options.dump_file);
+  data::OrderedRecordReader reader(options.dump_file);
+  // JSONL records are named by their 1-based line, Parquet/Arrow records by their 0-based row.
+  const char* number_key = reader.table() ? "row" : "line";
+  const auto where = [&](std::uint64_t number) {
+    return options.dump_file + (reader.table() ? ": row " : ":") + std::to_string(number);
+  };
   std::string record;
-  std::uint64_t line = 0, offset = 0;
+  std::uint64_t line = 0;
   int64_t written = 0;
   // Lines are gathered and written a megabyte at a time; what was gathered is written before an error stops the dump.
   std::string buffer;
@@ -177,13 +183,13 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
     out.write(buffer.data(), static_cast<std::streamsize>(buffer.size()));
     buffer.clear();
   };
-  while (written < options.dump && reader.next(record, line, offset)) {
+  while (written < options.dump && reader.next(record, line)) {
     const data::Outcome outcome = map ? map(record) : data::map_record(record, spec, tokenizer);
-    nlohmann::ordered_json entry = {{"line", line}};
+    nlohmann::ordered_json entry = {{number_key, line}};
     if (outcome.kind == data::OutcomeKind::kBadRecord) {
       if (config.data.on_bad_record == BadRecordPolicy::kError || outcome.fatal) {
         flush();
-        throw DataError(options.dump_file + ":" + std::to_string(line) + ": " + outcome.problem,
+        throw DataError(where(line) + ": " + outcome.problem,
                         !outcome.hint.empty() ? outcome.hint
                                               : "fix or remove the record, or set data.on_bad_record = \"skip\"");
       }
@@ -195,7 +201,7 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
     } else {
       // Written directly, the bytes entry.dump() would write: the ids are most of the output.
       char digits[24];
-      buffer += "{\"line\":";
+      buffer += reader.table() ? "{\"row\":" : "{\"line\":";
       buffer.append(digits, std::to_chars(digits, digits + sizeof digits, line).ptr);
       buffer += ",\"input_ids\":";
       const std::size_t ids_at = buffer.size();
@@ -231,15 +237,15 @@ void preview_chat(const Config& config, const Tokenizer& tokenizer, std::ostream
   constexpr std::uint64_t kLinesLooked = 1000;
   const auto files = data::expand_globs(config.data.train_files, "data.train_files");
   if (files.empty()) return;
-  data::LineReader reader(files.front());
+  data::OrderedRecordReader reader(files.front());
   std::string record;
-  std::uint64_t line = 0, offset = 0;
-  while (reader.next(record, line, offset) && line <= kLinesLooked) {
+  std::uint64_t line = 0;
+  while (reader.next(record, line) && line <= kLinesLooked) {
     if (record.find(std::string("\"") + data::kMessagesField + "\"") == std::string::npos) continue;
     const data::Outcome outcome = data::map_record(record, data::mapping_spec(config, DataFamily::kCausal), tokenizer);
     if (outcome.kind != data::OutcomeKind::kExample) continue;
-    out << fmt::format("first chat record ({}:{}), trained tokens between [[ and ]] (data.train_on):\n{}\n",
-                       files.front(), line, mark_trained(tokenizer, outcome.example));
+    out << fmt::format("first chat record ({}{}{}), trained tokens between [[ and ]] (data.train_on):\n{}\n",
+                       files.front(), reader.table() ? ": row " : ":", line, mark_trained(tokenizer, outcome.example));
     return;
   }
 }
