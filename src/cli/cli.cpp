@@ -285,7 +285,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                        "labels (-100: not trained) and, for chat records, the rendered text; streams nothing else")
       ->type_name("N")
       ->check(CLI::NonNegativeNumber);
-  data_cmd->add_option("file", data_options.dump_file, "With --dump: the JSONL file (plain or .gz) to read")
+  data_cmd->add_option("file", data_options.dump_file, "With --dump: the data file to read (JSONL, plain or .gz; Parquet; Arrow), a glob, or a datasets folder (DIR, DIR:SPLIT)")
       ->type_name("FILE");
   data_cmd->footer(kExitCodeHelp);
 

@@ -40,6 +40,9 @@ bool ends_with(const std::string& text, const char* suffix) {
 // By the first bytes: Parquet files start with "PAR1", Arrow IPC files with "ARROW1"; anything else is taken for
 // an IPC stream (datasets' data-*.arrow), which Arrow then checks message by message.
 Format format_of(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    throw DataError(path + ": not a regular file", "name a Parquet or Arrow file, or a folder datasets wrote (DIR, DIR:SPLIT)");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DataError(path + ": cannot read (" + std::strerror(errno) + ")", "check that the data file exists");
   char magic[6] = {};

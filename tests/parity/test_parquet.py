@@ -3,6 +3,7 @@ groups) and as an Arrow IPC file, and by `datasets` (save_to_disk's data-*.arrow
 same `trainer data --dump` examples for every record kind, train to the same weights, resume exactly from the middle
 of a row group, and bad files are named with their row group, row and column (exit 3)."""
 import json
+import pathlib
 import re
 
 import pytest
@@ -187,3 +188,31 @@ def test_bad_tables_are_named_with_row_group_row_and_column(root, tmp_path, run_
     (bad / "text.parquet").write_text("{\"messages\": []}\n")
     code, err = run_bad(run_trainer, model_config(root, tmp_path, "chat", [bad / "text.parquet"]))
     assert code == 3 and "text.parquet: not a Parquet file" in err, err
+
+
+def test_datasets_folders_read_like_their_files(root, tmp_path, run_trainer):
+    """A save_to_disk folder (DIR), a DatasetDict folder (DIR:train) and load_dataset's cache folder (DIR:train)
+    give the JSONL examples, as --dump FILE and as data.train_files; a missing split is exit 3 naming the splits."""
+    rows = records("chat")
+    files = write_all(tmp_path / "data", rows)
+    config = model_config(root, tmp_path, "chat", [files["jsonl"]])
+    expected = dump(run_trainer, config, files["jsonl"])
+    for e in expected:
+        e.pop("line")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dict"))
+    loaded = datasets.load_dataset("json", data_files={"train": str(files["jsonl"])}, cache_dir=str(tmp_path / "hf"))
+    cache_dir = {pathlib.Path(f["filename"]).parent for f in loaded["train"].cache_files}.pop()
+    for source in [tmp_path / "data" / "saved", f"{tmp_path / 'dict'}:train", f"{cache_dir}:train"]:
+        got = dump(run_trainer, config, source)
+        for g in got:
+            g.pop("row")
+            g.pop("file", None)
+        assert got == expected, source
+        counts = run_trainer("data", "--config", model_config(root, tmp_path, "chat", [source])).stdout
+        assert "examples            11" in counts, counts
+    for source, splits in [(tmp_path / "dict", "train, test"), (f"{tmp_path / 'dict'}:validation", "train, test"),
+                           (f"{cache_dir}:test", "train")]:
+        result = run_trainer("data", "--config", model_config(root, tmp_path, "chat", [source]), check=False)
+        assert result.returncode == 3 and splits in result.stderr and "data.train_files" in result.stderr, \
+            result.stderr
