@@ -299,9 +299,9 @@ int run_data(const Config& config, std::ostream& out, const DataCommandOptions& 
   if (options.dump >= 0) {
     std::vector<std::string> files;
     if (options.dump_file.empty()) {
+      // The training files in order (several: a glob, a datasets folder's shards, a Hub dataset's Parquet files).
       files = data::expand_globs(config.data.train_files, "data.train_files");
       if (files.empty()) throw UsageError("trainer data --dump needs a FILE or data.train_files", "name the data file");
-      files.resize(1);  // the first training file
     } else {
       files = data::expand_globs({options.dump_file}, "FILE");  // a file, a glob, or a datasets folder (DIR:split)
     }
