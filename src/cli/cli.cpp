@@ -206,7 +206,7 @@ bool is_top_level_flag(const std::string& arg) {
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
   std::string model_types;
   for (const auto& [type, family] : supported_model_types()) model_types += (model_types.empty() ? "" : ", ") + type;
-  CLI::App app{"trainer: fine-tune Hugging Face seq2seq (T5), causal (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3/4,\n"
+  CLI::App app{"trainer: fine-tune Hugging Face seq2seq (T5), causal (Llama, Qwen2/3, Mistral, Gemma 2/3/4, Phi-3/4,\n"
                "SmolLM3, OLMo 2, Granite), image (ViT) and CLIP models with LibTorch, adapting the micro-batch to the\n"
                "memory it has instead of dying of out-of-memory.\nText model types (config.json's model_type): " +
                    model_types,

@@ -16,7 +16,9 @@ const std::vector<std::pair<std::string, std::string>>& supported_model_types() 
   static const std::vector<std::pair<std::string, std::string>> types = {
       {"t5", "seq2seq"},      {"llama", "causal"},   {"qwen2", "causal"},  {"mistral", "causal"},
       {"qwen3", "causal"},    {"smollm3", "causal"}, {"olmo2", "causal"},  {"granite", "causal"},
-      {"gemma2", "causal"},   {"gemma3_text", "causal"}, {"gemma3", "causal"}, {"phi3", "causal"}};
+      {"gemma2", "causal"},   {"gemma3_text", "causal"}, {"gemma3", "causal"},
+      {"gemma4_text", "causal"}, {"gemma4", "causal"}, {"phi3", "causal"},
+      {"qwen3_moe", "causal"},   {"mixtral", "causal"}};
   return types;
 }
 

@@ -107,34 +107,56 @@ Activations t5_activations(const nlohmann::json& c, double t, double l, double d
 // The decoder families (models/decoder): per token and layer 6 d_model + 4 intermediate + 2 (q and attention
 // output) heads x head_dim + 2 (k, v) kv_heads x head_dim, plus the float attention mask of t x t per layer; a
 // d_model more for each norm beyond Llama's two and a q and k more with q/k norms; more with attention dropout or
-// soft-capped scores (below). The shapes are the family's (head_dim and the rest with its config class's defaults).
+// soft-capped scores (below). The shapes are the family's (head_dim and the rest with its config class's defaults),
+// per layer where they differ (Gemma 4: full layers' head_dim and kv heads, double-wide MLPs; a layer that reuses
+// another's keys and values keeps none of its own); Gemma 4's per-layer inputs keep per layer their gate, product
+// and projection (3 x width + d_model + the normed d_model) and, outside the blocks, the table rows, the projection
+// and its norm (4 x layers x width). A sparse layer's MLP: below.
 Activations decoder_activations(const nlohmann::json& c, double t) {
   const auto spec = decoder_spec_for(hf::get_string(c, "model_type", ""), c);
   if (!spec) throw DataError("config.json: model_type \"" + hf::get_string(c, "model_type", "") + "\" is not a decoder family");
   const double d = static_cast<double>(spec->hidden);
-  const double ff = static_cast<double>(spec->intermediate);
   const double heads = static_cast<double>(spec->heads);
-  const double kv_heads = static_cast<double>(spec->kv_heads);
-  const double head_dim = static_cast<double>(spec->head_dim);
   const double layers = static_cast<double>(spec->layers.size());
   const double vocab = static_cast<double>(spec->vocab_size);
-
-  double block = t * (6 * d + 4 * ff + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
+  const double per_layer = static_cast<double>(spec->per_layer_input);
   const int norms = !spec->pre_attention_norm.empty() + !spec->post_attention_norm.empty() +
                     !spec->pre_mlp_norm.empty() + !spec->post_mlp_norm.empty();
-  if (norms > 2) block += t * d * (norms - 2);
-  if (spec->qk_norm != QkNorm::kNone) block += t * (heads + kv_heads) * head_dim;
-  // attention_dropout > 0: keyed dropout computes the probabilities explicitly, keeping per head and (query, key)
-  // the probabilities and the dropped probabilities (the byte mask is within the fit), and with grouped-query
-  // attention the keys and values repeated per head (measured: within 5% of the difference, 0.1% to 5% overall).
-  // Soft-capped scores (Gemma 2) take the same explicit path, keeping the scores, their tanh and the probabilities.
-  if (spec->attention_dropout > 0 || spec->attention_softcap)
-    block += t * ((spec->attention_softcap ? 3 : 2) * heads * t + (kv_heads != heads ? heads * head_dim : 0));
-  const double outside = t * (3 * d + 21 + 2 * head_dim);
+
+  double saved = 0, largest = 0, max_head_dim = 0;
+  for (std::size_t i = 0; i < spec->layers.size(); ++i) {
+    const double ff = static_cast<double>(spec->intermediate_of(i));
+    const double head_dim = static_cast<double>(spec->head_dim_of(i));
+    const double kv_heads = spec->layers[i].kv_from ? 0.0 : static_cast<double>(spec->kv_heads_of(i));
+    max_head_dim = std::max(max_head_dim, head_dim);
+    // A mixture of experts' MLP keeps per token, for each of its top_k experts, the routed copy of the input, the
+    // gate, up and gated products and the weighted output (what routing sends where changes which expert holds them,
+    // not how many there are), and the router's logits and fp32 probabilities.
+    const MoeSpec& moe = spec->moe;
+    const double mlp = spec->layers[i].sparse
+                           ? static_cast<double>(moe.top_k) * (3 * static_cast<double>(moe.intermediate) + 2 * d) +
+                                 3 * static_cast<double>(moe.experts)
+                           : 4 * ff;
+    double block = t * (6 * d + mlp + 2 * heads * head_dim + 2 * kv_heads * head_dim + t);
+    if (norms > 2) block += t * d * (norms - 2);
+    if (spec->qk_norm != QkNorm::kNone) block += t * (heads + kv_heads) * head_dim;
+    if (spec->v_norm) block += t * kv_heads * head_dim;
+    // attention_dropout > 0: keyed dropout computes the probabilities explicitly, keeping per head and (query, key)
+    // the probabilities and the dropped probabilities (the byte mask is within the fit), and with grouped-query
+    // attention the keys and values repeated per head (measured: within 5% of the difference, 0.1% to 5% overall).
+    // Soft-capped scores (Gemma 2) take the same explicit path, keeping the scores, their tanh and the probabilities.
+    if (spec->attention_dropout > 0 || spec->attention_softcap)
+      block += t * ((spec->attention_softcap ? 3 : 2) * heads * t +
+                    (spec->kv_heads_of(i) != spec->heads ? heads * head_dim : 0));
+    if (per_layer > 0) block += t * (3 * per_layer + 2 * d);
+    saved += block;
+    largest = std::max(largest, block);
+  }
+  const double outside = t * (3 * d + 21 + 2 * max_head_dim) + t * 4 * layers * per_layer;
   Activations a;
-  a.saved = layers * block + outside;
+  a.saved = saved + outside;
   a.checkpointed = layers * t * d + outside;
-  a.largest_block = block;
+  a.largest_block = largest;
   a.log_probs = t * vocab;
   a.targets = t;
   return a;

@@ -140,6 +140,17 @@ std::vector<std::string> lora_target_layers(LanguageModel& model, const std::vec
   if (!not_linear.empty())
     throw UsageError("lora.target_modules selects modules that are not linear layers: " + join(not_linear),
                      kHintTargets);
+  // A mixture of experts' experts are one module each here, as the files store them, but transformers 5 holds
+  // them as 3D parameters that PEFT's target_modules cannot name: an adapter on them would not load in PEFT.
+  std::vector<std::string> experts;
+  for (const auto& name : selected)
+    if (name.find(".experts.") != std::string::npos) experts.push_back(name);
+  if (!experts.empty())
+    throw UsageError("lora.target_modules selects the experts of a mixture of experts (" + experts.front() +
+                         (experts.size() > 1 ? " and " + std::to_string(experts.size() - 1) + " more" : "") +
+                         "): LoRA on experts is not supported yet",
+                     "adapt the attention (q_proj, k_proj, v_proj, o_proj) and the dense layers' MLPs by their full "
+                     "names; the experts and the router stay frozen");
   return selected;
 }
 

@@ -113,7 +113,7 @@ def test_a_family_trains_to_the_weights_of_a_pytorch_loop(name, tmp_path, run_tr
                                        msg=lambda m, n=n, mb=micro_batch, pk=packing: f"micro-batch {mb}, packing {pk}, {n}: {m}")
 
 
-@pytest.mark.parametrize("name", ["gemma2-softcaps", "phi3-partial-longrope"])
+@pytest.mark.parametrize("name", ["gemma2-softcaps", "phi3-partial-longrope", "gemma4-shared-kv-ple"])
 def test_two_data_parallel_ranks_train_a_family_to_the_same_weights(name, tmp_path):
     """N ranks train what one process trains: 2 ranks (trainer launch), each 2 examples of every batch of 4."""
     model_dir = make_model_dir(name, tmp_path / "model", **WITHIN_ORIGINAL_LENGTH.get(name, {}))
@@ -151,3 +151,19 @@ def test_an_out_of_memory_split_reaches_the_same_weights(name, tmp_path, run_tra
     ours = hf_model(final).state_dict()
     for n, p in reference_weights(model_dir, records).items():
         torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"after the split, {n}: {m}")
+
+
+def test_the_load_balancing_loss_is_refused_before_any_weight_is_read(tmp_path, run_trainer):
+    """output_router_logits: the load-balancing loss over the effective batch under any split is not built yet, and
+    training without it would not be what the config asks: exit 2 naming config.json and the key."""
+    model_dir = make_model_dir("qwen3-moe-normalised", tmp_path / "model", output_router_logits=True)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in examples()))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model": {"path": str(model_dir), "init": "pretrained"},
+                                  "data": {"train_files": [str(data)], "max_length": 32},
+                                  "training": {"batch_size": BATCH, "max_steps": 1}, "device": {"type": "cpu"},
+                                  "checkpoint": {"output_dir": str(tmp_path / "out")}}))
+    result = run_trainer("--config", config, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "output_router_logits" in result.stderr and str(model_dir / "config.json") in result.stderr

@@ -38,7 +38,9 @@ def llama_family(kind, **kw):
             "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
             "smollm3": transformers.SmolLM3Config, "olmo2": transformers.Olmo2Config,
             "granite": transformers.GraniteConfig, "gemma2": transformers.Gemma2Config,
-            "gemma3_text": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config}[kind](**base)
+            "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig,
+            "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+            "mixtral": transformers.MixtralConfig}[kind](**base)
 
 
 # The decoder families beyond Llama (models/decoder/families): odd shapes (head_dim != hidden / heads, GQA),
@@ -63,6 +65,34 @@ FAMILIES = {
         tie_word_embeddings=False, final_logit_softcapping=4.0,
         rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **kw),
+    # Gemma 4 with everything its released configs switch on: full layers of their own head_dim with keys as values
+    # and one key/value head, proportional RoPE, the last two layers reusing earlier layers' keys and values with a
+    # double-wide MLP, per-layer input embeddings, soft-capped logits; layer_scalar buffers not 1 (make_model_dir).
+    # Per-layer inputs 8 wide: at 4 the norm over 4 numbers of about 0.002 makes fp32 noise by which transformers'
+    # own gradients of a whole batch and of its examples one by one differ by 1.6e-5 (AdamW then amplifies it).
+    "gemma4-shared-kv-ple": lambda **kw: llama_family("gemma4_text", **{
+        "num_hidden_layers": 5, "head_dim": 8, "global_head_dim": 16, "attention_k_eq_v": True,
+        "num_global_key_value_heads": 1, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "sliding_window": 4,
+        "final_logit_softcapping": 5.0, "pad_token_id": 0,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                        "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.5},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}, **kw}),
+    "gemma4-plain-untied": lambda **kw: llama_family("gemma4_text", **{
+        "head_dim": 8, "global_head_dim": 8, "hidden_size_per_layer_input": 0, "sliding_window": 4,
+        "tie_word_embeddings": False, "layer_types": ["sliding_attention", "full_attention"], **kw}),
+    # Mixtures of experts: a dense layer among sparse ones, top-k renormalised or not, more experts than a row's
+    # tokens choose (some experts get no token), Mixtral's fp32 routing weights and w1/w3/w2 names.
+    "qwen3-moe-dense-layer": lambda **kw: llama_family("qwen3_moe", **{
+        "num_hidden_layers": 3, "head_dim": 8, "num_experts": 6, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 12, "mlp_only_layers": [1], "norm_topk_prob": False, **kw}),
+    "qwen3-moe-normalised": lambda **kw: llama_family("qwen3_moe", **{
+        "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 16,
+        "norm_topk_prob": True, "tie_word_embeddings": True, **kw}),
+    "mixtral-sliding": lambda **kw: llama_family("mixtral", **{
+        "intermediate_size": 16, "num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 4, **kw}),
     "phi3-partial-longrope": lambda **kw: llama_family("phi3", **{
         "max_position_embeddings": 64, "original_max_position_embeddings": 8, "pad_token_id": 0,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -88,6 +118,32 @@ MODELS = {
 }
 
 
+def checkpoint_names(named, config):
+    """transformers 5's tensors under the names the files use: a mixture of experts keeps all experts in 3D
+    tensors (mlp.experts.gate_up_proj, mlp.experts.down_proj; Mixtral's block under mlp), the files one per expert
+    (mlp.experts.E.gate_proj / up_proj / down_proj; Mixtral: block_sparse_moe.experts.E.w1 / w3 / w2)."""
+    mixtral = config.model_type == "mixtral"
+    block = "block_sparse_moe" if mixtral else "mlp"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, tensor in named.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[:-len("mlp.experts.gate_up_proj")] + block + ".experts."
+            for e, both in enumerate(tensor):
+                half = both.shape[0] // 2
+                out[f"{prefix}{e}.{gate}.weight"] = both[:half]
+                out[f"{prefix}{e}.{up}.weight"] = both[half:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[:-len("mlp.experts.down_proj")] + block + ".experts."
+            for e, weight in enumerate(tensor):
+                out[f"{prefix}{e}.{down}.weight"] = weight
+        elif mixtral and name.endswith(".mlp.gate.weight"):
+            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = tensor
+        else:
+            out[name] = tensor
+    return out
+
+
 def make_model_dir(name, path, **overrides):
     """A random model saved with save_pretrained; FLAN-style: a distinct lm_head written into the checkpoint."""
     config = MODELS[name](**overrides)
@@ -103,6 +159,12 @@ def make_model_dir(name, path, **overrides):
         saved["tie_word_embeddings"] = False
         saved.pop("scale_decoder_outputs", None)
         (path / "config.json").write_text(json.dumps(saved))
+    if name.startswith("gemma4"):
+        # Released Gemma 4 checkpoints scale each block's output by a layer_scalar buffer; random init leaves it 1.
+        weights = load_file(path / "model.safetensors")
+        for i, key in enumerate(sorted(k for k in weights if k.endswith("layer_scalar"))):
+            weights[key] = torch.tensor([0.5 + 0.25 * i])
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 
@@ -174,10 +236,12 @@ def test_fp32_logits_loss_and_gradients_match_transformers(name, tmp_path, parit
     torch.testing.assert_close(ours["loss"][0], theirs.loss.detach(), atol=1e-4, rtol=1e-4)
 
     grads = {name[len("grad."):]: g for name, g in ours.items() if name.startswith("grad.")}
-    expected = {n for n, p in model.named_parameters() if p.grad is not None}
+    theirs_grads = checkpoint_names({n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                                    model.config)
+    expected = set(theirs_grads)
     assert set(grads) == expected, f"ours only: {set(grads) - expected}; theirs only: {expected - set(grads)}"
     for param_name, grad in grads.items():
-        torch.testing.assert_close(grad, model.get_parameter(param_name).grad, atol=1e-4, rtol=1e-4,
+        torch.testing.assert_close(grad, theirs_grads[param_name], atol=1e-4, rtol=1e-4,
                                    msg=lambda m, n=param_name: f"gradient of {n}: {m}")
 
 
@@ -197,14 +261,17 @@ def test_fp32_chunked_loss_and_gradients_match_transformers(name, tmp_path, pari
     theirs.loss.backward()
     torch.testing.assert_close(ours["loss"][0], theirs.loss.detach(), atol=1e-4, rtol=1e-4)
     grads = {name[len("grad."):]: g for name, g in ours.items() if name.startswith("grad.")}
-    expected = {n for n, p in model.named_parameters() if p.grad is not None}
+    theirs_grads = checkpoint_names({n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                                    model.config)
+    expected = set(theirs_grads)
     assert set(grads) == expected, f"ours only: {set(grads) - expected}; theirs only: {expected - set(grads)}"
     for param_name, grad in grads.items():
-        torch.testing.assert_close(grad, model.get_parameter(param_name).grad, atol=1e-4, rtol=1e-4,
+        torch.testing.assert_close(grad, theirs_grads[param_name], atol=1e-4, rtol=1e-4,
                                    msg=lambda m, n=param_name: f"gradient of {n}: {m}")
 
 
-@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "qwen2-gqa-tied", "gemma2-softcaps", "olmo2-qk-norm"])
+@pytest.mark.parametrize("name", ["flan-gated-gelu-untied", "qwen2-gqa-tied", "gemma2-softcaps", "olmo2-qk-norm",
+                                  "gemma4-shared-kv-ple"])
 def test_bf16_logits_match_transformers(name, tmp_path, parity_tool):
     model_dir = make_model_dir(name, tmp_path / "model")
     model = hf_model(model_dir, dtype=torch.bfloat16)

@@ -35,9 +35,11 @@ TARGETS = {"qwen2-gqa-tied": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj
            "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "flan-gated-gelu-untied": ["q", "k", "v", "o", "wi_0", "wi_1", "wo"],
            # A decoder family whose 4-bit layers are fused projections (Phi-3's qkv_proj and gate_up_proj); the other
-           # families quantize the same Linear layers (checked once: Gemma 2 and Qwen3 passed too, 50 s each).
-           "phi3-partial-longrope": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
-FAMILY_NAMES = ["phi3-partial-longrope"]
+           # families quantize the same Linear layers (checked once: Gemma 2 and Qwen3 passed too, 50 s each); Gemma 4
+           # adds its per-layer input projections.
+           "phi3-partial-longrope": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+           "gemma4-shared-kv-ple": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+FAMILY_NAMES = ["phi3-partial-longrope", "gemma4-shared-kv-ple"]
 MIN_EFFECT = 1e-3
 LR = 0.3
 
@@ -78,8 +80,8 @@ def bnb_logits(model, batch):
     return model(**batch).logits.detach()
 
 
-def our_run(parity_tool, model_dir, batch_path, out_dir, name, steps, **quantize):
-    settings = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "steps": steps, "lr": LR, "seed": 3,
+def our_run(parity_tool, model_dir, batch_path, out_dir, name, steps, lr=LR, **quantize):
+    settings = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "steps": steps, "lr": lr, "seed": 3,
                 **quantize}
     run_parity_tool(parity_tool, "lora-train", model_dir, batch_path, out_dir, json.dumps(settings))
     return load_file(out_dir / "logits.safetensors")
@@ -113,8 +115,11 @@ def test_qlora_steps_match_peft_over_bitsandbytes(name, tmp_path, parity_tool):
     model_dir, config, batch = setup(name, tmp_path)
     batch_path = tmp_path / "batch.safetensors"
     our_run(parity_tool, model_dir, batch_path, tmp_path / "start", name, 0, quantize="nf4")
-    steps = 3
-    ours = our_run(parity_tool, model_dir, batch_path, tmp_path / "ours", name, steps, quantize="nf4")
+    # Gemma 4 at random init is chaotic under SGD at 0.3: transformers' own run moves 1e-3 apart in two steps from a
+    # perturbation of 4e-6 of the adapters (Qwen2's stays at 4e-6); two steps at 0.1 are tame enough to compare.
+    gemma4 = config.model_type == "gemma4_text"
+    steps, lr = (2, 0.1) if gemma4 else (3, LR)
+    ours = our_run(parity_tool, model_dir, batch_path, tmp_path / "ours", name, steps, lr=lr, quantize="nf4")
 
     model = peft.PeftModel.from_pretrained(bnb_model(model_dir), tmp_path / "start", is_trainable=True)
     model.eval()  # no dropout, as trainer's tool runs
@@ -127,7 +132,7 @@ def test_qlora_steps_match_peft_over_bitsandbytes(name, tmp_path, parity_tool):
         loss.backward()
         with torch.no_grad():
             for p in trainable.values():
-                p -= LR * p.grad
+                p -= lr * p.grad
                 p.grad = None
     close(ours["losses"], torch.tensor(losses, dtype=torch.float64))
     assert losses[-1] < losses[0] - 1e-3, "training did not move the loss: the test proves nothing"
@@ -138,9 +143,11 @@ def test_qlora_steps_match_peft_over_bitsandbytes(name, tmp_path, parity_tool):
     # T5 (unscaled attention) amplifies fp32 reduction-order differences through training: plain LoRA on the
     # full-precision model, no quantization anywhere, ends 3.9e-4 apart on the logits after the same three steps
     # (measured against PEFT), so T5 is compared at 1e-3 after training, far below the movement.
-    atol = 1e-3 if config.is_encoder_decoder else 1e-4
+    # Gemma 4's adapters agree within 1e-4 after its two steps, its logits within 3.5e-4 (the same sensitivity):
+    # the T5 bound.
+    atol = 1e-3 if config.is_encoder_decoder or gemma4 else 1e-4
     moved = max((p.detach() - start[n.replace(".default.", ".")]).abs().max().item() for n, p in trainable.items())
-    assert moved > 0.02, f"the adapters moved by {moved} only"
+    assert moved > (0.005 if gemma4 else 0.02), f"the adapters moved by {moved} only"
     for n, p in trainable.items():
         key = n.replace(".default.", ".")
         torch.testing.assert_close(saved[key], p.detach(), atol=atol, rtol=1e-3, msg=lambda m, k=key: f"{k}: {m}")

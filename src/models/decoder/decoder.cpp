@@ -5,7 +5,9 @@
 // the residual branches and the logits. Module names are transformers', so checkpoints, PEFT adapters and 4-bit
 // layers load and save by name.
 #include <cmath>
+#include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include <ATen/ATen.h>
@@ -50,25 +52,39 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return at::cat({turned * cos + rotate_half(turned) * sin, x.narrow(-1, rotary, dim - rotary)}, -1);
 }
 
+// The keys and values (B, Hkv, T, hd) a layer attends over, after its q/k norms, RoPE and cache: what a Gemma 4
+// layer that shares them (DecoderLayerSpec::kv_from) takes from the layer that computed them.
+struct KeysValues {
+  at::Tensor keys, values;
+};
+
+// An RMS norm without a weight (Gemma 4's values): normalised in fp32, cast back.
+at::Tensor unit_rms_norm(const at::Tensor& x, double eps) {
+  const at::Tensor h = x.to(at::kFloat);
+  return (h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());
+}
+
 class DecoderAttention : public Module {
  public:
-  DecoderAttention(std::shared_ptr<const DecoderSpec> spec, const DecoderLayerSpec& layer,
-                   const c10::TensorOptions& o)
-      : spec_holder_(std::move(spec)), spec_(*spec_holder_), rope_(layer.rope) {
+  DecoderAttention(std::shared_ptr<const DecoderSpec> spec, std::size_t index, const c10::TensorOptions& o)
+      : spec_holder_(std::move(spec)), spec_(*spec_holder_), layer_(spec_.layers[index]),
+        head_dim_(spec_.head_dim_of(index)), kv_heads_(spec_.kv_heads_of(index)) {
     const DecoderSpec& s = spec_;
-    const int64_t q_out = s.heads * s.head_dim, kv_out = s.kv_heads * s.head_dim;
+    const int64_t q_out = s.heads * head_dim_, kv_out = kv_heads_ * head_dim_;
     if (s.fused_qkv) {
       qkv_proj = register_module("qkv_proj", std::make_shared<Linear>(s.hidden, q_out + 2 * kv_out, s.qkv_bias, o));
     } else {
       q_proj = register_module("q_proj", std::make_shared<Linear>(s.hidden, q_out, s.qkv_bias, o));
-      k_proj = register_module("k_proj", std::make_shared<Linear>(s.hidden, kv_out, s.qkv_bias, o));
-      v_proj = register_module("v_proj", std::make_shared<Linear>(s.hidden, kv_out, s.qkv_bias, o));
+      if (!layer_.kv_from) {
+        k_proj = register_module("k_proj", std::make_shared<Linear>(s.hidden, kv_out, s.qkv_bias, o));
+        if (!layer_.k_eq_v) v_proj = register_module("v_proj", std::make_shared<Linear>(s.hidden, kv_out, s.qkv_bias, o));
+      }
     }
     o_proj = register_module("o_proj", std::make_shared<Linear>(q_out, s.hidden, s.o_bias, o));
     if (s.qk_norm != QkNorm::kNone) {
       const bool whole = s.qk_norm == QkNorm::kWholeProjection;
-      q_norm = register_module("q_norm", std::make_shared<NormWeight>(whole ? q_out : s.head_dim, o));
-      k_norm = register_module("k_norm", std::make_shared<NormWeight>(whole ? kv_out : s.head_dim, o));
+      q_norm = register_module("q_norm", std::make_shared<NormWeight>(whole ? q_out : head_dim_, o));
+      if (!layer_.kv_from) k_norm = register_module("k_norm", std::make_shared<NormWeight>(whole ? kv_out : head_dim_, o));
     }
     attention_dropout = register_module("attention_dropout", std::make_shared<Dropout>(s.attention_dropout));
   }
@@ -76,12 +92,14 @@ class DecoderAttention : public Module {
   // x (B, T, D); cos/sin (B or 1, T, rotary_dim); mask (B, 1, T, Tk) bool. With a cache, the new keys and values
   // are written into this layer's buffers and attention runs over all filled positions. With a segment layout
   // (packed rows) the attention runs per segment, with a varlen layout as one variable-length flash attention
-  // within `window` (CUDA); either way `mask` is unused.
+  // within `window` (CUDA); either way `mask` is unused. A layer that shares another's keys and values takes them
+  // as `shared`; `produced`, when given, receives this layer's.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
                      KvCache* cache = nullptr, std::size_t layer = 0, const SegmentLayout* layout = nullptr,
-                     const VarlenLayout* varlen = nullptr, std::optional<int64_t> window = std::nullopt) {
-    const int64_t b = x.size(0), t = x.size(1), hd = spec_.head_dim;
-    const int64_t q_out = spec_.heads * hd, kv_out = spec_.kv_heads * hd;
+                     const VarlenLayout* varlen = nullptr, std::optional<int64_t> window = std::nullopt,
+                     const KeysValues* shared = nullptr, KeysValues* produced = nullptr) {
+    const int64_t b = x.size(0), t = x.size(1), hd = head_dim_;
+    const int64_t q_out = spec_.heads * hd, kv_out = kv_heads_ * hd;
     at::Tensor q, k, v;  // (B, T, H * hd), (B, T, Hkv * hd)
     if (qkv_proj) {
       const at::Tensor qkv = qkv_proj->forward(x);
@@ -90,28 +108,36 @@ class DecoderAttention : public Module {
       v = qkv.narrow(-1, q_out + kv_out, kv_out);
     } else {
       q = q_proj->forward(x);
-      k = k_proj->forward(x);
-      v = v_proj->forward(x);
+      if (!shared) {
+        k = k_proj->forward(x);
+        v = v_proj ? v_proj->forward(x) : k;  // attention_k_eq_v: the values are the keys before their norm
+      }
     }
     if (spec_.qk_norm == QkNorm::kWholeProjection) {
       q = rms_norm(spec_.norm, q, q_norm->weight, spec_.eps);
-      k = rms_norm(spec_.norm, k, k_norm->weight, spec_.eps);
+      if (!shared) k = rms_norm(spec_.norm, k, k_norm->weight, spec_.eps);
     }
     q = q.reshape({b, t, spec_.heads, hd});
-    k = k.reshape({b, t, spec_.kv_heads, hd});
-    if (spec_.qk_norm == QkNorm::kPerHead) {
-      q = rms_norm(spec_.norm, q, q_norm->weight, spec_.eps);
-      k = rms_norm(spec_.norm, k, k_norm->weight, spec_.eps);
+    if (spec_.qk_norm == QkNorm::kPerHead) q = rms_norm(spec_.norm, q, q_norm->weight, spec_.eps);
+    q = q.transpose(1, 2);  // (B, H, T, hd)
+    if (shared) {
+      k = shared->keys;
+      v = shared->values;
+    } else {
+      k = k.reshape({b, t, kv_heads_, hd});
+      if (spec_.qk_norm == QkNorm::kPerHead) k = rms_norm(spec_.norm, k, k_norm->weight, spec_.eps);
+      v = v.reshape({b, t, kv_heads_, hd});
+      if (spec_.v_norm) v = unit_rms_norm(v, spec_.eps);
+      k = k.transpose(1, 2);  // (B, Hkv, T, hd)
+      v = v.transpose(1, 2);
     }
-    q = q.transpose(1, 2);                                                  // (B, H, T, hd)
-    k = k.transpose(1, 2);                                                  // (B, Hkv, T, hd)
-    v = v.reshape({b, t, spec_.kv_heads, hd}).transpose(1, 2);
-    if (rope_) {
+    if (layer_.rope) {
       const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
       q = apply_rotary(q, c, s);
-      k = apply_rotary(k, c, s);
+      if (!shared) k = apply_rotary(k, c, s);
     }
-    if (cache) std::tie(k, v) = cache->append(layer, k, v);
+    if (cache && !shared) std::tie(k, v) = cache->append(layer, k, v);
+    if (produced) *produced = {k, v};
     if (varlen) return o_proj->forward(attend_varlen(*varlen, q, k, v, window, spec_.attention_scale));
     if (layout) {
       return o_proj->forward(attend_per_segment(
@@ -133,7 +159,7 @@ class DecoderAttention : public Module {
     if (explicit_attention()) {
       // transformers' eager attention: keys and values repeated per group, scores scaled (and soft-capped),
       // softmax in fp32, dropout on the probabilities.
-      const int64_t group = spec_.heads / spec_.kv_heads;
+      const int64_t group = spec_.heads / kv_heads_;
       const at::Tensor keys = group == 1 ? k : k.repeat_interleave(group, 1);
       const at::Tensor values = group == 1 ? v : v.repeat_interleave(group, 1);
       at::Tensor scores = at::matmul(q, keys.transpose(-2, -1)) * spec_.attention_scale;
@@ -144,7 +170,7 @@ class DecoderAttention : public Module {
     }
     return at::scaled_dot_product_attention(q, k, v, mask, attention_dropout->sdpa_p(is_training()),
                                             /*is_causal=*/false, spec_.attention_scale,
-                                            /*enable_gqa=*/spec_.kv_heads != spec_.heads);
+                                            /*enable_gqa=*/kv_heads_ != spec_.heads);
   }
 
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, qkv_proj, o_proj;
@@ -154,20 +180,21 @@ class DecoderAttention : public Module {
  private:
   std::shared_ptr<const DecoderSpec> spec_holder_;  // shared with the model and its other modules
   const DecoderSpec& spec_;
-  bool rope_;
+  const DecoderLayerSpec& layer_;
+  int64_t head_dim_, kv_heads_;
 };
 
 class DecoderMlp : public Module {
  public:
-  DecoderMlp(const DecoderSpec& s, const c10::TensorOptions& o) : act_(s.act) {
+  DecoderMlp(const DecoderSpec& s, int64_t intermediate, const c10::TensorOptions& o) : act_(s.act) {
     if (s.fused_gate_up) {
       gate_up_proj =
-          register_module("gate_up_proj", std::make_shared<Linear>(s.hidden, 2 * s.intermediate, s.mlp_bias, o));
+          register_module("gate_up_proj", std::make_shared<Linear>(s.hidden, 2 * intermediate, s.mlp_bias, o));
     } else {
-      gate_proj = register_module("gate_proj", std::make_shared<Linear>(s.hidden, s.intermediate, s.mlp_bias, o));
-      up_proj = register_module("up_proj", std::make_shared<Linear>(s.hidden, s.intermediate, s.mlp_bias, o));
+      gate_proj = register_module("gate_proj", std::make_shared<Linear>(s.hidden, intermediate, s.mlp_bias, o));
+      up_proj = register_module("up_proj", std::make_shared<Linear>(s.hidden, intermediate, s.mlp_bias, o));
     }
-    down_proj = register_module("down_proj", std::make_shared<Linear>(s.intermediate, s.hidden, s.mlp_bias, o));
+    down_proj = register_module("down_proj", std::make_shared<Linear>(intermediate, s.hidden, s.mlp_bias, o));
   }
   at::Tensor forward(const at::Tensor& x) {
     if (gate_up_proj) {
@@ -183,13 +210,87 @@ class DecoderMlp : public Module {
   std::string act_;
 };
 
+// One expert: a gated MLP under the names the files give it (gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2).
+class Expert : public Module {
+ public:
+  Expert(const DecoderSpec& s, const c10::TensorOptions& o) {
+    const MoeSpec& m = s.moe;
+    gate = register_module(m.gate, std::make_shared<Linear>(s.hidden, m.intermediate, false, o));
+    up = register_module(m.up, std::make_shared<Linear>(s.hidden, m.intermediate, false, o));
+    down = register_module(m.down, std::make_shared<Linear>(m.intermediate, s.hidden, false, o));
+  }
+  at::Tensor forward(const at::Tensor& x, const std::string& act) const {
+    return down->forward(activation(gate->forward(x), act) * up->forward(x));
+  }
+  std::shared_ptr<Linear> gate, up, down;
+};
+
+class Experts : public Module {
+ public:
+  void push_back(std::shared_ptr<Expert> expert) {
+    items.push_back(register_module(std::to_string(items.size()), std::move(expert)));
+  }
+  std::vector<std::shared_ptr<Expert>> items;
+};
+
+// The sparse MLP: the router's top-k experts per token, tokens grouped by expert (one sort, then one pass of each
+// expert over its tokens: no loop over tokens, no expert over tokens it was not chosen for), the outputs weighted
+// and summed back per token in expert order, as transformers' experts loop adds them.
+class MoeMlp : public Module {
+ public:
+  MoeMlp(const DecoderSpec& s, const c10::TensorOptions& o) : spec_(s.moe), act_(s.act) {
+    router = register_module(spec_.router, std::make_shared<Linear>(s.hidden, spec_.experts, false, o));
+    experts = register_module("experts", std::make_shared<Experts>());
+    for (int64_t e = 0; e < spec_.experts; ++e) experts->push_back(std::make_shared<Expert>(s, o));
+  }
+
+  // x (B, T, D) -> (B, T, D); `router_logits`, when given, receives the router's logits (B * T, experts).
+  at::Tensor forward(const at::Tensor& x, at::Tensor* router_logits = nullptr) const {
+    const int64_t hidden = x.size(-1);
+    const at::Tensor flat = x.reshape({-1, hidden});
+    const at::Tensor logits = router->forward(flat);
+    if (router_logits) *router_logits = logits;
+    const at::Tensor probabilities = at::softmax(logits.to(at::kFloat), -1);
+    auto [weights, chosen] = at::topk(probabilities, spec_.top_k, -1);  // (N, k)
+    if (spec_.norm_topk) weights = weights / weights.sum(-1, /*keepdim=*/true);
+    if (spec_.weights_in_dtype) weights = weights.to(logits.scalar_type());
+    // Assignments (token, slot) sorted by expert, stably: within an expert, tokens in order.
+    const at::Tensor expert_of = chosen.reshape({-1});
+    const at::Tensor order = std::get<1>(at::sort(expert_of, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+    const at::Tensor token_of = at::floor_divide(order, spec_.top_k);
+    const at::Tensor counts = at::bincount(expert_of, {}, spec_.experts).to(at::kCPU);
+    const int64_t* count = counts.data_ptr<int64_t>();
+    const at::Tensor routed = flat.index_select(0, token_of);
+    std::vector<at::Tensor> outputs;
+    int64_t start = 0;
+    for (int64_t e = 0; e < spec_.experts; ++e) {
+      if (count[e] == 0) continue;
+      outputs.push_back(experts->items[static_cast<std::size_t>(e)]->forward(routed.narrow(0, start, count[e]), act_));
+      start += count[e];
+    }
+    const at::Tensor weighted =
+        at::cat(outputs, 0) * weights.reshape({-1}).index_select(0, order).unsqueeze(-1);
+    return at::zeros_like(flat).index_add(0, token_of, weighted.to(flat.scalar_type())).view(x.sizes());
+  }
+
+  std::shared_ptr<Linear> router;
+  std::shared_ptr<Experts> experts;
+
+ private:
+  const MoeSpec& spec_;
+  std::string act_;
+};
+
 class DecoderBlock : public Module {
  public:
-  DecoderBlock(std::shared_ptr<const DecoderSpec> spec, const DecoderLayerSpec& layer, const c10::TensorOptions& o)
+  DecoderBlock(std::shared_ptr<const DecoderSpec> spec, std::size_t index, const c10::TensorOptions& o)
       : spec_holder_(std::move(spec)), spec_(*spec_holder_) {
     const DecoderSpec& s = spec_;
-    self_attn = register_module("self_attn", std::make_shared<DecoderAttention>(spec_holder_, layer, o));
-    mlp = register_module("mlp", std::make_shared<DecoderMlp>(s, o));
+    self_attn = register_module("self_attn", std::make_shared<DecoderAttention>(spec_holder_, index, o));
+    if (s.layers[index].sparse)
+      moe = register_module(s.moe.block, std::make_shared<MoeMlp>(s, o));
+    else
+      mlp = register_module("mlp", std::make_shared<DecoderMlp>(s, s.intermediate_of(index), o));
     auto make_norm = [&](const std::string& name) -> std::shared_ptr<NormWeight> {
       return name.empty() ? nullptr : register_module(name, std::make_shared<NormWeight>(s.hidden, o));
     };
@@ -201,22 +302,45 @@ class DecoderBlock : public Module {
       resid_attn_dropout = register_module("resid_attn_dropout", std::make_shared<Dropout>(s.residual_dropout));
       resid_mlp_dropout = register_module("resid_mlp_dropout", std::make_shared<Dropout>(s.residual_dropout));
     }
+    if (s.per_layer_input > 0) {
+      per_layer_input_gate =
+          register_module("per_layer_input_gate", std::make_shared<Linear>(s.hidden, s.per_layer_input, false, o));
+      per_layer_projection =
+          register_module("per_layer_projection", std::make_shared<Linear>(s.per_layer_input, s.hidden, false, o));
+      post_per_layer_input_norm = make_norm("post_per_layer_input_norm");
+    }
   }
+  // `per_layer_input` (B, T, per_layer_input): this layer's slice of the per-layer input embeddings, or undefined.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
                      KvCache* cache = nullptr, std::size_t layer = 0, const SegmentLayout* layout = nullptr,
-                     const VarlenLayout* varlen = nullptr, std::optional<int64_t> window = std::nullopt) {
-    at::Tensor a = self_attn->forward(norm(pre_attention_norm, x), cos, sin, mask, cache, layer, layout, varlen, window);
+                     const VarlenLayout* varlen = nullptr, std::optional<int64_t> window = std::nullopt,
+                     const at::Tensor& per_layer_input = {}, const KeysValues* shared = nullptr,
+                     KeysValues* produced = nullptr) {
+    at::Tensor a = self_attn->forward(norm(pre_attention_norm, x), cos, sin, mask, cache, layer, layout, varlen, window,
+                                      shared, produced);
     a = norm(post_attention_norm, a);
     if (resid_attn_dropout) a = resid_attn_dropout->forward(a, is_training());
     const at::Tensor h = residual(x, a);
-    at::Tensor m = norm(post_mlp_norm, mlp->forward(norm(pre_mlp_norm, h)));
+    const at::Tensor mlp_in = norm(pre_mlp_norm, h);
+    at::Tensor m = norm(post_mlp_norm, moe ? moe->forward(mlp_in) : mlp->forward(mlp_in));
     if (resid_mlp_dropout) m = resid_mlp_dropout->forward(m, is_training());
-    return residual(h, m);
+    at::Tensor out = residual(h, m);
+    if (per_layer_input_gate) {
+      // Gemma 4: gate the hidden state by this layer's input embedding, project back, norm, add.
+      const at::Tensor gated = activation(per_layer_input_gate->forward(out), spec_.act) * per_layer_input;
+      out = out + norm(post_per_layer_input_norm, per_layer_projection->forward(gated));
+    }
+    if (layer_scalar.defined()) out = out * layer_scalar;
+    return out;
   }
   std::shared_ptr<DecoderAttention> self_attn;
   std::shared_ptr<DecoderMlp> mlp;
+  std::shared_ptr<MoeMlp> moe;
   std::shared_ptr<NormWeight> pre_attention_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm;
   std::shared_ptr<Dropout> resid_attn_dropout, resid_mlp_dropout;
+  std::shared_ptr<Linear> per_layer_input_gate, per_layer_projection;
+  std::shared_ptr<NormWeight> post_per_layer_input_norm;
+  at::Tensor layer_scalar;  // Gemma 4's buffer (1) in the compute dtype, or undefined; set by the model
 
  private:
   at::Tensor norm(const std::shared_ptr<NormWeight>& n, const at::Tensor& x) const {
@@ -237,19 +361,34 @@ class Layers : public Module {
   std::vector<std::shared_ptr<DecoderBlock>> items;
 };
 
-// model.* of the checkpoint: embeddings, blocks, final norm.
+// model.* of the checkpoint: embeddings, blocks, final norm; Gemma 4's per-layer input embeddings and their
+// projection from the embeddings.
 class DecoderBody : public Module {
  public:
   DecoderBody(const std::shared_ptr<const DecoderSpec>& spec, const c10::TensorOptions& o) {
     const DecoderSpec& s = *spec;
     embed_tokens = register_module("embed_tokens", std::make_shared<Embedding>(s.vocab_size, s.hidden, s.pad_token_id, o));
     layers = register_module("layers", std::make_shared<Layers>());
-    for (const auto& layer : s.layers) layers->push_back(std::make_shared<DecoderBlock>(spec, layer, o));
+    for (std::size_t i = 0; i < s.layers.size(); ++i) layers->push_back(std::make_shared<DecoderBlock>(spec, i, o));
     norm = register_module("norm", std::make_shared<NormWeight>(s.hidden, o));
+    if (s.per_layer_input > 0) {
+      const int64_t all = static_cast<int64_t>(s.layers.size()) * s.per_layer_input;
+      std::optional<int64_t> pad = s.pad_token_id;
+      if (pad && *pad >= s.per_layer_vocab) pad.reset();
+      embed_tokens_per_layer = register_module("embed_tokens_per_layer",
+                                               std::make_shared<Embedding>(s.per_layer_vocab, all, pad, o));
+      per_layer_model_projection =
+          register_module("per_layer_model_projection", std::make_shared<Linear>(s.hidden, all, false, o));
+      per_layer_projection_norm =
+          register_module("per_layer_projection_norm", std::make_shared<NormWeight>(s.per_layer_input, o));
+    }
   }
   std::shared_ptr<Embedding> embed_tokens;
   std::shared_ptr<Layers> layers;
   std::shared_ptr<NormWeight> norm;
+  std::shared_ptr<Embedding> embed_tokens_per_layer;
+  std::shared_ptr<Linear> per_layer_model_projection;
+  std::shared_ptr<NormWeight> per_layer_projection_norm;
 };
 
 // model.* of a multimodal checkpoint: the text model as model.language_model (the towers are carried, not built).
@@ -273,7 +412,12 @@ class DecoderModel : public LanguageModel {
  public:
   DecoderModel(const nlohmann::json& config, DecoderSpec spec, const c10::TensorOptions& options)
       : config_(config), spec_(std::make_shared<const DecoderSpec>(std::move(spec))), s_(*spec_), options_(options) {
-    for (const auto& rope : s_.ropes) ropes_.emplace_back(rope, s_.head_dim, s_.max_position_embeddings);
+    for (const auto& rope : s_.ropes)
+      ropes_.emplace_back(rope, rope.head_dim ? rope.head_dim : s_.head_dim, s_.max_position_embeddings);
+    for (std::size_t i = 0; i < s_.layers.size(); ++i) {
+      max_head_dim_ = std::max(max_head_dim_, s_.head_dim_of(i));
+      if (s_.layers[i].kv_from) shared_from_.insert(*s_.layers[i].kv_from);
+    }
     if (s_.multimodal) {
       // transformers 5's Gemma3ForConditionalGeneration: model.language_model is the text model.
       auto outer = register_module("model", std::make_shared<LanguageModelHolder>());
@@ -306,14 +450,53 @@ class DecoderModel : public LanguageModel {
     return {cos.to(dtype), sin.to(dtype)};
   }
 
+  // `scale` as a multiplier of a tensor of `dtype`: rounded to it first where the family does (Gemma: sqrt(3072)
+  // is 55.5 in bf16).
+  double scale_in(double scale, c10::ScalarType dtype) const {
+    return s_.embedding_scale_in_dtype ? at::scalar_tensor(scale, at::kDouble).to(dtype).item<double>() : scale;
+  }
+
   at::Tensor embed(const at::Tensor& ids) const {
     at::Tensor x = model->embed_tokens->forward(ids);
     if (s_.embedding_scale == 1.0) return x;
-    // Gemma multiplies by its scale rounded to the weights' dtype (sqrt(3072) is 55.5 in bf16).
-    const double scale = s_.embedding_scale_in_dtype
-                             ? at::scalar_tensor(s_.embedding_scale, at::kDouble).to(x.scalar_type()).item<double>()
-                             : s_.embedding_scale;
-    return x * scale;
+    return x * scale_in(s_.embedding_scale, x.scalar_type());
+  }
+
+  // Gemma 4's per-layer inputs (B, T, layers, per_layer_input) for ids (B, T) and their embeddings x (B, T, D):
+  // the per-layer table's rows (times sqrt(per_layer_input)) and the RMS-normed projection of x (times
+  // hidden^-0.5), summed and times 2^-0.5, as Gemma4TextModel computes them.
+  at::Tensor per_layer_inputs(const at::Tensor& ids, const at::Tensor& x) const {
+    const int64_t layers = static_cast<int64_t>(s_.layers.size()), width = s_.per_layer_input;
+    at::Tensor table = model->embed_tokens_per_layer->forward(ids);
+    table = table * scale_in(std::sqrt(static_cast<double>(width)), table.scalar_type());
+    at::Tensor projected =
+        model->per_layer_model_projection->forward(x) * std::pow(static_cast<double>(s_.hidden), -0.5);
+    projected = projected.reshape({x.size(0), x.size(1), layers, width});
+    projected = rms_norm(s_.norm, projected, model->per_layer_projection_norm->weight, s_.eps);
+    return (projected + table.reshape({x.size(0), x.size(1), layers, width})) * std::pow(2.0, -0.5);
+  }
+
+  // Gemma 4's layer_scalar buffers, carried from the checkpoint, into each block in x's dtype and device (once per
+  // dtype and device). A block without one (a model built from config.json alone) multiplies by nothing.
+  void resolve_layer_scalars(const at::Tensor& x) {
+    if (!s_.layer_scalar || (scalars_dtype_ == x.scalar_type() && scalars_device_ == x.device() &&
+                             scalars_carried_ == carried_tensors().size()))
+      return;
+    std::map<std::string, const at::Tensor*> carried;
+    for (const auto& [name, tensor] : carried_tensors()) carried[name] = &tensor;
+    for (std::size_t i = 0; i < model->layers->items.size(); ++i) {
+      const std::string name = checkpoint_name(layer_path(i) + ".layer_scalar");
+      const auto it = carried.find(name);
+      model->layers->items[i]->layer_scalar =
+          it == carried.end() ? at::Tensor() : it->second->to(x.device(), x.scalar_type());
+    }
+    scalars_dtype_ = x.scalar_type();
+    scalars_device_ = x.device();
+    scalars_carried_ = carried_tensors().size();
+  }
+
+  std::string layer_path(std::size_t i) const {
+    return std::string(s_.multimodal ? "model.language_model" : "model") + ".layers." + std::to_string(i);
   }
 
   // Runs the blocks over (B, T) ids; with a state, uses and extends its cache (`offset`: the cache's length).
@@ -324,6 +507,8 @@ class DecoderModel : public LanguageModel {
   at::Tensor body(const at::Tensor& ids, const at::Tensor& key_mask, int64_t offset, DecoderGenerationState* state,
                   const at::Tensor& segments = {}, const at::Tensor& positions = {}) {
     at::Tensor x = embed(ids);
+    resolve_layer_scalars(x);
+    const at::Tensor per_layer = s_.per_layer_input > 0 ? per_layer_inputs(ids, x) : at::Tensor();
     const bool packed = segments.defined();
     const at::Tensor position_ids =
         positions.defined() ? positions
@@ -344,8 +529,9 @@ class DecoderModel : public LanguageModel {
     // per layer.
     std::shared_ptr<const VarlenLayout> varlen;
     if (packed && !state && (!is_training() || s_.attention_dropout == 0.0) && !s_.attention_softcap &&
-        varlen_attention_runs(x, s_.head_dim))
+        varlen_attention_runs(x, max_head_dim_))
       varlen = plan_varlen_attention(segments, positions);
+    std::map<std::size_t, KeysValues> shared;  // the keys and values of the layers others reuse (Gemma 4)
     for (std::size_t i = 0; i < model->layers->items.size(); ++i) {
       const auto window = s_.layers[i].window;
       std::shared_ptr<const SegmentLayout> layout;
@@ -369,12 +555,54 @@ class DecoderModel : public LanguageModel {
       }
       const auto& [cos, sin] = rotations[s_.layers[i].rope_index];
       auto& block = model->layers->items[i];
+      const at::Tensor layer_input = per_layer.defined() ? per_layer.select(2, static_cast<int64_t>(i)) : at::Tensor();
+      const KeysValues* reuse = s_.layers[i].kv_from ? &shared.at(*s_.layers[i].kv_from) : nullptr;
+      const bool produces = shared_from_.count(i) > 0;
       if (state) {
-        x = block->forward(x, cos, sin, mask, &state->cache, i);
+        KeysValues produced;
+        x = block->forward(x, cos, sin, mask, &state->cache, i, nullptr, nullptr, std::nullopt, layer_input, reuse,
+                           produces ? &produced : nullptr);
+        if (produces) shared[i] = produced;
+        continue;
+      }
+      // The block's tensor inputs: x, cos, sin, mask, then its per-layer input and the keys and values it reuses
+      // (those that need gradients must be inputs, for activation checkpointing).
+      std::vector<at::Tensor> inputs = {x, cos, sin, mask};
+      if (layer_input.defined()) inputs.push_back(layer_input);
+      if (reuse) inputs.insert(inputs.end(), {reuse->keys, reuse->values});
+      const bool has_layer_input = layer_input.defined(), reuses = reuse != nullptr;
+      auto run = [block, layout, varlen, window, has_layer_input, reuses](const std::vector<at::Tensor>& in,
+                                                                          KeysValues* produced) {
+        std::size_t next = 4;
+        const at::Tensor layer_in = has_layer_input ? in[next++] : at::Tensor();
+        KeysValues reused;
+        if (reuses) reused = {in[next], in[next + 1]};
+        return block->forward(in[0], in[1], in[2], in[3], nullptr, 0, layout.get(), varlen.get(), window, layer_in,
+                              reuses ? &reused : nullptr, produced);
+      };
+      if (!produces) {
+        x = run_block([run](const std::vector<at::Tensor>& in) { return run(in, nullptr); }, inputs);
+      } else if (!has_block_runner()) {
+        KeysValues produced;
+        x = run(inputs, &produced);
+        shared[i] = produced;
       } else {
-        x = run_block([block, layout, varlen, window](const std::vector<at::Tensor>& in) {
-          return block->forward(in[0], in[1], in[2], in[3], nullptr, 0, layout.get(), varlen.get(), window);
-        }, {x, cos, sin, mask});
+        // A block runner (activation checkpointing) passes one tensor out: the output and this layer's keys and
+        // values travel flattened into one, and are cut apart here.
+        // Their dtypes are noted as the forward runs (cat promotes to one that holds both).
+        const auto shape = x.sizes().vec();
+        const std::vector<int64_t> kv_shape = {x.size(0), s_.kv_heads_of(i), x.size(1), s_.head_dim_of(i)};
+        auto dtypes = std::make_shared<std::pair<c10::ScalarType, c10::ScalarType>>(x.scalar_type(), x.scalar_type());
+        const at::Tensor all = run_block([run, dtypes](const std::vector<at::Tensor>& in) {
+          KeysValues produced;
+          const at::Tensor out = run(in, &produced);
+          *dtypes = {out.scalar_type(), produced.keys.scalar_type()};
+          return at::cat({out.flatten(), produced.keys.flatten(), produced.values.flatten()});
+        }, inputs);
+        const int64_t n = x.numel(), kv = kv_shape[0] * kv_shape[1] * kv_shape[2] * kv_shape[3];
+        x = all.narrow(0, 0, n).view(shape).to(dtypes->first);
+        shared[i] = {all.narrow(0, n, kv).view(kv_shape).to(dtypes->second),
+                     all.narrow(0, n + kv, kv).view(kv_shape).to(dtypes->second)};
       }
     }
     return rms_norm(s_.norm, x, model->norm->weight, s_.eps);
@@ -406,18 +634,42 @@ class DecoderModel : public LanguageModel {
   // language_model.lm_head.weight (what transformers writes and the Hub holds); transformers 5's own tree
   // (model.language_model.*) is read too. Everything else in such a file is carried.
   std::string checkpoint_name(const std::string& name) const override {
-    if (!s_.multimodal) return name;
+    if (!s_.multimodal || s_.multimodal_module_names) return name;
     if (name.starts_with(kLanguageModel)) return "language_model.model." + name.substr(kLanguageModel.size());
     if (name == "lm_head.weight") return "language_model.lm_head.weight";
     return name;
   }
   std::optional<std::string> parameter_name(const std::string& checkpoint) const override {
-    if (!s_.multimodal) return checkpoint;
-    static const std::string kLegacy = "language_model.model.";
-    if (checkpoint.starts_with(kLegacy)) return std::string(kLanguageModel) + checkpoint.substr(kLegacy.size());
-    if (checkpoint.starts_with(kLanguageModel)) return checkpoint;
-    if (checkpoint == "language_model.lm_head.weight" || checkpoint == "lm_head.weight") return "lm_head.weight";
-    return std::nullopt;
+    std::optional<std::string> name = checkpoint;
+    if (s_.multimodal) {
+      static const std::string kLegacy = "language_model.model.";
+      if (!s_.multimodal_module_names && checkpoint.starts_with(kLegacy))
+        name = std::string(kLanguageModel) + checkpoint.substr(kLegacy.size());
+      else if (checkpoint.starts_with(kLanguageModel) || checkpoint == "lm_head.weight")
+        name = checkpoint;
+      else if (!s_.multimodal_module_names && checkpoint == "language_model.lm_head.weight")
+        name = "lm_head.weight";
+      else
+        name.reset();
+    }
+    if (name && unused_by_decoder(*name)) name.reset();
+    return name;
+  }
+
+  // Tensors a Gemma 4 checkpoint holds that no parameter stands for: the layer_scalar buffers (read from the
+  // carried tensors) and the key/value projections and norms of the layers that reuse another's keys and values
+  // (transformers ignores them on load).
+  bool unused_by_decoder(const std::string& name) const {
+    if (s_.layer_scalar && name.ends_with(".layer_scalar")) return true;
+    for (std::size_t i = 0; i < s_.layers.size(); ++i) {
+      if (!s_.layers[i].kv_from) continue;
+      const std::string attention = layer_path(i) + ".self_attn.";
+      if (!name.starts_with(attention)) continue;
+      const std::string rest = name.substr(attention.size());
+      for (const char* module : {"k_proj.", "v_proj.", "k_norm.", "v_norm."})
+        if (rest.starts_with(module)) return true;
+    }
+    return false;
   }
 
   std::string text_model_path() const override { return s_.multimodal ? "model.language_model" : ""; }
@@ -446,6 +698,8 @@ class DecoderModel : public LanguageModel {
       else p.normal_(0.0, std_dev);
     });
     if (s_.pad_token_id) model->embed_tokens->weight[*s_.pad_token_id].zero_();
+    if (model->embed_tokens_per_layer && model->embed_tokens_per_layer->padding_idx)
+      model->embed_tokens_per_layer->weight[*model->embed_tokens_per_layer->padding_idx].zero_();
   }
 
   std::pair<std::unique_ptr<GenerationState>, at::Tensor> prefill(const at::Tensor& prompt_ids,
@@ -509,6 +763,11 @@ class DecoderModel : public LanguageModel {
   std::shared_ptr<const DecoderSpec> spec_;
   const DecoderSpec& s_;
   std::vector<Rope> ropes_;
+  int64_t max_head_dim_ = 0;
+  std::set<std::size_t> shared_from_;  // layers whose keys and values later layers reuse
+  c10::ScalarType scalars_dtype_ = c10::ScalarType::Undefined;  // of the blocks' layer_scalar
+  at::Device scalars_device_ = at::kCPU;
+  std::size_t scalars_carried_ = 0;
   c10::TensorOptions options_;
   at::Tensor lm_head_weight_;
 };

@@ -12,21 +12,23 @@
 namespace trainer {
 namespace {
 
-UsageError config_error(const std::string& message, const std::string& hint) {
-  return UsageError("config.json: " + message, hint);
-}
-
 // (model_type, family) in the order `supported model types` lists them.
 const std::vector<std::pair<std::string, DecoderSpec (*)(const nlohmann::json&)>>& families() {
   static const std::vector<std::pair<std::string, DecoderSpec (*)(const nlohmann::json&)>> table = {
       {"llama", llama_spec},   {"qwen2", qwen2_spec},       {"mistral", mistral_spec},
       {"qwen3", qwen3_spec},   {"smollm3", smollm3_spec},   {"olmo2", olmo2_spec},
       {"granite", granite_spec}, {"gemma2", gemma2_spec},   {"gemma3_text", gemma3_text_spec},
-      {"gemma3", gemma3_spec},   {"phi3", phi3_spec}};
+      {"gemma3", gemma3_spec},   {"gemma4_text", gemma4_text_spec},
+      {"gemma4", gemma4_spec},   {"phi3", phi3_spec},         {"qwen3_moe", qwen3_moe_spec},
+      {"mixtral", mixtral_spec}};
   return table;
 }
 
 }  // namespace
+
+UsageError config_error(const std::string& message, const std::string& hint) {
+  return UsageError("config.json: " + message, hint);
+}
 
 std::optional<double> optional_double(const nlohmann::json& config, const char* key, std::optional<double> fallback) {
   const auto it = config.find(key);
@@ -125,19 +127,36 @@ DecoderSpec common_decoder_spec(const nlohmann::json& c, const FamilyDefaults& d
 void finish_decoder_spec(DecoderSpec& s) {
   if (s.attention_scale == 0.0) s.attention_scale = 1.0 / std::sqrt(static_cast<double>(s.head_dim));
   for (const auto& rope : s.ropes) {
-    const auto rotary = static_cast<int64_t>(static_cast<double>(s.head_dim) * rope.partial_rotary_factor);
+    const int64_t head_dim = rope.head_dim ? rope.head_dim : s.head_dim;
+    const auto rotary = static_cast<int64_t>(static_cast<double>(head_dim) * rope.partial_rotary_factor);
     if (rope.type != "proportional" && rotary % 2 != 0)
-      throw config_error("the rotary dimension head_dim x partial_rotary_factor = " + std::to_string(s.head_dim) +
+      throw config_error("the rotary dimension head_dim x partial_rotary_factor = " + std::to_string(head_dim) +
                              " x " + std::to_string(rope.partial_rotary_factor) + " is odd (key \"head_dim\")",
                          "rotary embeddings rotate pairs of dimensions: head_dim (and its rotary part) must be even");
-    if (rotary <= 0 || rotary > s.head_dim)
+    if (rotary <= 0 || rotary > head_dim)
       throw config_error(rope.key + ".partial_rotary_factor " + std::to_string(rope.partial_rotary_factor) +
                              " leaves no rotary dimension or more than head_dim",
                          "partial_rotary_factor is a fraction in (0, 1]");
   }
-  if (s.head_dim % 2 != 0)
-    throw config_error("\"head_dim\" is " + std::to_string(s.head_dim) + ", an odd number",
-                       "rotary embeddings rotate pairs of dimensions: head_dim must be even");
+  for (std::size_t i = 0; i < s.layers.size(); ++i) {
+    const int64_t head_dim = s.head_dim_of(i), kv_heads = s.kv_heads_of(i);
+    const std::string where = s.layers[i].head_dim || s.layers[i].kv_heads
+                                  ? " (layer " + std::to_string(i) + ", per_layer_config)" : std::string();
+    if (head_dim <= 0 || head_dim % 2 != 0)
+      throw config_error("\"head_dim\" is " + std::to_string(head_dim) + where + ", not a positive even number",
+                         "rotary embeddings rotate pairs of dimensions: head_dim must be even");
+    if (kv_heads <= 0 || s.heads % kv_heads != 0)
+      throw config_error("num_attention_heads (" + std::to_string(s.heads) + ") is not a multiple of "
+                             "num_key_value_heads (" + std::to_string(kv_heads) + ")" + where,
+                         "grouped-query attention shares each key/value head among a whole number of query heads");
+    if (const auto from = s.layers[i].kv_from) {
+      if (*from >= i || s.layers[*from].kv_from || s.head_dim_of(*from) != head_dim || s.kv_heads_of(*from) != kv_heads)
+        throw config_error("layer " + std::to_string(i) + " cannot reuse layer " + std::to_string(*from) +
+                               "'s keys and values", "a layer shares the keys and values of an earlier layer of the "
+                                                     "same shape that computes its own");
+      if (s.fused_qkv) throw config_error("key/value sharing with a fused qkv_proj", "no family has both");
+    }
+  }
   if (s.attention_softcap && *s.attention_softcap <= 0)
     throw config_error("\"attn_logit_softcapping\" must be positive or null", "null turns soft-capping off");
   if (s.final_softcap && *s.final_softcap <= 0)

@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "trainer/errors.h"
+
 namespace trainer {
 
 // How an RMS norm turns its normalised fp32 input and its weight into the output.
@@ -34,12 +36,32 @@ struct RopeSpec {
   double partial_rotary_factor = 1.0;
   nlohmann::json parameters = nlohmann::json::object();  // factor, low_freq_factor, short_factor, ... as given
   std::string key = "rope_parameters";                   // where config.json holds it (for errors)
+  int64_t head_dim = 0;  // the head_dim its frequencies are computed over; 0: the spec's (Gemma 4: per layer type)
 };
 
 struct DecoderLayerSpec {
   std::optional<int64_t> window;  // sliding-window attention over this many keys, or full attention
   bool rope = true;               // false: no rotary embedding in this layer (SmolLM3's NoPE layers)
   std::size_t rope_index = 0;     // which of DecoderSpec::ropes (Gemma 3: one per layer type)
+  // Gemma 4's layers differ in shape: 0 is the spec's head_dim / num_key_value_heads / intermediate_size.
+  int64_t head_dim = 0, kv_heads = 0, intermediate = 0;
+  bool k_eq_v = false;                 // no v_proj: the values are the key projection's output (attention_k_eq_v)
+  std::optional<std::size_t> kv_from;  // no k/v projections: attends over that earlier layer's keys and values
+  bool sparse = false;                 // a mixture of experts (DecoderSpec::moe) instead of the dense MLP
+};
+
+// A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router (`router`, a linear layer without bias over the
+// hidden state) scores `experts` experts, softmax in fp32, the top `top_k` weight each token's experts' outputs
+// (renormalised to sum 1 with norm_topk); each expert is a gated MLP of `intermediate` with transformers' module
+// names as the files store them (one tensor per expert: <block>.experts.<e>.<gate>/<up>/<down>).
+struct MoeSpec {
+  int64_t experts = 0, top_k = 0, intermediate = 0;
+  bool norm_topk = false;
+  bool weights_in_dtype = true;  // the routing weights cast to the compute dtype (Qwen3-MoE) or kept fp32 (Mixtral)
+  std::string block = "mlp", router = "gate", gate = "gate_proj", up = "up_proj", down = "down_proj";
+  // The load-balancing loss (output_router_logits): router_aux_loss_coef x transformers' load_balancing_loss_func.
+  bool aux_loss = false;
+  double aux_coef = 0.001;
 };
 
 struct DecoderSpec {
@@ -71,6 +93,22 @@ struct DecoderSpec {
   // model.language_model (transformers 5's tree), the files say language_model.model (and transformers writes
   // that), and every tensor outside it is carried unchanged.
   bool multimodal = false;
+  // The files name the multimodal text model as the modules do (model.language_model.*: Gemma 4), not
+  // language_model.model.* (Gemma 3).
+  bool multimodal_module_names = false;
+  // Gemma 4: values RMS-normed per head without a weight; per-layer input embeddings (PLE) of this width per layer
+  // from a table of per_layer_vocab rows (0: none); each block's output times its checkpoint's layer_scalar (a
+  // buffer transformers never trains: carried, read, saved back).
+  bool v_norm = false;
+  int64_t per_layer_input = 0, per_layer_vocab = 0;
+  bool layer_scalar = false;
+  MoeSpec moe;  // for the layers marked sparse
+
+  int64_t head_dim_of(std::size_t layer) const { return layers[layer].head_dim ? layers[layer].head_dim : head_dim; }
+  int64_t kv_heads_of(std::size_t layer) const { return layers[layer].kv_heads ? layers[layer].kv_heads : kv_heads; }
+  int64_t intermediate_of(std::size_t layer) const {
+    return layers[layer].intermediate ? layers[layer].intermediate : intermediate;
+  }
 };
 
 // Defaults a family's config class has for keys config.json may leave out.
@@ -97,6 +135,9 @@ RopeSpec read_rope(const nlohmann::json& config, double default_theta, const cha
 // layer_types (sliding_attention / full_attention) into per-layer windows; false when config.json has none. A list
 // of the wrong length, an unknown type or a sliding layer without sliding_window is a UsageError naming the key.
 bool read_layer_types(const nlohmann::json& config, DecoderSpec& spec);
+
+// A UsageError about config.json: "config.json: " + message, with a hint.
+UsageError config_error(const std::string& message, const std::string& hint);
 
 // A float key that may be null (none) or absent (the family's default).
 std::optional<double> optional_double(const nlohmann::json& config, const char* key, std::optional<double> fallback);

@@ -44,8 +44,9 @@ TEST(DecoderSpec, EveryFamilyIsASupportedCausalModelType) {
   for (const auto& [known, family] : supported_model_types()) {
     if (family != "causal") continue;
     // A multimodal checkpoint describes its language model in text_config.
-    const auto c = known == "gemma3" ? nlohmann::json{{"model_type", known}, {"text_config", config("gemma3_text")}}
-                                     : config(known);
+    const auto c = known == "gemma3" || known == "gemma4"
+                       ? nlohmann::json{{"model_type", known}, {"text_config", config(known + "_text")}}
+                       : config(known);
     EXPECT_TRUE(decoder_spec_for(known, c).has_value()) << known;
   }
 }
@@ -119,6 +120,66 @@ TEST(DecoderSpec, ConfigsTheDecoderCannotHonourAreUsageErrorsNamingTheKey) {
   EXPECT_NE(multimodal.find("\"text_config\""), std::string::npos) << multimodal;
   const auto bidirectional = usage_error(config("gemma3_text", {{"use_bidirectional_attention", true}}));
   EXPECT_NE(bidirectional.find("use_bidirectional_attention"), std::string::npos) << bidirectional;
+}
+
+TEST(DecoderSpec, Gemma4ReadsItsLayersAsGemma4TextConfigSettlesThem) {
+  // Twelve layers: five sliding to one full by default (the last always full), full layers of global_head_dim with
+  // num_global_key_value_heads under attention_k_eq_v, the last two reusing the last earlier layer of their type.
+  const auto s = *decoder_spec_for("gemma4_text", config("gemma4_text", {{"num_hidden_layers", 12},
+                                                                         {"head_dim", 8},
+                                                                         {"global_head_dim", 16},
+                                                                         {"attention_k_eq_v", true},
+                                                                         {"num_global_key_value_heads", 1},
+                                                                         {"num_kv_shared_layers", 2},
+                                                                         {"use_double_wide_mlp", true}}));
+  ASSERT_EQ(s.layers.size(), 12u);
+  for (std::size_t i : {0, 4, 6, 10}) EXPECT_EQ(s.layers[i].window, std::optional<int64_t>(512)) << i;
+  for (std::size_t i : {5, 11}) EXPECT_FALSE(s.layers[i].window.has_value()) << i;
+  EXPECT_EQ(s.head_dim_of(0), 8);
+  EXPECT_EQ(s.head_dim_of(5), 16);
+  EXPECT_EQ(s.kv_heads_of(5), 1);
+  EXPECT_EQ(s.kv_heads_of(4), 2);
+  EXPECT_TRUE(s.layers[5].k_eq_v);
+  EXPECT_FALSE(s.layers[4].k_eq_v);
+  EXPECT_EQ(s.layers[10].kv_from, std::optional<std::size_t>(9));
+  EXPECT_EQ(s.layers[11].kv_from, std::optional<std::size_t>(5));
+  EXPECT_FALSE(s.layers[9].kv_from.has_value());
+  EXPECT_EQ(s.head_dim_of(11), 16);
+  EXPECT_EQ(s.intermediate_of(10), 96);
+  EXPECT_EQ(s.intermediate_of(9), 48);
+  EXPECT_EQ(s.ropes[0].type, "proportional");
+  EXPECT_EQ(s.ropes[0].head_dim, 16);
+  EXPECT_EQ(s.ropes[1].head_dim, 8);
+  EXPECT_EQ(s.per_layer_input, 256);
+  EXPECT_DOUBLE_EQ(s.attention_scale, 1.0);
+
+  // transformers' per_layer_config (what save_pretrained writes) wins over global_head_dim.
+  const auto p = *decoder_spec_for("gemma4_text", config("gemma4_text", {
+      {"head_dim", 8}, {"global_head_dim", 64}, {"layer_types", {"sliding_attention", "full_attention",
+                                                                 "sliding_attention", "full_attention"}},
+      {"sliding_window", 4}, {"per_layer_config", {{"1", {{"head_dim", 32}}}, {"3", {{"head_dim", 32}}}}}}));
+  EXPECT_EQ(p.head_dim_of(1), 32);
+  EXPECT_EQ(p.head_dim_of(2), 8);
+}
+
+TEST(DecoderSpec, Gemma4ConfigsTrainerCannotHonourAreUsageErrorsNamingTheKey) {
+  const auto moe = usage_error(config("gemma4_text", {{"enable_moe_block", true}}));
+  EXPECT_NE(moe.find("enable_moe_block"), std::string::npos) << moe;
+  const auto all = usage_error(config("gemma4_text", {{"use_bidirectional_attention", "all"}}));
+  EXPECT_NE(all.find("use_bidirectional_attention"), std::string::npos) << all;
+  const auto shared = usage_error(config("gemma4_text", {{"num_kv_shared_layers", 4}}));
+  EXPECT_NE(shared.find("num_kv_shared_layers"), std::string::npos) << shared;
+  // The last layer (full) shares, but every layer before the shared ones is sliding.
+  const auto no_producer = usage_error(config("gemma4_text", {{"num_kv_shared_layers", 2}}));
+  EXPECT_NE(no_producer.find("no layer before the shared ones is of its type"), std::string::npos) << no_producer;
+  const auto key = usage_error(config("gemma4_text", {{"per_layer_config", {{"3", {{"sliding_window", 8}}}}}}));
+  EXPECT_NE(key.find("per_layer_config.3.sliding_window"), std::string::npos) << key;
+  const auto index = usage_error(config("gemma4_text", {{"per_layer_config", {{"9", {{"head_dim", 8}}}}}}));
+  EXPECT_NE(index.find("per_layer_config names layer 9 of 4"), std::string::npos) << index;
+  const auto odd = usage_error(config("gemma4_text", {{"per_layer_config", {{"3", {{"head_dim", 7}}}}}}));
+  EXPECT_NE(odd.find("layer 3, per_layer_config"), std::string::npos) << odd;
+  const auto multimodal = usage_error(nlohmann::json{{"model_type", "gemma4"}});
+  EXPECT_NE(multimodal.find("\"text_config\""), std::string::npos) << multimodal;
 }
 
 TEST(DecoderSpec, LongropeAndDynamicFrequenciesFollowTheLength) {

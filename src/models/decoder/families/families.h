@@ -19,6 +19,10 @@ DecoderSpec granite_spec(const nlohmann::json& config);      // granite.cpp
 DecoderSpec gemma2_spec(const nlohmann::json& config);       // gemma.cpp
 DecoderSpec gemma3_text_spec(const nlohmann::json& config);  // gemma.cpp
 DecoderSpec gemma3_spec(const nlohmann::json& config);       // gemma.cpp: the multimodal checkpoint's text model
+DecoderSpec gemma4_text_spec(const nlohmann::json& config);  // gemma4.cpp
+DecoderSpec gemma4_spec(const nlohmann::json& config);       // gemma4.cpp: the multimodal checkpoint's text model
 DecoderSpec phi3_spec(const nlohmann::json& config);         // phi3.cpp
+DecoderSpec qwen3_moe_spec(const nlohmann::json& config);    // moe.cpp
+DecoderSpec mixtral_spec(const nlohmann::json& config);      // moe.cpp
 
 }  // namespace trainer
