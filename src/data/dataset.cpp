@@ -184,7 +184,7 @@ class GroupedStream final : public RecordStream {
 
   bool next(RawRecord& record) override {
     for (;;) {
-      if (!loaded_ || position_ >= rows_.size()) {
+      if (!loaded_ || position_ >= group_rows_) {
         if (next_block_ >= blocks_.size()) return false;
         load(block_at(next_block_++));
         continue;
@@ -201,7 +201,9 @@ class GroupedStream final : public RecordStream {
       record.file = block.file;
       record.offset = block.first_row + r;
       record.line = 0;
-      record.text = std::move(rows_[r]);
+      record.text.clear();
+      record.group = group_;
+      record.group_row = r;
       return true;
     }
   }
@@ -226,11 +228,12 @@ class GroupedStream final : public RecordStream {
       reader_ = std::make_unique<TableReader>(dataset_->files[block.file].path);
       reader_file_ = block.file;
     }
-    reader_->read_group(block.group, rows_);
+    group_ = reader_->load_group(block.group);
+    group_rows_ = group_->size();
     current_ = b;
     position_ = 0;
     loaded_ = true;
-    if (shuffle_) row_order_ = Permutation(rows_.size(), mix_seed(key_, kBlockSalt, b));
+    if (shuffle_) row_order_ = Permutation(group_rows_, mix_seed(key_, kBlockSalt, b));
   }
 
   std::shared_ptr<const Dataset> dataset_;
@@ -243,7 +246,8 @@ class GroupedStream final : public RecordStream {
   std::uint64_t skip_ = 0;      // selected rows of the first block already handed out before a resume
   std::unique_ptr<TableReader> reader_;
   std::uint32_t reader_file_ = 0;
-  std::vector<std::string> rows_;
+  std::shared_ptr<const TableRows> group_;  // the loaded row group (shared with the records handed out of it)
+  std::uint64_t group_rows_ = 0;
   std::size_t current_ = 0;
   std::uint64_t position_ = 0;
   bool loaded_ = false;

@@ -49,6 +49,16 @@ struct RawRecord {
   std::uint64_t offset = 0;  // byte offset in the (uncompressed) file
   std::uint64_t line = 0;    // 1-based line number; 0 when not known (found from the offset on demand)
   std::string text;
+  // Parquet/Arrow records: the row group and the row in it, rendered into JSON text by whoever maps the record
+  // (a worker thread), not by the reader; `text` is empty then.
+  std::shared_ptr<const TableRows> group;
+  std::uint64_t group_row = 0;
+  // The record's JSON text: `text`, or the row rendered into `scratch`.
+  std::string_view json(std::string& scratch) const {
+    if (!group) return text;
+    group->render(group_row, scratch);
+    return scratch;
+  }
 };
 
 class RecordStream {

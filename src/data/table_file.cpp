@@ -316,35 +316,96 @@ std::size_t TableReader::groups() const { return impl_->group_rows.size(); }
 
 std::uint64_t TableReader::group_rows(std::size_t group) const { return impl_->group_rows.at(group); }
 
-void TableReader::read_group(std::size_t group, std::vector<std::string>& rows) {
-  Impl& impl = *impl_;
-  rows.clear();
-  rows.reserve(impl.group_rows.at(group));
-  for (const auto& batch : impl.read_batches(group)) {
-    if (!batch->schema()->Equals(*impl.schema, false))
-      throw DataError(impl.group_name(group) + ": its columns differ from the file's schema", kCorruptHint);
-    const int columns = batch->num_columns();
-    for (std::int64_t r = 0; r < batch->num_rows(); ++r) {
-      std::string& row = rows.emplace_back();
-      row += '{';
-      for (int c = 0; c < columns; ++c) {
-        if (c) row += ',';
-        row += impl.keys[static_cast<std::size_t>(c)];
-        try {
-          append_value(row, *batch->column(c), r);
-        } catch (const UnsupportedValue& unsupported) {
-          throw DataError(impl.group_name(group) + ", column \"" + impl.schema->field(c)->name() + "\": values of type " +
-                              unsupported.type + " cannot be read as a record field",
-                          "drop the column, or cast it to a string or list type");
-        }
-      }
-      row += '}';
+namespace {
+
+// Boxes every child array once, on the thread that loads the group: Arrow creates a struct's field arrays and a
+// dictionary's values on first use, so after this the workers only read.
+void box_children(const arrow::Array& array) {
+  switch (array.type_id()) {
+    case arrow::Type::STRUCT: {
+      const auto& fields = static_cast<const arrow::StructArray&>(array);
+      for (int k = 0; k < array.type()->num_fields(); ++k) box_children(*fields.field(k));
+      return;
+    }
+    case arrow::Type::LIST: box_children(*static_cast<const arrow::ListArray&>(array).values()); return;
+    case arrow::Type::MAP: box_children(*static_cast<const arrow::MapArray&>(array).values()); return;
+    case arrow::Type::LARGE_LIST: box_children(*static_cast<const arrow::LargeListArray&>(array).values()); return;
+    case arrow::Type::FIXED_SIZE_LIST:
+      box_children(*static_cast<const arrow::FixedSizeListArray&>(array).values());
+      return;
+    case arrow::Type::LIST_VIEW: box_children(*static_cast<const arrow::ListViewArray&>(array).values()); return;
+    case arrow::Type::LARGE_LIST_VIEW:
+      box_children(*static_cast<const arrow::LargeListViewArray&>(array).values());
+      return;
+    case arrow::Type::DICTIONARY: box_children(*static_cast<const arrow::DictionaryArray&>(array).dictionary()); return;
+    default: return;
+  }
+}
+
+class LoadedGroup final : public TableRows {
+ public:
+  LoadedGroup(std::string name, std::shared_ptr<arrow::Schema> schema, std::vector<std::string> keys,
+              std::vector<std::shared_ptr<arrow::RecordBatch>> batches)
+      : name_(std::move(name)), schema_(std::move(schema)), keys_(std::move(keys)), batches_(std::move(batches)) {
+    for (const auto& batch : batches_) {
+      starts_.push_back(rows_);
+      rows_ += static_cast<std::uint64_t>(batch->num_rows());
+      for (const auto& column : batch->columns()) box_children(*column);
     }
   }
-  if (rows.size() != impl.group_rows[group])
-    throw DataError(impl.group_name(group) + ": " + std::to_string(rows.size()) + " rows read, the file's metadata says " +
-                        std::to_string(impl.group_rows[group]),
+
+  std::uint64_t size() const override { return rows_; }
+
+  void render(std::uint64_t row, std::string& out) const override {
+    const std::size_t b =
+        static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), row) - starts_.begin() - 1);
+    const arrow::RecordBatch& batch = *batches_[b];
+    const auto r = static_cast<std::int64_t>(row - starts_[b]);
+    out.clear();
+    out += '{';
+    for (int c = 0; c < batch.num_columns(); ++c) {
+      if (c) out += ',';
+      out += keys_[static_cast<std::size_t>(c)];
+      try {
+        append_value(out, *batch.column(c), r);
+      } catch (const UnsupportedValue& unsupported) {
+        throw DataError(name_ + ", column \"" + schema_->field(c)->name() + "\": values of type " + unsupported.type +
+                            " cannot be read as a record field",
+                        "drop the column, or cast it to a string or list type");
+      }
+    }
+    out += '}';
+  }
+
+ private:
+  std::string name_;
+  std::shared_ptr<arrow::Schema> schema_;
+  std::vector<std::string> keys_;
+  std::vector<std::shared_ptr<arrow::RecordBatch>> batches_;
+  std::vector<std::uint64_t> starts_;  // each batch's first row in the group
+  std::uint64_t rows_ = 0;
+};
+
+}  // namespace
+
+std::shared_ptr<const TableRows> TableReader::load_group(std::size_t group) {
+  Impl& impl = *impl_;
+  auto batches = impl.read_batches(group);
+  for (const auto& batch : batches)
+    if (!batch->schema()->Equals(*impl.schema, false))
+      throw DataError(impl.group_name(group) + ": its columns differ from the file's schema", kCorruptHint);
+  auto loaded = std::make_shared<LoadedGroup>(impl.group_name(group), impl.schema, impl.keys, std::move(batches));
+  if (loaded->size() != impl.group_rows.at(group))
+    throw DataError(impl.group_name(group) + ": " + std::to_string(loaded->size()) +
+                        " rows read, the file's metadata says " + std::to_string(impl.group_rows[group]),
                     kCorruptHint);
+  return loaded;
+}
+
+void TableReader::read_group(std::size_t group, std::vector<std::string>& rows) {
+  const auto loaded = load_group(group);
+  rows.assign(loaded->size(), {});
+  for (std::uint64_t r = 0; r < loaded->size(); ++r) loaded->render(r, rows[r]);
 }
 
 FileIndex index_table_file(const std::string& path) {

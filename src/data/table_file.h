@@ -22,6 +22,17 @@ bool is_table_path(const std::string& path);
 // DataError naming it.
 FileIndex index_table_file(const std::string& path);
 
+// One row group as Arrow read it (columnar, not yet rendered): rows are rendered as JSON objects on demand, by any
+// thread (the loader's workers render the rows they map, so the reader thread only decodes).
+class TableRows {
+ public:
+  virtual ~TableRows() = default;
+  virtual std::uint64_t size() const = 0;
+  // Row `row` of the group as a JSON object. A column of a type no record field can hold is a DataError naming
+  // the file, the group and the column.
+  virtual void render(std::uint64_t row, std::string& out) const = 0;
+};
+
 // Reads a table file one row group at a time.
 class TableReader {
  public:
@@ -35,6 +46,8 @@ class TableReader {
   // The rows of `group` as JSON objects, rows[i] for its i-th row. A group Arrow cannot read (a truncated or corrupt
   // file), or a column of a type no record field can hold, is a DataError naming the file, the group and the column.
   void read_group(std::size_t group, std::vector<std::string>& rows);
+  // The rows of `group`, decoded and checked, rendered later (same errors as read_group, but for a column's type).
+  std::shared_ptr<const TableRows> load_group(std::size_t group);
 
  private:
   struct Impl;

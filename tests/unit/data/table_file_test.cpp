@@ -133,7 +133,8 @@ std::vector<int> epoch_rows(const std::shared_ptr<Dataset>& dataset, bool shuffl
   std::uint64_t slot = start;
   while (stream->next(record)) {
     EXPECT_EQ(record.slot, slot++);
-    out.push_back(nlohmann::json::parse(record.text)["i"].get<int>() + (record.file ? 1000 : 0));
+    std::string scratch;
+    out.push_back(nlohmann::json::parse(record.json(scratch))["i"].get<int>() + (record.file ? 1000 : 0));
   }
   return out;
 }
