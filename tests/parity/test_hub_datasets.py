@@ -160,3 +160,16 @@ def test_unknown_split_and_repo_are_exit_3(trainer_binary, hub, env, root, tmp_p
     # a relative path that looks like an id but names a data file stays a path
     path = trainer(trainer_binary, env, "data", "--config", config(root, tmp_path, ["data-org/missing.parquet"]))
     assert path.returncode == 3 and "no file matches" in path.stderr, path.stderr
+
+
+def test_validation_files_default_to_the_validation_split(trainer_binary, hub, env, root, tmp_path):
+    path = config(root, tmp_path, [REPO])
+    settings = json.loads(path.read_text())
+    settings["data"]["validation_files"] = [REPO]
+    path.write_text(json.dumps(settings))
+    result = trainer(trainer_binary, env, "data", "--config", path)
+    assert result.returncode == 0, result.stderr
+    train, validation = result.stdout.split("\nvalidation:")
+    assert "examples            11" in train and "examples            2" in validation, result.stdout
+    snapshot = next((dataset_dir(env, REPO) / "snapshots").iterdir())
+    assert (snapshot / "data" / "validation-00000-of-00001.parquet").is_symlink()
