@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <set>
 
 #include <arrow/api.h>
 #include <arrow/io/file.h>
@@ -18,6 +20,7 @@
 #include <parquet/exception.h>
 #include <parquet/file_reader.h>
 #include <parquet/metadata.h>
+#include <spdlog/spdlog.h>
 
 #include "trainer/errors.h"
 
@@ -69,6 +72,32 @@ T value_or_fail(arrow::Result<T> result, const std::string& what) {
 struct UnsupportedValue {
   std::string type;
 };
+
+// Whether values of `type` can be a record field's JSON: not bytes, at any depth (datasets' Image feature is a
+// struct of bytes and a path). Columns that cannot are left out of the records (told once per file).
+bool renderable(const arrow::DataType& type) {
+  switch (type.id()) {
+    case arrow::Type::BINARY:
+    case arrow::Type::LARGE_BINARY:
+    case arrow::Type::BINARY_VIEW:
+    case arrow::Type::FIXED_SIZE_BINARY: return false;
+    case arrow::Type::DICTIONARY:
+      return renderable(*static_cast<const arrow::DictionaryType&>(type).value_type());
+    default:
+      for (const auto& child : type.fields())
+        if (!renderable(*child->type())) return false;
+      return true;
+  }
+}
+
+void tell_left_out_once(const std::string& path, const std::string& columns) {
+  static std::mutex mutex;
+  static std::set<std::string> told;
+  std::lock_guard lock(mutex);
+  if (!told.insert(path).second) return;
+  spdlog::warn("{}: column(s) {} hold bytes, which no record field reads yet (datasets' Image feature, binary data): "
+               "left out of the records", path, columns);
+}
 
 // Appends `text` as a JSON string. Arrow strings are UTF-8 already; the record mapping checks that it is valid.
 void append_json_string(std::string& out, std::string_view text) {
@@ -261,11 +290,18 @@ struct TableReader::Impl {
     } catch (const parquet::ParquetException& e) {
       throw DataError(path + ": not a readable Parquet file: " + e.what(), kCorruptHint);
     }
+    std::string left_out;
     for (const auto& field : schema->fields()) {
       std::string key;
-      append_json_string(key, field->name());
-      keys.push_back(key + ':');
+      if (renderable(*field->type())) {
+        append_json_string(key, field->name());
+        key += ':';
+      } else {
+        left_out += (left_out.empty() ? "\"" : ", \"") + field->name() + "\" (" + field->type()->ToString() + ")";
+      }
+      keys.push_back(key);  // empty: left out
     }
+    if (!left_out.empty()) tell_left_out_once(path, left_out);
   }
 
   std::string group_name(std::size_t g) const {
@@ -363,9 +399,13 @@ class LoadedGroup final : public TableRows {
     const auto r = static_cast<std::int64_t>(row - starts_[b]);
     out.clear();
     out += '{';
+    bool first = true;
     for (int c = 0; c < batch.num_columns(); ++c) {
-      if (c) out += ',';
-      out += keys_[static_cast<std::size_t>(c)];
+      const std::string& key = keys_[static_cast<std::size_t>(c)];
+      if (key.empty()) continue;  // a column of bytes
+      if (!first) out += ',';
+      first = false;
+      out += key;
       try {
         append_value(out, *batch.column(c), r);
       } catch (const UnsupportedValue& unsupported) {
