@@ -95,8 +95,7 @@ std::optional<DatasetRef> parse_dataset_ref(const std::string& name, const std::
     if (second != std::string::npos && second + 1 < rest.size()) ref.include.push_back(rest.substr(second + 1));
     std::size_t at;
     while ((at = ref.id.find("%2F")) != std::string::npos) ref.id.replace(at, 3, "/");
-    if (!parse_hub_id(ref.id) && !(ref.id.find('@') != std::string::npos && parse_hub_id(ref.id.substr(0, ref.id.find('@')))))
-      return std::nullopt;
+    if (!parse_hub_id(ref.id) || ref.id.substr(0, ref.id.find('@')).find('/') == std::string::npos) return std::nullopt;
     return ref;
   }
   for (const char* extension : {".jsonl", ".gz", ".parquet", ".arrow", ".json", ".feather", ".ipc", ".csv", ".txt"})
@@ -112,7 +111,10 @@ std::optional<DatasetRef> parse_dataset_ref(const std::string& name, const std::
   for (const auto& part : parts)
     if (part.empty()) return std::nullopt;
   ref.id = parts[0];
-  if (looks_like_path(ref.id) || !parse_hub_id(ref.id) || ref.id.find('/') == std::string::npos) return std::nullopt;
+  // A local folder with a split (a datasets folder, DIR:train) is not an id either.
+  if (looks_like_path(ref.id) || fs::exists(ref.id, ec) || !parse_hub_id(ref.id) ||
+      ref.id.find('/') == std::string::npos)
+    return std::nullopt;
   ref.split = parts.size() > 1 ? parts.back() : default_split;
   if (parts.size() == 3) ref.config = parts[1];
   return ref;
