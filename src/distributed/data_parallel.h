@@ -67,6 +67,9 @@ class DataParallel : public StepSync {
   void prepare() override;
   double reduce(double loss_sum) override;
   double global_squared_norm(double local) override;
+  std::vector<double> sum(const std::vector<double>& values, const char* what) override {
+    return communicator_.all_reduce_sum(values, what);
+  }
   void after_update() override;
 
   // distributed.overlap_grad_reduce: during the last micro-batch's backward each bucket (whole parameters in

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 #include <string>
 #include <utility>
 
@@ -40,6 +41,9 @@ class StepSync {
   virtual double global_squared_norm(double local) = 0;
   // After the optimizer update: sharded, every parameter's new value from its owner.
   virtual void after_update() = 0;
+  // Numbers summed over the ranks (every rank calls it with as many): the mixture of experts' routing counts.
+  // `what` names them in a timeout's error.
+  virtual std::vector<double> sum(const std::vector<double>& values, const char* what) = 0;
 
   // Overlapping the gradient sum with backward (distributed.overlap_grad_reduce; optional: the defaults do nothing,
   // and reduce() then sums everything after the attempt). At the start of every forward/backward attempt, with

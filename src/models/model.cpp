@@ -56,6 +56,7 @@ LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits)
   LossSum out;
   out.loss_sum = loss_sum;
   out.target_tokens = (targets != -100).sum().item<int64_t>();
+  out.routing_loss = model.routing_loss();
   if (keep_logits) out.logits = logits;
   return out;
 }

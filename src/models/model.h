@@ -96,6 +96,29 @@ class LanguageModel : public Module {
   // The carried tensors by checkpoint name, in the checkpoint's dtype (filled by load_model).
   std::vector<std::pair<std::string, at::Tensor>>& carried_tensors() { return carried_; }
 
+  // A mixture of experts' load-balancing loss (output_router_logits), which must be the effective batch's however
+  // it is split and over however many ranks. routing_counts: the routing of one forward over `batch` without
+  // gradients, per expert its top-k assignments over the sparse layers' real tokens, then the rows (sparse layers x
+  // real tokens). set_routing_totals: the effective batch's counts (every micro-batch, every rank) for the training
+  // forwards that follow; empty: each forward counts its own (the micro-batch is the batch). routing_loss: after a
+  // training forward, this micro-batch's share of router_aux_loss_coef x the loss (a scalar with its gradient; the
+  // shares of the effective batch's micro-batches add up to it), or undefined.
+  virtual bool has_routing_loss() const { return false; }
+  virtual int64_t routing_experts() const { return 0; }  // routing_counts() gives this many + 1 numbers
+  virtual std::vector<double> routing_counts(const Batch& batch) {
+    (void)batch;
+    return {};
+  }
+  virtual void set_routing_totals(std::vector<double> totals) { (void)totals; }
+  virtual at::Tensor routing_loss() { return {}; }
+  // Since the last set_routing_totals: the effective batch's top-k assignments per expert (over the sparse layers'
+  // real tokens) and this process's shares of the load-balancing loss (without its coefficient), summed.
+  struct RoutingSummary {
+    std::vector<double> assignments;
+    double balancing_loss = 0;
+  };
+  virtual RoutingSummary routing_summary() const { return {}; }
+
   // Generation with a key-value cache over a batch of prompts (B, T) with their attention mask (B, T): causal
   // prompts padded on the left (positions count the real tokens, as transformers derives position ids from the
   // mask), seq2seq prompts padded anywhere (the encoder runs once). The cache is allocated for `new_tokens` more
@@ -125,6 +148,7 @@ class LanguageModel : public Module {
 struct LossSum {
   at::Tensor loss_sum;  // scalar, fp32
   int64_t target_tokens = 0;
+  at::Tensor routing_loss;  // LanguageModel::routing_loss() of the forward: added to the mean, not divided
   at::Tensor logits;    // (B, L, V) when asked for
 };
 LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits = false);

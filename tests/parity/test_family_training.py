@@ -153,17 +153,37 @@ def test_an_out_of_memory_split_reaches_the_same_weights(name, tmp_path, run_tra
         torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n: f"after the split, {n}: {m}")
 
 
-def test_the_load_balancing_loss_is_refused_before_any_weight_is_read(tmp_path, run_trainer):
-    """output_router_logits: the load-balancing loss over the effective batch under any split is not built yet, and
-    training without it would not be what the config asks: exit 2 naming config.json and the key."""
-    model_dir = make_model_dir("qwen3-moe-normalised", tmp_path / "model", output_router_logits=True)
+def test_the_load_balancing_loss_is_the_effective_batchs_under_any_split(tmp_path, run_trainer):
+    """A mixture of experts with output_router_logits: transformers adds router_aux_loss_coef x the load-balancing
+    loss of the forward (every sparse layer's router over the real tokens) to the loss. trainer's loss is the
+    effective batch's, so the balancing loss must be too: its assignments counted over the whole batch (a pass
+    without gradients when the batch is split, summed over the ranks) before the first backward. The whole batch,
+    one example a micro-batch, packed rows with activation checkpointing and two ranks all reach the PyTorch loop's
+    weights; the loss's coefficient is large enough that leaving it out would not (checked)."""
+    name = "qwen3-moe-dense-layer"
+    model_dir = make_model_dir(name, tmp_path / "model", output_router_logits=True, router_aux_loss_coef=0.5)
+    records = examples()
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in examples()))
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model": {"path": str(model_dir), "init": "pretrained"},
-                                  "data": {"train_files": [str(data)], "max_length": 32},
-                                  "training": {"batch_size": BATCH, "max_steps": 1}, "device": {"type": "cpu"},
-                                  "checkpoint": {"output_dir": str(tmp_path / "out")}}))
-    result = run_trainer("--config", config, check=False)
-    assert result.returncode == 2, result.stderr
-    assert "output_router_logits" in result.stderr and str(model_dir / "config.json") in result.stderr
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    expected = reference_weights(model_dir, records)
+    without = reference_weights(make_model_dir(name, tmp_path / "plain"), records)
+    assert max((expected[n] - without[n]).abs().max().item() for n in expected) > 1e-3, "the loss changes nothing"
+    # transformers' balancing loss of the first effective batch (before any step): the first step's metric.
+    model = hf_model(model_dir)
+    first = records[:BATCH]
+    width = max(len(r["input_ids"]) for r in first)
+    ids = torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in first])
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in first])
+    with torch.no_grad():
+        balancing = model(input_ids=ids, attention_mask=mask).aux_loss.item()
+    for micro_batch, packing, ranks in ((BATCH, False, 1), (1, False, 1), (2, True, 1), (BATCH, False, 2)):
+        out = tmp_path / f"run-{micro_batch}-{packing}-{ranks}"
+        final = train(run_trainer, model_dir, data, out, micro_batch, packing=packing, checkpointing=packing,
+                      ranks=ranks)
+        logged = metric(out, "router/balancing_loss")
+        assert len(logged) == STEPS and abs(logged[0] - balancing) < 1e-5, (logged, balancing)
+        assert all(m >= 1.0 for m in metric(out, "router/busiest_expert_load"))
+        ours = hf_model(final).state_dict()
+        for n, p in expected.items():
+            torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n, mb=micro_batch, pk=packing,
+                                       r=ranks: f"micro-batch {mb}, packing {pk}, ranks {r}, {n}: {m}")

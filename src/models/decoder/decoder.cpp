@@ -315,14 +315,14 @@ class DecoderBlock : public Module {
                      KvCache* cache = nullptr, std::size_t layer = 0, const SegmentLayout* layout = nullptr,
                      const VarlenLayout* varlen = nullptr, std::optional<int64_t> window = std::nullopt,
                      const at::Tensor& per_layer_input = {}, const KeysValues* shared = nullptr,
-                     KeysValues* produced = nullptr) {
+                     KeysValues* produced = nullptr, at::Tensor* router_logits = nullptr) {
     at::Tensor a = self_attn->forward(norm(pre_attention_norm, x), cos, sin, mask, cache, layer, layout, varlen, window,
                                       shared, produced);
     a = norm(post_attention_norm, a);
     if (resid_attn_dropout) a = resid_attn_dropout->forward(a, is_training());
     const at::Tensor h = residual(x, a);
     const at::Tensor mlp_in = norm(pre_mlp_norm, h);
-    at::Tensor m = norm(post_mlp_norm, moe ? moe->forward(mlp_in) : mlp->forward(mlp_in));
+    at::Tensor m = norm(post_mlp_norm, moe ? moe->forward(mlp_in, router_logits) : mlp->forward(mlp_in));
     if (resid_mlp_dropout) m = resid_mlp_dropout->forward(m, is_training());
     at::Tensor out = residual(h, m);
     if (per_layer_input_gate) {
@@ -508,6 +508,8 @@ class DecoderModel : public LanguageModel {
                   const at::Tensor& segments = {}, const at::Tensor& positions = {}) {
     at::Tensor x = embed(ids);
     resolve_layer_scalars(x);
+    router_logits_.clear();
+    routing_ = s_.moe.aux_loss && !state && (counting_ || (is_training() && at::GradMode::is_enabled()));
     const at::Tensor per_layer = s_.per_layer_input > 0 ? per_layer_inputs(ids, x) : at::Tensor();
     const bool packed = segments.defined();
     const at::Tensor position_ids =
@@ -571,44 +573,136 @@ class DecoderModel : public LanguageModel {
       if (layer_input.defined()) inputs.push_back(layer_input);
       if (reuse) inputs.insert(inputs.end(), {reuse->keys, reuse->values});
       const bool has_layer_input = layer_input.defined(), reuses = reuse != nullptr;
-      auto run = [block, layout, varlen, window, has_layer_input, reuses](const std::vector<at::Tensor>& in,
-                                                                          KeysValues* produced) {
+      const bool routes = routing_ && block->moe;  // the router's logits are wanted (the load-balancing loss)
+      // The block's outputs: x, then this layer's keys and values when later layers reuse them, then its router's
+      // logits when wanted.
+      auto run = [block, layout, varlen, window, has_layer_input, reuses, produces,
+                  routes](const std::vector<at::Tensor>& in) {
         std::size_t next = 4;
         const at::Tensor layer_in = has_layer_input ? in[next++] : at::Tensor();
-        KeysValues reused;
+        KeysValues reused, produced;
         if (reuses) reused = {in[next], in[next + 1]};
-        return block->forward(in[0], in[1], in[2], in[3], nullptr, 0, layout.get(), varlen.get(), window, layer_in,
-                              reuses ? &reused : nullptr, produced);
+        at::Tensor logits;
+        std::vector<at::Tensor> out = {block->forward(in[0], in[1], in[2], in[3], nullptr, 0, layout.get(),
+                                                      varlen.get(), window, layer_in, reuses ? &reused : nullptr,
+                                                      produces ? &produced : nullptr, routes ? &logits : nullptr)};
+        if (produces) out.insert(out.end(), {produced.keys, produced.values});
+        if (routes) out.push_back(logits);
+        return out;
       };
-      if (!produces) {
-        x = run_block([run](const std::vector<at::Tensor>& in) { return run(in, nullptr); }, inputs);
+      std::vector<at::Tensor> out;
+      if (!produces && !routes) {
+        out = {run_block([run](const std::vector<at::Tensor>& in) { return run(in)[0]; }, inputs)};
       } else if (!has_block_runner()) {
-        KeysValues produced;
-        x = run(inputs, &produced);
-        shared[i] = produced;
+        out = run(inputs);
       } else {
-        // A block runner (activation checkpointing) passes one tensor out: the output and this layer's keys and
-        // values travel flattened into one, and are cut apart here.
-        // Their dtypes are noted as the forward runs (cat promotes to one that holds both).
-        const auto shape = x.sizes().vec();
-        const std::vector<int64_t> kv_shape = {x.size(0), s_.kv_heads_of(i), x.size(1), s_.head_dim_of(i)};
-        auto dtypes = std::make_shared<std::pair<c10::ScalarType, c10::ScalarType>>(x.scalar_type(), x.scalar_type());
-        const at::Tensor all = run_block([run, dtypes](const std::vector<at::Tensor>& in) {
-          KeysValues produced;
-          const at::Tensor out = run(in, &produced);
-          *dtypes = {out.scalar_type(), produced.keys.scalar_type()};
-          return at::cat({out.flatten(), produced.keys.flatten(), produced.values.flatten()});
+        // A block runner (activation checkpointing) passes one tensor out: the outputs travel flattened into one
+        // (in a dtype that holds them all) and are cut apart here, with the shapes and dtypes the forward noted.
+        auto shapes = std::make_shared<std::vector<std::pair<std::vector<int64_t>, c10::ScalarType>>>();
+        const at::Tensor all = run_block([run, shapes](const std::vector<at::Tensor>& in) {
+          const std::vector<at::Tensor> parts = run(in);
+          shapes->clear();
+          std::vector<at::Tensor> flat;
+          for (const auto& part : parts) {
+            shapes->emplace_back(part.sizes().vec(), part.scalar_type());
+            flat.push_back(part.flatten());
+          }
+          return at::cat(flat);
         }, inputs);
-        const int64_t n = x.numel(), kv = kv_shape[0] * kv_shape[1] * kv_shape[2] * kv_shape[3];
-        x = all.narrow(0, 0, n).view(shape).to(dtypes->first);
-        shared[i] = {all.narrow(0, n, kv).view(kv_shape).to(dtypes->second),
-                     all.narrow(0, n + kv, kv).view(kv_shape).to(dtypes->second)};
+        int64_t offset = 0;
+        for (const auto& [shape, dtype] : *shapes) {
+          const int64_t n = c10::multiply_integers(shape);
+          out.push_back(all.narrow(0, offset, n).view(shape).to(dtype));
+          offset += n;
+        }
       }
+      x = out[0];
+      std::size_t next = 1;
+      if (produces) {
+        shared[i] = {out[next], out[next + 1]};
+        next += 2;
+      }
+      if (routes) router_logits_.push_back(out[next]);
     }
     return rms_norm(s_.norm, x, model->norm->weight, s_.eps);
   }
 
+  bool has_routing_loss() const override { return s_.moe.aux_loss; }
+  int64_t routing_experts() const override { return s_.moe.experts; }
+
+  // The routers' statistics of the last forward over its real tokens (`batch`'s mask: attention mask, or segments of
+  // packed rows): per expert the summed probabilities (with their gradient), the top-k assignments, and the rows.
+  struct Routing {
+    at::Tensor probabilities, assignments;  // (experts) fp32
+    at::Tensor rows;                        // scalar fp32
+  };
+  Routing routing_statistics(const Batch& batch) const {
+    const at::Tensor real =
+        (batch.segment_ids.defined() ? batch.segment_ids > 0 : batch.attention_mask != 0).reshape({-1}).to(at::kFloat);
+    const auto options = real.options();
+    Routing r{at::zeros({s_.moe.experts}, options), at::zeros({s_.moe.experts}, options), at::zeros({}, options)};
+    for (const auto& logits : router_logits_) {
+      const at::Tensor probabilities = at::softmax(logits.to(at::kFloat), -1);
+      r.probabilities = r.probabilities + (probabilities * real.unsqueeze(-1)).sum(0);
+      at::NoGradGuard no_grad;
+      const at::Tensor chosen = std::get<1>(at::topk(probabilities, s_.moe.top_k, -1)).reshape({-1});
+      r.assignments = r.assignments + at::zeros_like(r.assignments).scatter_add(0, chosen,
+                                                                               real.repeat_interleave(s_.moe.top_k));
+      r.rows = r.rows + real.sum();
+    }
+    return r;
+  }
+
+  std::vector<double> routing_counts(const Batch& batch) override {
+    if (!s_.moe.aux_loss) return {};
+    at::NoGradGuard no_grad;
+    counting_ = true;
+    try {
+      body(batch.input_ids, batch.attention_mask, 0, nullptr, batch.segment_ids, batch.position_ids);
+    } catch (...) {
+      counting_ = false;
+      throw;
+    }
+    counting_ = false;
+    const Routing r = routing_statistics(batch);
+    router_logits_.clear();
+    const at::Tensor all = at::cat({r.assignments, r.rows.reshape({1})}).to(at::kDouble).to(at::kCPU);
+    return {all.data_ptr<double>(), all.data_ptr<double>() + all.numel()};
+  }
+  void set_routing_totals(std::vector<double> totals) override {
+    routing_totals_ = std::move(totals);
+    summary_ = {};
+  }
+  RoutingSummary routing_summary() const override { return summary_; }
+
+  // transformers' load_balancing_loss_func: experts x sum_e (assignments_e / rows) (probabilities_e / rows), over
+  // every sparse layer and real token of the effective batch; this forward's share is its probabilities' part, the
+  // assignments and rows the effective batch's (set_routing_totals) or its own.
+  at::Tensor routing_loss() override {
+    if (!routing_ || router_logits_.empty()) return {};
+    const Routing r = routing_statistics(last_batch_);
+    at::Tensor assignments = r.assignments, rows = r.rows;
+    if (!routing_totals_.empty()) {
+      const auto experts = static_cast<std::size_t>(s_.moe.experts);
+      if (routing_totals_.size() != experts + 1)
+        throw Error("routing totals of " + std::to_string(routing_totals_.size()) + " numbers for " +
+                    std::to_string(experts) + " experts");
+      assignments = at::tensor(std::vector<double>(routing_totals_.begin(), routing_totals_.begin() + s_.moe.experts),
+                               at::kDouble)
+                        .to(r.probabilities.options());
+      rows = at::scalar_tensor(routing_totals_.back(), r.probabilities.options());
+    }
+    router_logits_.clear();
+    const at::Tensor loss = static_cast<double>(s_.moe.experts) * (assignments / rows * r.probabilities / rows).sum();
+    // For the metrics: the assignments the loss used (the effective batch's) and its share.
+    const at::Tensor counts = assignments.detach().to(at::kDouble).to(at::kCPU).contiguous();
+    summary_.assignments.assign(counts.data_ptr<double>(), counts.data_ptr<double>() + counts.numel());
+    summary_.balancing_loss += loss.item<double>();
+    return s_.moe.aux_coef * loss;
+  }
+
   std::pair<at::Tensor, at::Tensor> hidden_and_targets(const Batch& batch) override {
+    last_batch_ = batch;
     const at::Tensor hidden =
         body(batch.input_ids, batch.attention_mask, 0, nullptr, batch.segment_ids, batch.position_ids);
     // Position t predicts token t + 1; the last position predicts nothing.
@@ -768,6 +862,13 @@ class DecoderModel : public LanguageModel {
   c10::ScalarType scalars_dtype_ = c10::ScalarType::Undefined;  // of the blocks' layer_scalar
   at::Device scalars_device_ = at::kCPU;
   std::size_t scalars_carried_ = 0;
+  // The load-balancing loss: whether this forward keeps its routers' logits (training with gradients, or a
+  // counting pass), which it kept, the batch they are of, the effective batch's counts.
+  bool routing_ = false, counting_ = false;
+  std::vector<at::Tensor> router_logits_;
+  Batch last_batch_;
+  std::vector<double> routing_totals_;
+  RoutingSummary summary_;
   c10::TensorOptions options_;
   at::Tensor lm_head_weight_;
 };

@@ -188,6 +188,11 @@ void PreferenceTask::build_model(const std::optional<fs::path>& resume, const c1
     throw UsageError("training.objective=dpo trains causal language models; " + config().model.path + " is a " +
                          model_->model_type() + " (seq2seq) model",
                      "use a Llama, Qwen2 or Mistral model, or drop training.objective");
+  if (model_->has_routing_loss())
+    throw UsageError(config().model.path + "/config.json: \"output_router_logits\" is true: DPO with the mixture of "
+                         "experts' load-balancing loss is not supported yet",
+                     "set it to false in config.json: DPO then trains without the auxiliary loss, as TRL does with it "
+                     "false");
   pad_id_ = text_model_.pad_id();
   model_->train(dropout_on());
   resumed_ = resume.has_value();

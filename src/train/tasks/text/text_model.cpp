@@ -83,16 +83,6 @@ void TextModel::build(const std::optional<fs::path>& resume, const c10::Device& 
       check_fp16_supported(read_json_file(config_json.string()).value("model_type", std::string()),
                            config_json.string());
   }
-  // A mixture of experts' load-balancing loss must be the effective batch's under any split, which needs the
-  // whole batch's routing first: not built yet, so refused before any weight is read rather than trained wrongly.
-  if (const fs::path config_json = fs::path(config_.model.path) / "config.json"; fs::exists(config_json)) {
-    const auto hf = read_json_file(config_json.string());
-    if (const auto it = hf.find("output_router_logits"); it != hf.end() && it->is_boolean() && it->get<bool>())
-      throw UsageError(config_json.string() + ": \"output_router_logits\" is true: training with the mixture of "
-                           "experts' load-balancing loss is not supported yet",
-                       "set it to false (the released Qwen3-MoE and Mixtral configs' value): trainer then trains "
-                       "without the auxiliary loss, as transformers does");
-  }
   // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
   model_ = resume && !config_.lora.enabled
                ? load_model(resume->string(), ModelInit::kPretrained, options)

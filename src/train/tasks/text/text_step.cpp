@@ -10,12 +10,14 @@
 #include <ATen/DeviceAccelerator.h>
 #include <c10/util/Exception.h>
 #include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include "memory/cpu_budget.h"
 #include "models/dropout.h"
 #include "train/activation_checkpointing.h"
 #include "train/fused_loss.h"
 #include "train/precision.h"
+#include "trainer/errors.h"
 
 namespace trainer {
 namespace {
@@ -81,7 +83,9 @@ double TrainStep::forward_backward(const Batch& batch, double normaliser) {
     at::Tensor loss_sum;
     {
       AutocastScope autocast(dtype.has_value(), options_.device.type(), dtype.value_or(at::kBFloat16));
-      loss_sum = forward_loss(model_, batch).loss_sum;
+      const LossSum out = forward_loss(model_, batch);
+      // A mixture of experts' load-balancing share is a term of the mean: times the normaliser into the sum.
+      loss_sum = out.routing_loss.defined() ? out.loss_sum + out.routing_loss * normaliser : out.loss_sum;
     }
     (options_.scaler ? loss_sum * grad_scale : loss_sum / normaliser).backward();
     return loss_sum.item<double>();
@@ -107,8 +111,15 @@ double TrainStep::forward_backward(const Batch& batch, double normaliser) {
                                                 model_.final_logit_softcap());
   // An untied head's gradient is complete now (a tied one still gets the embedding's part from backward).
   if (options_.sync && weight_grad.defined() && !model_.lm_head_tied()) options_.sync->gradient_ready(weight);
-  if (hidden.requires_grad()) hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));
-  return fused.loss_sum.item<double>();
+  const at::Tensor routing = model_.routing_loss();
+  if (routing.defined() && routing.requires_grad()) {
+    // One backward from both roots: the routers' logits share the graph below the hidden states.
+    torch::autograd::backward({hidden, routing},
+                              {fused.grad_hidden.reshape(hidden.sizes()), at::full_like(routing, grad_scale * normaliser)});
+  } else if (hidden.requires_grad()) {
+    hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));
+  }
+  return fused.loss_sum.item<double>() + (routing.defined() ? routing.item<double>() * normaliser : 0.0);
 }
 
 bool TrainStep::escalate(int64_t step) {
@@ -169,6 +180,22 @@ void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, 
     // At the floor: rows of one example each.
     outcome.at_floor = outcome.largest_part <= 1 &&
                        std::all_of(rows.begin(), rows.end(), [](const PackedRow& row) { return row.examples.size() <= 1; });
+    if (!count_routing(parts.size(), outcome, [&](std::size_t i) {
+          const auto& [begin, count] = parts[i];
+          const PackedBatch packed = collate_packed(
+              examples, std::span<const PackedRow>(rows).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+              DataFamily::kCausal, options_.pad_id, options_.device);
+          const at::Tensor segment_examples =
+              share_begin == 0 ? packed.segment_examples : packed.segment_examples + share_begin;
+          const DropoutScope dropout(options_.seed, step,
+                                     std::vector<PackedDropoutStream>{{packed.segment_ids, packed.position_ids,
+                                                                       segment_examples, packed.segment_starts}});
+          Batch batch{packed.input_ids, packed.attention_mask, packed.labels, {}};
+          batch.segment_ids = packed.segment_ids;
+          batch.position_ids = packed.position_ids;
+          return routing_counts(batch);
+        }))
+      return;
     for (std::size_t i = 0; i < parts.size(); ++i) {
       const auto& [begin, count] = parts[i];
       last_part(i, parts.size());
@@ -183,6 +210,14 @@ void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, 
   outcome.largest_part = largest_part(parts);
   outcome.micro_steps = static_cast<int64_t>(parts.size());
   outcome.at_floor = outcome.largest_part <= 1;
+  if (!count_routing(parts.size(), outcome, [&](std::size_t i) {
+        const auto& [begin, count] = parts[i];
+        const DropoutScope dropout(options_.seed, step, share_begin + begin, count, options_.device);
+        const auto part = examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count));
+        const CollatedBatch collated = collate(part, options_.pad_id, options_.device);
+        return routing_counts(Batch{collated.input_ids, collated.attention_mask, collated.labels, {}});
+      }))
+    return;
   for (std::size_t i = 0; i < parts.size(); ++i) {
     const auto& [begin, count] = parts[i];
     last_part(i, parts.size());
@@ -192,6 +227,53 @@ void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, 
     outcome.loss_sum +=
         forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)), normaliser);
   }
+}
+
+std::vector<double> TrainStep::routing_counts(const Batch& batch) {
+  const auto dtype = autocast_dtype();
+  AutocastScope autocast(dtype.has_value(), options_.device.type(), dtype.value_or(at::kBFloat16));
+  return model_.routing_counts(batch);
+}
+
+bool TrainStep::count_routing(std::size_t parts, AttemptOutcome& outcome,
+                              const std::function<std::vector<double>(std::size_t)>& counts_of) {
+  if (!model_.has_routing_loss()) return true;
+  // One micro-batch on one process: its forward counts its own routing, which is the batch's.
+  if (parts <= 1 && !options_.sync) {
+    model_.set_routing_totals({});
+    return true;
+  }
+  // Otherwise a pass without gradients over every micro-batch counts the effective batch's routing before the
+  // first backward (the balancing loss's assignments carry no gradient but must be the whole batch's), summed over
+  // the ranks. Every rank takes part in the sum, one that ran out of memory too (its flag, the last number, makes
+  // the attempt an out-of-memory attempt on every rank).
+  std::vector<double> totals;
+  std::optional<std::string> failed;
+  try {
+    for (std::size_t i = 0; i < parts; ++i) {
+      const auto counts = counts_of(i);
+      if (totals.empty()) totals.assign(counts.size(), 0.0);
+      for (std::size_t j = 0; j < counts.size(); ++j) totals[j] += counts[j];
+    }
+  } catch (const c10::OutOfMemoryError& e) {
+    failed = e.what_without_backtrace();
+  }
+  if (options_.sync) {
+    const std::size_t width = static_cast<std::size_t>(model_.routing_experts()) + 1;
+    if (totals.empty()) totals.assign(width, 0.0);  // an empty share, or out of memory
+    totals.push_back(failed ? 1.0 : 0.0);
+    totals = options_.sync->sum(totals, "the mixture of experts' routing counts");
+    const bool any_failed = totals.back() > 0;
+    totals.pop_back();
+    if (any_failed && !failed) failed = "another rank ran out of memory counting the routing";
+  }
+  if (failed) {
+    model_.set_routing_totals({});
+    outcome.dropped = "counting the routing: " + *failed;
+    return false;
+  }
+  model_.set_routing_totals(std::move(totals));
+  return true;
 }
 
 StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) {
@@ -204,9 +286,30 @@ StepResult TrainStep::run(const EffectiveBatch& batch, int64_t step, double lr) 
   const auto examples = all.subspan(static_cast<std::size_t>(share_begin), static_cast<std::size_t>(share_count));
   const double normaliser = static_cast<double>(std::max<int64_t>(1, batch.target_tokens));
   TextStepWork work(*this, examples, share_begin, normaliser);
-  return run_attempts(work, {optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm,
-                             options_.max_retries, step, lr, static_cast<int64_t>(all.size()), normaliser,
-                             batch.target_tokens});
+  StepResult result = run_attempts(work, {optimizer_, policy_, options_.scaler, options_.sync, options_.max_grad_norm,
+                                          options_.max_retries, step, lr, static_cast<int64_t>(all.size()),
+                                          normaliser, batch.target_tokens});
+  if (model_.has_routing_loss()) add_routing_metrics(result);
+  return result;
+}
+
+void TrainStep::add_routing_metrics(StepResult& result) {
+  // The load-balancing loss of the effective batch (its ranks' shares summed) and how evenly the top-k assignments
+  // fell: the busiest and the idlest expert's count over the mean count, and the counts' coefficient of variation.
+  const auto summary = model_.routing_summary();
+  double loss = summary.balancing_loss;
+  if (options_.sync) loss = options_.sync->sum({loss}, "the load-balancing loss")[0];
+  result.metrics.emplace_back("router/balancing_loss", loss);
+  const auto& counts = summary.assignments;
+  if (counts.empty()) return;
+  double total = 0, squares = 0;
+  for (double c : counts) total += c;
+  const double mean = total / static_cast<double>(counts.size());
+  if (mean <= 0) return;
+  for (double c : counts) squares += (c - mean) * (c - mean);
+  result.metrics.emplace_back("router/busiest_expert_load", *std::max_element(counts.begin(), counts.end()) / mean);
+  result.metrics.emplace_back("router/idlest_expert_load", *std::min_element(counts.begin(), counts.end()) / mean);
+  result.metrics.emplace_back("router/load_cv", std::sqrt(squares / static_cast<double>(counts.size())) / mean);
 }
 
 }  // namespace trainer

@@ -77,6 +77,14 @@ class TrainStep {
   // One attempt over this rank's share `examples` (starting at `share_begin` of the effective batch).
   void attempt(std::span<const Example> examples, int64_t share_begin, int64_t step, double normaliser,
                AttemptOutcome& outcome);
+  // The mixture of experts' load-balancing loss: the effective batch's routing counted over this attempt's `parts`
+  // micro-batches (counts_of(i): one's counts) and the ranks before the first backward, given to the model; false
+  // (and outcome.dropped) when a rank ran out of memory counting. Nothing without the loss.
+  bool count_routing(std::size_t parts, AttemptOutcome& outcome,
+                     const std::function<std::vector<double>(std::size_t)>& counts_of);
+  std::vector<double> routing_counts(const Batch& batch);
+  // The router's statistics of the step (mixtures of experts with the load-balancing loss) into its metrics.
+  void add_routing_metrics(StepResult& result);
   friend class TextStepWork;
 
   LanguageModel& model_;
