@@ -207,8 +207,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   std::string model_types;
   for (const auto& [type, family] : supported_model_types()) model_types += (model_types.empty() ? "" : ", ") + type;
   CLI::App app{"trainer: fine-tune Hugging Face seq2seq (T5), causal (Llama, Qwen2/3, Mistral, Gemma 2/3/4, Phi-3/4,\n"
-               "SmolLM3, OLMo 2, Granite), image (ViT) and CLIP models with LibTorch, adapting the micro-batch to the\n"
-               "memory it has instead of dying of out-of-memory.\nText model types (config.json's model_type): " +
+               "SmolLM3, OLMo 2, Granite; mixtures of experts Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE), image (ViT) and CLIP\n"
+               "models with LibTorch, adapting the micro-batch to the memory it has instead of dying of out-of-memory.\n"
+               "Text model types (config.json's model_type): " +
                    model_types,
                "trainer"};
   app.set_version_flag("--version", std::string("trainer ") + kVersion + " (LibTorch " + kTorchBuildVersion + ", " +

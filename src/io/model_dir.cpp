@@ -18,7 +18,7 @@ const std::vector<std::pair<std::string, std::string>>& supported_model_types() 
       {"qwen3", "causal"},    {"smollm3", "causal"}, {"olmo2", "causal"},  {"granite", "causal"},
       {"gemma2", "causal"},   {"gemma3_text", "causal"}, {"gemma3", "causal"},
       {"gemma4_text", "causal"}, {"gemma4", "causal"}, {"phi3", "causal"},
-      {"qwen3_moe", "causal"},   {"mixtral", "causal"}};
+      {"qwen3_moe", "causal"},   {"mixtral", "causal"},   {"qwen2_moe", "causal"}, {"olmoe", "causal"}};
   return types;
 }
 

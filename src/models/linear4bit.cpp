@@ -580,12 +580,15 @@ QuantState4bit state_from_saved(const std::string& name, const nlohmann::json& q
   return state;
 }
 
-std::vector<std::string> quantizable_layers(LanguageModel& model) {
+std::vector<std::string> quantizable_layers(LanguageModel& model, bool experts) {
   std::vector<std::string> out;
   const bool t5 = model.model_type() == "t5";
   model.for_each_module([&](const std::string& name, Module& m) {
     if (dynamic_cast<Linear*>(&m) == nullptr) return;
     if (t5 && (name == "wo" || name.ends_with(".wo"))) return;  // T5's _keep_in_fp32_modules
+    // A mixture of experts' router stays in full precision (transformers' is a parameter, not a linear layer).
+    if (name.ends_with(".mlp.gate") || name.ends_with(".block_sparse_moe.gate")) return;
+    if (!experts && name.find(".experts.") != std::string::npos) return;
     out.push_back(name);
   });
   return out;

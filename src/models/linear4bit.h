@@ -34,6 +34,9 @@ struct Quantize4bitOptions {
   quant::QuantType type = quant::QuantType::kNf4;
   int64_t blocksize = 64;
   bool double_quant = true;
+  // A mixture of experts' experts too (QLoRA in memory: they are most of the weights). transformers' bitsandbytes
+  // integration keeps them in full precision, so a model written in 4 bits (trainer quantize, merge) keeps them so.
+  bool experts = true;
 };
 
 // What a 4-bit weight needs besides its packed codes (bitsandbytes' QuantState).
@@ -109,7 +112,7 @@ QuantState4bit state_from_saved(const std::string& name, const nlohmann::json& q
 // The linear layers of `model` that quantization converts, by module path: every Linear but those transformers
 // keeps in full precision (T5's `wo`, its _keep_in_fp32_modules; the LM head and embeddings are not Linear layers
 // here).
-std::vector<std::string> quantizable_layers(LanguageModel& model);
+std::vector<std::string> quantizable_layers(LanguageModel& model, bool experts = true);
 
 // config.json's "quantization_config" for a model saved with 4-bit layers (what transformers writes and reads).
 nlohmann::json bnb_quantization_config(const Quantize4bitOptions& options, at::ScalarType compute_dtype,

@@ -334,8 +334,11 @@ MergeResult merge_adapter(const MergeOptions& options) {
         break;
       }
   }
+  // What is written keeps a mixture of experts' experts in full precision, as transformers + bitsandbytes do.
+  std::optional<Quantize4bitOptions> quantize = options.quantize;
+  if (quantize) quantize->experts = false;
   auto model = load_model(result.base_dir, ModelInit::kPretrained, at::TensorOptions().dtype(result.dtype), 0,
-                          options.quantize);
+                          quantize);
   model->train(false);
   auto adapters = apply_peft_adapter(*model, adapter, options.adapter_dir);
   merge_lora(*adapters);

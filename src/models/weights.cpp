@@ -54,7 +54,7 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
     model->for_each_parameter([&](const std::string&, at::Tensor& p) { p = p.to(options); });
     if (quantize) {
       const auto layers = linear_layers(*model);
-      for (const auto& path : quantizable_layers(*model)) {
+      for (const auto& path : quantizable_layers(*model, quantize->experts)) {
         Linear& linear = *layers.at(path);
         quantize_layer(linear, linear.weight, *quantize, device);
       }
@@ -131,7 +131,7 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
   // 4-bit layers first: loaded as saved, or quantized one at a time from their full-precision weight.
   std::set<std::string> to_quantize;
   if (quantize)
-    for (const auto& path : quantizable_layers(*model)) to_quantize.insert(path);
+    for (const auto& path : quantizable_layers(*model, quantize->experts)) to_quantize.insert(path);
   for (const auto& [path, linear] : layers) {
     const std::string weight = path + ".weight";
     if (const auto pre = prequantized.find(path); pre != prequantized.end()) {
@@ -188,6 +188,10 @@ void save_model(LanguageModel& model, const std::string& dir, uint64_t max_shard
   std::vector<std::string> skipped = {"lm_head"};
   for (const auto& [path, linear] : linear_layers(model)) {
     if (const QuantState4bit* state = linear->quantized()) {
+      if (path.find(".experts.") != std::string::npos)
+        throw UsageError(dir + ": a mixture of experts with 4-bit experts cannot be written in a layout transformers "
+                         "loads (its bitsandbytes integration keeps the experts in full precision)",
+                         "write the model without quantized experts (trainer quantize keeps them in full precision)");
       if (!options) options = Quantize4bitOptions{state->type, state->blocksize, state->nested};
       compute_dtype = state->dtype;
     } else {
@@ -212,7 +216,9 @@ QuantizeDirResult quantize_model_dir_to(const std::string& model_dir, const std:
       dtype = tensor.dtype;
       break;
     }
-  auto model = load_model(model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(dtype), 0, options);
+  Quantize4bitOptions written = options;
+  written.experts = false;  // as transformers + bitsandbytes write a mixture of experts
+  auto model = load_model(model_dir, ModelInit::kPretrained, at::TensorOptions().dtype(dtype), 0, written);
   QuantizeDirResult result;
   for (const auto& [path, linear] : linear_layers(*model))
     if (const QuantState4bit* state = linear->quantized()) {

@@ -131,7 +131,7 @@ def metric(out, key):
     return [json.loads(line)[key] for line in (out / "metrics.jsonl").read_text().splitlines() if f'"{key}"' in line]
 
 
-@pytest.mark.parametrize("name", ["gemma2-softcaps", "qwen3-headdim-untied"])
+@pytest.mark.parametrize("name", ["gemma2-softcaps", "qwen3-headdim-untied", "qwen3-moe-dense-layer"])
 def test_an_out_of_memory_split_reaches_the_same_weights(name, tmp_path, run_trainer):
     """A CPU budget between the peaks of micro-batches of 1 and 4 examples: the step of 4 runs out of memory, the
     same effective batch is split and retried, and the run still ends at the PyTorch loop's weights."""

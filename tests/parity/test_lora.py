@@ -181,7 +181,7 @@ def test_a_lora_training_run_writes_an_adapter_peft_loads_and_a_merged_model(nam
 # (and so PEFT's) names: Phi-3's fused qkv_proj and gate_up_proj, the q/k norms and the extra norms untouched.
 FAMILY_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                   # Mixtures of experts: the attention (the experts are not PEFT modules in transformers 5).
-                  "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"], "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+                  **{t: ["q_proj", "k_proj", "v_proj", "o_proj"] for t in ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")}}
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

@@ -40,7 +40,8 @@ def llama_family(kind, **kw):
             "granite": transformers.GraniteConfig, "gemma2": transformers.Gemma2Config,
             "gemma3_text": transformers.Gemma3TextConfig, "gemma4_text": transformers.Gemma4TextConfig,
             "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
-            "mixtral": transformers.MixtralConfig}[kind](**base)
+            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+            "olmoe": transformers.OlmoeConfig}[kind](**base)
 
 
 # The decoder families beyond Llama (models/decoder/families): odd shapes (head_dim != hidden / heads, GQA),
@@ -93,6 +94,12 @@ FAMILIES = {
         "norm_topk_prob": True, "tie_word_embeddings": True, **kw}),
     "mixtral-sliding": lambda **kw: llama_family("mixtral", **{
         "intermediate_size": 16, "num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 4, **kw}),
+    "qwen2-moe-shared-expert": lambda **kw: llama_family("qwen2_moe", **{
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 12, "shared_expert_intermediate_size": 20,
+        "decoder_sparse_step": 2, **kw}),
+    "olmoe-clip-qkv": lambda **kw: llama_family("olmoe", **{
+        "intermediate_size": 16, "num_experts": 5, "num_experts_per_tok": 3, "clip_qkv": 0.05, "pad_token_id": 1,
+        **kw}),
     "phi3-partial-longrope": lambda **kw: llama_family("phi3", **{
         "max_position_embeddings": 64, "original_max_position_embeddings": 8, "pad_token_id": 0,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,

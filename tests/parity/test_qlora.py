@@ -27,7 +27,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from bnb_reference import plain_linear4bit, reference_cpu_kernels
+import bitsandbytes.functional as bnb_functional
+
+from bnb_reference import definition, plain_linear4bit, reference_cpu_kernels
 from test_models import MODELS, make_batch, make_model_dir, parity_tool, real_positions, run_parity_tool  # noqa: F401
 
 NAMES = ["qwen2-gqa-tied", "llama", "flan-gated-gelu-untied"]
@@ -38,8 +40,10 @@ TARGETS = {"qwen2-gqa-tied": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj
            # families quantize the same Linear layers (checked once: Gemma 2 and Qwen3 passed too, 50 s each); Gemma 4
            # adds its per-layer input projections.
            "phi3-partial-longrope": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-           "gemma4-shared-kv-ple": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-FAMILY_NAMES = ["phi3-partial-longrope", "gemma4-shared-kv-ple"]
+           "gemma4-shared-kv-ple": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+           # A mixture of experts: LoRA on the attention; its experts are 4-bit too (below), its router is not.
+           "qwen3-moe-dense-layer": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+FAMILY_NAMES = ["phi3-partial-longrope", "gemma4-shared-kv-ple", "qwen3-moe-dense-layer"]
 MIN_EFFECT = 1e-3
 LR = 0.3
 
@@ -54,8 +58,9 @@ def model_class(path):
                     else transformers.AutoModelForCausalLM)
 
 
-def bnb_model(path, quant_type="nf4", double_quant=True):
-    """transformers' load_in_4bit model: quantized on load when `path` is full precision, as saved otherwise."""
+def bnb_model(path, quant_type="nf4", double_quant=True, experts_in_4bit=True):
+    """transformers' load_in_4bit model: quantized on load when `path` is full precision, as saved otherwise; a
+    mixture of experts' experts with trainer's 4-bit values (four_bit_experts) unless told not to."""
     reference_cpu_kernels()
     config, cls = model_class(path)
     kwargs = {}
@@ -65,7 +70,29 @@ def bnb_model(path, quant_type="nf4", double_quant=True):
             bnb_4bit_compute_dtype=torch.float32)
     model = cls.from_pretrained(path, dtype=torch.float32, device_map="cpu", attn_implementation="eager", **kwargs)
     model.eval()
+    if "quantization_config" in kwargs and experts_in_4bit:
+        four_bit_experts(model, quant_type, double_quant)
     return plain_linear4bit(model)
+
+
+def four_bit_experts(model, quant_type, double_quant):
+    """transformers' bitsandbytes integration keeps a mixture of experts' experts (3D parameters) in full precision;
+    QLoRA in trainer holds them in 4 bits too (they are most of the weights), each expert's gate, up and down
+    projection quantized as its own tensor, as the files store them. The reference's experts become those 4-bit
+    weights' values: bitsandbytes' quantization of each, decoded by the format's definition."""
+    def four_bit(w):
+        packed, state = bnb_functional.quantize_4bit(w.contiguous(), blocksize=64, quant_type=quant_type,
+                                                     compress_statistics=double_quant)
+        return definition(packed, state)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                half = p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    p[e] = torch.cat([four_bit(p[e, :half]), four_bit(p[e, half:])])
+            elif name.endswith("experts.down_proj"):
+                for e in range(p.shape[0]):
+                    p[e] = four_bit(p[e])
 
 
 def full_model(path):
@@ -158,11 +185,12 @@ def test_qlora_steps_match_peft_over_bitsandbytes(name, tmp_path, parity_tool):
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "flan-gated-gelu-untied"])
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "flan-gated-gelu-untied", "qwen3-moe-dense-layer"])
 def test_trainer_quantize_writes_what_transformers_saves(name, quant_type, tmp_path, run_trainer):
+    """A mixture of experts too: its experts and router stay in full precision, as transformers writes them."""
     model_dir, config, batch = setup(name, tmp_path)
     run_trainer("quantize", "--model", model_dir, "--output", tmp_path / "ours", "--type", quant_type)
-    reference = bnb_model(model_dir, quant_type)
+    reference = bnb_model(model_dir, quant_type, experts_in_4bit=False)
     reference.save_pretrained(tmp_path / "theirs")
     ours, theirs = (load_file(tmp_path / d / "model.safetensors") for d in ("ours", "theirs"))
     assert set(ours) == set(theirs)

@@ -117,6 +117,13 @@ class DecoderAttention : public Module {
       q = rms_norm(spec_.norm, q, q_norm->weight, spec_.eps);
       if (!shared) k = rms_norm(spec_.norm, k, k_norm->weight, spec_.eps);
     }
+    if (spec_.clip_qkv) {  // OLMoE
+      q = q.clamp(-*spec_.clip_qkv, *spec_.clip_qkv);
+      if (!shared) {
+        k = k.clamp(-*spec_.clip_qkv, *spec_.clip_qkv);
+        v = v.clamp(-*spec_.clip_qkv, *spec_.clip_qkv);
+      }
+    }
     q = q.reshape({b, t, spec_.heads, hd});
     if (spec_.qk_norm == QkNorm::kPerHead) q = rms_norm(spec_.norm, q, q_norm->weight, spec_.eps);
     q = q.transpose(1, 2);  // (B, H, T, hd)
@@ -242,6 +249,10 @@ class MoeMlp : public Module {
     router = register_module(spec_.router, std::make_shared<Linear>(s.hidden, spec_.experts, false, o));
     experts = register_module("experts", std::make_shared<Experts>());
     for (int64_t e = 0; e < spec_.experts; ++e) experts->push_back(std::make_shared<Expert>(s, o));
+    if (spec_.shared_expert > 0) {
+      shared_expert = register_module("shared_expert", std::make_shared<DecoderMlp>(s, spec_.shared_expert, o));
+      shared_expert_gate = register_module("shared_expert_gate", std::make_shared<Linear>(s.hidden, 1, false, o));
+    }
   }
 
   // x (B, T, D) -> (B, T, D); `router_logits`, when given, receives the router's logits (B * T, experts).
@@ -270,11 +281,16 @@ class MoeMlp : public Module {
     }
     const at::Tensor weighted =
         at::cat(outputs, 0) * weights.reshape({-1}).index_select(0, order).unsqueeze(-1);
-    return at::zeros_like(flat).index_add(0, token_of, weighted.to(flat.scalar_type())).view(x.sizes());
+    at::Tensor out = at::zeros_like(flat).index_add(0, token_of, weighted.to(flat.scalar_type()));
+    if (shared_expert)  // Qwen2-MoE: plus the shared expert, gated per token
+      out = out + at::sigmoid(shared_expert_gate->forward(flat)) * shared_expert->forward(flat);
+    return out.view(x.sizes());
   }
 
   std::shared_ptr<Linear> router;
   std::shared_ptr<Experts> experts;
+  std::shared_ptr<DecoderMlp> shared_expert;
+  std::shared_ptr<Linear> shared_expert_gate;
 
  private:
   const MoeSpec& spec_;

@@ -20,7 +20,7 @@ const std::vector<std::pair<std::string, DecoderSpec (*)(const nlohmann::json&)>
       {"granite", granite_spec}, {"gemma2", gemma2_spec},   {"gemma3_text", gemma3_text_spec},
       {"gemma3", gemma3_spec},   {"gemma4_text", gemma4_text_spec},
       {"gemma4", gemma4_spec},   {"phi3", phi3_spec},         {"qwen3_moe", qwen3_moe_spec},
-      {"mixtral", mixtral_spec}};
+      {"mixtral", mixtral_spec},       {"qwen2_moe", qwen2_moe_spec}, {"olmoe", olmoe_spec}};
   return table;
 }
 

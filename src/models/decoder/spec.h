@@ -62,6 +62,9 @@ struct MoeSpec {
   // The load-balancing loss (output_router_logits): router_aux_loss_coef x transformers' load_balancing_loss_func.
   bool aux_loss = false;
   double aux_coef = 0.001;
+  // Qwen2-MoE: a shared expert of this width (a gated MLP, shared_expert.*) every token also goes through, times
+  // sigmoid(shared_expert_gate(x)); 0: none.
+  int64_t shared_expert = 0;
 };
 
 struct DecoderSpec {
@@ -76,6 +79,7 @@ struct DecoderSpec {
   bool fused_gate_up = false;  // one gate_up_proj (Phi-3): gate first, up second
   NormKind norm = NormKind::kLlama;
   QkNorm qk_norm = QkNorm::kNone;
+  std::optional<double> clip_qkv;  // OLMoE: q, k (after their norms) and v clamped to [-clip, clip]
   // The block's norms by place, each transformers' module name or empty for none: before attention, on the
   // attention's output, before the MLP, on the MLP's output.
   std::string pre_attention_norm = "input_layernorm", post_attention_norm;

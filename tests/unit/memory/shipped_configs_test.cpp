@@ -49,6 +49,17 @@ const nlohmann::json kQwen3_8B = {{"model_type", "qwen3"},        {"vocab_size",
                                   {"tie_word_embeddings", false}, {"attention_bias", false},
                                   {"bos_token_id", 151643},       {"eos_token_id", 151645},
                                   {"use_sliding_window", false},  {"max_window_layers", 36}};
+// Qwen/Qwen3-30B-A3B: 48 sparse layers of 128 experts (768 wide), 8 per token.
+const nlohmann::json kQwen3_30B_A3B = {
+    {"model_type", "qwen3_moe"},    {"vocab_size", 151936},       {"hidden_size", 2048},
+    {"intermediate_size", 6144},    {"moe_intermediate_size", 768}, {"num_hidden_layers", 48},
+    {"num_attention_heads", 32},    {"num_key_value_heads", 4},   {"head_dim", 128},
+    {"num_experts", 128},           {"num_experts_per_tok", 8},   {"norm_topk_prob", true},
+    {"decoder_sparse_step", 1},     {"mlp_only_layers", nlohmann::json::array()},
+    {"max_position_embeddings", 40960}, {"rms_norm_eps", 1e-6},   {"rope_theta", 1000000.0},
+    {"hidden_act", "silu"},         {"tie_word_embeddings", false}, {"output_router_logits", false},
+    {"router_aux_loss_coef", 0.001}, {"bos_token_id", 151643},    {"eos_token_id", 151645},
+    {"use_sliding_window", false},  {"max_window_layers", 48},    {"attention_bias", false}};
 // microsoft/Phi-4-mini-instruct (its longrope factors: 48 a list, one per rotated pair of the 96 rotary dimensions;
 // their values do not change the memory).
 const nlohmann::json kPhi4Mini = {
@@ -127,6 +138,7 @@ const std::map<std::string, Card>& cards() {
       {"qwen2.5-7b-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
       {"qwen3-8b-lora.json", {kQwen3_8B, 24.0 * (1ull << 30)}},
       {"phi-4-mini-qlora.json", {kPhi4Mini, 12.0 * (1ull << 30)}},
+      {"qwen3-30b-a3b-qlora.json", {kQwen3_30B_A3B, 24.0 * (1ull << 30)}},
       {"gemma-3-4b-it-lora.json", {kGemma3_4B, 16.0 * (1ull << 30)}},
       {"qwen2.5-7b-dpo-lora.json", {kQwen25_7B, 24.0 * (1ull << 30)}},
       {"qwen2.5-7b-qlora.json", {kQwen25_7B, 16.0 * (1ull << 30)}},

@@ -24,5 +24,7 @@ DecoderSpec gemma4_spec(const nlohmann::json& config);       // gemma4.cpp: the 
 DecoderSpec phi3_spec(const nlohmann::json& config);         // phi3.cpp
 DecoderSpec qwen3_moe_spec(const nlohmann::json& config);    // moe.cpp
 DecoderSpec mixtral_spec(const nlohmann::json& config);      // moe.cpp
+DecoderSpec qwen2_moe_spec(const nlohmann::json& config);    // moe.cpp
+DecoderSpec olmoe_spec(const nlohmann::json& config);        // moe.cpp
 
 }  // namespace trainer
