@@ -1,21 +1,21 @@
 #!/bin/sh
 # The build stage of docker/Dockerfile: configures and builds the `trainer` binary alone (no tests) in /build
 # against the torch that install-torch.sh put in /opt/venv; for CUDA with the pip CUDA compiler at /opt/cuda.
-# The binary's RPATH names /opt/trainer/site-packages/torch/lib, where the runtime stage keeps LibTorch (and, for
-# CUDA, the CUDA runtime's folder there).
+# The binary's RPATH names /opt/trainer/site-packages/torch/lib, where the runtime stage keeps LibTorch,
+# /opt/trainer/site-packages/pyarrow (libarrow, libparquet) and, for CUDA, the CUDA runtime's folder there.
 #
 #   build-trainer.sh cpu|cuda [JOBS]
 set -eu
 variant=${1:?usage: build-trainer.sh cpu|cuda [JOBS]}
 jobs=${2:-$(nproc)}
 site=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-rpath=/opt/trainer/site-packages/torch/lib
+rpath="/opt/trainer/site-packages/torch/lib;/opt/trainer/site-packages/pyarrow"
 if [ "$variant" = cuda ]; then
   # trainer's own kernels link the CUDA runtime (libcudart.so.13) directly: its folder in the runtime layout too.
   rpath="$rpath;/opt/trainer/site-packages/nvidia/$(basename "$(readlink -f /opt/cuda)")/lib"
 fi
 set -- -S /src -B /build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTRAINER_BUILD_TESTS=OFF \
-  -DCMAKE_PREFIX_PATH="$site/torch/share/cmake" -DCMAKE_BUILD_RPATH="$rpath"
+  -DCMAKE_PREFIX_PATH="$site/torch/share/cmake" -DTRAINER_ARROW_DIR="$site/pyarrow" -DCMAKE_BUILD_RPATH="$rpath"
 if [ "$variant" = cuda ]; then
   # The architectures Caffe2's CMake config would otherwise detect with a test program on the GPU (none here; and
   # Debian's CMake 3.25 cannot compile that program with CUDA 13's nvcc: "CUDA20 ... does not support this").

@@ -1,7 +1,8 @@
 #!/bin/sh
 # The build stage of docker/Dockerfile: installs the torch wheel pinned in requirements.txt into /opt/venv
 # (LibTorch comes from it, as on a workstation) and lays out, under /opt/trainer/site-packages, the shared
-# libraries the runtime stage keeps: torch/lib and, for CUDA, the nvidia-* wheels' libraries, in the wheels' own
+# libraries the runtime stage keeps: torch/lib, pyarrow's libarrow and libparquet and, for CUDA, the nvidia-* wheels'
+# libraries, in the wheels' own
 # layout so that their relative RPATHs ($ORIGIN/../../nvidia/...) still resolve.
 #
 #   install-torch.sh cpu|cuda
@@ -91,4 +92,19 @@ PY
   ln -sfn "$cuda_root" /opt/cuda
   "$cuda_root/bin/nvcc" --version | tail -1
 fi
+# Apache Arrow's C++ libraries (Parquet and Arrow data files) from the pyarrow wheel pinned in requirements.txt, as on
+# a workstation: headers for the build (in /opt/venv), libarrow and libparquet for the runtime stage.
+arrow_pin=$(grep '^pyarrow==' /src/requirements.txt || true)
+[ -n "$arrow_pin" ] || { echo "error: requirements.txt has no pyarrow== line" >&2; exit 1; }
+arrow_version=${arrow_pin#pyarrow==}
+arrow_wheel=$(ls /wheels/pyarrow-"$arrow_version"-*.whl 2>/dev/null | head -1 || true)
+if [ -n "$arrow_wheel" ]; then
+  echo "pyarrow: $arrow_wheel (docker/wheels)"
+  pip_install --no-deps --no-index --find-links /wheels "$arrow_pin"
+else
+  echo "pyarrow: $arrow_pin from the default index"
+  pip_install --no-deps "$arrow_pin"
+fi
+mkdir -p /opt/trainer/site-packages/pyarrow
+cp -a "$site"/pyarrow/libarrow.so.* "$site"/pyarrow/libparquet.so.* /opt/trainer/site-packages/pyarrow/
 echo "runtime libraries: $(du -sh /opt/trainer/site-packages | cut -f1)"

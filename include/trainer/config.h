@@ -244,8 +244,11 @@ struct DataConfig {
 
   template <class V>
   void visit(V& v) {
-    v("train_files", train_files, "JSONL files or globs (plain or .gz) to train on");
-    v("validation_files", validation_files, "JSONL files or globs for evaluation");
+    v("train_files", train_files,
+      "data files or globs to train on: JSONL (plain or .gz), Parquet, Arrow; datasets folders (DIR, DIR:SPLIT); "
+      "Hub datasets (ORG/NAME[@REV][:CONFIG][:SPLIT], default split train)");
+    v("validation_files", validation_files,
+      "data files, globs, datasets folders or Hub datasets for evaluation (as train_files; default split validation)");
     v("validation_fraction", validation_fraction, "hold out this fraction of train_files when validation_files is empty");
     v("input_field", input_field, "seq2seq: record field with the encoder input");
     v("target_field", target_field, "seq2seq: record field with the target");

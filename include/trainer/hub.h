@@ -25,11 +25,29 @@ bool looks_like_path(const std::string& name);
 // the Hub refuses in repo names, an empty part, a name of more than 96 characters).
 std::optional<HubId> parse_hub_id(const std::string& name);
 
+// A dataset on the Hub as data.train_files / validation_files name it, in the spellings of datasets'
+// load_dataset(path, name, split=) and of the Hub's hf:// paths:
+//   ORG/NAME[@REVISION]                 the key's split (train_files: train; validation_files: validation)
+//   ORG/NAME[@REVISION]:SPLIT           a split
+//   ORG/NAME[@REVISION]:CONFIG:SPLIT    a config's split
+//   hf://datasets/ORG/NAME[@REVISION]/PATH   files of the repo (PATH may be a glob)
+struct DatasetRef {
+  std::string id;  // ORG/NAME[@REVISION], for resolve()
+  std::string config, split;
+  std::vector<std::string> include;  // hf:// paths: the glob inside the repo
+};
+// nullopt when `name` is not such a reference: an existing path, a glob, a name ending in a data file's
+// extension (.jsonl, .gz, .parquet, .arrow, .json, ...), a path-like or malformed id.
+std::optional<DatasetRef> parse_dataset_ref(const std::string& name, const std::string& default_split);
+
 // True for a 40-hex-digit commit hash.
 bool is_commit_hash(const std::string& revision);
 
-// "models--org--name", the repo's folder in the cache.
-std::string repo_folder_name(const std::string& repo_id);
+// A model repo, or a dataset repo (data files: `trainer download --dataset`, Hub ids in data.train_files).
+enum class RepoType { kModel, kDataset };
+
+// "models--org--name" ("datasets--org--name"), the repo's folder in the cache.
+std::string repo_folder_name(const std::string& repo_id, RepoType type = RepoType::kModel);
 
 // The environment as huggingface_hub reads it. The token is kept here only to be sent in an Authorization header;
 // nothing prints it.
@@ -53,6 +71,7 @@ HubSettings settings_from_environment(const Getenv& getenv = nullptr);
 enum class FileSet {
   kModel,     // config, tokenizer, chat template, image processor, adapter files and the safetensors weights
   kMetadata,  // the same without weights (plan, inspect, data)
+  kData,      // a dataset repo's Parquet files of one split (and config), as datasets' load_dataset picks them
 };
 
 struct ResolveOptions {
@@ -60,6 +79,11 @@ struct ResolveOptions {
   std::vector<std::string> include;  // globs (fnmatch) that replace the file set's selection (`trainer download`)
   bool dry_run = false;              // list what would be downloaded; download nothing
   std::string what = "model.path";   // the key or flag that named it, for messages
+  RepoType repo_type = RepoType::kModel;
+  // FileSet::kData: the split's files (empty: every split), and the config (the first folder of the Hub's converted
+  // Parquet files, `CONFIG/SPLIT/0000.parquet`; empty: "default", or the repo's only one). A repo without Parquet
+  // files of the split is read from the Hub's refs/convert/parquet branch.
+  std::string split, config;
   // Waiting for another process (a rank of this node, another run) that downloads the same file: give up when its
   // part has not grown for this long; 0 waits as long as it takes.
   double wait_timeout_s = 0;
@@ -78,6 +102,7 @@ struct Resolved {
   std::vector<PlannedFile> downloaded;     // files fetched by this call
   std::vector<PlannedFile> would_download; // dry run: files the cache lacks
   bool from_cache_only = false;            // offline, or the Hub could not be reached
+  std::vector<std::string> files;          // FileSet::kData: the selected data files (paths under local_path), sorted
 };
 
 // An existing local path wins; a path-like name that does not exist, or a malformed id, comes back unchanged (the

@@ -46,7 +46,9 @@ def loader(form, path, model, batch_size):
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq
     datasets.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(model)
-    ds = datasets.load_dataset("json", data_files=path, split="train")
+    # The builder by the file's kind (scripts/bench/parquet_loader.py reads Parquet; loader.py JSONL).
+    builder = "parquet" if path.endswith(".parquet") else "json"
+    ds = datasets.load_dataset(builder, data_files=path, split="train")
     ds = ds.map(tokenize_function(tok, form), batched=True, remove_columns=ds.column_names)
     collator = DataCollatorForSeq2Seq(tok, padding="longest")
     loader = torch.utils.data.DataLoader(ds, batch_size=int(batch_size), shuffle=True, collate_fn=collator,

@@ -282,11 +282,14 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       ->allow_extra_args(false);
   DataCommandOptions data_options;
   data_cmd->add_option("--dump", data_options.dump,
-                       "Write the first N examples of FILE (default: the first train file) as JSON lines: input_ids, "
-                       "labels (-100: not trained) and, for chat records, the rendered text; streams nothing else")
+                       "Write the first N examples of FILE (default: the train files, in order) as JSON lines: "
+                       "input_ids, labels (-100: not trained) and, for chat records, the rendered text; with several "
+                       "files each line names its file; streams nothing else")
       ->type_name("N")
       ->check(CLI::NonNegativeNumber);
-  data_cmd->add_option("file", data_options.dump_file, "With --dump: the JSONL file (plain or .gz) to read")
+  data_cmd->add_option("file", data_options.dump_file,
+                       "With --dump: the data file to read (JSONL, plain or .gz; Parquet; Arrow), a glob, or a "
+                       "datasets folder (DIR, DIR:SPLIT)")
       ->type_name("FILE");
   data_cmd->footer(kExitCodeHelp);
 
@@ -420,8 +423,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   predict_cmd->footer(kExitCodeHelp);
   DownloadOptions download_options;
   auto* download_cmd = app.add_subcommand(
-      "download", "Fetch a model from the Hugging Face Hub into the cache ahead of a run (a login node, a docker "
-                  "build) and print its snapshot directory");
+      "download", "Fetch a model (with --dataset: a dataset's data files) from the Hugging Face Hub into the cache "
+                  "ahead of a run (a login node, a docker build) and print its snapshot directory");
   download_cmd->add_option("name", download_options.name,
                            "Hub id: ORG/NAME, or ORG/NAME@REVISION (branch, tag, commit)")
       ->required();
@@ -432,6 +435,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       ->allow_extra_args(false);
   download_cmd->add_flag("--dry-run", download_options.dry_run,
                          "List the files that would be downloaded and their sizes; download nothing");
+  download_cmd->add_flag("--dataset", download_options.dataset,
+                         "NAME is a dataset repo (datasets--ORG--NAME in the cache): its Parquet files, of one split "
+                         "with ORG/NAME:SPLIT or ORG/NAME:CONFIG:SPLIT (the Hub's refs/convert/parquet branch when "
+                         "the repo has none)");
   download_cmd->footer(kHubEnvironmentHelp + std::string(kExitCodeHelp));
   distributed::LaunchOptions launch_options;
   auto* launch_cmd = app.add_subcommand(

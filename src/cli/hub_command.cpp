@@ -45,6 +45,39 @@ HubResolution resolve_config_paths(Config& config, bool dry_run, bool metadata_o
     path = resolved.local_path;
     result.resolved.push_back(std::move(resolved));
   };
+  auto resolve_data = [&](std::vector<std::string>& entries, const char* key, const char* default_split) {
+    std::vector<std::string> files;
+    for (const auto& entry : entries) {
+      const auto ref = hub::parse_dataset_ref(entry, default_split);
+      if (!ref) {
+        files.push_back(entry);
+        continue;
+      }
+      hub::ResolveOptions options;
+      options.files = hub::FileSet::kData;
+      options.repo_type = hub::RepoType::kDataset;
+      options.split = ref->split;
+      options.config = ref->config;
+      options.include = ref->include;
+      options.dry_run = dry_run;
+      options.what = key;
+      options.wait_timeout_s = config.distributed.timeout_s;
+      hub::Resolved resolved = hub::resolve(ref->id, options, settings);
+      if (!resolved.from_hub) {
+        files.push_back(entry);
+        continue;
+      }
+      if (dry_run) {
+        print_would_download(resolved, key, out);
+        if (!resolved.would_download.empty()) result.complete = false;
+      }
+      files.insert(files.end(), resolved.files.begin(), resolved.files.end());
+      result.resolved.push_back(std::move(resolved));
+    }
+    entries = std::move(files);
+  };
+  resolve_data(config.data.train_files, "data.train_files", "train");
+  resolve_data(config.data.validation_files, "data.validation_files", "validation");
   const bool weights = !metadata_only && config.model.init == ModelInit::kPretrained;
   resolve_one(config.model.path, "model.path", weights ? hub::FileSet::kModel : hub::FileSet::kMetadata);
   if (!config.tokenizer.path.empty()) resolve_one(config.tokenizer.path, "tokenizer.path", hub::FileSet::kMetadata);
@@ -62,6 +95,29 @@ std::string resolve_flag_path(const std::string& name, const std::string& flag, 
 }
 
 int run_download(const DownloadOptions& options, std::ostream& out) {
+  if (options.dataset) {
+    const auto ref = hub::parse_dataset_ref(options.name, "");
+    if (!ref)
+      throw UsageError("trainer download --dataset: \"" + options.name + "\" is not a Hub dataset id",
+                       "name it as on the Hub: org/name, org/name@revision, org/name:split or org/name:config:split");
+    hub::ResolveOptions resolve_options;
+    resolve_options.files = hub::FileSet::kData;
+    resolve_options.repo_type = hub::RepoType::kDataset;
+    resolve_options.split = ref->split;
+    resolve_options.config = ref->config;
+    resolve_options.include = options.include.empty() ? ref->include : options.include;
+    resolve_options.dry_run = options.dry_run;
+    resolve_options.what = "trainer download --dataset";
+    const hub::Resolved resolved = hub::resolve(ref->id, resolve_options);
+    if (options.dry_run) {
+      print_would_download(resolved, "trainer download --dataset", out);
+      for (const auto& file : resolved.files) out << "  data file: " << file << "\n";
+      return kExitOk;
+    }
+    for (const auto& file : resolved.files) out << file << "\n";
+    out << resolved.local_path << "\n";
+    return kExitOk;
+  }
   const auto id = hub::parse_hub_id(options.name);
   if (!id)
     throw UsageError("trainer download: \"" + options.name + "\" is not a Hub id",

@@ -69,7 +69,7 @@ std::vector<ConfigProblem> validate(const Config& c) {
                 "is required: a Hugging Face model directory (for init=random, one holding config.json)");
 
   const auto& d = c.data;
-  check.require(!d.train_files.empty(), "data.train_files", "is required: one or more JSONL files or globs");
+  check.require(!d.train_files.empty(), "data.train_files", "is required: one or more data files (JSONL, Parquet, Arrow), globs or datasets folders");
   check.in_range(d.validation_fraction, 0.0, 1.0, "data.validation_fraction", /*high_inclusive=*/false);
   check.require(d.validation_files.empty() || d.validation_fraction == 0.0, "data.validation_fraction",
                 "give either validation_files or validation_fraction, not both");

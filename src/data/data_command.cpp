@@ -20,6 +20,7 @@
 
 #include "chat/jinja.h"
 #include "data/chat_record.h"
+#include "data/dataset.h"
 #include "data/image_loader.h"
 #include "data/jsonl.h"
 #include "data/packing.h"
@@ -162,28 +163,31 @@ void append_json_string(std::string& out, std::string_view text) {
   chat::append_json_string(out, text);
 }
 
-// `trainer data --dump`: the first `count` examples of `path`, in file order, one JSON object per line.
-void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily family,
-                   const DataCommandOptions& options, const RecordMapper& map, std::ostream& out) {
-  data::MappingSpec spec = data::mapping_spec(config, family);
-  spec.keep_chat_text = true;
-  data::LineReader reader(options.dump_file);
+void dump_file_examples(const Config& config, const Tokenizer& tokenizer, const data::MappingSpec& spec,
+                        const DataCommandOptions& options, const std::string& path, bool name_file,
+                        const RecordMapper& map, int64_t& written, std::ostream& out) {
+  data::OrderedRecordReader reader(path);
+  // JSONL records are named by their 1-based line, Parquet/Arrow records by their 0-based row.
+  const char* number_key = reader.table() ? "row" : "line";
+  const auto where = [&](std::uint64_t number) {
+    return path + (reader.table() ? ": row " : ":") + std::to_string(number);
+  };
   std::string record;
-  std::uint64_t line = 0, offset = 0;
-  int64_t written = 0;
+  std::uint64_t line = 0;
   // Lines are gathered and written a megabyte at a time; what was gathered is written before an error stops the dump.
   std::string buffer;
   const auto flush = [&] {
     out.write(buffer.data(), static_cast<std::streamsize>(buffer.size()));
     buffer.clear();
   };
-  while (written < options.dump && reader.next(record, line, offset)) {
+  while (written < options.dump && reader.next(record, line)) {
     const data::Outcome outcome = map ? map(record) : data::map_record(record, spec, tokenizer);
-    nlohmann::ordered_json entry = {{"line", line}};
+    nlohmann::ordered_json entry = {{number_key, line}};
+    if (name_file) entry = {{"file", path}, {number_key, line}};
     if (outcome.kind == data::OutcomeKind::kBadRecord) {
       if (config.data.on_bad_record == BadRecordPolicy::kError || outcome.fatal) {
         flush();
-        throw DataError(options.dump_file + ":" + std::to_string(line) + ": " + outcome.problem,
+        throw DataError(where(line) + ": " + outcome.problem,
                         !outcome.hint.empty() ? outcome.hint
                                               : "fix or remove the record, or set data.on_bad_record = \"skip\"");
       }
@@ -195,7 +199,13 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
     } else {
       // Written directly, the bytes entry.dump() would write: the ids are most of the output.
       char digits[24];
-      buffer += "{\"line\":";
+      buffer += '{';
+      if (name_file) {
+        buffer += "\"file\":";
+        append_json_string(buffer, path);
+        buffer += ',';
+      }
+      buffer += reader.table() ? "\"row\":" : "\"line\":";
       buffer.append(digits, std::to_chars(digits, digits + sizeof digits, line).ptr);
       buffer += ",\"input_ids\":";
       const std::size_t ids_at = buffer.size();
@@ -226,20 +236,35 @@ void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily 
   flush();
 }
 
+
+// `trainer data --dump`: the first `count` examples of `files` (one file, or the shards of a datasets folder), in
+// file order, one JSON object per line; with several files each line names its file.
+void dump_examples(const Config& config, const Tokenizer& tokenizer, DataFamily family,
+                   const DataCommandOptions& options, const std::vector<std::string>& files, const RecordMapper& map,
+                   std::ostream& out) {
+  data::MappingSpec spec = data::mapping_spec(config, family);
+  spec.keep_chat_text = true;
+  int64_t written = 0;
+  for (const auto& file : files) {
+    if (written >= options.dump) break;
+    dump_file_examples(config, tokenizer, spec, options, file, files.size() > 1, map, written, out);
+  }
+}
+
 // The first chat record among the first lines of the first train file, with its trained tokens marked.
 void preview_chat(const Config& config, const Tokenizer& tokenizer, std::ostream& out) {
   constexpr std::uint64_t kLinesLooked = 1000;
   const auto files = data::expand_globs(config.data.train_files, "data.train_files");
   if (files.empty()) return;
-  data::LineReader reader(files.front());
+  data::OrderedRecordReader reader(files.front());
   std::string record;
-  std::uint64_t line = 0, offset = 0;
-  while (reader.next(record, line, offset) && line <= kLinesLooked) {
+  std::uint64_t line = 0;
+  while (reader.next(record, line) && line <= kLinesLooked) {
     if (record.find(std::string("\"") + data::kMessagesField + "\"") == std::string::npos) continue;
     const data::Outcome outcome = data::map_record(record, data::mapping_spec(config, DataFamily::kCausal), tokenizer);
     if (outcome.kind != data::OutcomeKind::kExample) continue;
-    out << fmt::format("first chat record ({}:{}), trained tokens between [[ and ]] (data.train_on):\n{}\n",
-                       files.front(), line, mark_trained(tokenizer, outcome.example));
+    out << fmt::format("first chat record ({}{}{}), trained tokens between [[ and ]] (data.train_on):\n{}\n",
+                       files.front(), reader.table() ? ": row " : ":", line, mark_trained(tokenizer, outcome.example));
     return;
   }
 }
@@ -272,13 +297,15 @@ int run_data(const Config& config, std::ostream& out, const DataCommandOptions& 
   const int32_t pad_id = tokenizer->pad_id().value_or(tokenizer->eos_id().value_or(0));
   const RecordMapper map = options.mapper ? options.mapper(config, *tokenizer) : RecordMapper{};
   if (options.dump >= 0) {
-    DataCommandOptions dump = options;
-    if (dump.dump_file.empty()) {
-      const auto files = data::expand_globs(config.data.train_files, "data.train_files");
-      if (files.empty()) throw UsageError("trainer data --dump needs a FILE or data.train_files", "name the JSONL file");
-      dump.dump_file = files.front();
+    std::vector<std::string> files;
+    if (options.dump_file.empty()) {
+      // The training files in order (several: a glob, a datasets folder's shards, a Hub dataset's Parquet files).
+      files = data::expand_globs(config.data.train_files, "data.train_files");
+      if (files.empty()) throw UsageError("trainer data --dump needs a FILE or data.train_files", "name the data file");
+    } else {
+      files = data::expand_globs({options.dump_file}, "FILE");  // a file, a glob, or a datasets folder (DIR:split)
     }
-    dump_examples(config, *tokenizer, family, dump, map, out);
+    dump_examples(config, *tokenizer, family, options, files, map, out);
     return kExitOk;
   }
 

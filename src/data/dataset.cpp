@@ -144,6 +144,116 @@ class StreamedStream final : public RecordStream {
   bool exhausted_ = false;
 };
 
+// Parquet and Arrow files: read a row group at a time. The epoch's order is a seeded permutation of the row
+// groups of all files, and within each group a seeded permutation of its rows (file order when not shuffling), so
+// only one group is in memory and slot k's (file, row group, row) follows from the seed alone: a resumed epoch
+// reads from the group of its start slot on, never the earlier ones.
+class GroupedStream final : public RecordStream {
+ public:
+  GroupedStream(std::shared_ptr<const Dataset> dataset, bool shuffle, std::uint64_t seed, std::int64_t epoch,
+                std::uint64_t start_slot)
+      : dataset_(std::move(dataset)),
+        shuffle_(shuffle),
+        key_(mix_seed(seed, kEpochSalt, static_cast<std::uint64_t>(epoch))),
+        slot_(start_slot) {
+    const Dataset& d = *dataset_;
+    for (std::uint32_t f = 0; f < d.files.size(); ++f) {
+      std::uint64_t g = d.first[f], row = 0;
+      for (std::size_t group = 0; group < d.files[f].group_rows.size(); ++group) {
+        const std::uint64_t rows = d.files[f].group_rows[group];
+        std::uint64_t selected = rows;
+        if (d.subset != Dataset::Subset::kAll) {
+          selected = 0;
+          for (std::uint64_t k = 0; k < rows; ++k) selected += d.contains(g + k) ? 1 : 0;
+        }
+        blocks_.push_back({f, group, g, row, rows, selected});
+        g += rows;
+        row += rows;
+      }
+    }
+    if (shuffle_) order_ = Permutation(blocks_.size(), mix_seed(key_, kBlockSalt));
+    // The block of the start slot, and how many of its selected rows were handed out before.
+    std::uint64_t before = 0;
+    for (; next_block_ < blocks_.size(); ++next_block_) {
+      const Block& block = blocks_[block_at(next_block_)];
+      if (before + block.selected > start_slot) break;
+      before += block.selected;
+    }
+    skip_ = start_slot - before;
+  }
+
+  bool next(RawRecord& record) override {
+    for (;;) {
+      if (!loaded_ || position_ >= group_rows_) {
+        if (next_block_ >= blocks_.size()) return false;
+        load(block_at(next_block_++));
+        continue;
+      }
+      const std::uint64_t r = shuffle_ ? row_order_(position_) : position_;
+      ++position_;
+      const Block& block = blocks_[current_];
+      if (!dataset_->contains(block.first_g + r)) continue;
+      if (skip_ > 0) {
+        --skip_;
+        continue;
+      }
+      record.slot = slot_++;
+      record.file = block.file;
+      record.offset = block.first_row + r;
+      record.line = 0;
+      record.text.clear();
+      record.group = group_;
+      record.group_row = r;
+      return true;
+    }
+  }
+
+ private:
+  struct Block {
+    std::uint32_t file;
+    std::size_t group;
+    std::uint64_t first_g;    // global number of its first record
+    std::uint64_t first_row;  // its first row in the file
+    std::uint64_t rows;
+    std::uint64_t selected;  // rows in the dataset's subset
+  };
+  static constexpr std::uint64_t kBlockSalt = 0xB10C5B10C5B10C5Bull;
+
+  std::size_t block_at(std::size_t k) const { return shuffle_ ? static_cast<std::size_t>(order_(k)) : k; }
+
+  void load(std::size_t b) {
+    const Block& block = blocks_[b];
+    if (!reader_ || reader_file_ != block.file) {
+      reader_.reset();  // one file open at a time
+      reader_ = std::make_unique<TableReader>(dataset_->files[block.file].path);
+      reader_file_ = block.file;
+    }
+    group_ = reader_->load_group(block.group);
+    group_rows_ = group_->size();
+    current_ = b;
+    position_ = 0;
+    loaded_ = true;
+    if (shuffle_) row_order_ = Permutation(group_rows_, mix_seed(key_, kBlockSalt, b));
+  }
+
+  std::shared_ptr<const Dataset> dataset_;
+  bool shuffle_;
+  std::uint64_t key_;
+  std::uint64_t slot_;
+  std::vector<Block> blocks_;
+  Permutation order_;
+  std::size_t next_block_ = 0;  // position in the block order
+  std::uint64_t skip_ = 0;      // selected rows of the first block already handed out before a resume
+  std::unique_ptr<TableReader> reader_;
+  std::uint32_t reader_file_ = 0;
+  std::shared_ptr<const TableRows> group_;  // the loaded row group (shared with the records handed out of it)
+  std::uint64_t group_rows_ = 0;
+  std::size_t current_ = 0;
+  std::uint64_t position_ = 0;
+  bool loaded_ = false;
+  Permutation row_order_;  // shuffling: the order of the loaded group's rows
+};
+
 // Ends another stream before a slot (a length-grouping mega-batch reads only its own slots).
 class LimitedStream final : public RecordStream {
  public:
@@ -168,10 +278,16 @@ std::shared_ptr<Dataset> open_dataset(const std::vector<std::string>& files, Dat
   auto dataset = std::make_shared<Dataset>();
   dataset->first.push_back(0);
   for (const auto& path : files) {
-    dataset->files.push_back(index_file(path));
+    dataset->files.push_back(is_table_path(path) ? index_table_file(path) : index_file(path));
     dataset->streamed = dataset->streamed || dataset->files.back().gzip;
+    dataset->grouped = dataset->grouped || dataset->files.back().table;
     dataset->first.push_back(dataset->first.back() + dataset->files.back().records);
   }
+  if (dataset->grouped)
+    for (const auto& file : dataset->files)
+      if (!file.table)
+        throw DataError(file.path + ": JSONL files and Parquet/Arrow files cannot be read in one data set",
+                        "convert them to one format (trainer reads either JSONL or Parquet/Arrow files in a run)");
   dataset->subset = subset;
   if (subset != Dataset::Subset::kAll) {
     dataset->held_out = static_cast<std::uint64_t>(std::floor(fraction * static_cast<double>(dataset->total())));
@@ -183,12 +299,36 @@ std::shared_ptr<Dataset> open_dataset(const std::vector<std::string>& files, Dat
 std::unique_ptr<RecordStream> open_epoch(std::shared_ptr<const Dataset> dataset, bool shuffle, std::uint64_t seed,
                                          std::int64_t epoch, std::uint64_t start_slot, std::uint64_t end_slot) {
   std::unique_ptr<RecordStream> stream;
-  if (dataset->streamed)
+  if (dataset->grouped)
+    stream = std::make_unique<GroupedStream>(std::move(dataset), shuffle, seed, epoch, start_slot);
+  else if (dataset->streamed)
     stream = std::make_unique<StreamedStream>(std::move(dataset), shuffle, seed, epoch, start_slot);
   else
     stream = std::make_unique<IndexedStream>(std::move(dataset), shuffle, seed, epoch, start_slot);
   if (end_slot == UINT64_MAX) return stream;
   return std::make_unique<LimitedStream>(std::move(stream), end_slot);
+}
+
+OrderedRecordReader::OrderedRecordReader(const std::string& path) {
+  if (is_table_path(path)) table_ = std::make_unique<TableReader>(path);
+  else lines_ = std::make_unique<LineReader>(path);
+}
+
+OrderedRecordReader::~OrderedRecordReader() = default;
+
+bool OrderedRecordReader::next(std::string& record, std::uint64_t& number) {
+  if (lines_) {
+    std::uint64_t offset = 0;
+    return lines_->next(record, number, offset);
+  }
+  while (next_row_ >= rows_.size()) {
+    if (group_ >= table_->groups()) return false;
+    table_->read_group(group_++, rows_);
+    next_row_ = 0;
+  }
+  record = std::move(rows_[next_row_++]);
+  number = row_++;
+  return true;
 }
 
 }  // namespace trainer::data

@@ -7,11 +7,14 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "trainer/errors.h"
@@ -40,7 +43,9 @@ FileStamp stamp_of(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0)
     throw DataError(path + ": cannot read (" + std::strerror(errno) + ")", "check that the data file exists");
-  if (!S_ISREG(st.st_mode)) throw DataError(path + ": not a regular file", "data files must be JSONL files");
+  if (!S_ISREG(st.st_mode))
+    throw DataError(path + ": not a regular file",
+                    "data files are JSONL (plain or .gz), Parquet or Arrow files, or a folder datasets wrote (DIR, DIR:SPLIT)");
   return {static_cast<std::uint64_t>(st.st_size),
           static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
 }
@@ -137,11 +142,106 @@ void build_gzip_index(const std::string& path, FileIndex& index) {
   while (reader.next(record, line, offset)) ++index.records;
 }
 
+// The JSON of a datasets folder's metadata file.
+nlohmann::json read_json_file(const std::filesystem::path& path, const char* key) {
+  std::ifstream in(path);
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw DataError(std::string(key) + ": " + path.string() + " is not valid JSON (" + e.what() + ")",
+                    "the folder is not one datasets wrote completely: save it again");
+  }
+}
+
+// The data files of a folder `datasets` wrote, or nothing when `pattern` names none:
+//  - a save_to_disk folder (state.json lists its data-*.arrow shards, Arrow IPC streams);
+//  - a DatasetDict folder (dataset_dict.json lists the splits, one save_to_disk folder each), with the split named
+//    after a colon: DIR:train;
+//  - a datasets cache folder of load_dataset (dataset_info.json lists the splits; NAME-SPLIT.arrow or
+//    NAME-SPLIT-0000k-of-0000n.arrow files), with the split after a colon.
+std::optional<std::vector<std::string>> saved_dataset_files(const std::string& pattern, const char* key) {
+  namespace fs = std::filesystem;
+  fs::path dir = pattern;
+  std::string split;
+  if (!fs::is_directory(dir)) {
+    const std::size_t colon = pattern.rfind(':');
+    if (colon == std::string::npos || colon == 0 || !fs::is_directory(pattern.substr(0, colon))) return std::nullopt;
+    dir = pattern.substr(0, colon);
+    split = pattern.substr(colon + 1);
+  }
+  const std::string name = dir.string();
+  const auto split_error = [&](const std::vector<std::string>& splits) {
+    std::string listed;
+    for (const auto& s : splits) listed += (listed.empty() ? "" : ", ") + s;
+    const std::string first = splits.empty() ? "train" : splits.front();
+    if (split.empty())
+      return DataError(std::string(key) + ": '" + name + "' holds the splits " + listed + ": name one",
+                       "write '" + name + ":" + first + "'");
+    return DataError(std::string(key) + ": '" + name + "' has no split '" + split + "' (its splits: " + listed + ")",
+                     "write '" + name + ":" + first + "'");
+  };
+  if (fs::exists(dir / "dataset_dict.json")) {
+    std::vector<std::string> splits;
+    for (const auto& s : read_json_file(dir / "dataset_dict.json", key).value("splits", nlohmann::json::array()))
+      if (s.is_string()) splits.push_back(s.get<std::string>());
+    if (split.empty() || std::find(splits.begin(), splits.end(), split) == splits.end()) throw split_error(splits);
+    dir /= split;
+    split.clear();
+  }
+  if (fs::exists(dir / "state.json")) {
+    if (!split.empty())
+      throw DataError(std::string(key) + ": '" + name + "' is one split's save_to_disk folder: it has no split '" +
+                          split + "'",
+                      "name the folder alone");
+    std::vector<std::string> files;
+    for (const auto& entry : read_json_file(dir / "state.json", key).value("_data_files", nlohmann::json::array())) {
+      const fs::path file = dir / entry.value("filename", "");
+      if (!fs::is_regular_file(file))
+        throw DataError(std::string(key) + ": " + file.string() + ", listed in " + (dir / "state.json").string() +
+                            ", is missing",
+                        "the folder is not one datasets wrote completely: save it again");
+      files.push_back(file.string());
+    }
+    return files;
+  }
+  if (fs::exists(dir / "dataset_info.json")) {
+    std::vector<std::string> splits;
+    const auto info = read_json_file(dir / "dataset_info.json", key);
+    if (info.contains("splits") && info["splits"].is_object())
+      for (const auto& [s, _] : info["splits"].items()) splits.push_back(s);
+    if (split.empty() || std::find(splits.begin(), splits.end(), split) == splits.end()) throw split_error(splits);
+    std::vector<std::string> files;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string file = entry.path().filename().string();
+      if (!file.ends_with(".arrow")) continue;
+      const std::string stem = file.substr(0, file.size() - 6);
+      const std::string single = "-" + split, sharded = "-" + split + "-";
+      const bool match = stem.ends_with(single) ||
+                         (stem.find(sharded) != std::string::npos && stem.find("-of-", stem.find(sharded)) != std::string::npos);
+      if (match) files.push_back(entry.path().string());
+    }
+    std::sort(files.begin(), files.end());
+    if (files.empty())
+      throw DataError(std::string(key) + ": '" + name + "' lists the split '" + split + "' but holds no .arrow file of it",
+                      "load the dataset with datasets once more, or point at its Parquet files");
+    return files;
+  }
+  if (!split.empty())
+    throw DataError(std::string(key) + ": '" + name + "' is not a folder datasets wrote (no dataset_dict.json, "
+                        "state.json or dataset_info.json)",
+                    "name the data files, or a datasets save_to_disk folder");
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::vector<std::string> expand_globs(const std::vector<std::string>& patterns, const char* key) {
   std::vector<std::string> files;
   for (const auto& pattern : patterns) {
+    if (auto saved = saved_dataset_files(pattern, key)) {
+      files.insert(files.end(), saved->begin(), saved->end());
+      continue;
+    }
     glob_t matches{};
     const int rc = ::glob(pattern.c_str(), GLOB_TILDE | GLOB_BRACE, nullptr, &matches);
     std::size_t kept = 0;

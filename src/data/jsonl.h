@@ -28,6 +28,10 @@ struct FileIndex {
   std::uint64_t file_size = 0;
   std::int64_t mtime_ns = 0;  // modification time when indexed
   std::vector<std::uint64_t> offsets;  // plain files: one per record
+  // Parquet and Arrow files (data/table_file.h): records are rows, read a row group (an IPC record batch) at a
+  // time; the rows of each group, in file order. A record's "offset" is its 0-based row in the file.
+  bool table = false;
+  std::vector<std::uint64_t> group_rows;
 };
 
 // Where the index of `path` is cached.

@@ -142,7 +142,9 @@ class JsonlLoader final : public DataLoader {
   }
 
   std::string where(const data::MappedRecord& mapped) const {
-    const std::string& path = dataset_->files[mapped.file].path;
+    const data::FileIndex& file = dataset_->files[mapped.file];
+    if (file.table) return data::table_row_location(file, mapped.offset);
+    const std::string& path = file.path;
     const std::uint64_t line = mapped.line ? mapped.line : data::line_number_at(path, mapped.offset);
     return path + ":" + std::to_string(line);
   }

@@ -133,8 +133,9 @@ void Pipeline::map_chunk(Chunk& chunk) const {
     mapped.mapped_here = owner(chunk.first + i) == share_.rank;
   }
   try {
+    std::string scratch;  // a Parquet/Arrow row rendered here, on the worker
     for (std::size_t i = 0; i < chunk.raw.size(); ++i)
-      if (chunk.mapped[i].mapped_here) chunk.mapped[i].outcome = map_(chunk.raw[i].text);
+      if (chunk.mapped[i].mapped_here) chunk.mapped[i].outcome = map_(chunk.raw[i].json(scratch));
   } catch (...) {
     // Not swallowed: handed to the consumer, which rethrows it when it reaches this chunk.
     chunk.error = std::current_exception();

@@ -78,13 +78,55 @@ std::optional<HubId> parse_hub_id(const std::string& name) {
   return id;
 }
 
+std::optional<DatasetRef> parse_dataset_ref(const std::string& name, const std::string& default_split) {
+  std::error_code ec;
+  if (name.empty() || fs::exists(name, ec) || name.find_first_of("*?[") != std::string::npos) {
+    if (!name.starts_with("hf://")) return std::nullopt;
+  }
+  DatasetRef ref;
+  constexpr std::string_view kScheme = "hf://datasets/";
+  if (name.starts_with(kScheme)) {
+    const std::string rest = name.substr(kScheme.size());
+    // ORG/NAME[@REVISION] is the first two parts; a revision may not hold '/' here (as huggingface_hub's hf:// paths
+    // spell refs/convert/parquet as refs%2Fconvert%2Fparquet).
+    const std::size_t first = rest.find('/');
+    const std::size_t second = first == std::string::npos ? std::string::npos : rest.find('/', first + 1);
+    ref.id = rest.substr(0, second);
+    if (second != std::string::npos && second + 1 < rest.size()) ref.include.push_back(rest.substr(second + 1));
+    std::size_t at;
+    while ((at = ref.id.find("%2F")) != std::string::npos) ref.id.replace(at, 3, "/");
+    if (!parse_hub_id(ref.id) || ref.id.substr(0, ref.id.find('@')).find('/') == std::string::npos) return std::nullopt;
+    return ref;
+  }
+  for (const char* extension : {".jsonl", ".gz", ".parquet", ".arrow", ".json", ".feather", ".ipc", ".csv", ".txt"})
+    if (name.ends_with(extension)) return std::nullopt;
+  std::vector<std::string> parts;
+  for (std::size_t start = 0;;) {
+    const std::size_t colon = name.find(':', start);
+    parts.push_back(name.substr(start, colon - start));
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  if (parts.size() > 3) return std::nullopt;
+  for (const auto& part : parts)
+    if (part.empty()) return std::nullopt;
+  ref.id = parts[0];
+  // A local folder with a split (a datasets folder, DIR:train) is not an id either.
+  if (looks_like_path(ref.id) || fs::exists(ref.id, ec) || !parse_hub_id(ref.id) ||
+      ref.id.find('/') == std::string::npos)
+    return std::nullopt;
+  ref.split = parts.size() > 1 ? parts.back() : default_split;
+  if (parts.size() == 3) ref.config = parts[1];
+  return ref;
+}
+
 bool is_commit_hash(const std::string& revision) {
   static const std::regex pattern("[0-9a-f]{40}");
   return std::regex_match(revision, pattern);
 }
 
-std::string repo_folder_name(const std::string& repo_id) {
-  std::string folder = "models--" + repo_id;
+std::string repo_folder_name(const std::string& repo_id, RepoType type) {
+  std::string folder = (type == RepoType::kDataset ? "datasets--" : "models--") + repo_id;
   for (std::size_t pos = 0; (pos = folder.find('/', pos)) != std::string::npos;) folder.replace(pos, 1, "--");
   return folder;
 }
@@ -302,6 +344,9 @@ class BlobLock {
 
 // ---- which files -------------------------------------------------------------------------------------------------
 
+// The branch where the Hub keeps its Parquet conversion of every dataset (CONFIG/SPLIT/0000.parquet).
+constexpr const char* kConvertedRevision = "refs/convert/parquet";
+
 // The files trainer reads besides the weights (config, tokenizers, chat template, image processor, adapter).
 const std::vector<std::string>& metadata_files() {
   static const std::vector<std::string> names = {
@@ -355,15 +400,23 @@ class Resolver {
  public:
   Resolver(const HubId& id, const ResolveOptions& options, const HubSettings& settings)
       : id_(id), options_(options), settings_(settings), http_(settings),
-        repo_dir_(fs::path(settings.cache_dir) / repo_folder_name(id.repo_id)),
-        locks_dir_(fs::path(settings.cache_dir) / ".locks" / repo_folder_name(id.repo_id)) {}
+        repo_dir_(fs::path(settings.cache_dir) / repo_folder_name(id.repo_id, options.repo_type)),
+        locks_dir_(fs::path(settings.cache_dir) / ".locks" / repo_folder_name(id.repo_id, options.repo_type)) {}
 
   Resolved run() {
     Resolved result;
     result.from_hub = true;
     result.repo_id = id_.repo_id;
     result.revision = id_.revision;
-    const std::string cached = cached_commit();
+    std::string cached = cached_commit();
+    if (data() && settings_.offline && (cached.empty() || !has_cached_data(cached))) {
+      // Only the Hub's converted Parquet files may be in the cache.
+      const HubId own = id_;
+      id_.revision = kConvertedRevision;
+      const std::string converted = cached_commit();
+      if (converted.empty() || !has_cached_data(converted)) id_ = own;
+      else cached = converted;
+    }
     if (settings_.offline) {
       if (cached.empty() || !fs::is_directory(repo_dir_ / "snapshots" / cached))
         throw UsageError(options_.what + ": " + name() + " is not in the Hugging Face cache (" + settings_.cache_dir +
@@ -388,6 +441,22 @@ class Resolver {
                       "check the network or HF_ENDPOINT; or set " + options_.what + " to a local model directory");
     }
     std::vector<RemoteFile> wanted = select(listing);
+    const bool has_parquet = std::any_of(listing.begin(), listing.end(),
+                                         [](const RemoteFile& file) { return file.path.ends_with(".parquet"); });
+    if (data() && !has_parquet && options_.include.empty() && id_.revision != kConvertedRevision) {
+      // No Parquet files in the repo itself (JSONL, CSV, a script): the Hub's conversion of it (every dataset has one).
+      spdlog::info("{}: {} has no Parquet files; reading the Hub's conversion ({})", options_.what, name(),
+                   kConvertedRevision);
+      id_.revision = kConvertedRevision;
+      listing = list_files();
+      wanted = select(listing);
+      result.revision = id_.revision;
+    }
+    if (data() && wanted.empty())
+      throw DataError(options_.what + ": " + name() + " holds no Parquet files" +
+                          (options_.split.empty() ? "" : " of the split \"" + options_.split + "\"") +
+                          (options_.config.empty() ? "" : " in the config \"" + options_.config + "\"") + available(listing),
+                      "name a split the dataset has (ORG/NAME:SPLIT, or ORG/NAME:CONFIG:SPLIT)");
     if (wanted.empty())
       throw DataError(name() + " holds none of the files trainer reads (config.json, tokenizer files, *.safetensors)",
                       options_.include.empty() ? "is it a model repo? check " + settings_.endpoint + "/" + id_.repo_id
@@ -428,8 +497,10 @@ class Resolver {
     const fs::path ref = repo_dir_ / "refs" / id_.revision;
     if (id_.revision != result.commit && (!fs::exists(ref) || read_text_file(ref) != result.commit))
       write_file_atomically(ref, result.commit);
-    mark_absent(listing, result.commit);
+    if (!data()) mark_absent(listing, result.commit);
     result.local_path = snapshot.string();
+    for (const auto& file : wanted) result.files.push_back((snapshot / file.path).string());
+    std::sort(result.files.begin(), result.files.end());
     spdlog::info("{}: {} is commit {} ({} file(s) downloaded) in {}", options_.what, name(), result.commit,
                  result.downloaded.size(), snapshot.string());
     return result;
@@ -453,6 +524,15 @@ class Resolver {
     result.from_cache_only = true;
     const fs::path snapshot = repo_dir_ / "snapshots" / commit;
     result.local_path = snapshot.string();
+    if (data()) {
+      result.revision = id_.revision;
+      for (const auto& file : select(snapshot_listing(commit))) result.files.push_back((snapshot / file.path).string());
+      std::sort(result.files.begin(), result.files.end());
+      if (result.files.empty())
+        throw DataError(options_.what + ": the cached snapshot " + commit + " of " + name() + " holds no Parquet files" +
+                            (options_.split.empty() ? "" : " of the split \"" + options_.split + "\""),
+                        "download the split once with the network on (`trainer download --dataset`)");
+    }
     // What the snapshot lacks and no .no_exist marker explains: the cache holds only part of the repo.
     if (options_.files == FileSet::kModel && options_.include.empty()) {
       std::error_code ec;
@@ -468,12 +548,90 @@ class Resolver {
   }
 
   std::string api_url() const {
-    return settings_.endpoint + "/api/models/" + id_.repo_id + "/tree/" + escape_path_part(id_.revision) +
-           "?recursive=true";
+    return settings_.endpoint + (data_repo() ? "/api/datasets/" : "/api/models/") + id_.repo_id + "/tree/" +
+           escape_path_part(id_.revision) + "?recursive=true";
   }
 
   std::string resolve_url(const std::string& file, const std::string& revision) const {
-    return settings_.endpoint + "/" + id_.repo_id + "/resolve/" + escape_path_part(revision) + "/" + escape_path(file);
+    return settings_.endpoint + (data_repo() ? "/datasets/" : "/") + id_.repo_id + "/resolve/" +
+           escape_path_part(revision) + "/" + escape_path(file);
+  }
+
+  bool data_repo() const { return options_.repo_type == RepoType::kDataset; }
+  bool data() const { return options_.files == FileSet::kData; }
+
+  // The files of a cached snapshot, as a listing (offline: what select() picks from).
+  std::vector<RemoteFile> snapshot_listing(const std::string& commit) const {
+    std::vector<RemoteFile> files;
+    const fs::path snapshot = repo_dir_ / "snapshots" / commit;
+    std::error_code ec;
+    for (auto it = fs::recursive_directory_iterator(snapshot, ec); !ec && it != fs::recursive_directory_iterator();
+         it.increment(ec))
+      if (fs::is_regular_file(it->path(), ec)) files.push_back({it->path().lexically_relative(snapshot).string(), 0, ""});
+    return files;
+  }
+
+  bool has_cached_data(const std::string& commit) const {
+    std::error_code ec;
+    return fs::is_directory(repo_dir_ / "snapshots" / commit, ec) && !select(snapshot_listing(commit)).empty();
+  }
+
+  // " (its Parquet files: a, b, ...)" for a message, or nothing.
+  static std::string available(const std::vector<RemoteFile>& listing) {
+    std::string names;
+    int shown = 0;
+    for (const auto& file : listing)
+      if (file.path.ends_with(".parquet") && shown++ < 8) names += (names.empty() ? "" : ", ") + file.path;
+    return names.empty() ? "" : " (its Parquet files: " + names + (shown > 8 ? ", ..." : "") + ")";
+  }
+
+  // Whether a repo path is a data file of the split (and config): as datasets' default data-files patterns see a
+  // split in a name (a folder named SPLIT, or SPLIT as a word of the file name: train-00000-of-00002.parquet,
+  // data/train.parquet, my_train_0.parquet), and the config as the first folder of the Hub's conversion.
+  bool is_data_file(const std::string& path, const std::string& config) const {
+    if (!path.ends_with(".parquet")) return false;
+    std::vector<std::string> parts;
+    for (std::size_t start = 0;;) {
+      const std::size_t slash = path.find('/', start);
+      parts.push_back(path.substr(start, slash - start));
+      if (slash == std::string::npos) break;
+      start = slash + 1;
+    }
+    if (!config.empty() && (parts.size() < 2 || parts.front() != config)) return false;
+    const std::string& split = options_.split;
+    if (split.empty()) return true;
+    for (std::size_t i = 0; i + 1 < parts.size(); ++i)
+      if (parts[i] == split) return true;
+    const std::string stem = parts.back().substr(0, parts.back().size() - 8);
+    const auto is_separator = [](char c) { return c == '-' || c == '_' || c == '.' || c == ' ' || std::isdigit(static_cast<unsigned char>(c)); };
+    for (std::size_t at = stem.find(split); at != std::string::npos; at = stem.find(split, at + 1)) {
+      const bool starts = at == 0 || is_separator(stem[at - 1]);
+      const bool ends = at + split.size() == stem.size() || is_separator(stem[at + split.size()]);
+      if (starts && ends) return true;
+    }
+    return false;
+  }
+
+  // The config of the Hub's conversion to read: the one named, else "default", else the only one there is.
+  std::string converted_config(const std::vector<RemoteFile>& listing) const {
+    if (!options_.config.empty()) return options_.config;
+    std::set<std::string> configs;
+    for (const auto& file : listing)
+      if (file.path.ends_with(".parquet") && file.path.find('/') != std::string::npos)
+        configs.insert(file.path.substr(0, file.path.find('/')));
+    if (configs.count("default") || configs.size() != 1) return "default";
+    return *configs.begin();
+  }
+
+  std::vector<RemoteFile> select_data(const std::vector<RemoteFile>& listing) const {
+    // The repo's own files: a config, when named, is their first folder as well (configs in folders).
+    const bool converted = id_.revision == kConvertedRevision;
+    const std::string config = converted ? converted_config(listing) : options_.config;
+    std::vector<RemoteFile> wanted;
+    for (const auto& file : listing)
+      if (is_data_file(file.path, config)) wanted.push_back(file);
+    std::sort(wanted.begin(), wanted.end(), [](const RemoteFile& a, const RemoteFile& b) { return a.path < b.path; });
+    return wanted;
   }
 
   // A metadata request, retried on 5xx and cut connections; a connection that cannot be made at all is a
@@ -535,6 +693,7 @@ class Resolver {
 
   std::vector<RemoteFile> select(const std::vector<RemoteFile>& listing) const {
     std::vector<RemoteFile> wanted;
+    if (data() && options_.include.empty()) return select_data(listing);
     if (!options_.include.empty()) {
       for (const auto& file : listing) {
         bool match = false;

@@ -16,7 +16,7 @@ import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-LFS_SUFFIXES = (".safetensors", ".bin", ".model")
+LFS_SUFFIXES = (".safetensors", ".bin", ".model", ".parquet")
 
 
 def git_blob_sha1(data):
@@ -67,14 +67,17 @@ class HubServer:
         self.thread = None
 
     # ---- content -------------------------------------------------------------------------------------------------
-    def add_repo(self, repo_id, files, commit=None, gated_token=None):
-        commit = commit or hashlib.sha1(repo_id.encode() + "".join(sorted(files)).encode()).hexdigest()
-        self.repos[repo_id] = Repo(files, commit, gated_token=gated_token)
+    def add_repo(self, repo_id, files, commit=None, gated_token=None, repo_type="model"):
+        """A model repo, or with repo_type="dataset" a dataset repo (served under /datasets/ and /api/datasets/)."""
+        key = repo_id if repo_type == "model" else "datasets/" + repo_id
+        commit = commit or hashlib.sha1(key.encode() + "".join(sorted(files)).encode()).hexdigest()
+        self.repos[key] = Repo(files, commit, gated_token=gated_token)
         return commit
 
-    def add_commit(self, repo_id, files, branch="main"):
-        """A new commit that `branch` moves to (a moved branch)."""
-        repo = self.repos[repo_id]
+    def add_commit(self, repo_id, files, branch="main", repo_type="model"):
+        """A new commit that `branch` moves to (a moved branch; for a dataset, e.g. refs/convert/parquet)."""
+        key = repo_id if repo_type == "model" else "datasets/" + repo_id
+        repo = self.repos[key]
         commit = hashlib.sha1(repo_id.encode() + str(len(repo.commits)).encode()).hexdigest()
         repo.commits[commit] = dict(files)
         repo.refs[branch] = commit
@@ -180,7 +183,13 @@ def _make_handler(hub):
                 return self._cdn(url.path[len("/cdn/"):], head)
             if path.startswith("/api/models/"):
                 return self._api(url.path[len("/api/models/"):], query, head)
+            if path.startswith("/api/datasets/"):
+                return self._api(url.path[len("/api/datasets/"):], query, head, kind="datasets")
             parts = url.path.lstrip("/").split("/")
+            if len(parts) >= 6 and parts[0] == "datasets" and parts[3] == "resolve":
+                repo_id = "datasets/" + urllib.parse.unquote(parts[1]) + "/" + urllib.parse.unquote(parts[2])
+                return self._resolve(repo_id, urllib.parse.unquote(parts[4]), urllib.parse.unquote("/".join(parts[5:])),
+                                     head)
             if len(parts) >= 5 and parts[2] == "resolve":
                 repo_id = urllib.parse.unquote(parts[0]) + "/" + urllib.parse.unquote(parts[1])
                 revision = urllib.parse.unquote(parts[3])
@@ -206,22 +215,25 @@ def _make_handler(hub):
                 return None, None
             return repo, commit
 
-        def _api(self, rest, query, head):
+        def _api(self, rest, query, head, kind="models"):
             # {org}/{name}/tree/{rev}[/path] or {org}/{name}/revision/{rev}
             parts = rest.split("/")
             if len(parts) < 4:
                 return self._error(404, "RepoNotFound", "bad api path", head)
             repo_id = urllib.parse.unquote(parts[0]) + "/" + urllib.parse.unquote(parts[1])
-            kind, revision = parts[2], urllib.parse.unquote(parts[3])
+            public_id = repo_id
+            if kind == "datasets":
+                repo_id = "datasets/" + repo_id
+            call, revision = parts[2], urllib.parse.unquote(parts[3])
             repo, commit = self._repo_and_commit(repo_id, revision, head)
             if repo is None:
                 return
             files = repo.commits[commit]
-            if kind == "revision":
-                body = json.dumps({"id": repo_id, "modelId": repo_id, "sha": commit, "private": False,
+            if call == "revision":
+                body = json.dumps({"id": public_id, "modelId": public_id, "sha": commit, "private": False,
                                    "siblings": [{"rfilename": name} for name in sorted(files)]}).encode()
                 return self._send(200, body, {"Content-Type": "application/json"}, head)
-            if kind != "tree":
+            if call != "tree":
                 return self._error(404, "EntryNotFound", "bad api path", head)
             with hub.lock:
                 if hub.faults.listing500 > 0:
@@ -239,7 +251,7 @@ def _make_handler(hub):
             headers = {"Content-Type": "application/json"}
             if cursor + hub.page_size < len(entries):
                 next_query = urllib.parse.urlencode({"recursive": "true", "cursor": cursor + hub.page_size})
-                headers["Link"] = f'<{hub.endpoint}/api/models/{repo_id}/tree/{parts[3]}?{next_query}>; rel="next"'
+                headers["Link"] = f'<{hub.endpoint}/api/{kind}/{public_id}/tree/{parts[3]}?{next_query}>; rel="next"'
             self._send(200, json.dumps(page).encode(), headers, head)
 
         def _resolve(self, repo_id, revision, file, head):

@@ -79,6 +79,39 @@ TEST(IoHub, NamesCacheFoldersAsHuggingfaceHub) {
   EXPECT_FALSE(snapshot_origin("/models/flan-t5-xl").has_value());
 }
 
+TEST(IoHub, ReadsDatasetIdsInTheSpellingsOfLoadDatasetAndHfPaths) {
+  EXPECT_EQ(repo_folder_name("trl-lib/ultrafeedback_binarized", RepoType::kDataset),
+            "datasets--trl-lib--ultrafeedback_binarized");
+  auto ref = parse_dataset_ref("trl-lib/Capybara", "train");
+  ASSERT_TRUE(ref.has_value());
+  EXPECT_EQ(ref->id, "trl-lib/Capybara");
+  EXPECT_EQ(ref->split, "train");
+  EXPECT_EQ(ref->config, "");
+  ref = parse_dataset_ref("HuggingFaceH4/ultrachat_200k@main:train_sft", "train");
+  ASSERT_TRUE(ref.has_value());
+  EXPECT_EQ(ref->id, "HuggingFaceH4/ultrachat_200k@main");
+  EXPECT_EQ(ref->split, "train_sft");
+  ref = parse_dataset_ref("org/name:en:test", "validation");
+  ASSERT_TRUE(ref.has_value());
+  EXPECT_EQ(ref->config, "en");
+  EXPECT_EQ(ref->split, "test");
+  ref = parse_dataset_ref("hf://datasets/org/name@v1/data/train-*.parquet", "train");
+  ASSERT_TRUE(ref.has_value());
+  EXPECT_EQ(ref->id, "org/name@v1");
+  EXPECT_EQ(ref->include, std::vector<std::string>{"data/train-*.parquet"});
+  // Paths, globs, data files and malformed names are never dataset ids.
+  for (const char* name : {"data/train.jsonl", "data/*.parquet", "runs/a/b", "/abs/dir:train", "./dir", "gpt2",
+                           "org/name:a:b:c", "org/name:", "org/x.parquet", "hf://datasets/onlyname"})
+    EXPECT_FALSE(parse_dataset_ref(name, "train").has_value()) << name;
+  TempDir dir;
+  std::filesystem::create_directories(dir.path / "local" / "saved");
+  const auto cwd = std::filesystem::current_path();
+  std::filesystem::current_path(dir.path);
+  EXPECT_FALSE(parse_dataset_ref("local/saved:train", "train").has_value());  // a datasets folder here
+  EXPECT_FALSE(parse_dataset_ref("local/saved", "train").has_value());
+  std::filesystem::current_path(cwd);
+}
+
 TEST(IoHub, FindsTheCacheAsHuggingfaceHubDoes) {
   EXPECT_EQ(settings_from_environment(fake_environment({{"HOME", "/home/u"}})).cache_dir,
             "/home/u/.cache/huggingface/hub");
