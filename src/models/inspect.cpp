@@ -28,7 +28,13 @@ std::string group_of(const std::string& name) {
   if (name.find("norm") != std::string::npos) return "norms";
   if (name.find("Attention") != std::string::npos || name.find("self_attn") != std::string::npos)
     return "attention";
-  if (name.find("DenseReluDense") != std::string::npos || name.find("mlp") != std::string::npos)
+  // Mixtures of experts: the experts (most of the weights) and their routers apart from the dense MLPs.
+  if (name.find(".experts.") != std::string::npos) return "experts";
+  if (name.find(".router.") != std::string::npos || name.ends_with(".mlp.gate.weight") ||
+      name.ends_with(".block_sparse_moe.gate.weight"))
+    return "routers";
+  if (name.find("DenseReluDense") != std::string::npos || name.find("mlp") != std::string::npos ||
+      name.find("block_sparse_moe") != std::string::npos)
     return "feed-forward";
   return "other";
 }
