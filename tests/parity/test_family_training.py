@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from test_models import FAMILIES, VOCAB, hf_model, make_model_dir
 
@@ -138,11 +138,18 @@ def metric(out, key):
     return [json.loads(line)[key] for line in (out / "metrics.jsonl").read_text().splitlines() if f'"{key}"' in line]
 
 
-@pytest.mark.parametrize("name", ["gemma2-softcaps", "qwen3-headdim-untied", "qwen3-moe-dense-layer"])
+@pytest.mark.parametrize("name", ["gemma2-softcaps", "qwen3-headdim-untied", "qwen3-moe-skewed"])
 def test_an_out_of_memory_split_reaches_the_same_weights(name, tmp_path, run_trainer):
     """A CPU budget between the peaks of micro-batches of 1 and 4 examples: the step of 4 runs out of memory, the
-    same effective batch is split and retried, and the run still ends at the PyTorch loop's weights."""
-    model_dir = make_model_dir(name, tmp_path / "model")
+    same effective batch is split and retried, and the run still ends at the PyTorch loop's weights. The mixture of
+    experts starts skewed: its routers' weights zero, so every token of the first batch goes to the same experts."""
+    skewed = name == "qwen3-moe-skewed"
+    model_dir = make_model_dir("qwen3-moe-dense-layer" if skewed else name, tmp_path / "model")
+    if skewed:
+        weights = load_file(model_dir / "model.safetensors")
+        for key in [k for k in weights if k.endswith(".mlp.gate.weight")]:
+            weights[key] = torch.zeros_like(weights[key])
+        save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
     records = examples()
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
