@@ -12,6 +12,7 @@
 #include <fstream>
 #include <mutex>
 #include <set>
+#include <string_view>
 
 #include <arrow/api.h>
 #include <arrow/io/file.h>
@@ -20,6 +21,7 @@
 #include <parquet/exception.h>
 #include <parquet/file_reader.h>
 #include <parquet/metadata.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "trainer/errors.h"
@@ -241,6 +243,7 @@ struct TableReader::Impl {
   std::shared_ptr<arrow::Schema> schema;
   std::vector<std::string> keys;  // each column's `"name":`
   std::vector<std::uint64_t> group_rows;
+  bool quiet = false;  // no warning about columns of bytes (the image tasks read them)
 
   void open_stream() {
     if (auto status = file->Seek(0); !status.ok()) fail(path, status);
@@ -301,7 +304,7 @@ struct TableReader::Impl {
       }
       keys.push_back(key);  // empty: left out
     }
-    if (!left_out.empty()) tell_left_out_once(path, left_out);
+    if (!left_out.empty() && !quiet) tell_left_out_once(path, left_out);
   }
 
   std::string group_name(std::size_t g) const {
@@ -343,6 +346,12 @@ struct TableReader::Impl {
 
 TableReader::TableReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
   impl_->path = path;
+  impl_->open();
+}
+
+TableReader::TableReader(const std::string& path, bool quiet) : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
+  impl_->quiet = quiet;
   impl_->open();
 }
 
@@ -463,6 +472,193 @@ FileIndex index_table_file(const std::string& path) {
     index.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
   }
   return index;
+}
+
+namespace {
+
+bool is_string_type(const arrow::DataType& type) {
+  switch (type.id()) {
+    case arrow::Type::STRING:
+    case arrow::Type::LARGE_STRING:
+    case arrow::Type::STRING_VIEW: return true;
+    case arrow::Type::DICTIONARY: return is_string_type(*static_cast<const arrow::DictionaryType&>(type).value_type());
+    default: return false;
+  }
+}
+
+bool is_binary_type(const arrow::DataType& type) {
+  switch (type.id()) {
+    case arrow::Type::BINARY:
+    case arrow::Type::LARGE_BINARY:
+    case arrow::Type::BINARY_VIEW:
+    case arrow::Type::FIXED_SIZE_BINARY: return true;
+    default: return false;
+  }
+}
+
+bool is_integer_type(const arrow::DataType& type) { return arrow::is_integer(type.id()); }
+
+// The value at `i` of a string or binary array (of any width, or dictionary-encoded); null for a null.
+std::optional<std::string_view> text_at(const arrow::Array& array, std::int64_t i) {
+  if (array.IsNull(i)) return std::nullopt;
+  switch (array.type_id()) {
+    case arrow::Type::STRING: return static_cast<const arrow::StringArray&>(array).GetView(i);
+    case arrow::Type::LARGE_STRING: return static_cast<const arrow::LargeStringArray&>(array).GetView(i);
+    case arrow::Type::STRING_VIEW: return static_cast<const arrow::StringViewArray&>(array).GetView(i);
+    case arrow::Type::BINARY: return static_cast<const arrow::BinaryArray&>(array).GetView(i);
+    case arrow::Type::LARGE_BINARY: return static_cast<const arrow::LargeBinaryArray&>(array).GetView(i);
+    case arrow::Type::BINARY_VIEW: return static_cast<const arrow::BinaryViewArray&>(array).GetView(i);
+    case arrow::Type::FIXED_SIZE_BINARY: return static_cast<const arrow::FixedSizeBinaryArray&>(array).GetView(i);
+    case arrow::Type::DICTIONARY: {
+      const auto& dictionary = static_cast<const arrow::DictionaryArray&>(array);
+      return text_at(*dictionary.dictionary(), dictionary.GetValueIndex(i));
+    }
+    default: return std::nullopt;
+  }
+}
+
+std::optional<std::int64_t> integer_at(const arrow::Array& array, std::int64_t i) {
+  if (array.IsNull(i)) return std::nullopt;
+  switch (array.type_id()) {
+    case arrow::Type::INT8: return static_cast<const arrow::Int8Array&>(array).Value(i);
+    case arrow::Type::INT16: return static_cast<const arrow::Int16Array&>(array).Value(i);
+    case arrow::Type::INT32: return static_cast<const arrow::Int32Array&>(array).Value(i);
+    case arrow::Type::INT64: return static_cast<const arrow::Int64Array&>(array).Value(i);
+    case arrow::Type::UINT8: return static_cast<const arrow::UInt8Array&>(array).Value(i);
+    case arrow::Type::UINT16: return static_cast<const arrow::UInt16Array&>(array).Value(i);
+    case arrow::Type::UINT32: return static_cast<const arrow::UInt32Array&>(array).Value(i);
+    case arrow::Type::UINT64: {
+      const std::uint64_t value = static_cast<const arrow::UInt64Array&>(array).Value(i);
+      if (value > static_cast<std::uint64_t>(INT64_MAX)) return -1;  // out of every class range
+      return static_cast<std::int64_t>(value);
+    }
+    default: return std::nullopt;
+  }
+}
+
+// The ClassLabel names of column `column` in datasets' features (the schema metadata's "huggingface" key).
+std::vector<std::string> class_label_names(const arrow::Schema& schema, const std::string& column) {
+  const auto metadata = schema.metadata();
+  if (!metadata) return {};
+  const auto found = metadata->Get("huggingface");
+  if (!found.ok()) return {};
+  const auto info = nlohmann::json::parse(*found, nullptr, /*allow_exceptions=*/false);
+  if (!info.is_object()) return {};
+  const nlohmann::json* features = nullptr;
+  if (info.contains("info") && info["info"].is_object() && info["info"].contains("features"))
+    features = &info["info"]["features"];
+  if (!features || !features->is_object() || !features->contains(column)) return {};
+  const auto& feature = (*features)[column];
+  if (!feature.is_object() || feature.value("_type", "") != "ClassLabel" || !feature.contains("names") ||
+      !feature["names"].is_array())
+    return {};
+  std::vector<std::string> names;
+  for (const auto& name : feature["names"])
+    if (name.is_string()) names.push_back(name.get<std::string>());
+  return names;
+}
+
+}  // namespace
+
+TableImages read_table_images(const std::string& path, bool label, bool caption) {
+  TableReader reader(path, /*quiet=*/true);
+  TableReader::Impl& impl = *reader.impl_;
+  const arrow::Schema& schema = *impl.schema;
+  std::string columns;
+  for (const auto& field : schema.fields()) columns += (columns.empty() ? "" : ", ") + field->name();
+  const auto column_of = [&](const std::string& name, bool required) {
+    const int index = schema.GetFieldIndex(name);
+    if (index < 0 && required)
+      throw DataError(path + ": has no \"" + name + "\" column (its columns: " + columns + ")",
+                      "name the columns image, label" + std::string(caption ? " and caption" : "") +
+                          " (datasets: rename_column), as in the JSONL records");
+    return index;
+  };
+  const auto wrong_type = [&](const std::string& name, const std::string& wanted) {
+    return DataError(path + ", column \"" + name + "\": values of type " +
+                         schema.GetFieldByName(name)->type()->ToString() + ", not " + wanted,
+                     "cast the column (datasets: cast_column)");
+  };
+  const int image = column_of("image", true);
+  const int label_column = column_of("label", label);
+  const int caption_column = caption ? column_of("caption", true) : -1;
+  // The image: datasets' Image feature (a struct of "bytes" and "path"), encoded bytes, or a path.
+  const arrow::DataType& image_type = *schema.field(image)->type();
+  int bytes_field = -1, path_field = -1;
+  if (image_type.id() == arrow::Type::STRUCT) {
+    const auto& fields = static_cast<const arrow::StructType&>(image_type);
+    bytes_field = fields.GetFieldIndex("bytes");
+    path_field = fields.GetFieldIndex("path");
+    if ((bytes_field < 0 && path_field < 0) || (bytes_field >= 0 && !is_binary_type(*fields.field(bytes_field)->type())) ||
+        (path_field >= 0 && !is_string_type(*fields.field(path_field)->type())))
+      throw wrong_type("image", "datasets' Image feature (a struct of bytes and a path), bytes or a path");
+  } else if (!is_binary_type(image_type) && !is_string_type(image_type)) {
+    throw wrong_type("image", "datasets' Image feature (a struct of bytes and a path), bytes or a path");
+  }
+  if (label_column >= 0) {
+    const auto& type = *schema.field(label_column)->type();
+    if (!is_integer_type(type) && !is_string_type(type)) throw wrong_type("label", "a class number or a class name");
+  }
+  if (caption_column >= 0 && !is_string_type(*schema.field(caption_column)->type()))
+    throw wrong_type("caption", "a string");
+
+  TableImages out;
+  if (label_column >= 0) out.label_names = class_label_names(schema, "label");
+  const bool parquet = impl.format == Format::kParquet;
+  std::uint64_t row = 0;
+  for (std::size_t g = 0; g < impl.group_rows.size(); ++g) {
+    for (const auto& batch : impl.read_batches(g)) {
+      if (!batch->schema()->Equals(schema, false))
+        throw DataError(impl.group_name(g) + ": its columns differ from the file's schema", kCorruptHint);
+      const arrow::Array& images = *batch->column(image);
+      const arrow::Array* bytes = nullptr;
+      const arrow::Array* paths = nullptr;
+      if (bytes_field >= 0) bytes = static_cast<const arrow::StructArray&>(images).field(bytes_field).get();
+      if (path_field >= 0) paths = static_cast<const arrow::StructArray&>(images).field(path_field).get();
+      if (image_type.id() != arrow::Type::STRUCT) (is_binary_type(image_type) ? bytes : paths) = &images;
+      for (std::int64_t r = 0; r < batch->num_rows(); ++r, ++row) {
+        TableImageRow item;
+        item.origin = path + ": row " + std::to_string(row) + " (" + (parquet ? "row group " : "record batch ") +
+                      std::to_string(g) + ")";
+        const bool present = !images.IsNull(r);
+        if (auto value = present && bytes ? text_at(*bytes, r) : std::nullopt; value) {
+          item.bytes.assign(value->data(), value->size());
+          if (item.bytes.empty()) item.problem = "column \"image\": empty bytes, not an image";
+        } else if (auto name = present && paths ? text_at(*paths, r) : std::nullopt; name && !name->empty()) {
+          item.path.assign(name->data(), name->size());
+        } else {
+          item.problem = "column \"image\": null (neither bytes nor a path)";
+        }
+        if (label_column >= 0 && item.problem.empty()) {
+          const arrow::Array& labels = *batch->column(label_column);
+          if (labels.IsNull(r)) {
+            if (!caption) item.problem = "column \"label\": null";  // captions: a label is optional
+          } else if (auto id = integer_at(labels, r)) {
+            if (!out.label_names.empty()) {
+              if (*id < 0 || *id >= static_cast<std::int64_t>(out.label_names.size()))
+                item.problem = "column \"label\": " + std::to_string(*id) + " is not one of the ClassLabel's " +
+                               std::to_string(out.label_names.size()) + " names";
+              else
+                item.label_name = out.label_names[static_cast<std::size_t>(*id)];
+            } else {
+              item.label_id = *id;
+            }
+          } else if (auto text = text_at(labels, r)) {
+            item.label_name = std::string(*text);
+          }
+        }
+        if (caption_column >= 0 && item.problem.empty()) {
+          const auto text = text_at(*batch->column(caption_column), r);
+          if (!text || text->find_first_not_of(" \t\r\n") == std::string_view::npos)
+            item.problem = "column \"caption\": needs the text that describes the image (a non-empty string)";
+          else
+            item.caption = std::string(*text);
+        }
+        out.rows.push_back(std::move(item));
+      }
+    }
+  }
+  return out;
 }
 
 std::string table_row_location(const FileIndex& file, std::uint64_t row) {
