@@ -193,8 +193,19 @@ def test_tables_train_the_weights_the_folder_trains(trainer_binary, image_sets, 
         config = vit_config(tmp_path, train_files, validation_files,
                             "contrastive" if objective == "contrastive" else None)
         results[name] = train(trainer_binary, config, tmp_path / f"run-{name}")
+    if objective == "classification":  # the comparison can tell: other labels train other weights
+        import pyarrow.parquet as pq
+        table = pq.read_table(image_sets / "train.parquet")
+        pq.write_table(table.set_column(1, "label", table.column("label").take(list(range(len(table)))[::-1])),
+                       tmp_path / "relabelled.parquet")
+        config = vit_config(tmp_path, [tmp_path / "relabelled.parquet"], [image_sets / "validation.parquet"])
+        results["relabelled"] = train(trainer_binary, config, tmp_path / "run-relabelled")
+    relabelled = results.pop("relabelled", None)
     reference_weights, reference_metrics = next(iter(results.values()))
     assert any("eval_loss" in m for m in reference_metrics)
+    assert max(m.get("step", 0) for m in reference_metrics) == 4
+    if relabelled:
+        assert any(not torch.equal(relabelled[0][k], reference_weights[k]) for k in reference_weights)
     for name, (weights, metrics) in results.items():
         assert weights.keys() == reference_weights.keys(), name
         for key in weights:
