@@ -255,3 +255,20 @@ def test_a_datasets_folder_is_not_an_image_folder(image_tool, image_sets, tmp_pa
     result = subprocess.run([str(image_tool), "list", str(image_sets / "train-saved"), "-", "error", str(out)],
                             capture_output=True, text=True, timeout=120)
     assert "a folder datasets wrote, not an image folder" in result.stdout + result.stderr
+
+
+def test_trainer_data_reports_the_same_for_every_form(trainer_binary, image_sets, tmp_path):
+    """`trainer data` (the image tasks' inspection: classes, records, images, batches) is the same for the folder,
+    JSONL, Parquet and datasets-folder forms (times and RSS aside)."""
+    def report(train_files, validation_files):
+        config = vit_config(tmp_path, train_files, validation_files)
+        result = subprocess.run([str(trainer_binary), "data", "--config", str(config)], cwd=ROOT, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return [line for line in result.stdout.splitlines() if "time" not in line and "RSS" not in line]
+
+    folder = report([image_sets / "train"], [image_sets / "validation"])
+    assert "data: image classifier (3 classes)" in folder[0] and any("images              18" in l for l in folder)
+    assert report([image_sets / "train.jsonl"], [image_sets / "validation.jsonl"]) == folder
+    assert report([image_sets / "train.parquet"], [image_sets / "validation.parquet"]) == folder
+    assert report([f"{image_sets / 'train-saved'}"], [image_sets / "validation-saved"]) == folder
