@@ -13,10 +13,12 @@
 #include <mutex>
 #include <set>
 #include <string_view>
+#include <type_traits>
 
 #include <arrow/api.h>
 #include <arrow/io/file.h>
 #include <arrow/ipc/reader.h>
+#include <arrow/util/utf8.h>
 #include <parquet/arrow/reader.h>
 #include <parquet/exception.h>
 #include <parquet/file_reader.h>
@@ -225,6 +227,109 @@ void append_value(std::string& out, const arrow::Array& array, std::int64_t i) {
   }
 }
 
+// A value as nlohmann::json, exactly what json::parse gives for append_value's text (numbers as the parser types
+// them: a non-negative integer unsigned, a negative one signed, a real whose shortest text has no '.', 'e' or
+// "inf"/"nan" an integer; invalid UTF-8 refused). False where the value cannot be built so (then the text is used).
+bool to_json(const arrow::Array& array, std::int64_t i, nlohmann::json& out);
+
+template <class Integer>
+void set_integer(nlohmann::json& out, Integer value) {
+  if constexpr (std::is_signed_v<Integer>) {
+    if (value < 0) {
+      out = static_cast<std::int64_t>(value);
+      return;
+    }
+  }
+  out = static_cast<std::uint64_t>(value);
+}
+
+void set_real(nlohmann::json& out, double value) {
+  if (!std::isfinite(value)) {
+    out = nullptr;
+    return;
+  }
+  char digits[32];
+  const auto end = std::to_chars(digits, digits + sizeof digits, value).ptr;
+  if (std::find_if(digits, end, [](char c) { return c == '.' || c == 'e'; }) != end) {
+    out = value;
+  } else if (digits[0] == '-') {  // "-3", "-0": the parser's integer (to_chars prints every digit of an integral double)
+    std::int64_t integer = 0;
+    if (std::from_chars(digits, end, integer).ec == std::errc()) out = integer;
+    else out = value;
+  } else {
+    std::uint64_t integer = 0;
+    if (std::from_chars(digits, end, integer).ec == std::errc()) out = integer;
+    else out = value;
+  }
+}
+
+bool set_string(nlohmann::json& out, std::string_view text) {
+  if (!arrow::util::ValidateUTF8(text)) return false;
+  out = std::string(text);
+  return true;
+}
+
+template <class ListArray>
+bool list_to_json(const ListArray& list, std::int64_t i, nlohmann::json& out) {
+  const arrow::Array& values = *list.values();
+  const std::int64_t begin = list.value_offset(i), length = list.value_length(i);
+  out = nlohmann::json::array();
+  auto& items = out.get_ref<nlohmann::json::array_t&>();
+  items.resize(static_cast<std::size_t>(length));
+  for (std::int64_t k = 0; k < length; ++k)
+    if (!to_json(values, begin + k, items[static_cast<std::size_t>(k)])) return false;
+  return true;
+}
+
+bool to_json(const arrow::Array& array, std::int64_t i, nlohmann::json& out) {
+  if (array.IsNull(i)) {
+    out = nullptr;
+    return true;
+  }
+  using arrow::Type;
+  switch (array.type_id()) {
+    case Type::NA: out = nullptr; return true;
+    case Type::BOOL: out = static_cast<const arrow::BooleanArray&>(array).Value(i); return true;
+    case Type::INT8: set_integer(out, static_cast<const arrow::Int8Array&>(array).Value(i)); return true;
+    case Type::INT16: set_integer(out, static_cast<const arrow::Int16Array&>(array).Value(i)); return true;
+    case Type::INT32: set_integer(out, static_cast<const arrow::Int32Array&>(array).Value(i)); return true;
+    case Type::INT64: set_integer(out, static_cast<const arrow::Int64Array&>(array).Value(i)); return true;
+    case Type::UINT8: set_integer(out, static_cast<const arrow::UInt8Array&>(array).Value(i)); return true;
+    case Type::UINT16: set_integer(out, static_cast<const arrow::UInt16Array&>(array).Value(i)); return true;
+    case Type::UINT32: set_integer(out, static_cast<const arrow::UInt32Array&>(array).Value(i)); return true;
+    case Type::UINT64: set_integer(out, static_cast<const arrow::UInt64Array&>(array).Value(i)); return true;
+    case Type::FLOAT: set_real(out, static_cast<const arrow::FloatArray&>(array).Value(i)); return true;
+    case Type::DOUBLE: set_real(out, static_cast<const arrow::DoubleArray&>(array).Value(i)); return true;
+    case Type::STRING: return set_string(out, static_cast<const arrow::StringArray&>(array).GetView(i));
+    case Type::LARGE_STRING: return set_string(out, static_cast<const arrow::LargeStringArray&>(array).GetView(i));
+    case Type::STRING_VIEW: return set_string(out, static_cast<const arrow::StringViewArray&>(array).GetView(i));
+    case Type::LIST: return list_to_json(static_cast<const arrow::ListArray&>(array), i, out);
+    case Type::MAP: return list_to_json(static_cast<const arrow::MapArray&>(array), i, out);
+    case Type::LARGE_LIST: return list_to_json(static_cast<const arrow::LargeListArray&>(array), i, out);
+    case Type::FIXED_SIZE_LIST: return list_to_json(static_cast<const arrow::FixedSizeListArray&>(array), i, out);
+    case Type::LIST_VIEW: return list_to_json(static_cast<const arrow::ListViewArray&>(array), i, out);
+    case Type::LARGE_LIST_VIEW: return list_to_json(static_cast<const arrow::LargeListViewArray&>(array), i, out);
+    case Type::STRUCT: {
+      const auto& fields = static_cast<const arrow::StructArray&>(array);
+      const auto& type = *array.type();
+      out = nlohmann::json::object();
+      for (int k = 0; k < type.num_fields(); ++k) {
+        const std::string& name = type.field(k)->name();
+        if (!arrow::util::ValidateUTF8(name)) return false;
+        nlohmann::json value;
+        if (!to_json(*fields.field(k), i, value)) return false;
+        out[name] = std::move(value);  // a repeated name: the last, as the parser keeps it
+      }
+      return true;
+    }
+    case Type::DICTIONARY: {
+      const auto& dictionary = static_cast<const arrow::DictionaryArray&>(array);
+      return to_json(*dictionary.dictionary(), dictionary.GetValueIndex(i), out);
+    }
+    default: return false;  // bytes (an error in the text path), dates, decimals (Arrow's text): the text path
+  }
+}
+
 }  // namespace
 
 bool is_table_path(const std::string& path) {
@@ -262,6 +367,8 @@ struct TableReader::Impl {
   }
 
   void open() {
+    static std::once_flag utf8;
+    std::call_once(utf8, arrow::util::InitializeUTF8);
     format = format_of(path);
     try {
       if (format == Format::kParquet) {
@@ -400,6 +507,25 @@ class LoadedGroup final : public TableRows {
   }
 
   std::uint64_t size() const override { return rows_; }
+
+  bool has_column(const std::string& name) const override { return schema_->GetFieldIndex(name) >= 0; }
+
+  bool object(std::uint64_t row, nlohmann::json& out) const override {
+    const std::size_t b =
+        static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), row) - starts_.begin() - 1);
+    const arrow::RecordBatch& batch = *batches_[b];
+    const auto r = static_cast<std::int64_t>(row - starts_[b]);
+    out = nlohmann::json::object();
+    for (int c = 0; c < batch.num_columns(); ++c) {
+      if (keys_[static_cast<std::size_t>(c)].empty()) continue;  // a column of bytes
+      const std::string& name = schema_->field(c)->name();
+      if (!arrow::util::ValidateUTF8(name)) return false;
+      nlohmann::json value;
+      if (!to_json(*batch.column(c), r, value)) return false;
+      out[name] = std::move(value);
+    }
+    return true;
+  }
 
   void render(std::uint64_t row, std::string& out) const override {
     const std::size_t b =

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "data/jsonl.h"
 
 namespace trainer::data {
@@ -32,6 +34,12 @@ class TableRows {
   // Row `row` of the group as a JSON object. A column of a type no record field can hold is a DataError naming
   // the file, the group and the column.
   virtual void render(std::uint64_t row, std::string& out) const = 0;
+  // Row `row` as the JSON value that parsing render()'s text gives (the same numbers, strings, nulls, nesting), built
+  // straight from the Arrow values without the text. False (and `out` unspecified) where that could differ: a string
+  // that is not valid UTF-8, a column no record field can hold; the caller then takes the text (which names it).
+  virtual bool object(std::uint64_t row, nlohmann::json& out) const = 0;
+  // Whether the group has a column of this name.
+  virtual bool has_column(const std::string& name) const = 0;
 };
 
 // One row of an image table (data/image_dataset.h): the image as encoded bytes (datasets' Image feature: a struct

@@ -109,6 +109,60 @@ TEST(TableFile, RowsAreTheJsonObjectsOfTheirColumns) {
   }
 }
 
+// Whether two JSON values have the same types throughout (integer, unsigned, real), not only equal values.
+bool same_types(const nlohmann::json& a, const nlohmann::json& b) {
+  if (a.type() != b.type() || a.size() != b.size()) return false;
+  if (a.is_object()) {
+    for (auto it = a.begin(); it != a.end(); ++it)
+      if (!b.contains(it.key()) || !same_types(it.value(), b[it.key()])) return false;
+  } else if (a.is_array()) {
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (!same_types(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+TEST(TableFile, RowObjectsAreWhatParsingTheRenderedRowsGives) {
+  // The loader maps rows from their Arrow values (TableRows::object) instead of rendering and parsing them again:
+  // the values and their JSON types must be the parser's (a real that is integral is an integer, -0 too; NaN null).
+  TempDir dir;
+  const std::string lines =
+      R"({"n": 3, "x": 1.0, "s": "a \"q\" \\ \n é 🍮", "b": true, "ids": [1, -2], "none": null, "m": {"k": [0.5]}})"
+      "\n"
+      R"({"n": -4, "x": -0.0, "s": "", "b": false, "ids": [], "none": null, "m": {"k": []}})"
+      "\n"
+      R"({"n": 9007199254740993, "x": 1e300, "s": "x", "b": null, "ids": null, "none": null, "m": null})"
+      "\n";
+  auto table = table_of(lines);
+  arrow::FloatBuilder floats;
+  ASSERT_TRUE(floats.AppendValues({0.1f, 100000.0f, std::nanf("")}).ok());
+  table = table->AddColumn(table->num_columns(), arrow::field("f", arrow::float32()),
+                           std::make_shared<arrow::ChunkedArray>(floats.Finish().ValueOrDie()))
+              .ValueOrDie();
+  for (const char* name : {"o.parquet", "o.arrow"}) {
+    const std::string path = dir.file(name);
+    if (std::string(name) == "o.parquet") write_parquet(table, path, 2);
+    else write_ipc(table, path, 2, false);
+    TableReader reader(path);
+    std::size_t rows = 0;
+    for (std::size_t g = 0; g < reader.groups(); ++g) {
+      const auto group = reader.load_group(g);
+      EXPECT_TRUE(group->has_column("ids"));
+      EXPECT_FALSE(group->has_column("messages"));
+      for (std::uint64_t r = 0; r < group->size(); ++r, ++rows) {
+        std::string text;
+        group->render(r, text);
+        nlohmann::json object;
+        ASSERT_TRUE(group->object(r, object)) << name << " " << text;
+        const auto parsed = nlohmann::json::parse(text);
+        EXPECT_EQ(object, parsed) << name << " " << text;
+        EXPECT_TRUE(same_types(object, parsed)) << name << " " << text << " vs " << object.dump();
+      }
+    }
+    EXPECT_EQ(rows, 3u);
+  }
+}
+
 TEST(TableFile, IndexHasEachRowGroupsRows) {
   TempDir dir;
   auto table = table_of(numbered_rows(10));
