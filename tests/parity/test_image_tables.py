@@ -272,3 +272,40 @@ def test_trainer_data_reports_the_same_for_every_form(trainer_binary, image_sets
     assert report([image_sets / "train.jsonl"], [image_sets / "validation.jsonl"]) == folder
     assert report([image_sets / "train.parquet"], [image_sets / "validation.parquet"]) == folder
     assert report([f"{image_sets / 'train-saved'}"], [image_sets / "validation-saved"]) == folder
+
+
+def test_a_hub_image_dataset_reads_as_its_local_files(trainer_binary, image_sets, tmp_path):
+    """An image dataset by its Hub id (the stand-in Hub on 127.0.0.1): its Parquet files (Image feature, ClassLabel)
+    are fetched into the cache and read as the local image folder is."""
+    from hub_server import HubServer
+    server = HubServer(page_size=3)
+    server.add_repo("img-org/shapes", {
+        "README.md": b"# shapes\n",
+        "data/train-00000-of-00001.parquet": (image_sets / "train.parquet").read_bytes(),
+        "data/validation-00000-of-00001.parquet": (image_sets / "validation.parquet").read_bytes(),
+    }, repo_type="dataset")
+    server.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+        env.update({"HF_ENDPOINT": server.endpoint, "HF_HOME": str(tmp_path / "hf-home"),
+                    "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_DISABLE_XET": "1",
+                    "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1,localhost",
+                    "no_proxy": "127.0.0.1,localhost"})
+        for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
+            env.pop(proxy, None)
+
+        def report(train_files, validation_files):
+            config = vit_config(tmp_path, [], [])
+            data = json.loads(config.read_text())
+            data["data"]["train_files"], data["data"]["validation_files"] = train_files, validation_files
+            config.write_text(json.dumps(data))
+            result = subprocess.run([str(trainer_binary), "data", "--config", str(config)], cwd=ROOT, env=env,
+                                    capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr
+            return [line for line in result.stdout.splitlines() if "time" not in line and "RSS" not in line]
+
+        folder = report([str(image_sets / "train")], [str(image_sets / "validation")])
+        assert report(["img-org/shapes"], ["img-org/shapes"]) == folder
+        assert list((tmp_path / "cache").glob("datasets--img-org--shapes/snapshots/*/data/train-*.parquet"))
+    finally:
+        server.stop()
