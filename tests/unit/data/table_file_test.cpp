@@ -238,6 +238,40 @@ TEST(TableEpochs, HeldOutSplitIsTheSameChoiceAsForAnyFormatAndResumes) {
               std::vector<int>(train_rows.begin() + static_cast<long>(start), train_rows.end()));
 }
 
+TEST(TableEpochs, JsonlFilesAmongTablesAreBlocksOfLinesReadAsGroupsAre) {
+  // A JSONL file listed with Parquet files: every record once per epoch, the JSONL ones as their lines' text at
+  // their byte offsets, in file order without shuffling; resumable from any slot as the table epochs are.
+  TempDir dir;
+  std::string lines;
+  for (int i = 0; i < 5; ++i) lines += "{\"i\": " + std::to_string(100 + i) + "}\n";
+  test::write_file(dir.file("a.jsonl"), lines);
+  std::string rows;
+  for (int i = 0; i < 7; ++i) rows += "{\"i\": " + std::to_string(i) + "}\n";
+  write_parquet(table_of(rows), dir.file("b.parquet"), 3);
+  const auto dataset = open_dataset({dir.file("a.jsonl"), dir.file("b.parquet")}, Dataset::Subset::kAll, 0.0, 0);
+  ASSERT_EQ(dataset->size(), 12u);
+  const auto values = [&](bool shuffle, std::uint64_t start) {
+    std::vector<int> out;
+    auto stream = open_epoch(dataset, shuffle, 7, 0, start);
+    RawRecord record;
+    std::string scratch;
+    while (stream->next(record)) {
+      const auto json = nlohmann::json::parse(record.json(scratch));
+      if (record.file == 0) EXPECT_EQ(record.offset, static_cast<std::uint64_t>(json["i"].get<int>() - 100) * 11);
+      out.push_back(json["i"].get<int>());
+    }
+    return out;
+  };
+  EXPECT_EQ(values(false, 0), (std::vector<int>{100, 101, 102, 103, 104, 0, 1, 2, 3, 4, 5, 6}));
+  const auto shuffled = values(true, 0);
+  auto sorted = shuffled;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 100, 101, 102, 103, 104}));
+  EXPECT_NE(shuffled, values(false, 0));
+  for (std::uint64_t start : {1u, 5u, 11u})
+    EXPECT_EQ(values(true, start), std::vector<int>(shuffled.begin() + static_cast<std::ptrdiff_t>(start), shuffled.end()));
+}
+
 TEST(TableFile, BadFilesNameTheFileAndGroup) {
   TempDir dir;
   write_parquet(table_of(numbered_rows(20)), dir.file("a.parquet"), 5);
@@ -256,9 +290,9 @@ TEST(TableFile, BadFilesNameTheFileAndGroup) {
   std::string stream((std::istreambuf_iterator<char>(sin)), {});
   test::write_file(dir.file("cut.arrow"), stream.substr(0, stream.size() * 2 / 3));
   EXPECT_THROW(index_table_file(dir.file("cut.arrow")), DataError);
-  // Mixing JSONL and table files in one data set is refused.
-  test::write_file(dir.file("a.jsonl"), "{\"i\": 1}\n");
-  EXPECT_THROW(open_dataset({dir.file("a.jsonl"), dir.file("a.parquet")}, Dataset::Subset::kAll, 0.0, 0), DataError);
+  // A gzip JSONL file among table files is refused (plain JSONL files are read in blocks of lines: TableEpochs).
+  test::write_file(dir.file("a.jsonl.gz"), "not really gzip");
+  EXPECT_THROW(open_dataset({dir.file("a.jsonl.gz"), dir.file("a.parquet")}, Dataset::Subset::kAll, 0.0, 0), DataError);
 }
 
 }  // namespace
