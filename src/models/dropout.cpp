@@ -50,6 +50,19 @@ void set_dropout_source(DropoutSource s) { source.store(s); }
 DropoutSource dropout_source() { return source.load(); }
 
 at::Tensor Dropout::keep_mask(const at::Tensor& x, bool attention) const {
+  return draw(x, attention, [this](uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes,
+                                   at::IntArrayRef strides) {
+    return counter_keep_mask(key, row_base, sizes, strides, p_);
+  });
+}
+
+at::Tensor Dropout::uniform(const at::Tensor& x) const {
+  return draw(x, false, [](uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes, at::IntArrayRef strides) {
+    return counter_bits(key, grid_counters(row_base, sizes, strides)).to(at::kFloat) * (1.0 / 4294967296.0);
+  }).view(x.sizes());
+}
+
+at::Tensor Dropout::draw(const at::Tensor& x, bool attention, const Draw& draw) const {
   if (!site_) throw std::logic_error("a dropout site has no id: build models with build_model (assign_dropout_sites)");
   const int64_t batch = x.size(0);
   const auto context = current_dropout_context();
@@ -70,7 +83,7 @@ at::Tensor Dropout::keep_mask(const at::Tensor& x, bool attention) const {
     rows = at::arange(batch, x.options().dtype(at::kLong)).mul(int64_t{1} << kRowShift);
   }
   const uint64_t key = counter_key({seed, static_cast<uint64_t>(step), *site_});
-  if (context && !context->streams.empty()) return packed_keep_mask(*context, x, attention, key);
+  if (context && !context->streams.empty()) return packed_draw(*context, x, attention, key, draw);
   std::vector<int64_t> strides;
   if (attention) {
     TORCH_CHECK(x.dim() == 4, "attention dropout takes (B, H, Tq, Tk), got ", x.sizes());
@@ -84,15 +97,15 @@ at::Tensor Dropout::keep_mask(const at::Tensor& x, bool attention) const {
     TORCH_CHECK(x.dim() < 2 || x.size(1) * strides[0] < (int64_t{1} << kRowShift),
                 "dropout: one example of ", x.sizes(), " has more than 2^40 elements");
   }
-  return counter_keep_mask(key, rows, x.sizes(), strides, p_);
+  return draw(key, rows, x.sizes(), strides);
 }
 
 // Packed rows: element (b, t, i_1, ..., i_k) of a hidden-state tensor draws at (example << 40) + p * inner + the
 // offset of (i_1, ..., i_k), p its position within the example, as it would in the example's padded row; attention
 // element (b, h, q, k) at (example << 40) + h << 32 + p_q << 16 + p_k, p_k = k minus the first key position of
 // q's example (keys of other examples are masked: their draw does not matter). One grid row per (b, t) or (b, q).
-at::Tensor Dropout::packed_keep_mask(const DropoutContext& context, const at::Tensor& x, bool attention,
-                                     uint64_t key) const {
+at::Tensor Dropout::packed_draw(const DropoutContext& context, const at::Tensor& x, bool attention, uint64_t key,
+                                const Draw& draw) const {
   const auto stream_at = [&](int index) -> const PackedDropoutStream& {
     if (index >= static_cast<int>(context.streams.size()))
       throw std::logic_error("dropout: the site follows packed stream " + std::to_string(index) + ", the context has " +
@@ -116,8 +129,8 @@ at::Tensor Dropout::packed_keep_mask(const DropoutContext& context, const at::Te
     const PackedDropoutStream& keys = stream_at(key_stream_);
     const at::Tensor key_start = keys.starts.to(device).gather(1, rows.segments.to(device));  // (B, Tq)
     const at::Tensor row_base = (base + position.mul(int64_t{1} << 16) - key_start).reshape({-1});
-    const at::Tensor mask = counter_keep_mask(key, row_base, {b * t, x.size(1), x.size(3)},
-                                              {int64_t{1} << 32, 1}, p_);  // (B * Tq, H, Tk)
+    const at::Tensor mask = draw(key, row_base, {b * t, x.size(1), x.size(3)},
+                                 {int64_t{1} << 32, 1});  // (B * Tq, H, Tk)
     return mask.view({b, t, x.size(1), x.size(3)}).permute({0, 2, 1, 3});
   }
   std::vector<int64_t> sizes = {b * t};
@@ -129,7 +142,7 @@ at::Tensor Dropout::packed_keep_mask(const DropoutContext& context, const at::Te
   }
   for (int64_t d = 2; d < x.dim(); ++d) sizes.push_back(x.size(d));
   const at::Tensor row_base = (base + position.mul(inner)).reshape({-1});
-  return counter_keep_mask(key, row_base, sizes, strides, p_).view(x.sizes());
+  return draw(key, row_base, sizes, strides).view(x.sizes());
 }
 
 at::Tensor Dropout::forward(const at::Tensor& x, bool training) const {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -92,6 +93,10 @@ class Dropout : public Module {
   }
 
   double p() const { return p_; }
+
+  // x's shape of fp32 uniforms in [0, 1), drawn at the counters of forward()'s masks (keyed by the site, the
+  // step and each element's example and place in it, so no split changes them): Mixtral's router jitter.
+  at::Tensor uniform(const at::Tensor& x) const;
   void set_site(uint64_t site) { site_ = site; }
   std::optional<uint64_t> site() const { return site_; }
   // Which packed stream the rows (queries) and, for attention, the keys of this site follow (0 unless a model
@@ -102,8 +107,13 @@ class Dropout : public Module {
   }
 
  private:
+  // What is drawn over a grid of counters (grid_counters' arguments, with the site's key): a keep-mask, or uniforms.
+  using Draw = std::function<at::Tensor(uint64_t key, const at::Tensor& row_base, at::IntArrayRef sizes,
+                                        at::IntArrayRef strides)>;
   at::Tensor keep_mask(const at::Tensor& x, bool attention) const;
-  at::Tensor packed_keep_mask(const DropoutContext& context, const at::Tensor& x, bool attention, uint64_t key) const;
+  at::Tensor draw(const at::Tensor& x, bool attention, const Draw& draw) const;
+  at::Tensor packed_draw(const DropoutContext& context, const at::Tensor& x, bool attention, uint64_t key,
+                         const Draw& draw) const;
   double p_;
   std::optional<uint64_t> site_;
   int query_stream_ = 0, key_stream_ = 0;

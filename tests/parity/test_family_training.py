@@ -201,3 +201,28 @@ def test_the_load_balancing_loss_is_the_effective_batchs_under_any_split(tmp_pat
         for n, p in expected.items():
             torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n, mb=micro_batch, pk=packing,
                                        r=ranks: f"micro-batch {mb}, packing {pk}, ranks {r}, {n}: {m}")
+
+
+def test_mixtrals_router_jitter_is_keyed_like_dropout(tmp_path, run_trainer):
+    """router_jitter_noise: in training the sparse block's input times uniform noise in [1 - j, 1 + j]. transformers
+    draws it from torch's generator; trainer keys it like dropout (seed, step, site, each element's example and
+    place), so the whole batch, one example a micro-batch and packed rows with activation checkpointing end at the
+    same weights, which differ from a run without jitter; generation (no training) is transformers'."""
+    model_dir = make_model_dir("mixtral-sliding", tmp_path / "model", router_jitter_noise=0.2)
+    plain_dir = make_model_dir("mixtral-sliding", tmp_path / "plain")
+    records = examples()
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    finals = [hf_model(train(run_trainer, model_dir, data, tmp_path / f"run-{mb}-{pk}", mb, packing=pk,
+                             checkpointing=pk)).state_dict() for mb, pk in ((BATCH, False), (1, False), (2, True))]
+    for other in finals[1:]:
+        for n, p in finals[0].items():
+            torch.testing.assert_close(other[n], p, atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    without = hf_model(train(run_trainer, plain_dir, data, tmp_path / "plain-run", BATCH)).state_dict()
+    assert max((without[n] - p).abs().max().item() for n, p in finals[0].items()) > 1e-5, "the jitter changes nothing"
+    model = hf_model(model_dir)
+    prompt = [5, 17, 42, 8, 9, 33]
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0]
+    result = run_trainer("generate", "--model", model_dir, "--ids", ",".join(map(str, prompt)), "--max-new-tokens", 8)
+    assert [int(x) for x in result.stdout.split("ids:")[1].split()] == theirs[len(prompt):].tolist()

@@ -273,6 +273,7 @@ class MoeMlp : public Module {
     router = register_module(spec_.router, std::make_shared<Linear>(s.hidden, spec_.experts, false, o));
     experts = register_module("experts", std::make_shared<Experts>());
     for (int64_t e = 0; e < spec_.experts; ++e) experts->push_back(std::make_shared<Expert>(s, o));
+    if (spec_.jitter > 0) jitter = register_module("jitter", std::make_shared<Dropout>(spec_.jitter));
     if (spec_.shared_expert > 0) {
       shared_expert = register_module("shared_expert", std::make_shared<DecoderMlp>(s, spec_.shared_expert, o));
       shared_expert_gate = register_module("shared_expert_gate", std::make_shared<Linear>(s.hidden, 1, false, o));
@@ -280,7 +281,11 @@ class MoeMlp : public Module {
   }
 
   // x (B, T, D) -> (B, T, D); `router_logits`, when given, receives the router's logits (B * T, experts).
-  at::Tensor forward(const at::Tensor& x, at::Tensor* router_logits = nullptr) const {
+  at::Tensor forward(const at::Tensor& input, at::Tensor* router_logits = nullptr) const {
+    // Mixtral's jitter in training: router and experts see the input times keyed uniform noise in [1 - j, 1 + j].
+    const at::Tensor x = jitter && is_training()
+                             ? input * (1.0 - spec_.jitter + 2.0 * spec_.jitter * jitter->uniform(input)).to(input.scalar_type())
+                             : input;
     const int64_t hidden = x.size(-1);
     const at::Tensor flat = x.reshape({-1, hidden});
     const at::Tensor logits = router->forward(flat);
@@ -301,6 +306,7 @@ class MoeMlp : public Module {
   std::shared_ptr<Experts> experts;
   std::shared_ptr<DecoderMlp> shared_expert;
   std::shared_ptr<Linear> shared_expert_gate;
+  std::shared_ptr<Dropout> jitter;
 
  private:
   const MoeSpec& spec_;

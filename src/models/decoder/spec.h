@@ -68,6 +68,9 @@ struct MoeSpec {
   // router.scale and hidden^-0.5, and multiplies the renormalised top-k weights by router.per_expert_scale; the
   // experts are two stacked tensors as the files hold them (experts.gate_up_proj (E, 2I, H), experts.down_proj).
   bool gemma4 = false;
+  // Mixtral's router_jitter_noise: in training the block's input times uniform noise in [1 - j, 1 + j], keyed like
+  // dropout (the module `jitter`), so no split changes it.
+  double jitter = 0.0;
   // Qwen2-MoE: a shared expert of this width (a gated MLP, shared_expert.*) every token also goes through, times
   // sigmoid(shared_expert_gate(x)); 0: none.
   int64_t shared_expert = 0;

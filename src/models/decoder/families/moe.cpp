@@ -28,10 +28,6 @@ void read_moe(const nlohmann::json& c, DecoderSpec& s, const char* experts_key, 
                        "each token is routed to num_experts_per_tok of the experts");
   if (m.intermediate <= 0)
     throw config_error("the experts' intermediate size must be positive", "check moe_intermediate_size / intermediate_size");
-  if (hf::get_double(c, "router_jitter_noise", 0.0) != 0.0)
-    throw config_error("\"router_jitter_noise\" is " + std::to_string(hf::get_double(c, "router_jitter_noise", 0.0)) +
-                           ": router jitter is not supported yet",
-                       "set it to 0.0 (the released Mixtral configs' value)");
 }
 
 // Qwen2-MoE and Qwen3-MoE: a sparse MLP in every decoder_sparse_step-th layer outside mlp_only_layers.
@@ -97,6 +93,9 @@ DecoderSpec mixtral_spec(const nlohmann::json& c) {
   read_moe(c, s, "num_local_experts", 8, s.intermediate, 2);
   s.moe.norm_topk = true;
   s.moe.weights_in_dtype = false;
+  s.moe.jitter = hf::get_double(c, "router_jitter_noise", 0.0);
+  if (s.moe.jitter < 0 || s.moe.jitter >= 1)
+    throw config_error("\"router_jitter_noise\" must be in [0, 1)", "0 turns the router's jitter off");
   s.moe.block = "block_sparse_moe";
   s.moe.gate = "w1";
   s.moe.up = "w3";
