@@ -12,6 +12,7 @@ namespace {
 
 constexpr std::uint64_t kSplitSalt = 0x5EEDC0DE5911700Dull;
 constexpr std::uint64_t kEpochSalt = 0xE90C4E90C4E90C4Eull;
+constexpr std::uint64_t kLinesPerBlock = 10000;  // a JSONL file among tables: lines per block
 
 // Indexed files: each record is read at its offset, so any order costs the same.
 class IndexedStream final : public RecordStream {
@@ -199,11 +200,18 @@ class GroupedStream final : public RecordStream {
       }
       record.slot = slot_++;
       record.file = block.file;
-      record.offset = block.first_row + r;
       record.line = 0;
-      record.text.clear();
-      record.group = group_;
-      record.group_row = r;
+      if (!lines_block_) {
+        record.offset = block.first_row + r;
+        record.text.clear();
+        record.group = group_;
+        record.group_row = r;
+      } else {  // a JSONL file's block: the line's text, at its byte offset (as IndexedStream reads it)
+        record.offset = dataset_->files[block.file].offsets[block.first_row + r];
+        record.text = std::move(lines_[r]);
+        record.group.reset();
+        record.group_row = 0;
+      }
       return true;
     }
   }
@@ -223,6 +231,27 @@ class GroupedStream final : public RecordStream {
 
   void load(std::size_t b) {
     const Block& block = blocks_[b];
+    const FileIndex& file = dataset_->files[block.file];
+    lines_block_ = !file.table;
+    if (lines_block_) {  // a JSONL file among tables: its block of lines, read by their offsets
+      if (!jsonl_ || jsonl_file_ != block.file) {
+        jsonl_ = std::make_unique<RandomAccessFile>(file.path);
+        jsonl_file_ = block.file;
+      }
+      group_.reset();
+      lines_.resize(static_cast<std::size_t>(block.rows));
+      for (std::uint64_t k = 0; k < block.rows; ++k) {
+        const std::uint64_t local = block.first_row + k;
+        const std::uint64_t end = local + 1 < file.records ? file.offsets[local + 1] : file.file_size;
+        jsonl_->read_record(file.offsets[local], end, lines_[static_cast<std::size_t>(k)]);
+      }
+      group_rows_ = block.rows;
+      current_ = b;
+      position_ = 0;
+      loaded_ = true;
+      if (shuffle_) row_order_ = Permutation(group_rows_, mix_seed(key_, kBlockSalt, b));
+      return;
+    }
     if (!reader_ || reader_file_ != block.file) {
       reader_.reset();  // one file open at a time
       reader_ = std::make_unique<TableReader>(dataset_->files[block.file].path);
@@ -247,6 +276,10 @@ class GroupedStream final : public RecordStream {
   std::unique_ptr<TableReader> reader_;
   std::uint32_t reader_file_ = 0;
   std::shared_ptr<const TableRows> group_;  // the loaded row group (shared with the records handed out of it)
+  std::unique_ptr<RandomAccessFile> jsonl_;  // a JSONL file among the tables (its blocks of lines)
+  std::uint32_t jsonl_file_ = 0;
+  std::vector<std::string> lines_;  // the loaded JSONL block's lines
+  bool lines_block_ = false;
   std::uint64_t group_rows_ = 0;
   std::size_t current_ = 0;
   std::uint64_t position_ = 0;
@@ -283,11 +316,17 @@ std::shared_ptr<Dataset> open_dataset(const std::vector<std::string>& files, Dat
     dataset->grouped = dataset->grouped || dataset->files.back().table;
     dataset->first.push_back(dataset->first.back() + dataset->files.back().records);
   }
+  // JSONL files among Parquet/Arrow files: blocks of lines that are read, and shuffled, as row groups are.
   if (dataset->grouped)
-    for (const auto& file : dataset->files)
-      if (!file.table)
-        throw DataError(file.path + ": JSONL files and Parquet/Arrow files cannot be read in one data set",
-                        "convert them to one format (trainer reads either JSONL or Parquet/Arrow files in a run)");
+    for (auto& file : dataset->files)
+      if (!file.table) {
+        if (file.gzip)
+          throw DataError(file.path + ": a gzip JSONL file cannot be read in one data set with Parquet/Arrow files",
+                          "decompress it (gunzip: plain JSONL files can be), or convert the files to one format");
+        file.group_rows.clear();
+        for (std::uint64_t r = 0; r < file.records; r += kLinesPerBlock)
+          file.group_rows.push_back(std::min(kLinesPerBlock, file.records - r));
+      }
   dataset->subset = subset;
   if (subset != Dataset::Subset::kAll) {
     dataset->held_out = static_cast<std::uint64_t>(std::floor(fraction * static_cast<double>(dataset->total())));

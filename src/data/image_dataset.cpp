@@ -15,7 +15,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/image.h"
 #include "data/permutation.h"
+#include "data/table_file.h"
 #include "trainer/errors.h"
 
 namespace trainer::data {
@@ -78,6 +80,7 @@ struct JsonlItem {
   std::string image, origin, problem;
   std::optional<std::string> name;
   std::optional<std::int64_t> id;
+  std::string bytes;  // a table's encoded image
 };
 
 std::vector<JsonlItem> read_jsonl(const std::string& file) {
@@ -118,9 +121,20 @@ std::vector<JsonlItem> read_jsonl(const std::string& file) {
   return items;
 }
 
+// A table's path column: relative paths are taken from the table's folder, as a JSONL file's.
+std::string table_image_path(const std::string& table, const std::string& image) {
+  const fs::path path = image;
+  return (path.is_absolute() ? path : fs::path(table).parent_path() / path).lexically_normal().string();
+}
+
 }  // namespace
 
-bool is_image_folder(const std::string& source) { return fs::is_directory(source); }
+bool is_image_folder(const std::string& source) {
+  if (!fs::is_directory(source)) return false;
+  const fs::path dir = source;
+  return !fs::exists(dir / "dataset_dict.json") && !fs::exists(dir / "state.json") &&
+         !fs::exists(dir / "dataset_info.json");
+}
 
 ImageDataset open_image_dataset(const std::vector<std::string>& sources, const std::vector<std::string>& classes,
                                 bool skip_bad) {
@@ -128,9 +142,33 @@ ImageDataset open_image_dataset(const std::vector<std::string>& sources, const s
   out.classes = classes;
   const bool fixed = !classes.empty();
   std::vector<JsonlItem> items;
+  std::vector<std::string> declared;  // a table's ClassLabel names
   for (const auto& source : sources) {
     if (is_image_folder(source)) {
       read_folder(source, out.classes, fixed, skip_bad, out);
+    } else if (fs::is_directory(source)) {
+      throw DataError(source + ": a folder datasets wrote, not an image folder",
+                      "list its data files: data.train_files = [\"" + source + "\"] through trainer, which reads "
+                      "its .arrow files (DIR, or DIR:SPLIT for a DatasetDict)");
+    } else if (is_table_path(source)) {
+      auto table = read_table_images(source, /*label=*/true, /*caption=*/false);
+      if (!table.label_names.empty()) {
+        if (!declared.empty() && declared != table.label_names)
+          throw DataError(source + ": its ClassLabel names differ from those of the tables before it",
+                          "give every file the same label feature");
+        declared = table.label_names;
+      }
+      for (auto& row : table.rows) {
+        JsonlItem item;
+        item.origin = std::move(row.origin);
+        item.problem = std::move(row.problem);
+        item.bytes = std::move(row.bytes);
+        if (!row.path.empty()) item.image = table_image_path(source, row.path);
+        if (item.bytes.size() && item.image.empty()) item.image = item.origin;  // named in messages
+        item.name = std::move(row.label_name);
+        item.id = row.label_id;
+        items.push_back(std::move(item));
+      }
     } else {
       auto more = read_jsonl(source);
       items.insert(items.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
@@ -138,6 +176,7 @@ ImageDataset open_image_dataset(const std::vector<std::string>& sources, const s
   }
   if (items.empty()) return out;
   // Without a class list, JSONL classes are its label names sorted, or the numbers 0..max.
+  if (out.classes.empty() && !declared.empty()) out.classes = declared;  // the ClassLabel's order, as datasets
   if (out.classes.empty()) {
     std::vector<std::string> names;
     std::int64_t max_id = -1;
@@ -180,7 +219,7 @@ ImageDataset open_image_dataset(const std::vector<std::string>& sources, const s
       ++out.bad_records_skipped;
       continue;
     }
-    out.records.push_back({std::move(item.image), label, std::move(item.origin)});
+    out.records.push_back({std::move(item.image), label, std::move(item.origin), std::move(item.bytes)});
   }
   return out;
 }
@@ -188,15 +227,33 @@ ImageDataset open_image_dataset(const std::vector<std::string>& sources, const s
 ImageDataset open_caption_dataset(const std::vector<std::string>& sources, const std::vector<std::string>& classes,
                                   bool skip_bad) {
   struct Item {
-    std::string image, caption, origin, problem;
+    std::string image, caption, origin, problem, bytes;
     std::optional<std::string> label;
   };
   std::vector<Item> items;
   for (const auto& source : sources) {
     if (is_image_folder(source))
       throw DataError(source + ": an image folder has no captions; training.objective=contrastive reads JSONL files "
-                               "of {\"image\": \"path\", \"caption\": \"...\"}",
+                               "of {\"image\": \"path\", \"caption\": \"...\"}, or Parquet / Arrow tables of "
+                               "image and caption columns",
                       "list the image-caption pairs in a JSONL file (scripts/make_demo_images.py writes one)");
+    if (is_table_path(source)) {
+      auto table = read_table_images(source, /*label=*/false, /*caption=*/true);
+      for (auto& row : table.rows) {
+        Item item;
+        item.origin = std::move(row.origin);
+        item.problem = std::move(row.problem);
+        item.bytes = std::move(row.bytes);
+        item.image = row.path.empty() ? item.origin : table_image_path(source, row.path);
+        if (row.caption) item.caption = std::move(*row.caption);
+        item.label = std::move(row.label_name);
+        if (!item.label && row.label_id && item.problem.empty())
+          item.problem = "column \"label\": " + std::to_string(*row.label_id) +
+                         " is a class number without names (a ClassLabel feature, or class names, give them)";
+        items.push_back(std::move(item));
+      }
+      continue;
+    }
     std::ifstream in(source);
     if (!in) throw DataError(source + ": cannot open (" + std::string(std::strerror(errno)) + ")",
                              "check the path in data.train_files / data.validation_files");
@@ -255,7 +312,7 @@ ImageDataset open_caption_dataset(const std::vector<std::string>& sources, const
       ++out.bad_records_skipped;
       continue;
     }
-    out.records.push_back({std::move(item.image), label, std::move(item.origin)});
+    out.records.push_back({std::move(item.image), label, std::move(item.origin), std::move(item.bytes)});
     out.captions.push_back(std::move(item.caption));
   }
   return out;
@@ -342,7 +399,11 @@ DecodedImages decode_images(const ImageDataset& dataset, const std::vector<std::
     for (std::size_t i = next++; i < indices.size(); i = next++) {
       const ImageRecord& record = dataset.records.at(indices[i]);
       try {
-        const RgbImage image = load_image_file(record.path);
+        const RgbImage image =
+            record.bytes.empty()
+                ? load_image_file(record.path)
+                : decode_image({reinterpret_cast<const std::uint8_t*>(record.bytes.data()), record.bytes.size()},
+                               record.origin + ", column \"image\"");
         if (augment)
           augment_image(image, spec, draw_augment(*augment, indices[i], image.width, image.height),
                         pixels.data() + i * plane);

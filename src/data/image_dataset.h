@@ -1,6 +1,9 @@
 // Image-classification datasets: which files, which class each is, and decoding a batch of them on worker
 // threads. Sources are image folders (one subfolder per class, classes sorted by name, as torchvision's
-// ImageFolder) or JSONL files of {"image": "path", "label": "daisy" | 3} (paths relative to the JSONL file).
+// ImageFolder), JSONL files of {"image": "path", "label": "daisy" | 3} (paths relative to the JSONL file), or
+// Parquet / Arrow files (datasets' save_to_disk shards; callers expand DIR and DIR:SPLIT with expand_globs) with an
+// "image" column (datasets' Image feature: encoded bytes, held in memory, or a path) and a "label" column (a class
+// name, a number, or a ClassLabel, whose names are the classes).
 // Bad records and bad images stop with a `file: what` DataError, or are counted and skipped (skip_bad). No LibTorch.
 #pragma once
 
@@ -16,7 +19,9 @@ namespace trainer::data {
 struct ImageRecord {
   std::string path;     // the image file
   std::int64_t label;   // index into ImageDataset::classes
-  std::string origin;   // where the record came from, for messages: the JSONL "file:line", or the image path
+  std::string origin;   // where the record came from, for messages: the JSONL "file:line", the image path, or a
+                        // table's "file: row R (row group G)"
+  std::string bytes;    // a table's encoded image (datasets' Image feature), decoded from memory; empty: `path`
 };
 
 struct ImageDataset {
@@ -44,7 +49,8 @@ ImageDataset open_image_dataset(const std::vector<std::string>& sources, const s
 ImageDataset open_caption_dataset(const std::vector<std::string>& sources, const std::vector<std::string>& classes,
                                   bool skip_bad);
 
-// Whether a path names an image folder (a directory) rather than a JSONL file.
+// Whether a path names an image folder (a directory that is not a folder `datasets` wrote: none of
+// dataset_dict.json, state.json, dataset_info.json) rather than a JSONL, Parquet or Arrow file.
 bool is_image_folder(const std::string& source);
 
 // A decoded, preprocessed batch: pixels of the kept records (kept.size() x 3 x H x W float32, channel-first),

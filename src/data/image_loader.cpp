@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/jsonl.h"
 #include "data/permutation.h"
 #include "models/hf_config.h"
 #include "models/image/image_model.h"
@@ -97,6 +98,12 @@ nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset) {
     hash = (hash ^ 0xffu) * 1099511628211ull;  // a separator, so ("ab", "c") and ("a", "bc") differ
   };
   for (const auto& record : dataset.records) {
+    if (!record.bytes.empty()) {  // a table's image: where it is, and its size
+      mix(record.origin);
+      mix(std::to_string(record.label));
+      mix(std::to_string(record.bytes.size()));
+      continue;
+    }
     std::error_code error;
     const auto size = fs::file_size(record.path, error);
     mix(fs::absolute(record.path).lexically_normal().string());
@@ -112,7 +119,7 @@ nlohmann::json image_data_fingerprint(const data::ImageDataset& dataset) {
 std::shared_ptr<const data::ImageDataset> open_training_images(const Config& config,
                                                                const std::vector<std::string>& classes) {
   return std::make_shared<const data::ImageDataset>(data::open_image_dataset(
-      config.data.train_files, classes, config.data.on_bad_record == BadRecordPolicy::kSkip));
+      data::expand_globs(config.data.train_files, "data.train_files"), classes, config.data.on_bad_record == BadRecordPolicy::kSkip));
 }
 
 std::unique_ptr<ImageLoader> make_image_train_loader(const Config& config,
@@ -136,7 +143,7 @@ std::unique_ptr<ImageLoader> make_image_validation_loader(const Config& config, 
   if (config.data.validation_files.empty()) return nullptr;
   const bool skip = config.data.on_bad_record == BadRecordPolicy::kSkip;
   auto dataset = std::make_shared<const data::ImageDataset>(
-      data::open_image_dataset(config.data.validation_files, classes, skip));
+      data::open_image_dataset(data::expand_globs(config.data.validation_files, "data.validation_files"), classes, skip));
   ImageLoaderOptions options;
   options.batch_size = batch_size;
   options.workers = static_cast<int>(std::max<int64_t>(1, config.data.num_workers));

@@ -103,10 +103,16 @@ class JsonlLoader final : public DataLoader {
     const data::MappingSpec* spec = &spec_;
     const Tokenizer* tokenizer = &tokenizer_;
     data::MapFunction map = map_;
-    if (!map) map = [spec, tokenizer](std::string_view line) { return data::map_record(line, *spec, *tokenizer); };
+    data::MapRowFunction map_row;  // the default mapping reads Parquet/Arrow rows from their values
+    if (!map) {
+      map = [spec, tokenizer](std::string_view line) { return data::map_record(line, *spec, *tokenizer); };
+      map_row = [spec, tokenizer](const data::TableRows& rows, std::uint64_t row, std::string& scratch) {
+        return data::map_table_row(rows, row, scratch, *spec, *tokenizer);
+      };
+    }
     pipeline_ = std::make_unique<data::Pipeline>(
         data::open_epoch(dataset_, options_.shuffle, cursor_.seed, cursor_.epoch, slot, end_slot),
-        std::move(map), options_.workers, options_.share);
+        std::move(map), options_.workers, options_.share, std::move(map_row));
   }
 
   // The next usable example of the epoch, counting everything on the way; false at the end of the epoch.

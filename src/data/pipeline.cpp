@@ -91,9 +91,11 @@ std::string error_payload(std::exception_ptr error) {
 
 }  // namespace
 
-Pipeline::Pipeline(std::unique_ptr<RecordStream> stream, MapFunction map, int workers, RecordShare share)
+Pipeline::Pipeline(std::unique_ptr<RecordStream> stream, MapFunction map, int workers, RecordShare share,
+                   MapRowFunction map_row)
     : stream_(std::move(stream)),
       map_(std::move(map)),
+      map_row_(std::move(map_row)),
       workers_(workers),
       share_(std::move(share)),
       capacity_(static_cast<std::size_t>(4 * std::max(workers, 1))) {
@@ -135,7 +137,11 @@ void Pipeline::map_chunk(Chunk& chunk) const {
   try {
     std::string scratch;  // a Parquet/Arrow row rendered here, on the worker
     for (std::size_t i = 0; i < chunk.raw.size(); ++i)
-      if (chunk.mapped[i].mapped_here) chunk.mapped[i].outcome = map_(chunk.raw[i].json(scratch));
+      if (chunk.mapped[i].mapped_here) {
+        const RawRecord& raw = chunk.raw[i];
+        chunk.mapped[i].outcome =
+            raw.group && map_row_ ? map_row_(*raw.group, raw.group_row, scratch) : map_(raw.json(scratch));
+      }
   } catch (...) {
     // Not swallowed: handed to the consumer, which rethrows it when it reaches this chunk.
     chunk.error = std::current_exception();

@@ -32,12 +32,15 @@ struct MappedRecord {
 };
 
 using MapFunction = std::function<Outcome(std::string_view)>;
+// Maps a Parquet/Arrow row from its values (map_table_row); without one, rows are rendered as JSON for MapFunction.
+using MapRowFunction = std::function<Outcome(const TableRows&, std::uint64_t row, std::string& scratch)>;
 
 class Pipeline {
  public:
   // workers = 0 maps on the calling thread (no threads at all). `share` (world > 1): this rank maps only the records
   // at positions p % world == rank (p counted from the stream's start) and next() exchanges each chunk's outcomes.
-  Pipeline(std::unique_ptr<RecordStream> stream, MapFunction map, int workers, RecordShare share = {});
+  Pipeline(std::unique_ptr<RecordStream> stream, MapFunction map, int workers, RecordShare share = {},
+           MapRowFunction map_row = {});
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
@@ -67,6 +70,7 @@ class Pipeline {
 
   std::unique_ptr<RecordStream> stream_;
   MapFunction map_;
+  MapRowFunction map_row_;
   int workers_;
   RecordShare share_;
   std::uint64_t inline_read_ = 0;  // workers = 0: records read so far

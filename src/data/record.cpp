@@ -1,6 +1,8 @@
 // Record mapping: JSON fields -> token ids -> Example, with the bad-record and over-length rules (see record.h).
 #include "data/record.h"
 
+#include "data/table_file.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -282,6 +284,18 @@ Outcome map_record(std::string_view line, const MappingSpec& spec, const Tokeniz
     // Again with the keys in their order: templates write tools and tool-call arguments as given (tojson).
     return map_chat(nlohmann::ordered_json::parse(line), spec, tokenizer);
   }
+  return spec.family == DataFamily::kSeq2Seq ? map_seq2seq(record, spec, tokenizer)
+                                             : map_causal(record, spec, tokenizer);
+}
+
+Outcome map_table_row(const TableRows& rows, std::uint64_t row, std::string& scratch, const MappingSpec& spec,
+                      const Tokenizer& tokenizer) {
+  json record;
+  if (rows.has_column(kMessagesField) || !rows.object(row, record)) {
+    rows.render(row, scratch);
+    return map_record(scratch, spec, tokenizer);
+  }
+  if (record.contains("input_ids")) return map_pretokenized(record, spec, tokenizer);
   return spec.family == DataFamily::kSeq2Seq ? map_seq2seq(record, spec, tokenizer)
                                              : map_causal(record, spec, tokenizer);
 }

@@ -56,6 +56,14 @@ Outcome overlength_skipped(std::string what);
 // so the loader decides (in record order) whether to stop or to count and skip it.
 Outcome map_record(std::string_view line, const MappingSpec& spec, const Tokenizer& tokenizer);
 
+class TableRows;  // data/table_file.h
+
+// Maps row `row` of a Parquet/Arrow row group as map_record maps its JSON text, but from the Arrow values (no text
+// rendered and parsed again); chat rows, and rows whose values the direct path refuses (TableRows::object), go
+// through the text (`scratch`), so every outcome and message is map_record's.
+Outcome map_table_row(const TableRows& rows, std::uint64_t row, std::string& scratch, const MappingSpec& spec,
+                      const Tokenizer& tokenizer);
+
 // The length policy for causal examples (data.max_length, data.on_overlength): cut at the end, labels with their
 // tokens; skipped when nothing trained is left.
 Outcome finish_causal(Example example, const MappingSpec& spec);

@@ -12,14 +12,18 @@
 #include <fstream>
 #include <mutex>
 #include <set>
+#include <string_view>
+#include <type_traits>
 
 #include <arrow/api.h>
 #include <arrow/io/file.h>
 #include <arrow/ipc/reader.h>
+#include <arrow/util/utf8.h>
 #include <parquet/arrow/reader.h>
 #include <parquet/exception.h>
 #include <parquet/file_reader.h>
 #include <parquet/metadata.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "trainer/errors.h"
@@ -223,6 +227,109 @@ void append_value(std::string& out, const arrow::Array& array, std::int64_t i) {
   }
 }
 
+// A value as nlohmann::json, exactly what json::parse gives for append_value's text (numbers as the parser types
+// them: a non-negative integer unsigned, a negative one signed, a real whose shortest text has no '.', 'e' or
+// "inf"/"nan" an integer; invalid UTF-8 refused). False where the value cannot be built so (then the text is used).
+bool to_json(const arrow::Array& array, std::int64_t i, nlohmann::json& out);
+
+template <class Integer>
+void set_integer(nlohmann::json& out, Integer value) {
+  if constexpr (std::is_signed_v<Integer>) {
+    if (value < 0) {
+      out = static_cast<std::int64_t>(value);
+      return;
+    }
+  }
+  out = static_cast<std::uint64_t>(value);
+}
+
+void set_real(nlohmann::json& out, double value) {
+  if (!std::isfinite(value)) {
+    out = nullptr;
+    return;
+  }
+  char digits[32];
+  const auto end = std::to_chars(digits, digits + sizeof digits, value).ptr;
+  if (std::find_if(digits, end, [](char c) { return c == '.' || c == 'e'; }) != end) {
+    out = value;
+  } else if (digits[0] == '-') {  // "-3", "-0": the parser's integer (to_chars prints every digit of an integral double)
+    std::int64_t integer = 0;
+    if (std::from_chars(digits, end, integer).ec == std::errc()) out = integer;
+    else out = value;
+  } else {
+    std::uint64_t integer = 0;
+    if (std::from_chars(digits, end, integer).ec == std::errc()) out = integer;
+    else out = value;
+  }
+}
+
+bool set_string(nlohmann::json& out, std::string_view text) {
+  if (!arrow::util::ValidateUTF8(text)) return false;
+  out = std::string(text);
+  return true;
+}
+
+template <class ListArray>
+bool list_to_json(const ListArray& list, std::int64_t i, nlohmann::json& out) {
+  const arrow::Array& values = *list.values();
+  const std::int64_t begin = list.value_offset(i), length = list.value_length(i);
+  out = nlohmann::json::array();
+  auto& items = out.get_ref<nlohmann::json::array_t&>();
+  items.resize(static_cast<std::size_t>(length));
+  for (std::int64_t k = 0; k < length; ++k)
+    if (!to_json(values, begin + k, items[static_cast<std::size_t>(k)])) return false;
+  return true;
+}
+
+bool to_json(const arrow::Array& array, std::int64_t i, nlohmann::json& out) {
+  if (array.IsNull(i)) {
+    out = nullptr;
+    return true;
+  }
+  using arrow::Type;
+  switch (array.type_id()) {
+    case Type::NA: out = nullptr; return true;
+    case Type::BOOL: out = static_cast<const arrow::BooleanArray&>(array).Value(i); return true;
+    case Type::INT8: set_integer(out, static_cast<const arrow::Int8Array&>(array).Value(i)); return true;
+    case Type::INT16: set_integer(out, static_cast<const arrow::Int16Array&>(array).Value(i)); return true;
+    case Type::INT32: set_integer(out, static_cast<const arrow::Int32Array&>(array).Value(i)); return true;
+    case Type::INT64: set_integer(out, static_cast<const arrow::Int64Array&>(array).Value(i)); return true;
+    case Type::UINT8: set_integer(out, static_cast<const arrow::UInt8Array&>(array).Value(i)); return true;
+    case Type::UINT16: set_integer(out, static_cast<const arrow::UInt16Array&>(array).Value(i)); return true;
+    case Type::UINT32: set_integer(out, static_cast<const arrow::UInt32Array&>(array).Value(i)); return true;
+    case Type::UINT64: set_integer(out, static_cast<const arrow::UInt64Array&>(array).Value(i)); return true;
+    case Type::FLOAT: set_real(out, static_cast<const arrow::FloatArray&>(array).Value(i)); return true;
+    case Type::DOUBLE: set_real(out, static_cast<const arrow::DoubleArray&>(array).Value(i)); return true;
+    case Type::STRING: return set_string(out, static_cast<const arrow::StringArray&>(array).GetView(i));
+    case Type::LARGE_STRING: return set_string(out, static_cast<const arrow::LargeStringArray&>(array).GetView(i));
+    case Type::STRING_VIEW: return set_string(out, static_cast<const arrow::StringViewArray&>(array).GetView(i));
+    case Type::LIST: return list_to_json(static_cast<const arrow::ListArray&>(array), i, out);
+    case Type::MAP: return list_to_json(static_cast<const arrow::MapArray&>(array), i, out);
+    case Type::LARGE_LIST: return list_to_json(static_cast<const arrow::LargeListArray&>(array), i, out);
+    case Type::FIXED_SIZE_LIST: return list_to_json(static_cast<const arrow::FixedSizeListArray&>(array), i, out);
+    case Type::LIST_VIEW: return list_to_json(static_cast<const arrow::ListViewArray&>(array), i, out);
+    case Type::LARGE_LIST_VIEW: return list_to_json(static_cast<const arrow::LargeListViewArray&>(array), i, out);
+    case Type::STRUCT: {
+      const auto& fields = static_cast<const arrow::StructArray&>(array);
+      const auto& type = *array.type();
+      out = nlohmann::json::object();
+      for (int k = 0; k < type.num_fields(); ++k) {
+        const std::string& name = type.field(k)->name();
+        if (!arrow::util::ValidateUTF8(name)) return false;
+        nlohmann::json value;
+        if (!to_json(*fields.field(k), i, value)) return false;
+        out[name] = std::move(value);  // a repeated name: the last, as the parser keeps it
+      }
+      return true;
+    }
+    case Type::DICTIONARY: {
+      const auto& dictionary = static_cast<const arrow::DictionaryArray&>(array);
+      return to_json(*dictionary.dictionary(), dictionary.GetValueIndex(i), out);
+    }
+    default: return false;  // bytes (an error in the text path), dates, decimals (Arrow's text): the text path
+  }
+}
+
 }  // namespace
 
 bool is_table_path(const std::string& path) {
@@ -241,6 +348,7 @@ struct TableReader::Impl {
   std::shared_ptr<arrow::Schema> schema;
   std::vector<std::string> keys;  // each column's `"name":`
   std::vector<std::uint64_t> group_rows;
+  bool quiet = false;  // no warning about columns of bytes (the image tasks read them)
 
   void open_stream() {
     if (auto status = file->Seek(0); !status.ok()) fail(path, status);
@@ -259,6 +367,8 @@ struct TableReader::Impl {
   }
 
   void open() {
+    static std::once_flag utf8;
+    std::call_once(utf8, arrow::util::InitializeUTF8);
     format = format_of(path);
     try {
       if (format == Format::kParquet) {
@@ -301,7 +411,7 @@ struct TableReader::Impl {
       }
       keys.push_back(key);  // empty: left out
     }
-    if (!left_out.empty()) tell_left_out_once(path, left_out);
+    if (!left_out.empty() && !quiet) tell_left_out_once(path, left_out);
   }
 
   std::string group_name(std::size_t g) const {
@@ -343,6 +453,12 @@ struct TableReader::Impl {
 
 TableReader::TableReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
   impl_->path = path;
+  impl_->open();
+}
+
+TableReader::TableReader(const std::string& path, bool quiet) : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
+  impl_->quiet = quiet;
   impl_->open();
 }
 
@@ -391,6 +507,25 @@ class LoadedGroup final : public TableRows {
   }
 
   std::uint64_t size() const override { return rows_; }
+
+  bool has_column(const std::string& name) const override { return schema_->GetFieldIndex(name) >= 0; }
+
+  bool object(std::uint64_t row, nlohmann::json& out) const override {
+    const std::size_t b =
+        static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), row) - starts_.begin() - 1);
+    const arrow::RecordBatch& batch = *batches_[b];
+    const auto r = static_cast<std::int64_t>(row - starts_[b]);
+    out = nlohmann::json::object();
+    for (int c = 0; c < batch.num_columns(); ++c) {
+      if (keys_[static_cast<std::size_t>(c)].empty()) continue;  // a column of bytes
+      const std::string& name = schema_->field(c)->name();
+      if (!arrow::util::ValidateUTF8(name)) return false;
+      nlohmann::json value;
+      if (!to_json(*batch.column(c), r, value)) return false;
+      out[name] = std::move(value);
+    }
+    return true;
+  }
 
   void render(std::uint64_t row, std::string& out) const override {
     const std::size_t b =
@@ -463,6 +598,193 @@ FileIndex index_table_file(const std::string& path) {
     index.mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
   }
   return index;
+}
+
+namespace {
+
+bool is_string_type(const arrow::DataType& type) {
+  switch (type.id()) {
+    case arrow::Type::STRING:
+    case arrow::Type::LARGE_STRING:
+    case arrow::Type::STRING_VIEW: return true;
+    case arrow::Type::DICTIONARY: return is_string_type(*static_cast<const arrow::DictionaryType&>(type).value_type());
+    default: return false;
+  }
+}
+
+bool is_binary_type(const arrow::DataType& type) {
+  switch (type.id()) {
+    case arrow::Type::BINARY:
+    case arrow::Type::LARGE_BINARY:
+    case arrow::Type::BINARY_VIEW:
+    case arrow::Type::FIXED_SIZE_BINARY: return true;
+    default: return false;
+  }
+}
+
+bool is_integer_type(const arrow::DataType& type) { return arrow::is_integer(type.id()); }
+
+// The value at `i` of a string or binary array (of any width, or dictionary-encoded); null for a null.
+std::optional<std::string_view> text_at(const arrow::Array& array, std::int64_t i) {
+  if (array.IsNull(i)) return std::nullopt;
+  switch (array.type_id()) {
+    case arrow::Type::STRING: return static_cast<const arrow::StringArray&>(array).GetView(i);
+    case arrow::Type::LARGE_STRING: return static_cast<const arrow::LargeStringArray&>(array).GetView(i);
+    case arrow::Type::STRING_VIEW: return static_cast<const arrow::StringViewArray&>(array).GetView(i);
+    case arrow::Type::BINARY: return static_cast<const arrow::BinaryArray&>(array).GetView(i);
+    case arrow::Type::LARGE_BINARY: return static_cast<const arrow::LargeBinaryArray&>(array).GetView(i);
+    case arrow::Type::BINARY_VIEW: return static_cast<const arrow::BinaryViewArray&>(array).GetView(i);
+    case arrow::Type::FIXED_SIZE_BINARY: return static_cast<const arrow::FixedSizeBinaryArray&>(array).GetView(i);
+    case arrow::Type::DICTIONARY: {
+      const auto& dictionary = static_cast<const arrow::DictionaryArray&>(array);
+      return text_at(*dictionary.dictionary(), dictionary.GetValueIndex(i));
+    }
+    default: return std::nullopt;
+  }
+}
+
+std::optional<std::int64_t> integer_at(const arrow::Array& array, std::int64_t i) {
+  if (array.IsNull(i)) return std::nullopt;
+  switch (array.type_id()) {
+    case arrow::Type::INT8: return static_cast<const arrow::Int8Array&>(array).Value(i);
+    case arrow::Type::INT16: return static_cast<const arrow::Int16Array&>(array).Value(i);
+    case arrow::Type::INT32: return static_cast<const arrow::Int32Array&>(array).Value(i);
+    case arrow::Type::INT64: return static_cast<const arrow::Int64Array&>(array).Value(i);
+    case arrow::Type::UINT8: return static_cast<const arrow::UInt8Array&>(array).Value(i);
+    case arrow::Type::UINT16: return static_cast<const arrow::UInt16Array&>(array).Value(i);
+    case arrow::Type::UINT32: return static_cast<const arrow::UInt32Array&>(array).Value(i);
+    case arrow::Type::UINT64: {
+      const std::uint64_t value = static_cast<const arrow::UInt64Array&>(array).Value(i);
+      if (value > static_cast<std::uint64_t>(INT64_MAX)) return -1;  // out of every class range
+      return static_cast<std::int64_t>(value);
+    }
+    default: return std::nullopt;
+  }
+}
+
+// The ClassLabel names of column `column` in datasets' features (the schema metadata's "huggingface" key).
+std::vector<std::string> class_label_names(const arrow::Schema& schema, const std::string& column) {
+  const auto metadata = schema.metadata();
+  if (!metadata) return {};
+  const auto found = metadata->Get("huggingface");
+  if (!found.ok()) return {};
+  const auto info = nlohmann::json::parse(*found, nullptr, /*allow_exceptions=*/false);
+  if (!info.is_object()) return {};
+  const nlohmann::json* features = nullptr;
+  if (info.contains("info") && info["info"].is_object() && info["info"].contains("features"))
+    features = &info["info"]["features"];
+  if (!features || !features->is_object() || !features->contains(column)) return {};
+  const auto& feature = (*features)[column];
+  if (!feature.is_object() || feature.value("_type", "") != "ClassLabel" || !feature.contains("names") ||
+      !feature["names"].is_array())
+    return {};
+  std::vector<std::string> names;
+  for (const auto& name : feature["names"])
+    if (name.is_string()) names.push_back(name.get<std::string>());
+  return names;
+}
+
+}  // namespace
+
+TableImages read_table_images(const std::string& path, bool label, bool caption) {
+  TableReader reader(path, /*quiet=*/true);
+  TableReader::Impl& impl = *reader.impl_;
+  const arrow::Schema& schema = *impl.schema;
+  std::string columns;
+  for (const auto& field : schema.fields()) columns += (columns.empty() ? "" : ", ") + field->name();
+  const auto column_of = [&](const std::string& name, bool required) {
+    const int index = schema.GetFieldIndex(name);
+    if (index < 0 && required)
+      throw DataError(path + ": has no \"" + name + "\" column (its columns: " + columns + ")",
+                      "name the columns image, label" + std::string(caption ? " and caption" : "") +
+                          " (datasets: rename_column), as in the JSONL records");
+    return index;
+  };
+  const auto wrong_type = [&](const std::string& name, const std::string& wanted) {
+    return DataError(path + ", column \"" + name + "\": values of type " +
+                         schema.GetFieldByName(name)->type()->ToString() + ", not " + wanted,
+                     "cast the column (datasets: cast_column)");
+  };
+  const int image = column_of("image", true);
+  const int label_column = column_of("label", label);
+  const int caption_column = caption ? column_of("caption", true) : -1;
+  // The image: datasets' Image feature (a struct of "bytes" and "path"), encoded bytes, or a path.
+  const arrow::DataType& image_type = *schema.field(image)->type();
+  int bytes_field = -1, path_field = -1;
+  if (image_type.id() == arrow::Type::STRUCT) {
+    const auto& fields = static_cast<const arrow::StructType&>(image_type);
+    bytes_field = fields.GetFieldIndex("bytes");
+    path_field = fields.GetFieldIndex("path");
+    if ((bytes_field < 0 && path_field < 0) || (bytes_field >= 0 && !is_binary_type(*fields.field(bytes_field)->type())) ||
+        (path_field >= 0 && !is_string_type(*fields.field(path_field)->type())))
+      throw wrong_type("image", "datasets' Image feature (a struct of bytes and a path), bytes or a path");
+  } else if (!is_binary_type(image_type) && !is_string_type(image_type)) {
+    throw wrong_type("image", "datasets' Image feature (a struct of bytes and a path), bytes or a path");
+  }
+  if (label_column >= 0) {
+    const auto& type = *schema.field(label_column)->type();
+    if (!is_integer_type(type) && !is_string_type(type)) throw wrong_type("label", "a class number or a class name");
+  }
+  if (caption_column >= 0 && !is_string_type(*schema.field(caption_column)->type()))
+    throw wrong_type("caption", "a string");
+
+  TableImages out;
+  if (label_column >= 0) out.label_names = class_label_names(schema, "label");
+  const bool parquet = impl.format == Format::kParquet;
+  std::uint64_t row = 0;
+  for (std::size_t g = 0; g < impl.group_rows.size(); ++g) {
+    for (const auto& batch : impl.read_batches(g)) {
+      if (!batch->schema()->Equals(schema, false))
+        throw DataError(impl.group_name(g) + ": its columns differ from the file's schema", kCorruptHint);
+      const arrow::Array& images = *batch->column(image);
+      const arrow::Array* bytes = nullptr;
+      const arrow::Array* paths = nullptr;
+      if (bytes_field >= 0) bytes = static_cast<const arrow::StructArray&>(images).field(bytes_field).get();
+      if (path_field >= 0) paths = static_cast<const arrow::StructArray&>(images).field(path_field).get();
+      if (image_type.id() != arrow::Type::STRUCT) (is_binary_type(image_type) ? bytes : paths) = &images;
+      for (std::int64_t r = 0; r < batch->num_rows(); ++r, ++row) {
+        TableImageRow item;
+        item.origin = path + ": row " + std::to_string(row) + " (" + (parquet ? "row group " : "record batch ") +
+                      std::to_string(g) + ")";
+        const bool present = !images.IsNull(r);
+        if (auto value = present && bytes ? text_at(*bytes, r) : std::nullopt; value) {
+          item.bytes.assign(value->data(), value->size());
+          if (item.bytes.empty()) item.problem = "column \"image\": empty bytes, not an image";
+        } else if (auto name = present && paths ? text_at(*paths, r) : std::nullopt; name && !name->empty()) {
+          item.path.assign(name->data(), name->size());
+        } else {
+          item.problem = "column \"image\": null (neither bytes nor a path)";
+        }
+        if (label_column >= 0 && item.problem.empty()) {
+          const arrow::Array& labels = *batch->column(label_column);
+          if (labels.IsNull(r)) {
+            if (!caption) item.problem = "column \"label\": null";  // captions: a label is optional
+          } else if (auto id = integer_at(labels, r)) {
+            if (!out.label_names.empty()) {
+              if (*id < 0 || *id >= static_cast<std::int64_t>(out.label_names.size()))
+                item.problem = "column \"label\": " + std::to_string(*id) + " is not one of the ClassLabel's " +
+                               std::to_string(out.label_names.size()) + " names";
+              else
+                item.label_name = out.label_names[static_cast<std::size_t>(*id)];
+            } else {
+              item.label_id = *id;
+            }
+          } else if (auto text = text_at(labels, r)) {
+            item.label_name = std::string(*text);
+          }
+        }
+        if (caption_column >= 0 && item.problem.empty()) {
+          const auto text = text_at(*batch->column(caption_column), r);
+          if (!text || text->find_first_not_of(" \t\r\n") == std::string_view::npos)
+            item.problem = "column \"caption\": needs the text that describes the image (a non-empty string)";
+          else
+            item.caption = std::string(*text);
+        }
+        out.rows.push_back(std::move(item));
+      }
+    }
+  }
+  return out;
 }
 
 std::string table_row_location(const FileIndex& file, std::uint64_t row) {

@@ -131,6 +131,33 @@ def test_parquet_trains_to_the_jsonl_weights_in_file_order(root, tmp_path, run_t
     assert weights["jsonl"] == weights["parquet"]
 
 
+def test_a_list_of_jsonl_and_parquet_files_trains_as_the_jsonl_of_all(root, tmp_path, run_trainer):
+    """JSONL files among Parquet files are read in blocks of lines, as row groups are: in file order, the weights of
+    the same records as one JSONL file; shuffled, the same counts; a bad JSONL line is still named file:line."""
+    rows = records("text")
+    files = write_all(tmp_path / "all", rows)
+    head, tail = tmp_path / "head.jsonl", tmp_path / "tail.parquet"
+    head.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:5]), encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist(rows[5:]), tail, row_group_size=3)
+    weights = {}
+    for name, paths in {"jsonl": [files["jsonl"]], "mixed": [head, tail]}.items():
+        config = model_config(root, tmp_path, "text", paths, data__shuffle=False)
+        run_trainer(*train_args(config, tmp_path / name, 4, "checkpoint.every_steps=4"))
+        weights[name] = (tmp_path / name / "checkpoint-4" / "model.safetensors").read_bytes()
+    assert weights["jsonl"] == weights["mixed"]
+    summaries = set()
+    for paths in ([files["jsonl"]], [head, tail]):
+        config = model_config(root, tmp_path, "text", paths, data__validation_fraction=0.25)
+        out = run_trainer("data", "--config", config).stdout
+        summaries.add("\n".join(line for line in out.splitlines()
+                                if line.strip().split(" ")[0] in ("records", "examples", "tokens", "batches")))
+    assert len(summaries) == 1, summaries
+    head.write_text(head.read_text(encoding="utf-8") + '{"prompt": 3}\n', encoding="utf-8")
+    config = model_config(root, tmp_path, "text", [tail, head], data__shuffle=False)
+    result = run_trainer(*train_args(config, tmp_path / "bad", 4), check=False)
+    assert result.returncode == 3 and f"{head}:6" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "datasets"])
 def test_a_resume_in_the_middle_of_a_row_group_is_exact(fmt, root, tmp_path, run_trainer):
     """Shuffled, 2 examples a step: the checkpoint after step 2 is at slot 4, inside a row group (groups of 3 rows

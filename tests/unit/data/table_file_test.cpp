@@ -109,6 +109,60 @@ TEST(TableFile, RowsAreTheJsonObjectsOfTheirColumns) {
   }
 }
 
+// Whether two JSON values have the same types throughout (integer, unsigned, real), not only equal values.
+bool same_types(const nlohmann::json& a, const nlohmann::json& b) {
+  if (a.type() != b.type() || a.size() != b.size()) return false;
+  if (a.is_object()) {
+    for (auto it = a.begin(); it != a.end(); ++it)
+      if (!b.contains(it.key()) || !same_types(it.value(), b[it.key()])) return false;
+  } else if (a.is_array()) {
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (!same_types(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+TEST(TableFile, RowObjectsAreWhatParsingTheRenderedRowsGives) {
+  // The loader maps rows from their Arrow values (TableRows::object) instead of rendering and parsing them again:
+  // the values and their JSON types must be the parser's (a real that is integral is an integer, -0 too; NaN null).
+  TempDir dir;
+  const std::string lines =
+      R"({"n": 3, "x": 1.0, "s": "a \"q\" \\ \n é 🍮", "b": true, "ids": [1, -2], "none": null, "m": {"k": [0.5]}})"
+      "\n"
+      R"({"n": -4, "x": -0.0, "s": "", "b": false, "ids": [], "none": null, "m": {"k": []}})"
+      "\n"
+      R"({"n": 9007199254740993, "x": 1e300, "s": "x", "b": null, "ids": null, "none": null, "m": null})"
+      "\n";
+  auto table = table_of(lines);
+  arrow::FloatBuilder floats;
+  ASSERT_TRUE(floats.AppendValues({0.1f, 100000.0f, std::nanf("")}).ok());
+  table = table->AddColumn(table->num_columns(), arrow::field("f", arrow::float32()),
+                           std::make_shared<arrow::ChunkedArray>(floats.Finish().ValueOrDie()))
+              .ValueOrDie();
+  for (const char* name : {"o.parquet", "o.arrow"}) {
+    const std::string path = dir.file(name);
+    if (std::string(name) == "o.parquet") write_parquet(table, path, 2);
+    else write_ipc(table, path, 2, false);
+    TableReader reader(path);
+    std::size_t rows = 0;
+    for (std::size_t g = 0; g < reader.groups(); ++g) {
+      const auto group = reader.load_group(g);
+      EXPECT_TRUE(group->has_column("ids"));
+      EXPECT_FALSE(group->has_column("messages"));
+      for (std::uint64_t r = 0; r < group->size(); ++r, ++rows) {
+        std::string text;
+        group->render(r, text);
+        nlohmann::json object;
+        ASSERT_TRUE(group->object(r, object)) << name << " " << text;
+        const auto parsed = nlohmann::json::parse(text);
+        EXPECT_EQ(object, parsed) << name << " " << text;
+        EXPECT_TRUE(same_types(object, parsed)) << name << " " << text << " vs " << object.dump();
+      }
+    }
+    EXPECT_EQ(rows, 3u);
+  }
+}
+
 TEST(TableFile, IndexHasEachRowGroupsRows) {
   TempDir dir;
   auto table = table_of(numbered_rows(10));
@@ -184,6 +238,40 @@ TEST(TableEpochs, HeldOutSplitIsTheSameChoiceAsForAnyFormatAndResumes) {
               std::vector<int>(train_rows.begin() + static_cast<long>(start), train_rows.end()));
 }
 
+TEST(TableEpochs, JsonlFilesAmongTablesAreBlocksOfLinesReadAsGroupsAre) {
+  // A JSONL file listed with Parquet files: every record once per epoch, the JSONL ones as their lines' text at
+  // their byte offsets, in file order without shuffling; resumable from any slot as the table epochs are.
+  TempDir dir;
+  std::string lines;
+  for (int i = 0; i < 5; ++i) lines += "{\"i\": " + std::to_string(100 + i) + "}\n";
+  test::write_file(dir.file("a.jsonl"), lines);
+  std::string rows;
+  for (int i = 0; i < 7; ++i) rows += "{\"i\": " + std::to_string(i) + "}\n";
+  write_parquet(table_of(rows), dir.file("b.parquet"), 3);
+  const auto dataset = open_dataset({dir.file("a.jsonl"), dir.file("b.parquet")}, Dataset::Subset::kAll, 0.0, 0);
+  ASSERT_EQ(dataset->size(), 12u);
+  const auto values = [&](bool shuffle, std::uint64_t start) {
+    std::vector<int> out;
+    auto stream = open_epoch(dataset, shuffle, 7, 0, start);
+    RawRecord record;
+    std::string scratch;
+    while (stream->next(record)) {
+      const auto json = nlohmann::json::parse(record.json(scratch));
+      if (record.file == 0) EXPECT_EQ(record.offset, static_cast<std::uint64_t>(json["i"].get<int>() - 100) * 11);
+      out.push_back(json["i"].get<int>());
+    }
+    return out;
+  };
+  EXPECT_EQ(values(false, 0), (std::vector<int>{100, 101, 102, 103, 104, 0, 1, 2, 3, 4, 5, 6}));
+  const auto shuffled = values(true, 0);
+  auto sorted = shuffled;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 100, 101, 102, 103, 104}));
+  EXPECT_NE(shuffled, values(false, 0));
+  for (std::uint64_t start : {1u, 5u, 11u})
+    EXPECT_EQ(values(true, start), std::vector<int>(shuffled.begin() + static_cast<std::ptrdiff_t>(start), shuffled.end()));
+}
+
 TEST(TableFile, BadFilesNameTheFileAndGroup) {
   TempDir dir;
   write_parquet(table_of(numbered_rows(20)), dir.file("a.parquet"), 5);
@@ -202,9 +290,9 @@ TEST(TableFile, BadFilesNameTheFileAndGroup) {
   std::string stream((std::istreambuf_iterator<char>(sin)), {});
   test::write_file(dir.file("cut.arrow"), stream.substr(0, stream.size() * 2 / 3));
   EXPECT_THROW(index_table_file(dir.file("cut.arrow")), DataError);
-  // Mixing JSONL and table files in one data set is refused.
-  test::write_file(dir.file("a.jsonl"), "{\"i\": 1}\n");
-  EXPECT_THROW(open_dataset({dir.file("a.jsonl"), dir.file("a.parquet")}, Dataset::Subset::kAll, 0.0, 0), DataError);
+  // A gzip JSONL file among table files is refused (plain JSONL files are read in blocks of lines: TableEpochs).
+  test::write_file(dir.file("a.jsonl.gz"), "not really gzip");
+  EXPECT_THROW(open_dataset({dir.file("a.jsonl.gz"), dir.file("a.parquet")}, Dataset::Subset::kAll, 0.0, 0), DataError);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 
 #include "data/image_loader.h"
+#include "data/jsonl.h"
 #include "data/permutation.h"
 #include "distributed/data_parallel.h"
 #include "distributed/process_group.h"
@@ -152,7 +153,7 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
 
   nlohmann::json open_data() override {
     dataset_ = std::make_shared<const data::ImageDataset>(data::open_caption_dataset(
-        config().data.train_files, {}, config().data.on_bad_record == BadRecordPolicy::kSkip));
+        data::expand_globs(config().data.train_files, "data.train_files"), {}, config().data.on_bad_record == BadRecordPolicy::kSkip));
     if (dataset_->records.size() < 2)
       throw DataError("data.train_files: " + std::to_string(dataset_->records.size()) +
                           " image-caption pair(s); contrastive training needs at least 2",
@@ -477,7 +478,7 @@ Evaluated ContrastiveTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
   if (config().data.validation_files.empty()) return {};
   const bool skip = config().data.on_bad_record == BadRecordPolicy::kSkip;
   auto dataset = std::make_shared<const data::ImageDataset>(
-      data::open_caption_dataset(config().data.validation_files, {}, skip));
+      data::open_caption_dataset(data::expand_globs(config().data.validation_files, "data.validation_files"), {}, skip));
   auto loader = make_caption_loader(config(), dataset, spec_, false, config().training.batch_size, shard());
   at::NoGradGuard no_grad;
   model_->train(false);

@@ -34,7 +34,7 @@ TaskKind image_task_kind() {
     lines.before_device.emplace_back(
         "data", std::to_string(train_files.size()) + " training source(s), " +
                     std::to_string(validation_files.size()) +
-                    " validation source(s) (image folders or JSONL listings)" +
+                    " validation source(s) (image folders, JSONL listings or Parquet/Arrow tables)" +
                     (config.data.augment ? "; augmented" : ""));
     lines.batch = std::to_string(t.batch_size) + " images per optimizer step; " +
                   (t.micro_batch_size.is_auto ? std::string("micro-batch auto (probed against memory)")
