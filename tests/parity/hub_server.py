@@ -11,12 +11,25 @@ that sent its token there would be seen (hub.cdn_requests_with_auth()).
 """
 import hashlib
 import json
+import os
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".model", ".parquet")
+
+
+def client_env(endpoint, tmp_path):
+    """The environment of a trainer (or Python) process talking to a stand-in Hub at `endpoint`: an empty cache
+    under `tmp_path`, no token, no proxy, none of the caller's HF_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
+    env.update({"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(tmp_path / "cache"),
+                "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TRAINER_HUB_RETRY_BASE_S": "0.05",
+                "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
+    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
+        env.pop(proxy, None)
+    return env
 
 
 def git_blob_sha1(data):

@@ -25,7 +25,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from hub_server import HubServer
+from hub_server import HubServer, client_env
 
 TOKEN = "hf_FAKEtok3n_never_to_be_seen_0123456789"
 REPO = "tiny-org/tiny-t5"
@@ -67,13 +67,7 @@ def hub(model_files, root, tmp_path):
 @pytest.fixture
 def env(hub, tmp_path):
     """The environment of a trainer (or Python) process: the stand-in Hub, an empty cache, no token anywhere."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
-    e.update({"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(tmp_path / "cache"),
-              "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TRAINER_HUB_RETRY_BASE_S": "0.05",
-              "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
-    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
-        e.pop(proxy, None)
-    return e
+    return client_env(hub.endpoint, tmp_path)
 
 
 def trainer(binary, env, *args, timeout=120, cwd=None):

@@ -13,7 +13,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from hub_server import HubServer  # noqa: E402
+from hub_server import HubServer, client_env  # noqa: E402
 from test_parquet import records  # noqa: E402
 
 REPO = "data-org/recipes"
@@ -52,13 +52,7 @@ def hub(rows, tmp_path):
 
 @pytest.fixture
 def env(hub, tmp_path):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
-    e.update({"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(tmp_path / "cache"),
-              "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TRAINER_HUB_RETRY_BASE_S": "0.05",
-              "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
-    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
-        e.pop(proxy, None)
-    return e
+    return client_env(hub.endpoint, tmp_path)
 
 
 def trainer(binary, env, *args):

@@ -277,7 +277,7 @@ def test_trainer_data_reports_the_same_for_every_form(trainer_binary, image_sets
 def test_a_hub_image_dataset_reads_as_its_local_files(trainer_binary, image_sets, tmp_path):
     """An image dataset by its Hub id (the stand-in Hub on 127.0.0.1): its Parquet files (Image feature, ClassLabel)
     are fetched into the cache and read as the local image folder is."""
-    from hub_server import HubServer
+    from hub_server import HubServer, client_env
     server = HubServer(page_size=3)
     server.add_repo("img-org/shapes", {
         "README.md": b"# shapes\n",
@@ -286,13 +286,7 @@ def test_a_hub_image_dataset_reads_as_its_local_files(trainer_binary, image_sets
     }, repo_type="dataset")
     server.start()
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
-        env.update({"HF_ENDPOINT": server.endpoint, "HF_HOME": str(tmp_path / "hf-home"),
-                    "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_HUB_DISABLE_XET": "1",
-                    "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1,localhost",
-                    "no_proxy": "127.0.0.1,localhost"})
-        for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
-            env.pop(proxy, None)
+        env = client_env(server.endpoint, tmp_path)
 
         def report(train_files, validation_files):
             config = vit_config(tmp_path, [], [])
