@@ -620,6 +620,8 @@ struct DistributedConfig {
   double timeout_s = 600.0;
   ByteSize bucket_size{25'000'000};
   bool shard_optimizer = false;
+  bool shard_weights = false;
+  bool reshard_after_forward = true;
   bool overlap_grad_reduce = true;
 
   template <class V>
@@ -632,6 +634,15 @@ struct DistributedConfig {
       "data parallelism (ZeRO-1): each rank keeps the optimizer state of about 1/N of the trainable parameters (whole "
       "parameters) and updates those; gradients are summed to their owner and the updated parameters broadcast. "
       "Same weights as unsharded; moot in a single process");
+    v("shard_weights", shard_weights,
+      "fully sharded data parallelism (ZeRO-3, as PyTorch's FSDP2): each rank keeps 1/N of every weight, gradient and "
+      "optimizer state; a block's weights are gathered just before its forward and its backward and released after, "
+      "its gradients reduce-scattered to their shards. A full fine-tune larger than one card. Same weights as one "
+      "process (fp32). Checkpoints hold each rank's shards; final/ is the Hugging Face model. Text tasks, AdamW; moot "
+      "in a single process (docs/distributed.md)");
+    v("reshard_after_forward", reshard_after_forward,
+      "with shard_weights: release each block's gathered weights after its forward and gather them again for its "
+      "backward (false keeps them from forward to backward: less communication, more memory)");
     v("overlap_grad_reduce", overlap_grad_reduce,
       "data parallelism: during the last micro-batch's backward of each optimizer step, each gradient bucket starts "
       "its sum over the ranks as soon as its gradients are final, overlapping communication with backward (not "

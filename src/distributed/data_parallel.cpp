@@ -50,33 +50,38 @@ std::pair<int64_t, int64_t> DataParallel::share(std::span<const Example> example
   return share_of(examples, communicator_.rank(), communicator_.world_size(), by_tokens);
 }
 
-StepSync::Outcome DataParallel::agree(bool fit, int64_t largest_part) {
-  // An overlapped attempt that did not reach prepare()'s end (out of memory): first this rank's part in the
-  // buckets the other ranks may have started, so the collectives stay paired.
-  if (overlap_attempt_) abandon_overlap();
+StepSync::Outcome agree_on_attempt(Communicator& communicator, bool fit, int64_t largest_part, bool late) {
   // One message: per rank a 0/1 "did not fit", then the largest micro-batch, then whether a gradient changed after
   // its overlapped sum started; the maximum of each over the ranks.
-  const int world = communicator_.world_size();
+  const int world = communicator.world_size();
   std::vector<int64_t> values(static_cast<std::size_t>(world) + 2, 0);
-  values[static_cast<std::size_t>(communicator_.rank())] = fit ? 0 : 1;
+  values[static_cast<std::size_t>(communicator.rank())] = fit ? 0 : 1;
   values[static_cast<std::size_t>(world)] = largest_part;
-  values.back() = late_ ? 1 : 0;
-  late_ = false;
-  const auto agreed = communicator_.all_reduce_max(values);
+  values.back() = late ? 1 : 0;
+  const auto agreed = communicator.all_reduce_max(values);
   if (agreed.back())
     throw Error("a gradient changed after its overlapped all-reduce had started (a parameter accumulated twice in "
                 "one backward), so the ranks' gradient sums cannot be trusted",
                 "set distributed.overlap_grad_reduce=false (sums after backward) and report this model");
-  Outcome outcome;
-  // Not all fit: the attempt is dropped, and the flattening buffer with it (the retry's forward needs the room).
-  for (int r = 0; r < world; ++r)
-    if (agreed[static_cast<std::size_t>(r)]) scratch_ = at::Tensor();
+  StepSync::Outcome outcome;
   outcome.largest_part = agreed[static_cast<std::size_t>(world)];
   for (int r = 0; r < world; ++r)
     if (agreed[static_cast<std::size_t>(r)]) {
       outcome.all_fit = false;
       outcome.failed_ranks += (outcome.failed_ranks.empty() ? "" : ", ") + std::to_string(r);
     }
+  return outcome;
+}
+
+StepSync::Outcome DataParallel::agree(bool fit, int64_t largest_part) {
+  // An overlapped attempt that did not reach prepare()'s end (out of memory): first this rank's part in the
+  // buckets the other ranks may have started, so the collectives stay paired.
+  if (overlap_attempt_) abandon_overlap();
+  const bool late = late_;
+  late_ = false;
+  const Outcome outcome = agree_on_attempt(communicator_, fit, largest_part, late);
+  // Not all fit: the attempt is dropped, and the flattening buffer with it (the retry's forward needs the room).
+  if (!outcome.all_fit) scratch_ = at::Tensor();
   return outcome;
 }
 

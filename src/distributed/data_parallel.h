@@ -47,6 +47,11 @@ std::function<std::vector<int64_t>(int64_t kept)> kept_counts_exchange(Communica
 
 class DataParallel;
 
+// The agreement after every forward/backward attempt (StepSync::agree): whether every rank fit, which did not, and the
+// largest micro-batch of any rank. `late`: this rank saw a gradient change after its overlapped sum started (an error
+// on every rank). One collective.
+StepSync::Outcome agree_on_attempt(Communicator& communicator, bool fit, int64_t largest_part, bool late = false);
+
 // A run's DataParallel: the parameters of `trainable` that take gradients, in its order (the optimizer's, the same
 // on every rank), summed in buckets of `bucket_bytes`; `owners` per parameter when the optimizer state is sharded
 // (empty otherwise).

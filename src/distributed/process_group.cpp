@@ -407,6 +407,25 @@ std::vector<int64_t> Communicator::all_reduce_max(const std::vector<int64_t>& va
   return {cpu.data_ptr<int64_t>(), cpu.data_ptr<int64_t>() + cpu.numel()};
 }
 
+void Communicator::all_reduce_max_in_place(at::Tensor& values, const char* what) {
+  std::vector<at::Tensor> t{values};
+  timed(what, [&] {
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    impl_->backend->allreduce(t, options)->wait();
+  });
+}
+
+void Communicator::all_gather_into(at::Tensor& full, const at::Tensor& shard, const char* what) {
+  at::Tensor input = shard;
+  timed(what, [&] { impl_->backend->_allgather_base(full, input, c10d::AllgatherOptions{})->wait(); });
+}
+
+void Communicator::reduce_scatter_sum(at::Tensor& shard, const at::Tensor& full, const char* what) {
+  at::Tensor input = full;
+  timed(what, [&] { impl_->backend->_reduce_scatter_base(shard, input, c10d::ReduceScatterOptions{})->wait(); });
+}
+
 double Communicator::all_reduce_sum(double value) {
   std::vector<at::Tensor> t{at::tensor({value}, at::kDouble).to(impl_->device)};
   timed("summing the loss", [&] { impl_->backend->allreduce(t, c10d::AllreduceOptions{})->wait(); });

@@ -73,6 +73,14 @@ class Communicator {
                       const at::Tensor& scratch = {});
   // Element-wise maximum of a small vector over the ranks.
   std::vector<int64_t> all_reduce_max(const std::vector<int64_t>& values);
+  // The same in place, in a tensor allocated once (int64, on the backend's device), so that it allocates nothing:
+  // fully sharded runs call it where memory may have run out.
+  void all_reduce_max_in_place(at::Tensor& values, const char* what);
+  // Fully sharded data parallelism: every rank's `shard` (1-D, contiguous, the same size on every rank) in rank
+  // order into `full` (1-D, world_size() times as long); and the element-wise sum of `full` over the ranks, of which
+  // this rank gets its slice [rank * n, (rank + 1) * n) in `shard`. `what` names the collective in errors.
+  void all_gather_into(at::Tensor& full, const at::Tensor& shard, const char* what);
+  void reduce_scatter_sum(at::Tensor& shard, const at::Tensor& full, const char* what);
   double all_reduce_sum(double value);
   // Asynchronous sums (distributed.overlap_grad_reduce): `flat` (1-D, contiguous) summed over the ranks in place,
   // into every rank's tensor (root < 0) or rank `root`'s alone (the others' left undefined in value). Collectives

@@ -10,10 +10,19 @@
 #include <utility>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include "trainer/data.h"
 
 namespace trainer {
+
+// Another rank ran out of memory during this attempt, learnt inside one of the attempt's collectives (fully sharded
+// weights): every rank drops the attempt, this one without announcing it again (StepSync::announce_failure).
+class AgreedOutOfMemory : public c10::OutOfMemoryError {
+ public:
+  explicit AgreedOutOfMemory(const std::string& what)
+      : c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, what) {}
+};
 
 // What data parallelism adds to a step (implemented in src/distributed/); absent in a single process.
 class StepSync {
@@ -54,6 +63,15 @@ class StepSync {
   virtual void before_last_backward() {}
   // A gradient accumulated outside autograd (the fused loss's untied LM head) is final for this micro-batch.
   virtual void gradient_ready(const at::Tensor& parameter) { (void)parameter; }
+
+  // Fully sharded weights (distributed.shard_weights, fully_sharded.h): every block's forward and backward is a
+  // collective, so every rank runs as many forward/backward passes as the rank with the most (the others run empty
+  // ones): agree_passes returns that number (inside the attempt, where an out-of-memory error may have happened on
+  // another rank). announce_failure: this rank caught an out-of-memory error in the attempt; it tells the ranks
+  // waiting in the attempt's collectives before the attempt's agree().
+  virtual int64_t agree_passes(int64_t mine) { return mine; }
+  virtual void announce_failure() {}
+  virtual bool shards_weights() const { return false; }
 };
 
 }  // namespace trainer

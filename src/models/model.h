@@ -46,11 +46,28 @@ using BlockFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 // Runs a block; the default calls it. Activation checkpointing installs one that recomputes it in backward.
 using BlockRunner = std::function<at::Tensor(const BlockFn&, const std::vector<at::Tensor>&)>;
 
+// Fully sharded data parallelism (distributed.shard_weights, src/distributed/fully_sharded.h) around each block:
+// `run` is called with the block's module (a unit whose weights live sharded over the ranks) and the block as the
+// block runner would run it; it gathers the unit's weights before, releases them after, and arranges the same for
+// backward. Installed from outside, like the block runner, and independent of it.
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual at::Tensor run(const Module& unit, const BlockFn& block, const std::vector<at::Tensor>& inputs) = 0;
+};
+
 class LanguageModel : public Module {
  public:
   // Wrappers applied from outside (activation checkpointing); an empty runner calls blocks directly.
   void set_block_runner(BlockRunner runner) { block_runner_ = std::move(runner); }
   bool has_block_runner() const { return static_cast<bool>(block_runner_); }
+  void set_unit_hooks(std::shared_ptr<UnitHooks> hooks) { unit_hooks_ = std::move(hooks); }
+  bool has_unit_hooks() const { return static_cast<bool>(unit_hooks_); }
+  // The blocks run through run_block, in forward order: the units of fully sharded data parallelism. Their
+  // parameters are used inside the block alone, except those named by parameters_used_outside_blocks (T5's relative
+  // attention bias, read once per stack before its blocks run), which belong to no unit. Empty: no units.
+  virtual std::vector<const Module*> blocks() const { return {}; }
+  virtual std::vector<std::string> parameters_used_outside_blocks() const { return {}; }
 
   virtual const std::string& model_type() const = 0;
   virtual ModelFamily family() const = 0;
@@ -134,12 +151,18 @@ class LanguageModel : public Module {
   virtual std::optional<int64_t> eos_token_id() const = 0;
 
  protected:
-  at::Tensor run_block(const BlockFn& block, const std::vector<at::Tensor>& inputs) const {
+  // `unit`: the block's module (for the unit hooks).
+  at::Tensor run_block(const BlockFn& block, const std::vector<at::Tensor>& inputs, const Module* unit) const {
+    if (unit_hooks_ && unit)
+      return unit_hooks_->run(*unit, [this, &block](const std::vector<at::Tensor>& in) {
+        return block_runner_ ? block_runner_(block, in) : block(in);
+      }, inputs);
     return block_runner_ ? block_runner_(block, inputs) : block(inputs);
   }
 
  private:
   BlockRunner block_runner_;
+  std::shared_ptr<UnitHooks> unit_hooks_;
   std::vector<std::pair<std::string, at::Tensor>> carried_;
 };
 

@@ -1,6 +1,7 @@
 // Checkpoints of data-parallel runs (see checkpoint_parts.h).
 #include "train/checkpoint_parts.h"
 
+#include <map>
 #include <set>
 #include <utility>
 #include <vector>
@@ -26,7 +27,8 @@ std::string optimizer_part_file(int rank, int world) {
                    : "optimizer-rank-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
 }
 
-void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer) {
+void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer,
+                          const std::map<std::string, int64_t>& piece_offsets) {
   std::vector<std::string> files = {"optimizer.safetensors"};
   if (state.contains("optimizer_files")) files = state.at("optimizer_files").get<std::vector<std::string>>();
   std::string missing;
@@ -38,31 +40,68 @@ void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& stat
                         " is missing",
                     "copy the missing part(s) from where the ranks wrote them (checkpoint.output_dir must be one "
                     "directory for every rank), or resume from an earlier complete checkpoint");
-  std::set<std::string> wanted;
-  for (const auto& [name, tensor] : optimizer.state_tensors()) wanted.insert(name);
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& f : files) {
-    const auto file = SafetensorsFile::open((checkpoint / f).string());
-    for (const auto& t : file.tensors())
-      if (wanted.contains(t.name)) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
-  }
   std::string source = (checkpoint / files.front()).string();
   if (files.size() > 1) source += " (and " + std::to_string(files.size() - 1) + " other part(s))";
+  std::map<std::string, at::Tensor> wanted;  // name -> this optimizer's tensor (for its shape)
+  for (const auto& [name, tensor] : optimizer.state_tensors()) wanted[name] = tensor;
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  bool pieces_on_disk = false;
+  for (const auto& f : files)
+    if (SafetensorsFile::open((checkpoint / f).string()).metadata().contains("piece_offsets")) pieces_on_disk = true;
+  if (!pieces_on_disk && piece_offsets.empty()) {
+    // Whole parameters on both sides: each tensor is read as it is.
+    for (const auto& f : files) {
+      const auto file = SafetensorsFile::open((checkpoint / f).string());
+      for (const auto& t : file.tensors())
+        if (wanted.contains(t.name)) tensors.emplace_back(t.name, file.load(t.name, at::kFloat));
+    }
+    optimizer.load_state(tensors, state.at("optimizer_steps").get<int64_t>(), source);
+    return;
+  }
+  // Pieces on one side or both: each wanted tensor is the range [offset, offset + numel) of its parameter's
+  // flattened elements, assembled from the parts' ranges that overlap it. One left incomplete is left out, and
+  // load_state names it.
+  std::map<std::string, at::Tensor> assembled;
+  std::map<std::string, int64_t> covered;
+  for (const auto& f : files) {
+    const auto file = SafetensorsFile::open((checkpoint / f).string());
+    nlohmann::json offsets = nlohmann::json::object();
+    if (const auto it = file.metadata().find("piece_offsets"); it != file.metadata().end())
+      offsets = nlohmann::json::parse(it->second);
+    for (const auto& t : file.tensors()) {
+      const auto want = wanted.find(t.name);
+      if (want == wanted.end()) continue;
+      const int64_t begin = piece_offsets.contains(t.name) ? piece_offsets.at(t.name) : 0;
+      const int64_t numel = want->second.numel();
+      const int64_t from = offsets.value(t.name, int64_t{0});
+      const at::Tensor values = file.load(t.name, at::kFloat).reshape({-1});
+      const int64_t lo = std::max(begin, from), hi = std::min(begin + numel, from + values.numel());
+      if (hi <= lo) continue;
+      at::Tensor& out = assembled[t.name];
+      if (!out.defined()) out = at::zeros({numel}, at::kFloat);
+      out.narrow(0, lo - begin, hi - lo).copy_(values.narrow(0, lo - from, hi - lo));
+      covered[t.name] += hi - lo;
+    }
+  }
+  for (auto& [name, values] : assembled)
+    if (covered[name] == values.numel()) tensors.emplace_back(name, values.view(wanted.at(name).sizes()));
   optimizer.load_state(tensors, state.at("optimizer_steps").get<int64_t>(), source);
 }
 
 fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, bool on_disk,
                                    const std::function<void(const fs::path&)>& save_model, Module& trained,
                                    const Optimizer& optimizer, nlohmann::json state, Communicator* world,
-                                   const NamedTensors& extra) {
+                                   const NamedTensors& extra, const std::map<std::string, int64_t>& piece_offsets) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   const bool primary = !world || world->rank() == 0;
-  if (!world || optimizer.shard().world <= 1) {
+  if (!world || (optimizer.shard().world <= 1 && piece_offsets.empty())) {
     // Every rank holds the same weights and optimizer state: rank 0 writes them.
     if (!primary) return final_dir;
     return write_training_checkpoint(output_dir, step, on_disk, save_model, trained, optimizer, state, extra);
   }
   // Sharded: no rank holds the whole optimizer state; each writes its part into the directory rank 0 prepares.
+  std::map<std::string, std::string> metadata;
+  if (!piece_offsets.empty()) metadata["piece_offsets"] = nlohmann::json(piece_offsets).dump();
   const int ranks = world->world_size();
   // The same answer on every rank (one directory): either all write or none does.
   if (on_disk && world->all_reduce_max({fs::exists(final_dir / "COMPLETE") ? 1 : 0})[0]) {
@@ -92,7 +131,7 @@ fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, boo
     std::string failure;
     try {
       write_safetensors((temp_dir / files[static_cast<std::size_t>(world->rank())]).string(),
-                        optimizer.state_tensors(), {});
+                        optimizer.state_tensors(), metadata);
     } catch (const Error& e) {
       failure = e.what();
       spdlog::error("checkpoint step {}: this rank's optimizer state could not be written: {}", step, failure);
@@ -112,7 +151,7 @@ fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, boo
     save_model(dir);
     auto tensors = optimizer.state_tensors();
     tensors.insert(tensors.end(), extra.begin(), extra.end());
-    write_safetensors((dir / files.front()).string(), tensors, {});
+    write_safetensors((dir / files.front()).string(), tensors, metadata);
     write_text_file((dir / "train_state.json").string(), state.dump(2) + "\n");
     agreed = true;
     if (const std::string missing = agree_on_parts(false); !missing.empty())

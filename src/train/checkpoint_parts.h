@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <string>
 
 #include <nlohmann/json_fwd.hpp>
@@ -32,7 +33,12 @@ std::string optimizer_part_file(int rank, int world);
 // sharded run listed in `state` (train_state.json)'s "optimizer_files", whatever the world size and sharding then and
 // now; only the tensors this rank's optimizer holds are read. A missing part is refused by name (DataError) before
 // anything changes.
-void load_optimizer_parts(const std::filesystem::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer);
+// `piece_offsets`: with sharded weights (distributed.shard_weights), where each of this optimizer's state tensors (this
+// rank's pieces, flat) starts in its parameter's flattened elements; empty when the optimizer holds whole parameters.
+// Parts written by a run with sharded weights say the same of theirs (metadata "piece_offsets"), so any world size,
+// sharded or not, assembles its tensors from any other's parts.
+void load_optimizer_parts(const std::filesystem::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer,
+                          const std::map<std::string, int64_t>& piece_offsets = {});
 
 // Writes output_dir/checkpoint-<step> as write_training_checkpoint (train/checkpoint_dir.h) does, on every rank of
 // `world` (null: one process). Every rank calls it at the same step. Unsharded, rank 0 alone writes and the others
@@ -43,6 +49,7 @@ void load_optimizer_parts(const std::filesystem::path& checkpoint, const nlohman
 std::filesystem::path write_checkpoint_on_ranks(const std::filesystem::path& output_dir, int64_t step, bool on_disk,
                                                 const std::function<void(const std::filesystem::path&)>& save_model,
                                                 Module& trained, const Optimizer& optimizer, nlohmann::json state,
-                                                Communicator* world, const NamedTensors& extra = {});
+                                                Communicator* world, const NamedTensors& extra = {},
+                                                const std::map<std::string, int64_t>& piece_offsets = {});
 
 }  // namespace trainer::distributed

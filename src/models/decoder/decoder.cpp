@@ -689,8 +689,8 @@ class DecoderModel : public LanguageModel {
       };
       std::vector<at::Tensor> out;
       if (!produces && !routes) {
-        out = {run_block([run](const std::vector<at::Tensor>& in) { return run(in)[0]; }, inputs)};
-      } else if (!has_block_runner()) {
+        out = {run_block([run](const std::vector<at::Tensor>& in) { return run(in)[0]; }, inputs, block.get())};
+      } else if (!has_block_runner() && !has_unit_hooks()) {
         out = run(inputs);
       } else {
         // A block runner (activation checkpointing) passes one tensor out: the outputs travel flattened into one
@@ -705,7 +705,7 @@ class DecoderModel : public LanguageModel {
             flat.push_back(part.flatten());
           }
           return at::cat(flat);
-        }, inputs);
+        }, inputs, block.get());
         int64_t offset = 0;
         for (const auto& [shape, dtype] : *shapes) {
           const int64_t n = c10::multiply_integers(shape);
@@ -864,6 +864,12 @@ class DecoderModel : public LanguageModel {
   }
 
   std::string text_model_path() const override { return s_.multimodal ? "model.language_model" : ""; }
+
+  std::vector<const Module*> blocks() const override {
+    std::vector<const Module*> out;
+    for (const auto& block : model->layers->items) out.push_back(block.get());
+    return out;
+  }
 
   std::vector<std::pair<std::string, std::string>> aliases() const override {
     if (lm_head_tied())

@@ -333,7 +333,7 @@ class T5Stack : public Module {
       x = run([this, b, layouts](const std::vector<at::Tensor>& in) {
         return block_forward(*b, in[0], in[1], in.size() > 2 ? in[2] : at::Tensor(), in.size() > 3 ? in[3] : at::Tensor(),
                              layouts);
-      }, inputs);
+      }, inputs, static_cast<const Module*>(b.get()));
     }
     return final_dropout->forward(t5_rms_norm(x, final_layer_norm->weight, h_.eps), is_training());
   }
@@ -399,7 +399,9 @@ class T5Model : public LanguageModel {
   }
 
   auto runner() const {
-    return [this](const BlockFn& fn, const std::vector<at::Tensor>& inputs) { return run_block(fn, inputs); };
+    return [this](const BlockFn& fn, const std::vector<at::Tensor>& inputs, const Module* unit) {
+      return run_block(fn, inputs, unit);
+    };
   }
 
   // Packed rows: attention within segments. The relative position of two positions of one segment (key minus
@@ -475,6 +477,17 @@ class T5Model : public LanguageModel {
   at::Tensor lm_head_weight() const override { return lm_head_weight_.defined() ? lm_head_weight_ : shared->weight; }
   double lm_head_scale() const override {
     return h_.scale_decoder_outputs ? std::pow(static_cast<double>(h_.d_model), -0.5) : 1.0;
+  }
+
+  std::vector<const Module*> blocks() const override {
+    std::vector<const Module*> out;
+    for (const auto* stack : {encoder.get(), decoder.get()})
+      for (const auto& b : stack->block->items) out.push_back(b.get());
+    return out;
+  }
+  std::vector<std::string> parameters_used_outside_blocks() const override {
+    return {"encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+            "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"};
   }
 
   std::vector<std::pair<std::string, std::string>> aliases() const override {

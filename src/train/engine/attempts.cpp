@@ -143,21 +143,27 @@ StepResult run_attempts(StepWork& work, const AttemptSettings& s) {
     s.optimizer.zero_grad();
     AttemptOutcome outcome;
     std::optional<std::string> out_of_memory;  // what ran out of memory in this attempt's forward/backward
-    if (s.sync) s.sync->begin_attempt(work.may_overlap());
+    bool failed_here = true;  // the out-of-memory error was this rank's (not learnt from another rank)
     try {
+      if (s.sync) s.sync->begin_attempt(work.may_overlap());
       work.forward_backward(s.step, outcome);
       if (outcome.dropped) out_of_memory = *outcome.dropped;
       else if (s.sync) s.sync->prepare();
+    } catch (const AgreedOutOfMemory& e) {
+      out_of_memory = e.what_without_backtrace();
+      failed_here = false;
     } catch (const c10::OutOfMemoryError& e) {
       // The attempt's activations were freed while unwinding. No parameter has changed: everything before the
       // update only reads the parameters.
       out_of_memory = e.what_without_backtrace();
     }
+    // Fully sharded weights: the ranks still inside the attempt's collectives learn of it now.
+    if (out_of_memory && s.sync) s.sync->announce_failure();
     bool at_floor = outcome.at_floor;
     if (s.sync) {
       // Every rank learns whether every rank fit before any gradient is reduced, and all decide alike (shrink,
       // escalate, stop); at the floor is agreed as the largest part is (a rank with an empty share is at the floor).
-      const auto agreed = s.sync->agree(!out_of_memory, at_floor ? std::min<int64_t>(outcome.largest_part, 1)
+      const auto agreed = s.sync->agree(!out_of_memory || !failed_here, at_floor ? std::min<int64_t>(outcome.largest_part, 1)
                                                                  : std::max<int64_t>(outcome.largest_part, 2));
       at_floor = agreed.largest_part <= 1;
       if (!agreed.all_fit && !out_of_memory) out_of_memory = "rank(s) " + agreed.failed_ranks + " ran out of memory";

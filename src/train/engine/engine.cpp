@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "distributed/data_parallel.h"
+#include "distributed/fully_sharded.h"
 #include "distributed/process_group.h"
 #include "log/reporter.h"
 #include "memory/cpu_budget.h"
@@ -278,6 +279,21 @@ class Engine {
                       double lr);
   void evaluate();
   int agreed_stop_signal();
+  void shard_weights();
+  // With sharded weights: where each of this rank's optimizer state tensors lies in its parameter (checkpoints).
+  std::map<std::string, int64_t> piece_offsets();
+  // With sharded weights, the whole model gathered on every rank while `f` runs (every rank calls it).
+  template <class F>
+  auto with_whole_model(F&& f) {
+    struct Release {
+      distributed::FullySharded* sharded;
+      ~Release() {
+        if (sharded) sharded->release_all();
+      }
+    } release{sharded_.get()};
+    if (sharded_) sharded_->gather_all();
+    return f();
+  }
 
   const TaskKind& kind_;  // its name is train_state.json's "task"
   Task& task_;
@@ -296,6 +312,7 @@ class Engine {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<MemoryPolicy> policy_;
   std::unique_ptr<distributed::DataParallel> data_parallel_;
+  std::shared_ptr<distributed::FullySharded> sharded_;  // distributed.shard_weights over more than one rank
   std::unique_ptr<GradScaler> scaler_;  // precision.mode=fp16-mixed
   int64_t skipped_at_start_ = 0;        // the scaler's skipped steps when this process started (resume)
   std::unique_ptr<DeviceLadder> device_ladder_;
@@ -375,6 +392,36 @@ void Engine::build_model() {
     at::NoGradGuard no_grad;
     world_->broadcast(all);
   }
+  if (world_ && config_.distributed.shard_weights) shard_weights();
+}
+
+// distributed.shard_weights: what it covers so far is refused otherwise with the key to change, before any work.
+void Engine::shard_weights() {
+  const std::string fix = "set distributed.shard_weights=false (distributed.shard_optimizer=true shards the optimizer "
+                          "state alone)";
+  auto refuse = [&](const std::string& what) {
+    throw UsageError("distributed.shard_weights=true does not support " + what + " yet", fix);
+  };
+  LanguageModel* model = task_.shardable_model();
+  if (!model) refuse("the " + describe_task(kind_.name) + " task (text tasks only)");
+  if (task_.adapters()) refuse("LoRA (lora.enabled=true)");
+  if (config_.optimizer.name != OptimizerName::kAdamW || config_.optimizer.state_dtype == StateDtype::kInt8)
+    refuse("this optimizer (AdamW with fp32 or bf16 state only: its update is element by element)");
+  if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
+  if (config_.training.micro_batch_size.is_auto && config_.training.micro_batch_tokens <= 0)
+    refuse("training.micro_batch_size=auto (set a number; out-of-memory errors still shrink it)");
+  if (model->has_routing_loss()) refuse("a mixture of experts' load-balancing loss (output_router_logits)");
+  sharded_ = distributed::FullySharded::shard(*world_, *model, {config_.distributed.reshard_after_forward});
+}
+
+std::map<std::string, int64_t> Engine::piece_offsets() {
+  std::map<std::string, int64_t> by_parameter, out;
+  for (const auto& piece : sharded_->pieces()) by_parameter[piece.name] = piece.offset;
+  for (const auto& [name, tensor] : optimizer_->state_tensors()) {
+    const auto dot = name.find('.');  // "exp_avg.<parameter>"
+    out[name] = by_parameter.at(name.substr(dot + 1));
+  }
+  return out;
 }
 
 void Engine::build_optimizer_and_step() {
@@ -382,15 +429,16 @@ void Engine::build_optimizer_and_step() {
   const char* state_name = config_.optimizer.name == OptimizerName::kAdafactor
                                ? "the Adafactor state (row and column statistics)"
                                : "the AdamW state (two moments per trainable parameter)";
-  Module& trainable = task_.trainable();
+  // Sharded weights: the optimizer steps on this rank's pieces of the parameters.
+  Module& trainable = sharded_ ? sharded_->trainable_pieces() : task_.trainable();
   // distributed.shard_optimizer (ZeRO-1): this rank's state covers its share of the parameters only.
   OptimizerShard shard;
-  if (world_ && config_.distributed.shard_optimizer) shard = {world_->rank(), world_->world_size()};
+  if (world_ && config_.distributed.shard_optimizer && !sharded_) shard = {world_->rank(), world_->world_size()};
   optimizer_ = fixed_part(config_, device_, state_name, [&] {
     return make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed), shard);
   });
   policy_ = std::make_unique<MemoryPolicy>(config_.memory, config_.training);
-  if (world_) {
+  if (world_ && !sharded_) {
     // Their gradients are summed once per optimizer step.
     data_parallel_ = distributed::make_data_parallel(
         *world_, trainable, static_cast<int64_t>(config_.distributed.bucket_size.bytes),
@@ -403,7 +451,8 @@ void Engine::build_optimizer_and_step() {
     scaling.growth_interval = config_.precision.loss_scale_growth_interval;
     scaler_ = std::make_unique<GradScaler>(scaling);
   }
-  task_.build_step({*optimizer_, *policy_, data_parallel_.get(), scaler_.get(), device_});
+  StepSync* sync = sharded_ ? static_cast<StepSync*>(sharded_.get()) : data_parallel_.get();
+  task_.build_step({*optimizer_, *policy_, sync, scaler_.get(), device_});
   device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
 }
 
@@ -413,7 +462,7 @@ void Engine::restore() {
   const auto& state = resume_.state;
   const fs::path& dir = *resume_.dir;
   // optimizer.safetensors, or the parts a sharded run wrote (any world size then and now).
-  distributed::load_optimizer_parts(dir, state, *optimizer_);
+  distributed::load_optimizer_parts(dir, state, *optimizer_, sharded_ ? piece_offsets() : std::map<std::string, int64_t>{});
   const LoaderCursor saved_cursor = cursor_from_json(state.at("data_cursor"));
   task_.restore_cursor(resume_.data_changed ? new_epoch_cursor(saved_cursor) : saved_cursor);
   policy_->restore(state.at("memory_policy"));
@@ -496,9 +545,13 @@ std::string Engine::checkpoint(const LoaderCursor& cursor, const nlohmann::json&
   task_.add_train_state(state);
   NamedTensors rng = {{"rng.cpu", get_rng_state(at::Device(at::kCPU))}};
   if (!device_.is_cpu()) rng.emplace_back("rng." + device_.str(), get_rng_state(device_));
-  const fs::path final_dir = distributed::write_checkpoint_on_ranks(
-      output_dir_, step_index_, on_disk_step_ == step_index_, [&](const fs::path& dir) { task_.save(dir); },
-      task_.trainable(), *optimizer_, std::move(state), world_, rng);
+  // Sharded weights: the model file is written from the gathered weights; each rank writes its optimizer state.
+  const fs::path final_dir = with_whole_model([&] {
+    return distributed::write_checkpoint_on_ranks(
+        output_dir_, step_index_, on_disk_step_ == step_index_, [&](const fs::path& dir) { task_.save(dir); },
+        sharded_ ? sharded_->trainable_pieces() : task_.trainable(), *optimizer_, std::move(state), world_, rng,
+        sharded_ ? piece_offsets() : std::map<std::string, int64_t>{});
+  });
   on_disk_step_ = step_index_;
   if (!primary_) return final_dir.string();
   std::optional<double> best_value;  // checkpoint.best_metric at this step, when it was evaluated at this step
@@ -606,7 +659,7 @@ bool Engine::train_one_step() {
 // The task's evaluation (every rank its share), the ranks' agreement on its out-of-memory outcome, then the report
 // and what rank 0 alone shows afterwards.
 void Engine::evaluate() {
-  Evaluated evaluated = task_.evaluate(step_index_, *eval_micro_);
+  Evaluated evaluated = with_whole_model([&] { return task_.evaluate(step_index_, *eval_micro_); });
   eval_micro_->agree();
   if (evaluated.loss) {
     last_eval_ = *evaluated.loss;
@@ -620,7 +673,9 @@ void Engine::evaluate() {
 // The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.
 int Engine::finish() {
   checkpoint(task_.cursor(), policy_->state());
-  if (primary_ && config_.checkpoint.save_final) task_.save(output_dir_ / "final");
+  if (config_.checkpoint.save_final) with_whole_model([&] {
+      if (primary_) task_.save(output_dir_ / "final");
+    });
   if (primary_) task_.after_final_save(output_dir_, options_);
   RunSummary summary;
   summary.counted = counted_.name;

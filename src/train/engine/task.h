@@ -29,6 +29,7 @@
 namespace trainer {
 
 class Module;
+class LanguageModel;
 class Optimizer;
 class MemoryPolicy;
 class GradScaler;
@@ -136,6 +137,8 @@ class TaskModel {
   virtual void build_model(const std::optional<std::filesystem::path>& resume, const c10::Device& device) = 0;
   virtual Module& model() = 0;
   virtual std::string model_type() const = 0;
+  // The language model, for tasks whose weights can be fully sharded (distributed.shard_weights); null otherwise.
+  virtual LanguageModel* shardable_model() { return nullptr; }
   // The LoRA adapters (they are not in the model's tree); null without LoRA.
   virtual Module* adapters() { return nullptr; }
   // What trains: the adapters with LoRA (plus what the task trains in full beside them), else the model.

@@ -180,6 +180,7 @@ void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, 
     // At the floor: rows of one example each.
     outcome.at_floor = outcome.largest_part <= 1 &&
                        std::all_of(rows.begin(), rows.end(), [](const PackedRow& row) { return row.examples.size() <= 1; });
+    const std::size_t passes = agreed_passes(parts.size());
     if (!count_routing(parts.size(), outcome, [&](std::size_t i) {
           const auto& [begin, count] = parts[i];
           const PackedBatch packed = collate_packed(
@@ -204,12 +205,14 @@ void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, 
           std::span<const PackedRow>(rows).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
           step, normaliser, share_begin);
     }
+    empty_passes(passes - parts.size(), step);
     return;
   }
   parts = policy_.split(examples, seq2seq);
   outcome.largest_part = largest_part(parts);
   outcome.micro_steps = static_cast<int64_t>(parts.size());
   outcome.at_floor = outcome.largest_part <= 1;
+  const std::size_t passes = agreed_passes(parts.size());
   if (!count_routing(parts.size(), outcome, [&](std::size_t i) {
         const auto& [begin, count] = parts[i];
         const DropoutScope dropout(options_.seed, step, share_begin + begin, count, options_.device);
@@ -226,6 +229,27 @@ void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, 
     const DropoutScope dropout(options_.seed, step, share_begin + begin, count, options_.device);
     outcome.loss_sum +=
         forward_backward(examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)), normaliser);
+  }
+  empty_passes(passes - parts.size(), step);
+}
+
+std::size_t TrainStep::agreed_passes(std::size_t mine) {
+  if (!options_.sync || !options_.sync->shards_weights()) return mine;
+  return static_cast<std::size_t>(options_.sync->agree_passes(static_cast<int64_t>(mine)));
+}
+
+void TrainStep::empty_passes(std::size_t count, int64_t step) {
+  for (std::size_t i = 0; i < count; ++i) {
+    const at::Tensor one = at::full({1, 1}, options_.pad_id, at::TensorOptions().dtype(at::kLong).device(options_.device));
+    const Batch batch{one, at::ones_like(one), at::full_like(one, -100), {}};
+    const DropoutScope dropout(options_.seed, step, 0, 1, options_.device);
+    at::Tensor hidden;
+    {
+      const auto dtype = autocast_dtype();
+      AutocastScope autocast(dtype.has_value(), options_.device.type(), dtype.value_or(at::kBFloat16));
+      hidden = model_.hidden_and_targets(batch).first;
+    }
+    (hidden.sum() * 0.0).backward();
   }
 }
 

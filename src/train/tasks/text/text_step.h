@@ -83,6 +83,11 @@ class TrainStep {
   bool count_routing(std::size_t parts, AttemptOutcome& outcome,
                      const std::function<std::vector<double>(std::size_t)>& counts_of);
   std::vector<double> routing_counts(const Batch& batch);
+  // Fully sharded weights: every rank runs as many forward/backward passes as the rank with the most (each block's
+  // pass is a collective); this rank's `mine` is agreed at the start of the attempt, and the passes it lacks are
+  // empty ones (one padding token, no target, a zero gradient), run after its own.
+  std::size_t agreed_passes(std::size_t mine);
+  void empty_passes(std::size_t count, int64_t step);
   // The router's statistics of the step (mixtures of experts with the load-balancing loss) into its metrics.
   void add_routing_metrics(StepResult& result);
   friend class TextStepWork;

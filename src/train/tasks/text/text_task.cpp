@@ -73,6 +73,7 @@ class TextTask final : public LanguageModelTask {
   using LanguageModelTask::LanguageModelTask;
 
   Counted counted() const override { return {"tokens_seen", "target tokens", "tokens", true}; }
+  LanguageModel* shardable_model() override { return model_; }
 
   nlohmann::json open_data() override {
     // Without tokenizer files in model.path: pre-tokenized records only (trainer/tokenizer.h).

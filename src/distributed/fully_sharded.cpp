@@ -1,0 +1,400 @@
+// Fully sharded data parallelism (see fully_sharded.h).
+#include "distributed/fully_sharded.h"
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "distributed/data_parallel.h"
+#include "trainer/errors.h"
+
+namespace trainer::distributed {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// A gathered buffer's memory comes and goes with its unit while the parameters keep pointing at the same storage
+// (FSDP2's storage resize): the storage's own allocator (the CPU budget's, the device's caching allocator) gives and
+// takes the bytes, so an out-of-memory error here is the device's.
+void allocate_storage(const at::Tensor& t, std::size_t bytes) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == bytes) return;
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+void free_storage(const at::Tensor& t) { allocate_storage(t, 0); }
+
+// Which unit an autograd function stands for, through the autograd context.
+struct UnitRef : torch::CustomClassHolder {
+  UnitRef(FullySharded* o, std::size_t u) : owner(o), unit(u) {}
+  FullySharded* owner;
+  std::size_t unit;
+};
+
+FullySharded* owner_of(AutogradContext* ctx, std::size_t& unit) {
+  auto ref = c10::static_intrusive_pointer_cast<UnitRef>(ctx->saved_data["unit"].toCapsule());
+  unit = ref->unit;
+  return ref->owner;
+}
+
+// On a block's output: its backward is the block's first (gather the weights, give the gradients a place).
+struct BeforeBlockBackward : public torch::autograd::Function<BeforeBlockBackward> {
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<UnitRef> ref, at::Tensor x) {
+    ctx->saved_data["unit"] = at::IValue::make_capsule(std::move(ref));
+    return {x};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    std::size_t unit = 0;
+    owner_of(ctx, unit)->before_backward(unit);
+    return {at::Tensor(), grads[0]};
+  }
+};
+
+// On a block's first input, with a dummy that requires a gradient (so that it runs when nothing before the block
+// trains): its backward comes after the block's, every parameter's gradient accumulated (reduce-scatter them).
+struct AfterBlockBackward : public torch::autograd::Function<AfterBlockBackward> {
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<UnitRef> ref, at::Tensor dummy, at::Tensor x) {
+    (void)dummy;
+    ctx->saved_data["unit"] = at::IValue::make_capsule(std::move(ref));
+    return {x};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    std::size_t unit = 0;
+    owner_of(ctx, unit)->after_backward(unit);
+    return {at::Tensor(), at::Tensor(), grads[0]};
+  }
+};
+
+// The optimizer's view of this rank's shards: one parameter per piece, named as the model's parameter.
+class PieceModule final : public Module {
+ public:
+  at::Tensor& add(const std::string& name, at::Tensor values) {
+    tensors_.push_back(std::move(values));
+    register_parameter(name, &tensors_.back());
+    return tensors_.back();
+  }
+
+ private:
+  std::deque<at::Tensor> tensors_;
+};
+
+}  // namespace
+
+FullySharded::FullySharded(Communicator& communicator, FullyShardedOptions options)
+    : communicator_(communicator), options_(options) {}
+
+FullySharded::~FullySharded() = default;
+
+std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, LanguageModel& model,
+                                                  FullyShardedOptions options) {
+  std::shared_ptr<FullySharded> sharded(new FullySharded(communicator, options));
+  sharded->build(model);
+  model.set_unit_hooks(sharded);
+  return sharded;
+}
+
+void FullySharded::build(LanguageModel& model) {
+  at::NoGradGuard no_grad;
+  const int world = communicator_.world_size();
+  const int rank = communicator_.rank();
+  const std::vector<const Module*> blocks = model.blocks();
+  if (blocks.empty())
+    throw UsageError("distributed.shard_weights: model_type " + model.model_type() + " has no blocks to shard by",
+                     "set distributed.shard_weights=false (distributed.shard_optimizer shards the optimizer state)");
+  units_.resize(blocks.size() + 1);
+  units_[0].name = "the embeddings and head";
+  std::map<const Module*, std::size_t> index;
+  for (std::size_t i = 0; i < blocks.size(); ++i) index[blocks[i]] = i + 1;
+  std::vector<std::pair<std::string, std::size_t>> prefixes;
+  model.for_each_module([&](const std::string& name, Module& module) {
+    const auto it = index.find(&module);
+    if (it == index.end()) return;
+    units_[it->second].name = name;
+    prefixes.emplace_back(name + ".", it->second);
+    unit_of_[&module] = it->second;
+  });
+  const auto outside = model.parameters_used_outside_blocks();
+  const std::set<std::string> outside_blocks(outside.begin(), outside.end());
+  c10::Device device(c10::kCPU);
+  model.for_each_parameter([&](const std::string& name, at::Tensor& slot) {
+    std::size_t u = 0;
+    if (!outside_blocks.count(name))
+      for (const auto& [prefix, i] : prefixes)
+        if (name.starts_with(prefix)) {
+          u = i;
+          break;
+        }
+    auto& groups = units_[u].groups;
+    const bool trainable = slot.requires_grad();
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
+      return g.dtype == slot.scalar_type() && g.trainable == trainable;
+    });
+    if (it == groups.end()) {
+      groups.push_back(Group{});
+      it = std::prev(groups.end());
+      it->dtype = slot.scalar_type();
+      it->trainable = trainable;
+    }
+    it->entries.push_back(Entry{name, &slot, slot.sizes().vec(), it->padded, slot.numel()});
+    it->padded += slot.numel();
+    device = slot.device();
+  });
+  for (auto& unit : units_)
+    for (auto& g : unit.groups) {
+      g.padded = (g.padded + world - 1) / world * world;
+      g.shard_numel = g.padded / world;
+      g.full = at::zeros({g.padded}, at::TensorOptions().dtype(g.dtype).device(device));
+      for (auto& e : g.entries) {
+        g.full.narrow(0, e.offset, e.numel).copy_(e.slot->reshape({-1}));
+        // The model's parameter becomes a leaf over the gathered buffer's storage.
+        at::Tensor p = at::empty({0}, g.full.options());
+        std::vector<int64_t> strides(e.shape.size(), 1);
+        for (std::size_t d = e.shape.size(); d-- > 1;) strides[d - 1] = strides[d] * e.shape[d];
+        p.set_(g.full.storage(), e.offset, e.shape, strides);
+        p.requires_grad_(g.trainable);
+        *e.slot = p;
+      }
+      g.shard = g.full.narrow(0, static_cast<int64_t>(rank) * g.shard_numel, g.shard_numel).clone();
+      if (g.trainable) g.shard_grad = at::zeros_like(g.shard);
+      free_storage(g.full);
+    }
+  status_ = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
+
+  auto pieces = std::make_unique<PieceModule>();
+  for (auto& unit : units_)
+    for (auto& g : unit.groups) {
+      if (!g.trainable) continue;
+      const int64_t begin = static_cast<int64_t>(rank) * g.shard_numel;
+      for (const auto& e : g.entries) {
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(begin + g.shard_numel, e.offset + e.numel);
+        if (hi <= lo) continue;
+        at::Tensor& piece = pieces->add(e.name, g.shard.narrow(0, lo - begin, hi - lo).detach());
+        piece.requires_grad_(true);
+      }
+    }
+  pieces_ = std::move(pieces);
+  int64_t shard_bytes = 0, total = 0;
+  for (const auto& unit : units_)
+    for (const auto& g : unit.groups) {
+      shard_bytes += g.shard_numel * static_cast<int64_t>(c10::elementSize(g.dtype));
+      for (const auto& e : g.entries) total += e.numel;
+    }
+  spdlog::info("distributed.shard_weights: {} parameters in {} units over {} ranks; this rank holds {:.1f} MiB of them",
+               total, units_.size(), world, static_cast<double>(shard_bytes) / (1 << 20));
+}
+
+Module& FullySharded::trainable_pieces() { return *pieces_; }
+
+std::vector<FullySharded::Piece> FullySharded::pieces() {
+  std::vector<Piece> out;
+  const int64_t rank = communicator_.rank();
+  for (auto& unit : units_)
+    for (auto& g : unit.groups) {
+      const int64_t begin = rank * g.shard_numel;
+      for (const auto& e : g.entries) {
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(begin + g.shard_numel, e.offset + e.numel);
+        if (hi <= lo) continue;
+        out.push_back(Piece{e.name, e.shape, lo - e.offset, g.shard.narrow(0, lo - begin, hi - lo)});
+      }
+    }
+  return out;
+}
+
+int64_t FullySharded::status(const char* what, int64_t value) {
+  at::NoGradGuard no_grad;
+  status_.fill_(0);
+  status_[1].fill_(value);
+  communicator_.all_reduce_max_in_place(status_, what);
+  const at::Tensor values = status_.device().is_cpu() ? status_ : status_.cpu();
+  const int64_t* v = values.data_ptr<int64_t>();
+  if (v[0] != 0 && in_attempt_) {
+    failure_agreed_ = true;
+    throw AgreedOutOfMemory("another rank ran out of memory during this attempt (learnt " + std::string(what) + ")");
+  }
+  return v[1];
+}
+
+void FullySharded::announce_failure() {
+  if (!in_attempt_) return;
+  if (!failure_agreed_) {
+    at::NoGradGuard no_grad;
+    status_.fill_(0);
+    status_[0].fill_(1);
+    communicator_.all_reduce_max_in_place(status_, "telling the other ranks of an out-of-memory error");
+    failure_agreed_ = true;
+  }
+  reset();
+}
+
+void FullySharded::gather(Unit& unit) {
+  if (unit.gathered) return;
+  at::NoGradGuard no_grad;
+  for (auto& g : unit.groups) allocate_storage(g.full, static_cast<std::size_t>(g.padded) * c10::elementSize(g.dtype));
+  status("before gathering a unit's weights");
+  for (auto& g : unit.groups) communicator_.all_gather_into(g.full, g.shard, "gathering a unit's weights");
+  unit.gathered = true;
+}
+
+void FullySharded::release(Unit& unit) {
+  if (all_gathered_) return;
+  for (auto& g : unit.groups) free_storage(g.full);
+  unit.gathered = false;
+}
+
+void FullySharded::link_gradients(Unit& unit) {
+  if (unit.backward_ready) return;
+  at::NoGradGuard no_grad;
+  for (auto& g : unit.groups) {
+    if (!g.trainable) continue;
+    g.full_grad = at::zeros({g.padded}, g.full.options());
+    for (auto& e : g.entries) e.slot->mutable_grad() = g.full_grad.narrow(0, e.offset, e.numel).view(e.shape);
+  }
+  unit.backward_ready = true;
+}
+
+void FullySharded::reduce_gradients(Unit& unit) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> reduced;
+  for (auto& g : unit.groups)
+    reduced.push_back(g.trainable && g.full_grad.defined() ? at::empty({g.shard_numel}, g.full.options()) : at::Tensor());
+  status("before reducing a unit's gradients");
+  for (std::size_t i = 0; i < unit.groups.size(); ++i) {
+    Group& g = unit.groups[i];
+    if (!reduced[i].defined()) continue;
+    communicator_.reduce_scatter_sum(reduced[i], g.full_grad, "reduce-scattering a unit's gradients");
+    g.shard_grad.add_(reduced[i]);
+    for (auto& e : g.entries) e.slot->mutable_grad() = at::Tensor();
+    g.full_grad = at::Tensor();
+  }
+  unit.backward_ready = false;
+}
+
+void FullySharded::reset() {
+  for (auto& unit : units_) {
+    for (auto& g : unit.groups) {
+      if (!all_gathered_) free_storage(g.full);
+      g.full_grad = at::Tensor();
+      for (auto& e : g.entries) e.slot->mutable_grad() = at::Tensor();
+    }
+    if (!all_gathered_) unit.gathered = false;
+    unit.backward_ready = false;
+  }
+}
+
+at::Tensor FullySharded::run(const Module& module, const BlockFn& block, const std::vector<at::Tensor>& inputs) {
+  const auto it = unit_of_.find(&module);
+  if (it == unit_of_.end()) return block(inputs);
+  const std::size_t u = it->second;
+  Unit& unit = units_[u];
+  const bool grad = at::GradMode::is_enabled() && in_attempt_;
+  std::vector<at::Tensor> in = inputs;
+  if (grad) {
+    const at::Tensor dummy = at::empty({0}, inputs[0].options().dtype(at::kFloat)).requires_grad_(true);
+    in[0] = AfterBlockBackward::apply(c10::make_intrusive<UnitRef>(this, u), dummy, in[0])[0];
+  }
+  gather(unit);
+  at::Tensor out = block(in);
+  if (!grad || options_.reshard_after_forward) release(unit);
+  if (grad && out.requires_grad()) out = BeforeBlockBackward::apply(c10::make_intrusive<UnitRef>(this, u), out)[0];
+  return out;
+}
+
+void FullySharded::before_backward(std::size_t u) {
+  Unit& unit = units_[u];
+  link_gradients(unit);
+  gather(unit);
+}
+
+void FullySharded::after_backward(std::size_t u) {
+  Unit& unit = units_[u];
+  reduce_gradients(unit);
+  release(unit);
+}
+
+void FullySharded::gather_all() {
+  for (auto& unit : units_) gather(unit);
+  all_gathered_ = true;
+}
+
+void FullySharded::release_all() {
+  all_gathered_ = false;
+  for (auto& unit : units_) release(unit);
+}
+
+void FullySharded::for_each_gathered_unit(
+    const std::function<void(const std::vector<std::pair<std::string, at::Tensor>>&)>& visit) {
+  for (auto& unit : units_) {
+    gather(unit);
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (auto& g : unit.groups)
+      for (auto& e : g.entries) tensors.emplace_back(e.name, *e.slot);
+    visit(tensors);
+    release(unit);
+  }
+}
+
+std::pair<int64_t, int64_t> FullySharded::share(std::span<const Example> examples, bool by_tokens, bool) {
+  return share_of(examples, communicator_.rank(), communicator_.world_size(), by_tokens);
+}
+
+void FullySharded::begin_attempt(bool) {
+  in_attempt_ = true;
+  failure_agreed_ = false;
+  reset();
+  at::NoGradGuard no_grad;
+  for (auto& unit : units_)
+    for (auto& g : unit.groups)
+      if (g.trainable) g.shard_grad.zero_();
+  // The root is gathered for the whole attempt, its gradients accumulated in place over the micro-batches.
+  link_gradients(units_[0]);
+  gather(units_[0]);
+}
+
+int64_t FullySharded::agree_passes(int64_t mine) { return status("agreeing on the number of micro-batches", mine); }
+
+std::vector<double> FullySharded::sum(const std::vector<double>& values, const char* what) {
+  if (in_attempt_) status(what);
+  return communicator_.all_reduce_sum(values, what);
+}
+
+void FullySharded::prepare() {
+  // The root's gradients, reduced once per attempt; its status is the attempt's last (every rank reaches it).
+  reduce_gradients(units_[0]);
+  release(units_[0]);
+  in_attempt_ = false;
+  // The optimizer's pieces take their gradients from the reduced shards.
+  at::NoGradGuard no_grad;
+  const int64_t rank = communicator_.rank();
+  std::map<std::string, at::Tensor> grads;
+  for (auto& unit : units_)
+    for (auto& g : unit.groups) {
+      if (!g.trainable) continue;
+      const int64_t begin = rank * g.shard_numel;
+      for (const auto& e : g.entries) {
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(begin + g.shard_numel, e.offset + e.numel);
+        if (hi > lo) grads[e.name] = g.shard_grad.narrow(0, lo - begin, hi - lo);
+      }
+    }
+  pieces_->for_each_parameter([&](const std::string& name, at::Tensor& piece) { piece.mutable_grad() = grads.at(name); });
+}
+
+StepSync::Outcome FullySharded::agree(bool fit, int64_t largest_part) {
+  in_attempt_ = false;
+  const Outcome outcome = agree_on_attempt(communicator_, fit, largest_part);
+  if (!outcome.all_fit) reset();
+  return outcome;
+}
+
+double FullySharded::reduce(double loss_sum) { return communicator_.all_reduce_sum(loss_sum); }
+
+double FullySharded::global_squared_norm(double local) { return communicator_.all_reduce_sum(local); }
+
+}  // namespace trainer::distributed

@@ -1,0 +1,139 @@
+// Fully sharded data parallelism (distributed.shard_weights: ZeRO-3, what PyTorch's FSDP2 does as torchtitan applies
+// it): every rank keeps 1/N of every parameter, of its gradient and of its optimizer state. The model is cut into
+// units: each block (LanguageModel::blocks()) and the root (everything else: embeddings, final norm, head, T5's
+// relative attention bias). A unit's parameters of one dtype and trainability are one flat group, padded to a
+// multiple of N; rank r holds elements [r * n, (r + 1) * n) of it, the master values the optimizer updates.
+//
+// The model keeps its parameter tensors, but their storage is the group's gathered buffer, which exists only while
+// the unit is gathered: a block is all-gathered just before its forward and released after it (unless
+// reshard_after_forward is off), gathered again before its backward, and its gradients (accumulated by autograd into
+// a flat buffer of the group) are reduce-scattered to the shards when its backward ends; the root is gathered for a
+// whole attempt and reduced at its end. The optimizer steps on this rank's pieces (each parameter's part of the
+// shard, under the parameter's name), so AdamW computes the unsharded numbers element by element.
+//
+// Out of memory is decided together, as everywhere: every collective of an attempt is preceded by a one-number
+// status all-reduce, and what can run out of memory happens before it. A rank that ran out of memory takes part in the
+// next status with its failure (announce_failure), every other rank learns it there and throws AgreedOutOfMemory, and
+// all meet at StepSync::agree with the collectives paired. Every rank runs as many micro-batches as the one with the
+// most (agree_passes): the others run empty ones.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json_fwd.hpp>
+
+#include "distributed/process_group.h"
+#include "distributed/step_sync.h"
+#include "models/model.h"
+
+namespace trainer::distributed {
+
+struct FullyShardedOptions {
+  bool reshard_after_forward = true;  // false: a block stays gathered from its forward to its backward
+};
+
+class FullySharded final : public StepSync, public UnitHooks {
+ public:
+  // Shards `model` over the ranks; every rank must hold the same values already (rank 0's, broadcast). Installs the
+  // unit hooks on the model (which then holds a reference to this object).
+  static std::shared_ptr<FullySharded> shard(Communicator& communicator, LanguageModel& model,
+                                             FullyShardedOptions options);
+  ~FullySharded() override;
+
+  // This rank's pieces of the trainable parameters, as a module for the optimizer: each piece is named as its
+  // parameter and is its part of this rank's shard (flat, fp32 master values when the parameter is fp32).
+  Module& trainable_pieces();
+  // Every piece of this rank (trainable or not), with where it lies in its flattened parameter: what a sharded
+  // checkpoint holds.
+  struct Piece {
+    std::string name;
+    std::vector<int64_t> shape;  // the parameter's
+    int64_t offset = 0;          // of the piece in the flattened parameter
+    at::Tensor values;           // 1-D, the piece (a view of the shard: writing it changes the master values)
+  };
+  std::vector<Piece> pieces();
+
+  // Every unit gathered, for what runs outside training attempts with the whole model (evaluation, generation,
+  // saving the model): every rank calls gather_all and release_all at the same points.
+  void gather_all();
+  void release_all();
+  // The gathered values of one unit at a time, in unit order, to `visit` (every rank takes part; the tensors are
+  // valid during the call): writing the final model without holding more than one unit beyond the shards.
+  void for_each_gathered_unit(const std::function<void(const std::vector<std::pair<std::string, at::Tensor>>&)>& visit);
+
+  // StepSync
+  std::pair<int64_t, int64_t> share(std::span<const Example> examples, bool by_tokens, bool seq2seq) override;
+  Outcome agree(bool fit, int64_t largest_part) override;
+  void prepare() override;
+  double reduce(double loss_sum) override;
+  double global_squared_norm(double local) override;
+  void after_update() override {}
+  std::vector<double> sum(const std::vector<double>& values, const char* what) override;
+  void begin_attempt(bool may_overlap) override;
+  int64_t agree_passes(int64_t mine) override;
+  void announce_failure() override;
+  bool shards_weights() const override { return true; }
+
+  // UnitHooks
+  at::Tensor run(const Module& unit, const BlockFn& block, const std::vector<at::Tensor>& inputs) override;
+
+  // Called from the autograd functions around each block (fully_sharded.cpp).
+  void before_backward(std::size_t unit);
+  void after_backward(std::size_t unit);
+
+ private:
+  struct Entry {
+    std::string name;
+    at::Tensor* slot;  // the model's parameter (its storage: the group's gathered buffer)
+    std::vector<int64_t> shape;
+    int64_t offset = 0;  // in the group's flat buffer
+    int64_t numel = 0;
+  };
+  struct Group {
+    at::ScalarType dtype = at::kFloat;
+    bool trainable = false;
+    std::vector<Entry> entries;
+    int64_t padded = 0;  // a multiple of the world size
+    int64_t shard_numel = 0;
+    at::Tensor full;        // (padded): storage allocated only while gathered; the parameters point into it
+    at::Tensor shard;       // (shard_numel): this rank's master values
+    at::Tensor shard_grad;  // (shard_numel): the reduced gradient of the attempt (trainable groups)
+    at::Tensor full_grad;   // (padded): during a block's backward, where autograd accumulates
+  };
+  struct Unit {
+    std::string name;
+    std::vector<Group> groups;
+    bool gathered = false;
+    bool backward_ready = false;  // gradients linked into full_grad
+  };
+
+  FullySharded(Communicator& communicator, FullyShardedOptions options);
+  void build(LanguageModel& model);
+  void gather(Unit& unit);
+  void release(Unit& unit);
+  void link_gradients(Unit& unit);    // full_grad allocated, the parameters' .grad() views of it
+  void reduce_gradients(Unit& unit);  // full_grad reduce-scattered into shard_grad, then dropped
+  // The status all-reduce before each collective: throws AgreedOutOfMemory when a rank announced a failure.
+  // `value` travels in the same message (its maximum comes back).
+  int64_t status(const char* what, int64_t value = 0);
+  void reset();  // after an attempt that did not fit: nothing gathered, no gradient buffers
+
+  Communicator& communicator_;
+  FullyShardedOptions options_;
+  std::vector<Unit> units_;  // units_[0]: the root
+  std::unordered_map<const Module*, std::size_t> unit_of_;
+  std::unique_ptr<Module> pieces_;
+  at::Tensor status_;         // int64 (2): preallocated
+  bool failure_agreed_ = false;  // this attempt's failure was learnt at a status (nothing to announce)
+  bool in_attempt_ = false;
+  bool all_gathered_ = false;  // gather_all: nothing is released until release_all
+};
+
+}  // namespace trainer::distributed
