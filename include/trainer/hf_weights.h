@@ -7,6 +7,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -49,6 +50,15 @@ StateDict load_state_dict_files(const std::vector<std::string>& files,
 // place. Tensors sharing storage (tied weights) are written once per name: drop tied names before saving.
 std::vector<std::string> save_state_dict(const std::string& dir, const NamedTensors& tensors,
                                          std::uint64_t max_shard_bytes = kDefaultMaxShardBytes);
+// The same files from tensors fetched one file at a time: `planned` gives each tensor's name, shape and dtype (meta
+// tensors will do), `fetch(i)` the values of planned[i] (they must stay valid until their file is written: a copy when
+// they live in a buffer the next fetch reuses). Every
+// tensor is fetched exactly once per file it is written to, in an order that depends on `planned` alone, also when
+// `write` is false: every rank of a sharded run calls it so that each gather is a collective of all ranks, and one
+// rank writes.
+std::vector<std::string> save_state_dict_streamed(const std::string& dir, const NamedTensors& planned,
+                                                  const std::function<at::Tensor(std::size_t)>& fetch,
+                                                  std::uint64_t max_shard_bytes, bool write);
 
 // The index of a sharded checkpoint (model.safetensors.index.json): tensor name -> shard file name. Throws
 // DataError for a malformed index or a shard path that leaves the model directory.

@@ -144,6 +144,7 @@ void FullySharded::build(LanguageModel& model) {
       it->trainable = trainable;
     }
     it->entries.push_back(Entry{name, &slot, slot.sizes().vec(), it->padded, slot.numel()});
+    parameter_unit_[name] = {u, &slot};
     it->padded += slot.numel();
     device = slot.device();
   });
@@ -329,16 +330,13 @@ void FullySharded::release_all() {
   for (auto& unit : units_) release(unit);
 }
 
-void FullySharded::for_each_gathered_unit(
-    const std::function<void(const std::vector<std::pair<std::string, at::Tensor>>&)>& visit) {
-  for (auto& unit : units_) {
-    gather(unit);
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (auto& g : unit.groups)
-      for (auto& e : g.entries) tensors.emplace_back(e.name, *e.slot);
-    visit(tensors);
-    release(unit);
-  }
+at::Tensor FullySharded::gathered(const std::string& name) {
+  const auto& [u, slot] = parameter_unit_.at(name);
+  if (!units_[u].gathered)
+    for (auto& unit : units_)
+      if (unit.gathered) release(unit);
+  gather(units_[u]);
+  return *slot;
 }
 
 std::pair<int64_t, int64_t> FullySharded::share(std::span<const Example> examples, bool by_tokens, bool) {

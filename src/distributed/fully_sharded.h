@@ -64,9 +64,10 @@ class FullySharded final : public StepSync, public UnitHooks {
   // saving the model): every rank calls gather_all and release_all at the same points.
   void gather_all();
   void release_all();
-  // The gathered values of one unit at a time, in unit order, to `visit` (every rank takes part; the tensors are
-  // valid during the call): writing the final model without holding more than one unit beyond the shards.
-  void for_each_gathered_unit(const std::function<void(const std::vector<std::pair<std::string, at::Tensor>>&)>& visit);
+  // Parameter `name`'s gathered values, its unit gathered if it is not (and the unit gathered before released): the
+  // final model is written one unit at a time (every rank calls it with the same names in the same order; the tensor
+  // is valid until the next call or release_all).
+  at::Tensor gathered(const std::string& name);
 
   // StepSync
   std::pair<int64_t, int64_t> share(std::span<const Example> examples, bool by_tokens, bool seq2seq) override;
@@ -129,6 +130,7 @@ class FullySharded final : public StepSync, public UnitHooks {
   FullyShardedOptions options_;
   std::vector<Unit> units_;  // units_[0]: the root
   std::unordered_map<const Module*, std::size_t> unit_of_;
+  std::unordered_map<std::string, std::pair<std::size_t, const at::Tensor*>> parameter_unit_;  // name -> unit, slot
   std::unique_ptr<Module> pieces_;
   at::Tensor status_;         // int64 (2): preallocated
   bool failure_agreed_ = false;  // this attempt's failure was learnt at a status (nothing to announce)

@@ -204,21 +204,38 @@ StateDict load_state_dict_files(const std::vector<std::string>& files, std::opti
 
 std::vector<std::string> save_state_dict(const std::string& dir, const NamedTensors& tensors,
                                          std::uint64_t max_shard_bytes) {
+  return save_state_dict_streamed(dir, tensors, [&](std::size_t i) { return tensors[i].second; }, max_shard_bytes,
+                                  /*write=*/true);
+}
+
+std::vector<std::string> save_state_dict_streamed(const std::string& dir, const NamedTensors& planned,
+                                                  const std::function<at::Tensor(std::size_t)>& fetch,
+                                                  std::uint64_t max_shard_bytes, bool write) {
   const fs::path root(dir);
+  auto shards = split_into_shards(planned, max_shard_bytes);
+  std::map<std::string, std::size_t> index_of;
+  for (std::size_t i = 0; i < planned.size(); ++i) index_of[planned[i].first] = i;
+  if (!write) {
+    for (const auto& shard : shards)
+      for (const auto& [name, tensor] : shard) fetch(index_of.at(name));
+    return {};
+  }
   std::error_code ec;
   fs::create_directories(root, ec);
   if (ec) throw DataError("cannot create " + dir + ": " + ec.message());
-
-  const auto shards = split_into_shards(tensors, max_shard_bytes);
   const bool sharded = shards.size() > 1;
   std::vector<std::string> names;
   for (std::size_t k = 0; k < shards.size(); ++k)
     names.push_back(sharded ? shard_name(k + 1, shards.size()) : std::string(kWeightsFileName));
 
-  // 1. Every new file, complete and fsynced, under "<name>.new". Nothing the old set uses is touched yet.
+  // 1. Every new file, complete and fsynced, under "<name>.new". Nothing the old set uses is touched yet. A file's
+  // tensors are fetched when it is written (and dropped after), so what is held is one file's.
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  for (std::size_t k = 0; k < shards.size(); ++k)
-    write_safetensors((root / (names[k] + ".new")).string(), shards[k], metadata);
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    NamedTensors values;
+    for (const auto& [name, tensor] : shards[k]) values.emplace_back(name, fetch(index_of.at(name)));
+    write_safetensors((root / (names[k] + ".new")).string(), values, metadata);
+  }
   if (sharded) {
     nlohmann::json index;
     std::uint64_t total_size = 0;

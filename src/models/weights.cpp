@@ -179,6 +179,28 @@ void save_model(LanguageModel& model, const std::string& dir, uint64_t max_shard
       [&](const std::string& name, at::Tensor& p) { tensors.emplace_back(model.checkpoint_name(name), p.detach()); });
   for (const auto& [name, tensor] : model.carried_tensors()) tensors.emplace_back(name, tensor);
   save_state_dict(dir, tensors, max_shard_bytes);
+  save_model_config(model, dir);
+}
+
+void save_model_streamed(LanguageModel& model, const std::string& dir, uint64_t max_shard_bytes,
+                         const std::function<at::Tensor(const std::string&)>& parameter, bool write) {
+  NamedTensors planned;
+  std::vector<std::string> parameters;  // planned[i]'s parameter name, or "" for a carried tensor
+  model.for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    planned.emplace_back(model.checkpoint_name(name), at::empty(p.sizes(), p.options().device(at::kMeta)));
+    parameters.push_back(name);
+  });
+  for (const auto& [name, tensor] : model.carried_tensors()) {
+    planned.emplace_back(name, tensor);
+    parameters.emplace_back();
+  }
+  save_state_dict_streamed(dir, planned, [&](std::size_t i) {
+    return parameters[i].empty() ? planned[i].second : parameter(parameters[i]);
+  }, max_shard_bytes, write);
+  if (write) save_model_config(model, dir);
+}
+
+void save_model_config(LanguageModel& model, const std::string& dir) {
   nlohmann::json config = model.hf_config();
   config.erase("quantization_config");
   // With 4-bit layers, the quantization_config transformers needs to load them, naming the linear layers that are

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +31,13 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
 // weights (canonical names only, tied aliases left out; 4-bit layers in bitsandbytes' layout), sharded above
 // max_shard_bytes, into dir.
 void save_model(LanguageModel& model, const std::string& dir, uint64_t max_shard_bytes);
+// save_model's files from weights that are not all in memory at once (fully sharded weights): `parameter(name)` gives
+// a parameter's values (valid until its file is written), called in an order fixed by the model alone, also on the
+// ranks that do not `write`.
+void save_model_streamed(LanguageModel& model, const std::string& dir, uint64_t max_shard_bytes,
+                         const std::function<at::Tensor(const std::string&)>& parameter, bool write);
+// config.json as save_model writes it (with a quantization_config when the model has 4-bit layers).
+void save_model_config(LanguageModel& model, const std::string& dir);
 
 struct QuantizeDirResult {
   std::size_t layers = 0;  // linear layers in 4 bits

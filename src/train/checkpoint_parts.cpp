@@ -1,12 +1,14 @@
 // Checkpoints of data-parallel runs (see checkpoint_parts.h).
 #include "train/checkpoint_parts.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
@@ -29,8 +31,7 @@ std::string optimizer_part_file(int rank, int world) {
 
 void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer,
                           const std::map<std::string, int64_t>& piece_offsets) {
-  std::vector<std::string> files = {"optimizer.safetensors"};
-  if (state.contains("optimizer_files")) files = state.at("optimizer_files").get<std::vector<std::string>>();
+  const std::vector<std::string> files = part_files(state);
   std::string missing;
   for (const auto& f : files)
     if (!fs::exists(checkpoint / f)) missing += (missing.empty() ? "" : ", ") + (checkpoint / f).string();
@@ -61,37 +62,56 @@ void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& stat
   // Pieces on one side or both: each wanted tensor is the range [offset, offset + numel) of its parameter's
   // flattened elements, assembled from the parts' ranges that overlap it. One left incomplete is left out, and
   // load_state names it.
-  std::map<std::string, at::Tensor> assembled;
+  std::map<std::string, at::Tensor> into;
+  for (const auto& [name, tensor] : wanted) into[name] = at::zeros({tensor.numel()}, at::kFloat);
+  const auto incomplete = read_ranges(checkpoint, files, into, piece_offsets);
+  for (auto& [name, values] : into)
+    if (std::find(incomplete.begin(), incomplete.end(), name) == incomplete.end())
+      tensors.emplace_back(name, values.view(wanted.at(name).sizes()));
+  optimizer.load_state(tensors, state.at("optimizer_steps").get<int64_t>(), source);
+}
+
+std::vector<std::string> read_ranges(const fs::path& checkpoint, const std::vector<std::string>& files,
+                                     const std::map<std::string, at::Tensor>& into,
+                                     const std::map<std::string, int64_t>& offsets) {
+  at::NoGradGuard no_grad;
   std::map<std::string, int64_t> covered;
   for (const auto& f : files) {
     const auto file = SafetensorsFile::open((checkpoint / f).string());
-    nlohmann::json offsets = nlohmann::json::object();
+    nlohmann::json on_disk = nlohmann::json::object();
     if (const auto it = file.metadata().find("piece_offsets"); it != file.metadata().end())
-      offsets = nlohmann::json::parse(it->second);
+      on_disk = nlohmann::json::parse(it->second);
     for (const auto& t : file.tensors()) {
-      const auto want = wanted.find(t.name);
-      if (want == wanted.end()) continue;
-      const int64_t begin = piece_offsets.contains(t.name) ? piece_offsets.at(t.name) : 0;
+      const auto want = into.find(t.name);
+      if (want == into.end()) continue;
+      const int64_t begin = offsets.contains(t.name) ? offsets.at(t.name) : 0;
       const int64_t numel = want->second.numel();
-      const int64_t from = offsets.value(t.name, int64_t{0});
-      const at::Tensor values = file.load(t.name, at::kFloat).reshape({-1});
-      const int64_t lo = std::max(begin, from), hi = std::min(begin + numel, from + values.numel());
+      const int64_t from = on_disk.value(t.name, int64_t{0});
+      const int64_t length = c10::multiply_integers(t.shape);
+      const int64_t lo = std::max(begin, from), hi = std::min(begin + numel, from + length);
       if (hi <= lo) continue;
-      at::Tensor& out = assembled[t.name];
-      if (!out.defined()) out = at::zeros({numel}, at::kFloat);
-      out.narrow(0, lo - begin, hi - lo).copy_(values.narrow(0, lo - from, hi - lo));
+      const at::Tensor values = file.load(t.name).reshape({-1});
+      want->second.reshape({-1}).narrow(0, lo - begin, hi - lo).copy_(values.narrow(0, lo - from, hi - lo));
       covered[t.name] += hi - lo;
     }
   }
-  for (auto& [name, values] : assembled)
-    if (covered[name] == values.numel()) tensors.emplace_back(name, values.view(wanted.at(name).sizes()));
-  optimizer.load_state(tensors, state.at("optimizer_steps").get<int64_t>(), source);
+  std::vector<std::string> incomplete;
+  for (const auto& [name, tensor] : into)
+    if (covered[name] != tensor.numel()) incomplete.push_back(name);
+  return incomplete;
+}
+
+std::vector<std::string> part_files(const nlohmann::json& state) {
+  std::vector<std::string> files = {"optimizer.safetensors"};
+  if (state.contains("optimizer_files")) files = state.at("optimizer_files").get<std::vector<std::string>>();
+  return files;
 }
 
 fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, bool on_disk,
                                    const std::function<void(const fs::path&)>& save_model, Module& trained,
                                    const Optimizer& optimizer, nlohmann::json state, Communicator* world,
-                                   const NamedTensors& extra, const std::map<std::string, int64_t>& piece_offsets) {
+                                   const NamedTensors& extra, const std::map<std::string, int64_t>& piece_offsets,
+                                   const NamedTensors& rank_tensors) {
   const fs::path final_dir = output_dir / ("checkpoint-" + std::to_string(step));
   const bool primary = !world || world->rank() == 0;
   if (!world || (optimizer.shard().world <= 1 && piece_offsets.empty())) {
@@ -130,8 +150,9 @@ fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, boo
   if (!primary) {
     std::string failure;
     try {
-      write_safetensors((temp_dir / files[static_cast<std::size_t>(world->rank())]).string(),
-                        optimizer.state_tensors(), metadata);
+      auto tensors = optimizer.state_tensors();
+      tensors.insert(tensors.end(), rank_tensors.begin(), rank_tensors.end());
+      write_safetensors((temp_dir / files[static_cast<std::size_t>(world->rank())]).string(), tensors, metadata);
     } catch (const Error& e) {
       failure = e.what();
       spdlog::error("checkpoint step {}: this rank's optimizer state could not be written: {}", step, failure);
@@ -151,6 +172,7 @@ fs::path write_checkpoint_on_ranks(const fs::path& output_dir, int64_t step, boo
     save_model(dir);
     auto tensors = optimizer.state_tensors();
     tensors.insert(tensors.end(), extra.begin(), extra.end());
+    tensors.insert(tensors.end(), rank_tensors.begin(), rank_tensors.end());
     write_safetensors((dir / files.front()).string(), tensors, metadata);
     write_text_file((dir / "train_state.json").string(), state.dump(2) + "\n");
     agreed = true;

@@ -12,7 +12,9 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <nlohmann/json_fwd.hpp>
 
 #include "train/checkpoint_dir.h"
@@ -50,6 +52,17 @@ std::filesystem::path write_checkpoint_on_ranks(const std::filesystem::path& out
                                                 const std::function<void(const std::filesystem::path&)>& save_model,
                                                 Module& trained, const Optimizer& optimizer, nlohmann::json state,
                                                 Communicator* world, const NamedTensors& extra = {},
-                                                const std::map<std::string, int64_t>& piece_offsets = {});
+                                                const std::map<std::string, int64_t>& piece_offsets = {},
+                                                const NamedTensors& rank_tensors = {});
+
+// The parts of a checkpoint's per-rank state (train_state.json's "optimizer_files", else optimizer.safetensors).
+std::vector<std::string> part_files(const nlohmann::json& state);
+// Each tensor of `into` (name -> destination, filled in place through reshape(-1)) read as the range [offset, offset +
+// numel) of the flattened tensor of that name (`offsets`: where each starts, 0 when absent), from the ranges of that
+// name the parts hold (their metadata "piece_offsets" says where each starts; 0 when absent: whole tensors). Returns
+// the names not covered entirely.
+std::vector<std::string> read_ranges(const std::filesystem::path& checkpoint, const std::vector<std::string>& files,
+                                     const std::map<std::string, at::Tensor>& into,
+                                     const std::map<std::string, int64_t>& offsets);
 
 }  // namespace trainer::distributed

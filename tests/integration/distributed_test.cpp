@@ -744,12 +744,12 @@ TEST(IntegrationDistributed, TorchrunStartsTheRanksAndTrainsTheWeightsOfOneProce
 
 const std::vector<std::string> kShardWeights = {"--set", "distributed.shard_weights=true"};
 
-// The elements of the AdamW state in a checkpoint's optimizer part.
-int64_t state_elements(const fs::path& file) {
+// The elements of a checkpoint part's AdamW state (weights: of the pieces of the weights it holds).
+int64_t state_elements(const fs::path& file, bool weights = false) {
   int64_t n = 0;
   const auto opened = SafetensorsFile::open(file.string());
   for (const auto& t : opened.tensors())
-    if (!t.name.starts_with("rng.")) n += c10::multiply_integers(t.shape);
+    if (!t.name.starts_with("rng.") && t.name.starts_with("weights.") == weights) n += c10::multiply_integers(t.shape);
   return n;
 }
 
@@ -772,11 +772,18 @@ TEST(IntegrationDistributed, ShardedWeightsUnderTorchrunTrainTheWeightsOfOneProc
   const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(two / "metrics.jsonl", "loss");
   ASSERT_EQ(a.size(), b.size());
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << "step " << i + 1;
+  const auto checkpoint = two / "checkpoint-3";
   const int64_t whole = state_elements(one / "checkpoint-3" / "optimizer.safetensors");
-  const int64_t part0 = state_elements(two / "checkpoint-3" / "optimizer.safetensors");
-  const int64_t part1 = state_elements(two / "checkpoint-3" / "optimizer-rank-1-of-2.safetensors");
+  const int64_t part0 = state_elements(checkpoint / "optimizer.safetensors");
+  const int64_t part1 = state_elements(checkpoint / "optimizer-rank-1-of-2.safetensors");
   EXPECT_EQ(part0 + part1, whole);
-  EXPECT_LE(std::abs(part0 - part1), 2) << part0 << " " << part1;  // halves, up to the padding
+  EXPECT_LE(std::abs(part0 - part1), 8) << part0 << " " << part1;  // halves, up to the padding
+  // The weights too: each rank's part holds its half, and no file holds them whole (nothing was gathered).
+  EXPECT_FALSE(fs::exists(checkpoint / "model.safetensors"));
+  const int64_t weights0 = state_elements(checkpoint / "optimizer.safetensors", true);
+  const int64_t weights1 = state_elements(checkpoint / "optimizer-rank-1-of-2.safetensors", true);
+  EXPECT_EQ(2 * (weights0 + weights1), whole);  // AdamW: two moments per weight
+  EXPECT_LE(std::abs(weights0 - weights1), 4) << weights0 << " " << weights1;
 }
 
 // Three ranks by `trainer launch`, a decoder (Qwen2) with packed rows and the blocks kept gathered from forward to

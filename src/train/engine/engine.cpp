@@ -280,6 +280,9 @@ class Engine {
   void evaluate();
   int agreed_stop_signal();
   void shard_weights();
+  void read_weights_from_parts();
+  // In the ranks' checkpoint parts, a sharded run's pieces of the weights are named by this prefix and the parameter.
+  inline static const std::string kWeightsPrefix = "weights.";
   // With sharded weights: where each of this rank's optimizer state tensors lies in its parameter (checkpoints).
   std::map<std::string, int64_t> piece_offsets();
   // With sharded weights, the whole model gathered on every rank while `f` runs (every rank calls it).
@@ -377,11 +380,13 @@ void Engine::check_resume() {
 }
 
 // The task's model (weights, LoRA, frozen parts, activation checkpointing); with data parallelism rank 0's values on
-// every rank.
+// every rank. A checkpoint of fully sharded weights holds them in the ranks' parts: the model is built as at the
+// start, then each rank reads what it keeps (its pieces, or whole parameters when it does not shard them).
 void Engine::build_model() {
+  const bool weights_in_parts = resume_.dir && resume_.state.value("weights_in_parts", false);
   fixed_part(config_, device_, config_.lora.enabled ? "the model's weights and the LoRA adapters" : "the model's weights",
              [&] {
-               task_.build_model(resume_.dir, device_);
+               task_.build_model(weights_in_parts ? std::nullopt : resume_.dir, device_);
                return 0;
              });
   if (world_) {
@@ -393,6 +398,27 @@ void Engine::build_model() {
     world_->broadcast(all);
   }
   if (world_ && config_.distributed.shard_weights) shard_weights();
+  if (weights_in_parts) read_weights_from_parts();
+}
+
+void Engine::read_weights_from_parts() {
+  const fs::path& dir = *resume_.dir;
+  std::map<std::string, at::Tensor> into;
+  std::map<std::string, int64_t> offsets;
+  if (sharded_) {
+    for (auto& piece : sharded_->pieces()) {
+      into[kWeightsPrefix + piece.name] = piece.values;
+      offsets[kWeightsPrefix + piece.name] = piece.offset;
+    }
+  } else {
+    task_.model().for_each_parameter([&](const std::string& name, at::Tensor& p) { into[kWeightsPrefix + name] = p; });
+  }
+  const auto incomplete = distributed::read_ranges(dir, distributed::part_files(resume_.state), into, offsets);
+  if (!incomplete.empty())
+    throw DataError("checkpoint " + dir.string() + " holds its weights in the ranks' parts, but not all of " +
+                        incomplete.front().substr(kWeightsPrefix.size()) +
+                        (incomplete.size() > 1 ? " (and " + std::to_string(incomplete.size() - 1) + " more)" : ""),
+                    "resume from an earlier complete checkpoint, with the model.path it was trained from");
 }
 
 // distributed.shard_weights: what it covers so far is refused otherwise with the key to change, before any work.
@@ -416,7 +442,10 @@ void Engine::shard_weights() {
 
 std::map<std::string, int64_t> Engine::piece_offsets() {
   std::map<std::string, int64_t> by_parameter, out;
-  for (const auto& piece : sharded_->pieces()) by_parameter[piece.name] = piece.offset;
+  for (const auto& piece : sharded_->pieces()) {
+    by_parameter[piece.name] = piece.offset;
+    out[kWeightsPrefix + piece.name] = piece.offset;
+  }
   for (const auto& [name, tensor] : optimizer_->state_tensors()) {
     const auto dot = name.find('.');  // "exp_avg.<parameter>"
     out[name] = by_parameter.at(name.substr(dot + 1));
@@ -545,13 +574,18 @@ std::string Engine::checkpoint(const LoaderCursor& cursor, const nlohmann::json&
   task_.add_train_state(state);
   NamedTensors rng = {{"rng.cpu", get_rng_state(at::Device(at::kCPU))}};
   if (!device_.is_cpu()) rng.emplace_back("rng." + device_.str(), get_rng_state(device_));
-  // Sharded weights: the model file is written from the gathered weights; each rank writes its optimizer state.
-  const fs::path final_dir = with_whole_model([&] {
-    return distributed::write_checkpoint_on_ranks(
-        output_dir_, step_index_, on_disk_step_ == step_index_, [&](const fs::path& dir) { task_.save(dir); },
-        sharded_ ? sharded_->trainable_pieces() : task_.trainable(), *optimizer_, std::move(state), world_, rng,
-        sharded_ ? piece_offsets() : std::map<std::string, int64_t>{});
-  });
+  // Sharded weights: each rank writes its pieces of the weights with its optimizer state; rank 0 the model's
+  // config and tokenizer beside them. No rank gathers anything.
+  NamedTensors pieces;
+  if (sharded_) {
+    state["weights_in_parts"] = true;
+    for (auto& piece : sharded_->pieces()) pieces.emplace_back(kWeightsPrefix + piece.name, piece.values);
+  }
+  const fs::path final_dir = distributed::write_checkpoint_on_ranks(
+      output_dir_, step_index_, on_disk_step_ == step_index_,
+      [&](const fs::path& dir) { sharded_ ? task_.save_without_weights(dir) : task_.save(dir); },
+      sharded_ ? sharded_->trainable_pieces() : task_.trainable(), *optimizer_, std::move(state), world_, rng,
+      sharded_ ? piece_offsets() : std::map<std::string, int64_t>{}, pieces);
   on_disk_step_ = step_index_;
   if (!primary_) return final_dir.string();
   std::optional<double> best_value;  // checkpoint.best_metric at this step, when it was evaluated at this step
@@ -673,9 +707,16 @@ void Engine::evaluate() {
 // The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.
 int Engine::finish() {
   checkpoint(task_.cursor(), policy_->state());
-  if (config_.checkpoint.save_final) with_whole_model([&] {
-      if (primary_) task_.save(output_dir_ / "final");
-    });
+  if (config_.checkpoint.save_final && sharded_) {
+    // One unit gathered at a time; rank 0 writes each file as its units arrive.
+    task_.save_streamed(output_dir_ / "final", [&](const std::string& name) {
+      const at::Tensor values = sharded_->gathered(name);
+      return primary_ ? values.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true) : values;
+    }, primary_);
+    sharded_->release_all();
+  } else if (config_.checkpoint.save_final && primary_) {
+    task_.save(output_dir_ / "final");
+  }
   if (primary_) task_.after_final_save(output_dir_, options_);
   RunSummary summary;
   summary.counted = counted_.name;

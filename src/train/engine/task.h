@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <nlohmann/json_fwd.hpp>
 
@@ -145,6 +146,14 @@ class TaskModel {
   virtual Module& trainable() { return model(); }
   // The trained model (or adapter) with what loads it (tokenizer, preprocessing) into `dir`.
   virtual void save(const std::filesystem::path& dir) = 0;
+  // Fully sharded weights (tasks with a shardable_model): save() from weights fetched one parameter at a time
+  // (`parameter`, valid until written; every rank calls it, rank 0 with `write`), and what a checkpoint whose weights
+  // are in the ranks' parts holds beside them (config.json, the tokenizer).
+  virtual void save_streamed(const std::filesystem::path& dir,
+                             const std::function<at::Tensor(const std::string&)>& parameter, bool write) {
+    (void)dir, (void)parameter, (void)write;
+  }
+  virtual void save_without_weights(const std::filesystem::path& dir) { (void)dir; }
   // What train_state.json holds beside the engine's keys (text with LoRA: the base model's config).
   virtual void add_train_state(nlohmann::json& state) const { (void)state; }
   // After the final save (rank 0): --merge.

@@ -99,6 +99,36 @@ TEST(ModelDirWeights, TensorLargerThanTheLimitGetsItsOwnShard) {
   expect_same(load_state_dict(dir.path().string()), tensors);
 }
 
+// Streamed (fully sharded weights): the same files from tensors fetched one file at a time, each fetch's buffer
+// reused by the next (so the writer must hold its own copies: the fetch gives one); a rank that does not write
+// fetches the same tensors in the same order and writes nothing.
+TEST(ModelDirWeights, StreamedWritingFetchesFileByFileTheSameFilesAsAWholeSave) {
+  TempDir whole, streamed, nothing;
+  const auto tensors = small_model();
+  save_state_dict(whole.path().string(), tensors, 1000);
+  NamedTensors planned;
+  for (const auto& [name, t] : tensors) planned.emplace_back(name, at::empty(t.sizes(), t.options().device(at::kMeta)));
+  auto write = [&](const fs::path& dir, bool writes) {
+    std::vector<std::size_t> order;
+    at::Tensor buffer = at::empty({1000}, at::kFloat);
+    save_state_dict_streamed(dir.string(), planned, [&](std::size_t i) {
+      order.push_back(i);
+      at::Tensor view = buffer.narrow(0, 0, tensors[i].second.numel()).view(tensors[i].second.sizes());
+      view.copy_(tensors[i].second);
+      return view.clone();  // the next fetch overwrites `buffer`
+    }, 1000, writes);
+    return order;
+  };
+  const auto order = write(streamed.path(), true);
+  EXPECT_EQ(order.size(), tensors.size());
+  EXPECT_EQ(listing(streamed.path()), listing(whole.path()));
+  EXPECT_EQ(read_json(streamed.path() / "model.safetensors.index.json"),
+            read_json(whole.path() / "model.safetensors.index.json"));
+  expect_same(load_state_dict(streamed.path().string()), tensors);
+  EXPECT_EQ(write(nothing.path(), false), order);
+  EXPECT_TRUE(listing(nothing.path()).empty());
+}
+
 TEST(ModelDirWeights, ResavingReplacesTheOldFileSet) {
   TempDir dir;
   const auto root = dir.path().string();

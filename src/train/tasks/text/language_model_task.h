@@ -47,6 +47,11 @@ class LanguageModelTask : public LoaderTask<DataLoader, EffectiveBatch> {
   Module& trainable() override { return text_model_.trainable(); }
 
   void save(const std::filesystem::path& dir) override { text_model_.save(dir); }
+  void save_streamed(const std::filesystem::path& dir, const std::function<at::Tensor(const std::string&)>& parameter,
+                     bool write) override {
+    text_model_.save_streamed(dir, parameter, write);
+  }
+  void save_without_weights(const std::filesystem::path& dir) override { text_model_.save_without_weights(dir); }
   void add_train_state(nlohmann::json& state) const override { text_model_.add_train_state(state); }
   void after_final_save(const std::filesystem::path& output_dir, const TrainOptions& options) override {
     text_model_.after_final_save(output_dir, options);

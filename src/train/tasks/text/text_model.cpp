@@ -157,6 +157,18 @@ void TextModel::save(const fs::path& dir) {
   }
   copy_tokenizer_files_to(dir);
 }
+void TextModel::save_streamed(const fs::path& dir, const std::function<at::Tensor(const std::string&)>& parameter,
+                              bool write) {
+  save_model_streamed(*model_, dir.string(), config_.checkpoint.max_shard_size.bytes, parameter, write);
+  if (write) copy_tokenizer_files_to(dir);
+}
+
+void TextModel::save_without_weights(const fs::path& dir) {
+  fs::create_directories(dir);
+  save_model_config(*model_, dir.string());
+  copy_tokenizer_files_to(dir);
+}
+
 void TextModel::add_train_state(nlohmann::json& state) const {
   if (lora_) state["base_model_config"] = model_->hf_config();  // an adapter has no config.json
 }

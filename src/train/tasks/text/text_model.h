@@ -6,10 +6,12 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <nlohmann/json_fwd.hpp>
 
@@ -49,6 +51,10 @@ class TextModel {
 
   // The trained model (or adapter) with the tokenizer files into `dir`.
   void save(const std::filesystem::path& dir);
+  // Fully sharded weights (Task::save_streamed, Task::save_without_weights; never with LoRA).
+  void save_streamed(const std::filesystem::path& dir, const std::function<at::Tensor(const std::string&)>& parameter,
+                     bool write);
+  void save_without_weights(const std::filesystem::path& dir);
   void add_train_state(nlohmann::json& state) const;  // with LoRA: the base model's config
   void after_final_save(const std::filesystem::path& output_dir, const TrainOptions& options);  // --merge
 
