@@ -94,14 +94,16 @@ FullySharded::FullySharded(Communicator& communicator, FullyShardedOptions optio
 FullySharded::~FullySharded() = default;
 
 std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, LanguageModel& model,
-                                                  FullyShardedOptions options) {
+                                                  FullyShardedOptions options, const c10::Device& device,
+                                                  const std::function<at::Tensor(const std::string&)>& read) {
   std::shared_ptr<FullySharded> sharded(new FullySharded(communicator, options));
-  sharded->build(model);
+  sharded->build(model, device, read);
   model.set_unit_hooks(sharded);
   return sharded;
 }
 
-void FullySharded::build(LanguageModel& model) {
+void FullySharded::build(LanguageModel& model, const c10::Device& device,
+                         const std::function<at::Tensor(const std::string&)>& read) {
   at::NoGradGuard no_grad;
   const int world = communicator_.world_size();
   const int rank = communicator_.rank();
@@ -123,7 +125,6 @@ void FullySharded::build(LanguageModel& model) {
   });
   const auto outside = model.parameters_used_outside_blocks();
   const std::set<std::string> outside_blocks(outside.begin(), outside.end());
-  c10::Device device(c10::kCPU);
   model.for_each_parameter([&](const std::string& name, at::Tensor& slot) {
     std::size_t u = 0;
     if (!outside_blocks.count(name))
@@ -146,15 +147,18 @@ void FullySharded::build(LanguageModel& model) {
     it->entries.push_back(Entry{name, &slot, slot.sizes().vec(), it->padded, slot.numel()});
     parameter_unit_[name] = {u, &slot};
     it->padded += slot.numel();
-    device = slot.device();
   });
+  int64_t read_on_demand = 0;  // parameters read from the checkpoint here
   for (auto& unit : units_)
     for (auto& g : unit.groups) {
       g.padded = (g.padded + world - 1) / world * world;
       g.shard_numel = g.padded / world;
       g.full = at::zeros({g.padded}, at::TensorOptions().dtype(g.dtype).device(device));
       for (auto& e : g.entries) {
-        g.full.narrow(0, e.offset, e.numel).copy_(e.slot->reshape({-1}));
+        if (e.slot->is_meta() && !read)
+          throw Error("distributed.shard_weights: " + e.name + " has no values (meta) and no reader");
+        read_on_demand += e.slot->is_meta() ? 1 : 0;
+        g.full.narrow(0, e.offset, e.numel).copy_((e.slot->is_meta() ? read(e.name) : *e.slot).reshape({-1}));
         // The model's parameter becomes a leaf over the gathered buffer's storage.
         at::Tensor p = at::empty({0}, g.full.options());
         std::vector<int64_t> strides(e.shape.size(), 1);
@@ -188,8 +192,11 @@ void FullySharded::build(LanguageModel& model) {
       shard_bytes += g.shard_numel * static_cast<int64_t>(c10::elementSize(g.dtype));
       for (const auto& e : g.entries) total += e.numel;
     }
-  spdlog::info("distributed.shard_weights: {} parameters in {} units over {} ranks; this rank holds {:.1f} MiB of them",
-               total, units_.size(), world, static_cast<double>(shard_bytes) / (1 << 20));
+  spdlog::info("distributed.shard_weights: {} parameters in {} units over {} ranks; this rank holds {:.1f} MiB of them{}",
+               total, units_.size(), world, static_cast<double>(shard_bytes) / (1 << 20),
+               read_on_demand ? fmt::format(" ({} read from the checkpoint unit by unit: the whole model was never "
+                                            "in memory)", read_on_demand)
+                              : std::string());
 }
 
 Module& FullySharded::trainable_pieces() { return *pieces_; }

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -43,8 +44,11 @@ class FullySharded final : public StepSync, public UnitHooks {
  public:
   // Shards `model` over the ranks; every rank must hold the same values already (rank 0's, broadcast). Installs the
   // unit hooks on the model (which then holds a reference to this object).
+  // Parameters on the meta device (pretrained weights not read yet) are read through `read` (on the CPU), one at a
+  // time as their unit is cut, so that no rank ever holds the whole model; the shards live on `device`.
   static std::shared_ptr<FullySharded> shard(Communicator& communicator, LanguageModel& model,
-                                             FullyShardedOptions options);
+                                             FullyShardedOptions options, const c10::Device& device,
+                                             const std::function<at::Tensor(const std::string&)>& read = {});
   ~FullySharded() override;
 
   // This rank's pieces of the trainable parameters, as a module for the optimizer: each piece is named as its
@@ -116,7 +120,8 @@ class FullySharded final : public StepSync, public UnitHooks {
   };
 
   FullySharded(Communicator& communicator, FullyShardedOptions options);
-  void build(LanguageModel& model);
+  void build(LanguageModel& model, const c10::Device& device,
+             const std::function<at::Tensor(const std::string&)>& read);
   void gather(Unit& unit);
   void release(Unit& unit);
   void link_gradients(Unit& unit);    // full_grad allocated, the parameters' .grad() views of it

@@ -41,7 +41,8 @@ std::string tensor_text(const at::Tensor& bytes) {
 }  // namespace
 
 std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init, const c10::TensorOptions& options,
-                                          uint64_t seed, const std::optional<Quantize4bitOptions>& quantize) {
+                                          uint64_t seed, const std::optional<Quantize4bitOptions>& quantize,
+                                          WeightReader* on_demand) {
   const auto info = inspect_model_dir(dir, init == ModelInit::kPretrained);
   const auto dtype = c10::typeMetaToScalarType(options.dtype());
   const auto device = options.device();
@@ -158,6 +159,17 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
     }
   }
 
+  // Carried tensors stay on the CPU in their stored dtype: never computed with, written back as they were.
+  for (const auto& [name, location] : carried)
+    model->carried_tensors().emplace_back(name, files[location.first].load(name));
+  if (on_demand && !quantize) {
+    // The parameters stay on the meta device; each is read when asked for, on the CPU (the caller moves it).
+    *on_demand = [files, where, dtype](const std::string& name) {
+      const auto& [file, tensor] = where.at(name);
+      return files[file].load(tensor->name, dtype);
+    };
+    return model;
+  }
   // The model was built on the meta device: each parameter becomes its loaded tensor, converted once, so the
   // weights never exist twice (peak: the model plus one tensor in conversion).
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
@@ -166,9 +178,6 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
     at::Tensor loaded = files[file].load(tensor->name, dtype);
     p = device.is_cpu() ? loaded : loaded.to(device);
   });
-  // Carried tensors stay on the CPU in their stored dtype: never computed with, written back as they were.
-  for (const auto& [name, location] : carried)
-    model->carried_tensors().emplace_back(name, files[location.first].load(name));
   return model;
 }
 

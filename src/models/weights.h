@@ -23,9 +23,14 @@ namespace trainer {
 // With `quantize`, the linear layers quantizable_layers() names are quantized to 4 bits as they are read, one at
 // a time (peak: the quantized model plus one full-precision layer). 4-bit layers a checkpoint holds
 // (transformers + bitsandbytes' layout) load as they are, with or without `quantize`.
+// With `on_demand` (pretrained, without `quantize`): the parameters stay on the meta device and *on_demand reads one
+// parameter's values when asked (in the load's dtype, on the CPU; the files stay mapped while it lives), so that fully
+// sharded weights never hold the whole model on a rank.
+using WeightReader = std::function<at::Tensor(const std::string&)>;
 std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init, const c10::TensorOptions& options,
                                           uint64_t seed = 0,
-                                          const std::optional<Quantize4bitOptions>& quantize = std::nullopt);
+                                          const std::optional<Quantize4bitOptions>& quantize = std::nullopt,
+                                          WeightReader* on_demand = nullptr);
 
 // Writes config.json (the model's; with 4-bit layers, with the quantization_config transformers reads) and the
 // weights (canonical names only, tied aliases left out; 4-bit layers in bitsandbytes' layout), sharded above

@@ -843,6 +843,23 @@ TEST(IntegrationDistributed, ShardedWeightsOutOfMemoryOnOneRankShrinksEveryRankA
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
+// From a pretrained model.path, each rank reads the weights unit by unit as it shards them (the model stays on the
+// meta device until then), and trains one process's weights.
+TEST(IntegrationDistributed, ShardedWeightsReadAPretrainedModelUnitByUnitAndTrainTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto base = dir.path() / "base", one = dir.path() / "one", two = dir.path() / "two";
+  const auto made = run_trainer(short_run("configs/tiny-qwen2.json", base, 1), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(made.exit_code, 0) << made.err;
+  const std::vector<std::string> pretrained = {"--set", "model.path=" + (base / "final").string(), "--set",
+                                               "model.init=pretrained"};
+  const auto single = run_trainer(with(short_run("configs/tiny-qwen2.json", one), pretrained), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", two), pretrained), kShardWeights));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_NE(ranks[0].err.find("the whole model was never in memory"), std::string::npos) << ranks[0].err;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
 // What sharded weights do not cover yet is refused on every rank before any work, naming the key.
 TEST(IntegrationDistributed, ShardedWeightsRefuseLoraNamingTheKey) {
   TempDir dir;

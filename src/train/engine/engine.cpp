@@ -384,6 +384,8 @@ void Engine::check_resume() {
 // start, then each rank reads what it keeps (its pieces, or whole parameters when it does not shard them).
 void Engine::build_model() {
   const bool weights_in_parts = resume_.dir && resume_.state.value("weights_in_parts", false);
+  const bool shard = world_ && config_.distributed.shard_weights;
+  if (shard) task_.read_weights_on_demand();  // each rank reads its pieces when it shards
   fixed_part(config_, device_, config_.lora.enabled ? "the model's weights and the LoRA adapters" : "the model's weights",
              [&] {
                task_.build_model(weights_in_parts ? std::nullopt : resume_.dir, device_);
@@ -391,13 +393,16 @@ void Engine::build_model() {
              });
   if (world_) {
     std::vector<at::Tensor> all;
-    task_.model().for_each_parameter([&](const std::string&, at::Tensor& p) { all.push_back(p); });
+    // (Weights read on demand are on the meta device: every rank reads the same files.)
+    task_.model().for_each_parameter([&](const std::string&, at::Tensor& p) {
+      if (!p.is_meta()) all.push_back(p);
+    });
     if (Module* adapters = task_.adapters())
       adapters->for_each_parameter([&](const std::string&, at::Tensor& p) { all.push_back(p); });
     at::NoGradGuard no_grad;
     world_->broadcast(all);
   }
-  if (world_ && config_.distributed.shard_weights) shard_weights();
+  if (shard) shard_weights();
   if (weights_in_parts) read_weights_from_parts();
 }
 
@@ -437,7 +442,8 @@ void Engine::shard_weights() {
   if (config_.training.micro_batch_size.is_auto && config_.training.micro_batch_tokens <= 0)
     refuse("training.micro_batch_size=auto (set a number; out-of-memory errors still shrink it)");
   if (model->has_routing_loss()) refuse("a mixture of experts' load-balancing loss (output_router_logits)");
-  sharded_ = distributed::FullySharded::shard(*world_, *model, {config_.distributed.reshard_after_forward});
+  sharded_ = distributed::FullySharded::shard(*world_, *model, {config_.distributed.reshard_after_forward}, device_,
+                                              task_.weight_reader());
 }
 
 std::map<std::string, int64_t> Engine::piece_offsets() {

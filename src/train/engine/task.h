@@ -140,6 +140,10 @@ class TaskModel {
   virtual std::string model_type() const = 0;
   // The language model, for tasks whose weights can be fully sharded (distributed.shard_weights); null otherwise.
   virtual LanguageModel* shardable_model() { return nullptr; }
+  // Before build_model, with fully sharded weights: pretrained weights may stay unread (meta) until weight_reader()
+  // reads each; an empty reader: the model holds its values.
+  virtual void read_weights_on_demand() {}
+  virtual std::function<at::Tensor(const std::string&)> weight_reader() { return {}; }
   // The LoRA adapters (they are not in the model's tree); null without LoRA.
   virtual Module* adapters() { return nullptr; }
   // What trains: the adapters with LoRA (plus what the task trains in full beside them), else the model.

@@ -52,6 +52,8 @@ class LanguageModelTask : public LoaderTask<DataLoader, EffectiveBatch> {
     text_model_.save_streamed(dir, parameter, write);
   }
   void save_without_weights(const std::filesystem::path& dir) override { text_model_.save_without_weights(dir); }
+  void read_weights_on_demand() override { text_model_.read_weights_on_demand(); }
+  std::function<at::Tensor(const std::string&)> weight_reader() override { return text_model_.weight_reader(); }
   void add_train_state(nlohmann::json& state) const override { text_model_.add_train_state(state); }
   void after_final_save(const std::filesystem::path& output_dir, const TrainOptions& options) override {
     text_model_.after_final_save(output_dir, options);

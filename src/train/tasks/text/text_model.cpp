@@ -84,10 +84,11 @@ void TextModel::build(const std::optional<fs::path>& resume, const c10::Device& 
                            config_json.string());
   }
   // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
+  WeightReader* reader = on_demand_ && !config_.lora.enabled ? &reader_ : nullptr;
   model_ = resume && !config_.lora.enabled
-               ? load_model(resume->string(), ModelInit::kPretrained, options)
+               ? load_model(resume->string(), ModelInit::kPretrained, options, 0, std::nullopt, reader)
                : load_model(config_.model.path, config_.model.init, options,
-                            static_cast<uint64_t>(config_.training.seed), quantize_options(config_.model));
+                            static_cast<uint64_t>(config_.training.seed), quantize_options(config_.model), reader);
   if (config_.precision.mode == PrecisionMode::kFp16Mixed)
     check_fp16_supported(model_->model_type(), config_.model.path);
   if (!config_.lora.enabled && has_quantized_layers(*model_))

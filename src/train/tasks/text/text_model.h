@@ -51,6 +51,10 @@ class TextModel {
 
   // The trained model (or adapter) with the tokenizer files into `dir`.
   void save(const std::filesystem::path& dir);
+  // Fully sharded weights: build() leaves pretrained weights on the meta device, read on demand by weight_reader()
+  // (empty when they were loaded: random initialisation, LoRA, 4-bit).
+  void read_weights_on_demand() { on_demand_ = true; }
+  const std::function<at::Tensor(const std::string&)>& weight_reader() const { return reader_; }
   // Fully sharded weights (Task::save_streamed, Task::save_without_weights; never with LoRA).
   void save_streamed(const std::filesystem::path& dir, const std::function<at::Tensor(const std::string&)>& parameter,
                      bool write);
@@ -68,6 +72,8 @@ class TextModel {
   bool primary_;
   ExampleShape shape_;
   std::unique_ptr<LanguageModel> model_;
+  bool on_demand_ = false;
+  std::function<at::Tensor(const std::string&)> reader_;
   std::unique_ptr<LoraAdapters> lora_;
   std::string lora_base_;  // the adapter's base_model_name_or_path
   DataFamily family_ = DataFamily::kCausal;
