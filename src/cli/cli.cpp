@@ -303,8 +303,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       ->type_name("SECTION.KEY=VALUE")
       ->allow_extra_args(false);
   int64_t plan_world_size = 0;
-  plan_cmd->add_option("--world-size", plan_world_size,
-                       "Plan per rank for N data-parallel ranks (default: WORLD_SIZE from the environment, else 1)")
+  plan_cmd->add_option("--world-size,--nproc-per-node", plan_world_size,
+                       "Plan per rank for N data-parallel ranks, sharded as the config says (default: WORLD_SIZE "
+                       "from the environment, else 1)")
       ->check(CLI::PositiveNumber);
   plan_cmd->footer(kExitCodeHelp);
 

@@ -7,6 +7,7 @@
 #include <set>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/StorageImpl.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -115,24 +116,16 @@ void FullySharded::build(LanguageModel& model, const c10::Device& device,
   units_[0].name = "the embeddings and head";
   std::map<const Module*, std::size_t> index;
   for (std::size_t i = 0; i < blocks.size(); ++i) index[blocks[i]] = i + 1;
-  std::vector<std::pair<std::string, std::size_t>> prefixes;
   model.for_each_module([&](const std::string& name, Module& module) {
     const auto it = index.find(&module);
     if (it == index.end()) return;
     units_[it->second].name = name;
-    prefixes.emplace_back(name + ".", it->second);
     unit_of_[&module] = it->second;
   });
-  const auto outside = model.parameters_used_outside_blocks();
-  const std::set<std::string> outside_blocks(outside.begin(), outside.end());
+  const std::vector<std::size_t> units = parameter_units(model);
+  std::size_t next = 0;
   model.for_each_parameter([&](const std::string& name, at::Tensor& slot) {
-    std::size_t u = 0;
-    if (!outside_blocks.count(name))
-      for (const auto& [prefix, i] : prefixes)
-        if (name.starts_with(prefix)) {
-          u = i;
-          break;
-        }
+    const std::size_t u = units[next++];
     auto& groups = units_[u].groups;
     const bool trainable = slot.requires_grad();
     auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
@@ -310,6 +303,9 @@ at::Tensor FullySharded::run(const Module& module, const BlockFn& block, const s
   }
   gather(unit);
   at::Tensor out = block(in);
+  // Autocast keeps its casts of weights for the whole forward: drop this block's, so that what the block does not
+  // save for backward (all of it under activation checkpointing) goes with the block.
+  if (at::autocast::is_autocast_enabled(inputs[0].device().type())) at::autocast::clear_cache();
   if (!grad || options_.reshard_after_forward) release(unit);
   if (grad && out.requires_grad()) out = BeforeBlockBackward::apply(c10::make_intrusive<UnitRef>(this, u), out)[0];
   return out;

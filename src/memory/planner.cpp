@@ -708,6 +708,45 @@ MemoryPlan plan_image_run(const Config& config, bool clip) {
   return plan;
 }
 
+std::string plan_fully_sharded(MemoryPlan& plan, const Config& config, const nlohmann::json& hf_config, int64_t world) {
+  auto model = build_model(hf_config, at::TensorOptions().device(at::kMeta).dtype(at::kFloat));
+  const std::vector<std::size_t> units = parameter_units(*model);
+  std::vector<int64_t> numel;
+  std::size_t i = 0;
+  model->for_each_parameter([&](const std::string&, at::Tensor& p) {
+    const std::size_t u = units[i++];
+    if (numel.size() <= u) numel.resize(u + 1, 0);
+    numel[u] += p.numel();
+  });
+  const int64_t total = std::max<int64_t>(1, plan.parameters);
+  const int64_t root = numel.empty() ? 0 : numel[0];
+  int64_t largest_block = 0, blocks = 0;
+  for (std::size_t u = 1; u < numel.size(); ++u) {
+    largest_block = std::max(largest_block, numel[u]);
+    blocks += numel[u];
+  }
+  const double n = static_cast<double>(world);
+  const double weight_bytes = plan.weights / static_cast<double>(total);  // per parameter, on average
+  const double grad_bytes = plan.gradients / static_cast<double>(std::max<int64_t>(1, plan.trainable_parameters));
+  const double gathered_blocks =
+      static_cast<double>(config.distributed.reshard_after_forward ? largest_block : blocks);
+  const double whole_weights = plan.weights, whole_gradients = plan.gradients, whole_state = plan.optimizer_state;
+  plan.weights = whole_weights / n + (static_cast<double>(root) + gathered_blocks) * weight_bytes;
+  plan.gradients = whole_gradients / n + static_cast<double>(root + largest_block) * grad_bytes;
+  plan.optimizer_state = whole_state / n;
+  std::ostringstream line;
+  line << "fully sharded weights (distributed.shard_weights) over " << world << " ranks: each keeps 1/" << world
+       << " of the weights (" << human_bytes(whole_weights) << "), gradients (" << human_bytes(whole_gradients)
+       << ") and optimizer state (" << human_bytes(whole_state) << "), and holds gathered the embeddings and head ("
+       << root << " parameters, for a whole step, with their gradient) and "
+       << (config.distributed.reshard_after_forward ? "the largest block (" + std::to_string(largest_block) +
+                                                          " parameters, with its gradient in its backward)"
+                                                    : "every block from its forward to its backward "
+                                                      "(distributed.reshard_after_forward=false)")
+       << "; evaluation gathers the whole model (" << human_bytes(whole_weights) << ")";
+  return line.str();
+}
+
 int run_plan(const Config& config, std::ostream& out, int64_t world_size, const ExampleShape& shape) {
   const PlanCapacity planned = plan_capacity(config);
   const double capacity = planned.capacity;
@@ -726,11 +765,15 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size, const 
         << "); each rank trains "
         << (config.training.micro_batch_tokens > 0 ? "a token-balanced share (about " : "about ") << share << " of the "
         << config.training.batch_size << " examples" << (config.training.micro_batch_tokens > 0 ? ")" : "")
-        << " of every effective batch and holds the whole model and its gradients"
-        << (config.distributed.shard_optimizer ? "" : " and the whole optimizer state")
+        << " of every effective batch"
+        << (config.distributed.shard_weights ? ""
+                                             : std::string(" and holds the whole model and its gradients") +
+                                                   (config.distributed.shard_optimizer ? "" : " and the whole optimizer state"))
         << ": every figure below is per rank\n";
     plan.batch_size = share;
-    if (config.distributed.shard_optimizer) {
+    if (config.distributed.shard_weights) {
+      out << plan_fully_sharded(plan, config, hf_config, world_size) << "\n";
+    } else if (config.distributed.shard_optimizer) {
       // ZeRO-1: whole parameters shared out as the optimizer does (shard_owners); the plan takes the fullest rank.
       const auto owners = shard_owners(plan.trainable_numels, static_cast<int>(world_size));
       std::vector<double> per_rank(static_cast<std::size_t>(world_size), 0.0);

@@ -92,6 +92,13 @@ bool keep_dequantized_base(const MemoryPlan& plan, const Config& config, double 
 bool choose_dequantized_base(const Config& config, const c10::Device& device, double copies, std::string& reason,
                              const ExampleShape& shape = {});
 
+// Fully sharded weights on `world` ranks (distributed.shard_weights): `plan` (the whole model's) becomes one rank's.
+// Each rank keeps 1/N of the weights, gradients and optimizer state, and holds beside them what is gathered at once:
+// the root (embeddings, head) for a whole attempt with its full gradient, and one block with its gradient during its
+// backward (with distributed.reshard_after_forward=false every block from its forward to its backward). Returns a
+// line that says so for the plan.
+std::string plan_fully_sharded(MemoryPlan& plan, const Config& config, const nlohmann::json& hf_config, int64_t world);
+
 // The budget table and the recommendation, as `trainer plan` prints them.
 void print_plan(const MemoryPlan& plan, const Config& config, std::ostream& out);
 

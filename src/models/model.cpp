@@ -3,6 +3,8 @@
 #include "models/model.h"
 
 #include <array>
+#include <map>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -59,6 +61,30 @@ LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits)
   out.routing_loss = model.routing_loss();
   if (keep_logits) out.logits = logits;
   return out;
+}
+
+std::vector<std::size_t> parameter_units(LanguageModel& model) {
+  std::map<const Module*, std::size_t> index;
+  const auto blocks = model.blocks();
+  for (std::size_t i = 0; i < blocks.size(); ++i) index[blocks[i]] = i + 1;
+  std::vector<std::pair<std::string, std::size_t>> prefixes;
+  model.for_each_module([&](const std::string& name, Module& module) {
+    if (const auto it = index.find(&module); it != index.end()) prefixes.emplace_back(name + ".", it->second);
+  });
+  const auto outside = model.parameters_used_outside_blocks();
+  const std::set<std::string> outside_blocks(outside.begin(), outside.end());
+  std::vector<std::size_t> units;
+  model.for_each_parameter([&](const std::string& name, at::Tensor&) {
+    std::size_t unit = 0;
+    if (!outside_blocks.count(name))
+      for (const auto& [prefix, i] : prefixes)
+        if (name.starts_with(prefix)) {
+          unit = i;
+          break;
+        }
+    units.push_back(unit);
+  });
+  return units;
 }
 
 int64_t count_parameters(Module& model) {

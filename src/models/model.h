@@ -185,6 +185,10 @@ std::unique_ptr<LanguageModel> build_model(const nlohmann::json& config, const c
 // the model_type, with the modes that work.
 void check_fp16_supported(const std::string& model_type, const std::string& config_json);
 
+// Fully sharded weights' units (distributed.shard_weights): for each parameter, in for_each_parameter's order, 0 when
+// it belongs to the root (not in a block, or named by parameters_used_outside_blocks), i + 1 in block i.
+std::vector<std::size_t> parameter_units(LanguageModel& model);
+
 // Parameter counts for `inspect` and `plan`.
 int64_t count_parameters(Module& model);
 

@@ -206,6 +206,33 @@ TEST(Plan, LoraCountsOnlyTheAdaptersAsTrainable) {
   EXPECT_DOUBLE_EQ(plan.optimizer_state, 8.0 * static_cast<double>(plan.trainable_parameters));
 }
 
+// Fully sharded weights: per rank, 1/N of the weights, gradients and AdamW state, plus the gathered root (the
+// embeddings and head, with their gradient) and the largest block (with its gradient); kept gathered, every block.
+TEST(Plan, FullyShardedWeightsKeepOneNthPlusTheGatheredUnits) {
+  Config config = case_config({"configs/tiny-qwen2.json", 1, false, false});
+  config.distributed.shard_weights = true;
+  const auto hf = read_json_file(config.model.path + "/config.json");
+  const MemoryPlan whole = plan_memory(config, hf, at::Device(at::kCPU), 0, "test");
+  // The units as the model has them (meta: no weights): the root and the blocks.
+  auto model = build_model(hf, at::TensorOptions().device(at::kMeta));
+  const auto units = parameter_units(*model);
+  std::vector<int64_t> numel(model->blocks().size() + 1, 0);
+  std::size_t i = 0;
+  model->for_each_parameter([&](const std::string&, at::Tensor& p) { numel[units[i++]] += p.numel(); });
+  ASSERT_GT(numel[0], 0);
+  const int64_t block = *std::max_element(numel.begin() + 1, numel.end());
+  MemoryPlan sharded = whole;
+  const std::string line = plan_fully_sharded(sharded, config, hf, 4);
+  EXPECT_NE(line.find("over 4 ranks"), std::string::npos) << line;
+  EXPECT_DOUBLE_EQ(sharded.optimizer_state, whole.optimizer_state / 4);
+  EXPECT_DOUBLE_EQ(sharded.weights, whole.weights / 4 + 4.0 * static_cast<double>(numel[0] + block));
+  EXPECT_DOUBLE_EQ(sharded.gradients, whole.gradients / 4 + 4.0 * static_cast<double>(numel[0] + block));
+  config.distributed.reshard_after_forward = false;
+  MemoryPlan kept = whole;
+  plan_fully_sharded(kept, config, hf, 4);
+  EXPECT_DOUBLE_EQ(kept.weights, whole.weights / 4 + whole.weights);  // the root and every block gathered
+}
+
 TEST(Plan, LossTermsAtA152kVocabularyMatchTheMeasuredPeak) {
   // Qwen2's 152,064-token vocabulary on a model whose layers are tiny (hidden 16, tied head), so the loss is most
   // of the peak: the plain loss (full logits, log-probabilities and their gradients) and the fused chunked loss
