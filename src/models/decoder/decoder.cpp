@@ -865,6 +865,23 @@ class DecoderModel : public LanguageModel {
 
   std::string text_model_path() const override { return s_.multimodal ? "model.language_model" : ""; }
 
+  // transformers 5 names every family's sparse block "mlp" (Mixtral's files say block_sparse_moe).
+  std::vector<StackedExpertLayers> stacked_expert_layers() override {
+    std::vector<StackedExpertLayers> out;
+    for (std::size_t i = 0; i < model->layers->items.size(); ++i) {
+      const auto& moe = model->layers->items[i]->moe;
+      if (!moe) continue;
+      StackedExpertLayers group{layer_path(i) + ".mlp.experts", {}, {}, {}};
+      for (const auto& expert : moe->experts->items) {
+        group.gate.push_back(expert->gate.get());
+        group.up.push_back(expert->up.get());
+        group.down.push_back(expert->down.get());
+      }
+      out.push_back(std::move(group));
+    }
+    return out;
+  }
+
   std::vector<std::pair<std::string, std::string>> aliases() const override {
     if (lm_head_tied())
       return {{"lm_head.weight", s_.multimodal ? std::string(kLanguageModel) + "embed_tokens.weight"
