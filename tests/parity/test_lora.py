@@ -330,3 +330,49 @@ def test_our_merge_of_an_expert_adapter_loads_in_transformers(parameters, tmp_pa
     assert set(written) == set(theirs)
     for key, value in written.items():
         tolerance_close(value, theirs[key], msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_a_lora_training_run_on_the_experts_writes_an_adapter_peft_loads_and_a_merged_model(tmp_path, run_trainer):
+    """The real binary: micro-batches of two with activation checkpointing (the experts' hooks recomputed), the
+    adapter saved with target_parameters, and --merge's model equal to PEFT's adapted logits."""
+    from test_family_training import examples  # pre-tokenized records of a few lengths, prompts masked
+    model_dir = make_model_dir("qwen3-moe-dense-layer", tmp_path / "model")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in examples()))
+    out = tmp_path / "run"
+    config = {
+        "model": {"path": str(model_dir), "init": "pretrained"},
+        "data": {"train_files": [str(data)], "max_length": 32},
+        "training": {"batch_size": 4, "micro_batch_size": 2, "max_steps": 3, "seed": 1,
+                     "activation_checkpointing": True},
+        "optimizer": {"name": "adamw", "lr": 0.05},
+        "precision": {"mode": "fp32"},
+        "device": {"type": "cpu"},
+        "lora": {"enabled": True, "r": 2, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
+                 "target_parameters": EXPERT_PARAMETERS},
+        "checkpoint": {"output_dir": str(out), "every_steps": 0},
+        "logging": {"progress": "off"},
+    }
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    result = run_trainer("--config", tmp_path / "run.json", "--merge")
+    assert "experts' stacked parameters" in result.stderr + result.stdout
+    adapter_config = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert adapter_config["target_parameters"] == EXPERT_PARAMETERS and adapter_config["lora_dropout"] == 0
+    hf_config, batch = batch_for(model_dir, tmp_path)
+    base = hf_model(model_dir)
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+    model = peft.PeftModel.from_pretrained(base, out / "final")
+    model.eval()
+    with torch.no_grad():
+        theirs = model(**batch).logits
+        ours = hf_model(out / "final-merged")(**batch).logits
+    real = real_positions(hf_config, batch)
+    assert (theirs[real] - base_logits[real]).abs().max() > MIN_EFFECT, "training changed nothing"
+    scale = theirs[real].abs().max().item()
+    torch.testing.assert_close(ours[real], theirs[real], atol=2e-5 * max(scale, 1.0), rtol=1e-4)
+    # A dropout PEFT refuses on parameters is refused before training, naming the key and the fix.
+    config["lora"]["dropout"] = 0.05
+    (tmp_path / "bad.json").write_text(json.dumps(config))
+    refused = run_trainer("--config", tmp_path / "bad.json", check=False)
+    assert refused.returncode != 0 and "lora.dropout" in refused.stderr and "lora.dropout=0" in refused.stderr
