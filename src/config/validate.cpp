@@ -223,7 +223,7 @@ std::vector<ConfigProblem> validate(const Config& c) {
     // PEFT's LoRA on parameters (ParamWrapper) refuses dropout: B A (dropout(x)) cannot be folded into a weight.
     check.require(l.target_parameters.empty() || l.dropout == 0.0, "lora.dropout",
                   "must be 0 with lora.target_parameters (PEFT refuses dropout on the experts' stacked parameters, so "
-                  "the adapter would not load there), got " + std::to_string(l.dropout) + "; set lora.dropout=0");
+                  "the adapter would not load there); set lora.dropout=0");
   }
   check.require(l.target_parameters.empty() || l.enabled, "lora.target_parameters",
                 "only applies with lora.enabled=true");
