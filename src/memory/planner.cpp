@@ -290,7 +290,8 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
       adapter += rank * (in + out);
       trainable(rank * in, static_cast<double>(optimizer_state_bytes(config.optimizer, {rank, in}, false)));
       trainable(out * rank, static_cast<double>(optimizer_state_bytes(config.optimizer, {out, rank}, false)));
-      adapter_elements_input += static_cast<double>(config.lora.r * top_k * static_cast<int64_t>(target.parts[0].size()));
+      const auto parts = static_cast<int64_t>(target.parts[0].size());
+      adapter_elements_input += static_cast<double>(config.lora.r * top_k * parts);
     }
   }
 

@@ -288,8 +288,9 @@ std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig&
   const auto paths = lora_target_layers(model, applied.target_modules);
   const auto expert_targets = lora_expert_targets(model, applied.target_parameters);
   if (!expert_targets.empty() && config.dropout != 0.0)
-    throw UsageError("lora.dropout is " + std::to_string(config.dropout) + ", but LoRA on the experts "
-                         "(lora.target_parameters) has no dropout: PEFT refuses it there, so the adapter would not load",
+    throw UsageError("lora.dropout is " + std::to_string(config.dropout) +
+                         ", but LoRA on the experts (lora.target_parameters) has no dropout: PEFT refuses it there, "
+                         "so the adapter would not load",
                      "set lora.dropout=0");
   freeze(model, config.base_in_bf16);
   auto linears = linear_layers(model);
@@ -334,7 +335,8 @@ std::unique_ptr<LoraAdapters> apply_peft_adapter(LanguageModel& model, const Pef
   };
   std::vector<std::string> problems;
   for (const auto& [path, target] : expert_targets)
-    if (!adapter.modules.contains(path)) problems.push_back(path + ": target_parameters select it, but the file has no weights for it");
+    if (!adapter.modules.contains(path))
+      problems.push_back(path + ": target_parameters select it, but the file has no weights for it");
   for (const auto& [path, weights] : adapter.modules) {
     if (const auto it = expert_targets.find(path); it != expert_targets.end()) {
       const auto& parts = it->second.parts;
@@ -480,7 +482,8 @@ void merge_lora(LoraAdapters& adapters) {
       const at::Tensor delta = at::matmul(experts->B(e), experts->A(e)) * experts->scaling();  // (out, in)
       int64_t row = 0;
       for (Linear* part : experts->parts()[static_cast<std::size_t>(e)]) {
-        if (part->has_output_hook()) install_merged(*part, weight_plus(*part, delta.narrow(0, row, part->out_features())));
+        if (part->has_output_hook())
+          install_merged(*part, weight_plus(*part, delta.narrow(0, row, part->out_features())));
         row += part->out_features();
       }
     }
