@@ -574,6 +574,26 @@ TEST(LoraExperts, GradientsReachTheSharedTensorsAndMergingGivesTheAdaptedFunctio
   EXPECT_TRUE(at::allclose(merged, adapted, 1e-4, 1e-4)) << (merged - adapted).abs().max().item<double>();
 }
 
+TEST(LoraExperts, ActivationCheckpointingGivesTheSameExpertGradients) {
+  auto model = tiny_moe("mixtral");
+  auto adapters = apply_lora(*model, expert_lora({"gate_up_proj", "down_proj"}), 0);
+  perturb_experts(*adapters, 9);
+  model->train(true);
+  const Batch batch = padded_batch(false);
+  forward_loss(*model, batch).loss_sum.backward();
+  const auto plain = adapter_grads(*adapters);
+  apply_activation_checkpointing(*model);
+  forward_loss(*model, batch).loss_sum.backward();
+  const auto checkpointed = adapter_grads(*adapters);
+  ASSERT_EQ(plain.size(), checkpointed.size());
+  for (const auto& [param, grad] : plain) {
+    ASSERT_GT(grad.abs().max().item<double>(), 0.0) << param;
+    EXPECT_LE((grad - checkpointed.at(param)).abs().max().item<double>(), 1e-5 * grad.abs().max().item<double>())
+        << param;
+  }
+  EXPECT_TRUE(plain.contains("model.layers.0.mlp.experts.base_layer.lora_B.weight"));
+}
+
 TEST(LoraExperts, PeftFilesRoundTripWithTargetParameters) {
   test::TempDir dir;
   auto model = tiny_moe("qwen3_moe");
