@@ -135,8 +135,16 @@ at::Tensor LoraExperts::B(int64_t e) const { return lora_B.view({lora_B.size(0),
 at::Tensor LoraExperts::adapt(int64_t e, int64_t row, int64_t rows, const at::Tensor& x, const at::Tensor& y) const {
   if (!active) return y;
   const at::Tensor input = x.scalar_type() == lora_A.scalar_type() ? x : x.to(lora_A.scalar_type());
-  const at::Tensor delta = at::linear(at::linear(input, A(e)), B(e).narrow(0, row, rows)) * scaling_;  // (..., rows)
+  const bool pass = !pass_A_.empty();
+  const at::Tensor a = pass ? pass_A_[static_cast<std::size_t>(e)] : A(e);
+  const at::Tensor b = pass ? pass_B_[static_cast<std::size_t>(e)] : B(e);
+  const at::Tensor delta = at::linear(at::linear(input, a), b.narrow(0, row, rows)) * scaling_;  // (..., rows)
   return (y + delta).to(y.scalar_type());
+}
+
+void LoraExperts::begin_pass() {
+  pass_A_ = lora_A.view({experts(), r_, lora_A.size(1)}).unbind(0);
+  pass_B_ = lora_B.view({lora_B.size(0), r_, experts()}).unbind(2);
 }
 
 void LoraAdapters::add(const std::string& module_path, std::shared_ptr<LoraLinear> layer) {
@@ -166,6 +174,17 @@ void LoraAdapters::add_experts(const std::string& path, std::shared_ptr<LoraExpe
     }
   }
   experts_.emplace_back(path, register_module(path, std::move(experts)));
+}
+
+void LoraAdapters::add_experts(const LoraExpertTarget& target, std::shared_ptr<LoraExperts> experts) {
+  if (target.pass_hook) {  // the block's other adapted parameter may have a hook already: both begin
+    std::function<void()> before = *target.pass_hook;
+    *target.pass_hook = [before, experts] {
+      if (before) before();
+      experts->begin_pass();
+    };
+  }
+  add_experts(target.path, std::move(experts));
 }
 
 void LoraAdapters::set_active(bool active) {
@@ -262,6 +281,7 @@ std::vector<LoraExpertTarget> lora_expert_targets(LanguageModel& model, const st
     for (std::size_t k = 0; k < selected.size(); ++k) {
       LoraExpertTarget target;
       target.path = group.path;
+      target.pass_hook = group.pass_hook;
       for (std::size_t nest = k + 1; nest < selected.size(); ++nest) target.path += ".base_layer";
       for (std::size_t e = 0; e < group.gate.size(); ++e)
         target.parts.push_back(std::string(selected[k]) == kGateUp
@@ -306,7 +326,7 @@ std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig&
   for (const auto& target : expert_targets) {  // after the linear layers, as PEFT injects target_parameters
     auto experts = std::make_shared<LoraExperts>(target.parts, config.r, scaling);
     init_lora_A(experts->lora_A, generator);
-    adapters->add_experts(target.path, std::move(experts));
+    adapters->add_experts(target, std::move(experts));
   }
   return adapters;
 }
@@ -401,7 +421,7 @@ std::unique_ptr<LoraAdapters> apply_peft_adapter(LanguageModel& model, const Pef
     auto experts = std::make_shared<LoraExperts>(target.parts, r, lora_scaling(c.lora_alpha, r, c.use_rslora));
     experts->lora_A.copy_(weights.lora_A);
     experts->lora_B.copy_(weights.lora_B);
-    adapters->add_experts(path, std::move(experts));
+    adapters->add_experts(target, std::move(experts));
   }
   return adapters;
 }

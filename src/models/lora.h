@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -74,14 +75,27 @@ class LoraExperts : public Module {
   // A part's output `y` (its rows [row, row + rows) of expert e's slice) with those rows of the expert's term added,
   // computed as LoraLinear::adapt computes (input cast to fp32, scaling after B, the sum cast back to y's dtype).
   at::Tensor adapt(int64_t e, int64_t row, int64_t rows, const at::Tensor& x, const at::Tensor& y) const;
+  // Before a pass over the experts: every expert's A_e and B_e as the outputs of one unbind each, so backward sums
+  // the experts' gradients into A and B once (a slice per expert would add a zero-filled full-size gradient per
+  // expert: with 128 experts, gigabytes per layer). adapt() slices directly when no pass began.
+  void begin_pass();
 
   at::Tensor lora_A, lora_B;
   bool active = true;  // as LoraLinear::active
 
  private:
+  std::vector<at::Tensor> pass_A_, pass_B_;  // begin_pass's views, per expert
   std::vector<std::vector<Linear*>> parts_;  // owned by the model
   int64_t r_;
   double scaling_;
+};
+
+// One stacked expert parameter that lora.target_parameters selects: the path its adapter is saved under and the
+// experts' layers that hold it here (LoraExperts' parts).
+struct LoraExpertTarget {
+  std::string path;
+  std::vector<std::vector<Linear*>> parts;
+  std::function<void()>* pass_hook = nullptr;  // the block's (StackedExpertLayers::pass_hook)
 };
 
 // The adapters of one model: children named by the module path they adapt.
@@ -95,8 +109,9 @@ class LoraAdapters : public Module {
   // The adapted stacked expert parameters, by the path PEFT saves them under ("model.layers.0.mlp.experts" or, the
   // first of two, "model.layers.0.mlp.experts.base_layer").
   const std::vector<std::pair<std::string, std::shared_ptr<LoraExperts>>>& experts() const { return experts_; }
-  // Installs `experts`' hooks on every part of every expert.
+  // Installs `experts`' hooks on every part of every expert (and on the block's pass, with a target).
   void add_experts(const std::string& path, std::shared_ptr<LoraExperts> experts);
+  void add_experts(const LoraExpertTarget& target, std::shared_ptr<LoraExperts> experts);
   int64_t trainable_parameters() const;
   // Turns every adapter on or off (LoraLinear::active).
   void set_active(bool active);
@@ -137,12 +152,6 @@ double lora_scaling(double alpha, int64_t r, bool rslora);
 // (trainer adapts linear layers only).
 std::vector<std::string> lora_target_layers(LanguageModel& model, const std::vector<std::string>& targets);
 
-// One stacked expert parameter that lora.target_parameters selects: the path its adapter is saved under and the
-// experts' layers that hold it here (LoraExperts' parts).
-struct LoraExpertTarget {
-  std::string path;
-  std::vector<std::vector<Linear*>> parts;
-};
 // The stacked expert parameters `targets` selects by PEFT's rule for target_parameters: the key
 // "<experts path>.<parameter>" (model.layers.0.mlp.experts.down_proj) equals a target or ends with "." + target.
 // Several parameters of one block nest as PEFT nests their wrappers: gate_up_proj (registered first) under

@@ -48,6 +48,8 @@ class Linear;
 struct StackedExpertLayers {
   std::string path;                     // transformers' module path ("model.layers.0.mlp.experts")
   std::vector<Linear*> gate, up, down;  // per expert, this model's layers (owned by the model)
+  // Called before each pass over the experts (a forward of the block, or its recomputation), when set.
+  std::function<void()>* pass_hook = nullptr;
 };
 
 // One transformer block as a function of its tensor inputs (hidden states first), for wrappers such as
