@@ -482,6 +482,7 @@ struct LoraConfig {
   double alpha = 16.0;
   double dropout = 0.05;
   std::vector<std::string> target_modules;
+  std::vector<std::string> target_parameters;
   bool rslora = false;
   bool base_in_bf16 = false;
 
@@ -494,6 +495,9 @@ struct LoraConfig {
     v("target_modules", target_modules,
       "module names to adapt; empty: q,v (T5), q_proj,v_proj (decoder families, CLIP), qkv_proj (Phi-3) or "
       "query,value (ViT)");
+    v("target_parameters", target_parameters,
+      "a mixture of experts' experts to adapt, as PEFT's target_parameters names transformers 5's stacked "
+      "parameters: mlp.experts.gate_up_proj, mlp.experts.down_proj (needs dropout 0)");
     v("rslora", rslora, "rank-stabilised scaling alpha / sqrt(r)");
     v("base_in_bf16", base_in_bf16, "hold the frozen base weights in bf16 to save memory");
   }

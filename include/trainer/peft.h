@@ -26,10 +26,15 @@ struct PeftLoraConfig {
   double lora_dropout = 0.0;
   std::vector<std::string> target_modules;  // a regular expression (PEFT's string form) is kept as one entry
   bool target_modules_regex = false;        // target_modules[0] is that regular expression (written as a string)
+  // Parameters adapted by PEFT's ParamWrapper: a mixture of experts' stacked experts ("mlp.experts.gate_up_proj").
+  // Their weights are saved under the experts' module path, nested by "base_layer." when one module has several
+  // (PEFT wraps a module's parameters in the order the module registers them, the last one outermost).
+  std::vector<std::string> target_parameters;
   bool use_rslora = false;
 };
 
-// One adapted linear layer: A (r, in) and B (out, r).
+// One adapted linear layer: A (r, in) and B (out, r); or one stacked parameter of E experts: A (r * E, in) and
+// B (out, r * E), PEFT's layout (models/lora.h).
 struct LoraWeights {
   at::Tensor lora_A;
   at::Tensor lora_B;
@@ -37,7 +42,8 @@ struct LoraWeights {
 
 struct PeftAdapter {
   PeftLoraConfig config;
-  std::map<std::string, LoraWeights> modules;  // module path ("model.layers.0.self_attn.q_proj") -> weights
+  // module path ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.experts.base_layer") -> weights
+  std::map<std::string, LoraWeights> modules;
 };
 
 // Whether `dir` holds an adapter (adapter_config.json).
@@ -49,7 +55,8 @@ void write_peft_adapter(const std::string& dir, const PeftAdapter& adapter);
 
 // Reads an adapter that PEFT or trainer saved; tensors come back in fp32 on the CPU. Throws DataError naming the
 // file for anything trainer cannot reproduce exactly: another peft_type, DoRA, LoRA biases, bias other than "none",
-// modules_to_save, alpha_pattern, fan_in_fan_out, layer replication, trainable tokens; keys that are not
+// modules_to_save, alpha_pattern, fan_in_fan_out, layer replication, trainable tokens, target_parameters as a
+// regular expression; keys that are not
 // lora_A/lora_B weights; a module with only one of the two; shapes that do not fit together.
 PeftAdapter read_peft_adapter(const std::string& dir);
 

@@ -322,6 +322,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
                       "LoRA target modules for the LoRA row, comma-separated (default: q,v for T5, q_proj,v_proj "
                       "for the decoder families; Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj for every layer)")
       ->delimiter(',');
+  inspect->add_option("--lora-parameters", inspect_options.lora_parameters,
+                      "A mixture of experts' experts for the LoRA row, as lora.target_parameters, comma-separated "
+                      "(e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj)")
+      ->delimiter(',');
 
   MergeOptions merge_options;
   auto* merge_cmd = app.add_subcommand("merge", "Merge a LoRA adapter (PEFT format) into its base model and write a "

@@ -220,7 +220,13 @@ std::vector<ConfigProblem> validate(const Config& c) {
     check.at_least(l.r, 1, "lora.r");
     check.require(l.alpha > 0, "lora.alpha", "must be > 0");
     check.in_range(l.dropout, 0.0, 1.0, "lora.dropout", false);
+    // PEFT's LoRA on parameters (ParamWrapper) refuses dropout: B A (dropout(x)) cannot be folded into a weight.
+    check.require(l.target_parameters.empty() || l.dropout == 0.0, "lora.dropout",
+                  "must be 0 with lora.target_parameters (PEFT refuses dropout on the experts' stacked parameters, so "
+                  "the adapter would not load there); set lora.dropout=0");
   }
+  check.require(l.target_parameters.empty() || l.enabled, "lora.target_parameters",
+                "only applies with lora.enabled=true");
   check.require(!l.base_in_bf16 || l.enabled, "lora.base_in_bf16", "only applies with lora.enabled=true");
 
   const auto& mq = c.model;

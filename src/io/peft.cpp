@@ -62,7 +62,7 @@ PeftLoraConfig parse_config(const nlohmann::json& c, const std::string& file) {
   if (c.contains("bias") && !c["bias"].is_null() && c["bias"] != "none")
     unsupported.push_back("bias=" + c["bias"].dump());
   for (const char* key : {"modules_to_save", "alpha_pattern", "layer_replication", "trainable_token_indices",
-                          "target_parameters", "alora_invocation_tokens"})
+                          "alora_invocation_tokens"})
     if (!is_null_or_empty(c, key)) unsupported.push_back(std::string(key) + "=" + c[key].dump());
   if (!unsupported.empty()) {
     std::string list;
@@ -100,6 +100,15 @@ PeftLoraConfig parse_config(const nlohmann::json& c, const std::string& file) {
       throw DataError(file + ": \"target_modules\" must be a list of names or a regular expression");
     }
   }
+  if (c.contains("target_parameters") && !c["target_parameters"].is_null()) {
+    const auto& targets = c["target_parameters"];
+    if (!targets.is_array())  // PEFT itself does not implement the regular-expression form
+      throw DataError(file + ": \"target_parameters\" must be a list of parameter names, got " + targets.dump());
+    for (const auto& t : targets) {
+      if (!t.is_string()) throw DataError(file + ": \"target_parameters\" must hold strings, got " + t.dump());
+      config.target_parameters.push_back(t.get<std::string>());
+    }
+  }
   return config;
 }
 
@@ -120,6 +129,7 @@ void write_peft_adapter(const std::string& dir, const PeftAdapter& adapter) {
       {"lora_dropout", c.lora_dropout},
       {"target_modules", c.target_modules_regex && c.target_modules.size() == 1 ? nlohmann::json(c.target_modules[0])
                                                                                 : nlohmann::json(c.target_modules)},
+      {"target_parameters", c.target_parameters.empty() ? nlohmann::json() : nlohmann::json(c.target_parameters)},
       {"use_rslora", c.use_rslora},
       {"bias", "none"},
       {"fan_in_fan_out", false},

@@ -248,6 +248,11 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
     for (const auto& path : quantizable_layers(*model)) quantized.insert(path + ".weight");
   double quantized_elements = 0, quantized_bytes = 0;
   int64_t largest_quantized = 0;
+  auto trainable = [&](int64_t numel, double state) {
+    optimizer_state += state;
+    plan.trainable_numels.push_back(numel);
+    plan.trainable_state_bytes.push_back(state);
+  };
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) {
     plan.parameters += p.numel();
     if (quantized.contains(name)) {
@@ -256,11 +261,6 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
       largest_quantized = std::max(largest_quantized, p.numel());
     }
     if (!config.lora.enabled) largest_trainable = std::max(largest_trainable, p.numel());
-    auto trainable = [&](int64_t numel, double state) {
-      optimizer_state += state;
-      plan.trainable_numels.push_back(numel);
-      plan.trainable_state_bytes.push_back(state);
-    };
     if (!config.lora.enabled)
       trainable(p.numel(), static_cast<double>(optimizer_state_bytes(config.optimizer, p.sizes(),
                                                                      config.precision.mode == PrecisionMode::kBf16)));
@@ -276,6 +276,24 @@ MemoryPlan plan_memory(const Config& config, const nlohmann::json& hf_config, co
         (config.lora.dropout > 0 ? (1.0 + dropout_share) * static_cast<double>(p.size(1)) : 0.0);
     (name.starts_with("decoder.") ? adapter_elements_target : adapter_elements_input) += per_token;
   });
+
+  if (config.lora.enabled) {
+    // The experts' adapters (lora.target_parameters): per stacked parameter A (r E, in) and B (out, r E); per token
+    // each of its top-k experts keeps A's output (r) for every layer of the expert that holds a part of it.
+    const int64_t top_k = hf_config.value("num_experts_per_tok", int64_t{2});
+    for (const auto& target : lora_expert_targets(*model, config.lora.target_parameters)) {
+      const int64_t experts = static_cast<int64_t>(target.parts.size()), rank = config.lora.r * experts;
+      const int64_t in = target.parts[0][0]->in_features();
+      int64_t out = 0;
+      for (const Linear* part : target.parts[0]) out += part->out_features();
+      largest_trainable = std::max({largest_trainable, rank * in, rank * out});
+      adapter += rank * (in + out);
+      trainable(rank * in, static_cast<double>(optimizer_state_bytes(config.optimizer, {rank, in}, false)));
+      trainable(out * rank, static_cast<double>(optimizer_state_bytes(config.optimizer, {out, rank}, false)));
+      const auto parts = static_cast<int64_t>(target.parts[0].size());
+      adapter_elements_input += static_cast<double>(config.lora.r * top_k * parts);
+    }
+  }
 
   const double p = static_cast<double>(plan.parameters);
   if (config.lora.enabled) {

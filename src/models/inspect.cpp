@@ -140,6 +140,8 @@ void inspect_model(const std::string& dir, const InspectOptions& options, std::o
   lora_config.enabled = true;
   lora_config.r = options.lora_r;
   lora_config.target_modules = options.lora_targets;
+  lora_config.target_parameters = options.lora_parameters;
+  lora_config.dropout = 0.0;
   const auto adapters = apply_lora(*model, lora_config, 0);
   const int64_t lora = adapters->trainable_parameters();
   std::string targets;
@@ -183,8 +185,11 @@ void inspect_model(const std::string& dir, const InspectOptions& options, std::o
     out << "  " << std::left << std::setw(11) << r.mode << " " << std::setw(12) << human_bytes(r.weights) << " "
         << std::setw(12) << human_bytes(r.grads) << " " << std::setw(12) << human_bytes(r.optimizer) << " "
         << std::setw(12) << human_bytes(r.weights + r.grads + r.optimizer) << " " << r.note << "\n";
-  out << "  (lora: r=" << options.lora_r << " on " << targets << ", " << adapters->layers().size()
-      << " layers: " << with_commas(lora) << " trainable parameters; AdamW keeps two fp32 moments for each)\n";
+  out << "  (lora: r=" << options.lora_r << " on " << targets << ", " << adapters->layers().size() << " layers"
+      << (adapters->experts().empty() ? std::string()
+                                      : " and " + std::to_string(adapters->experts().size()) +
+                                            " experts' stacked parameters")
+      << ": " << with_commas(lora) << " trainable parameters; AdamW keeps two fp32 moments for each)\n";
   out << "  (qlora: " << with_commas(static_cast<int64_t>(quantized_elements)) << " weights of "
       << quantizable.size() << " linear layers in NF4, block 64, double quantization)\n";
   out << "Activations come on top; they grow with the micro-batch and the sequence lengths.\n";

@@ -11,6 +11,7 @@ namespace trainer {
 struct InspectOptions {
   int64_t lora_r = 8;
   std::vector<std::string> lora_targets;  // empty: the family's defaults
+  std::vector<std::string> lora_parameters;  // a mixture of experts' experts (lora.target_parameters)
 };
 
 // Prints architecture, parameter counts by group, checkpoint dtype and bytes, and the memory that weights,

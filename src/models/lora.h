@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -51,6 +52,52 @@ class LoraLinear : public Module {
   double scaling_;
 };
 
+// LoRA on one stacked parameter (E, out, in) of a mixture of experts' experts, in PEFT's layout (its ParamWrapper,
+// which lora.target_parameters selects): lora_A (r * E, in) and lora_B (out, r * E), fp32. Expert e's delta is
+// scaling * B_e A_e, with A_e = lora_A's rows [e r, (e + 1) r) and B_e = lora_B.view(out, r, E)[:, :, e] (B's
+// columns interleave the experts). Here each expert is linear layers stacked by rows into its (out, in) slice
+// (gate_up_proj: the gate's rows, then the up's; down_proj: one layer); each layer gets a hook adding its rows of the
+// expert's term, so every expert's gradients flow into the two shared tensors. No dropout: PEFT refuses it there.
+class LoraExperts : public Module {
+ public:
+  // parts[e]: expert e's layers, in row order; every expert alike.
+  LoraExperts(std::vector<std::vector<Linear*>> parts, int64_t r, double scaling);
+
+  int64_t experts() const { return static_cast<int64_t>(parts_.size()); }
+  int64_t r() const { return r_; }
+  double scaling() const { return scaling_; }
+  int64_t in_features() const { return lora_A.size(1); }
+  int64_t out_features() const { return lora_B.size(0); }
+  const std::vector<std::vector<Linear*>>& parts() const { return parts_; }
+  // Expert e's factors, views of lora_A (r, in) and lora_B (out, r).
+  at::Tensor A(int64_t e) const;
+  at::Tensor B(int64_t e) const;
+  // A part's output `y` (its rows [row, row + rows) of expert e's slice) with those rows of the expert's term added,
+  // computed as LoraLinear::adapt computes (input cast to fp32, scaling after B, the sum cast back to y's dtype).
+  at::Tensor adapt(int64_t e, int64_t row, int64_t rows, const at::Tensor& x, const at::Tensor& y) const;
+  // Before a pass over the experts: every expert's A_e and B_e as the outputs of one unbind each, so backward sums
+  // the experts' gradients into A and B once (a slice per expert would add a zero-filled full-size gradient per
+  // expert: with 128 experts, gigabytes per layer). adapt() slices directly when no pass began.
+  void begin_pass();
+
+  at::Tensor lora_A, lora_B;
+  bool active = true;  // as LoraLinear::active
+
+ private:
+  std::vector<at::Tensor> pass_A_, pass_B_;  // begin_pass's views, per expert
+  std::vector<std::vector<Linear*>> parts_;  // owned by the model
+  int64_t r_;
+  double scaling_;
+};
+
+// One stacked expert parameter that lora.target_parameters selects: the path its adapter is saved under and the
+// experts' layers that hold it here (LoraExperts' parts).
+struct LoraExpertTarget {
+  std::string path;
+  std::vector<std::vector<Linear*>> parts;
+  std::function<void()>* pass_hook = nullptr;  // the block's (StackedExpertLayers::pass_hook)
+};
+
 // The adapters of one model: children named by the module path they adapt.
 class LoraAdapters : public Module {
  public:
@@ -59,6 +106,12 @@ class LoraAdapters : public Module {
   const std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>>& layers() const { return layers_; }
   // Installs `layer` on its base linear layer's output.
   void add(const std::string& module_path, std::shared_ptr<LoraLinear> layer);
+  // The adapted stacked expert parameters, by the path PEFT saves them under ("model.layers.0.mlp.experts" or, the
+  // first of two, "model.layers.0.mlp.experts.base_layer").
+  const std::vector<std::pair<std::string, std::shared_ptr<LoraExperts>>>& experts() const { return experts_; }
+  // Installs `experts`' hooks on every part of every expert (and on the block's pass, with a target).
+  void add_experts(const std::string& path, std::shared_ptr<LoraExperts> experts);
+  void add_experts(const LoraExpertTarget& target, std::shared_ptr<LoraExperts> experts);
   int64_t trainable_parameters() const;
   // Turns every adapter on or off (LoraLinear::active).
   void set_active(bool active);
@@ -66,6 +119,7 @@ class LoraAdapters : public Module {
  private:
   LoraConfig config_;
   std::vector<std::pair<std::string, std::shared_ptr<LoraLinear>>> layers_;
+  std::vector<std::pair<std::string, std::shared_ptr<LoraExperts>>> experts_;
 };
 
 // The adapters off for a scope (the base model alone, as PEFT's `with model.disable_adapter()`), on again after.
@@ -92,14 +146,24 @@ std::vector<std::string> default_lora_targets(LanguageModel& model);
 double lora_scaling(double alpha, int64_t r, bool rslora);
 
 // The paths of the linear layers `targets` selects by PEFT's rule: a module whose full name equals a target or
-// ends with "." + target. Throws UsageError when a target selects nothing, or selects a module that is not a
-// linear layer (trainer adapts linear layers only).
+// ends with "." + target. A mixture of experts' experts are not modules in transformers 5 (StackedExpertLayers), so
+// no target selects them, as in PEFT. Throws UsageError when a target selects nothing (naming
+// lora.target_parameters when it would select experts only), or selects a module that is not a linear layer
+// (trainer adapts linear layers only).
 std::vector<std::string> lora_target_layers(LanguageModel& model, const std::vector<std::string>& targets);
+
+// The stacked expert parameters `targets` selects by PEFT's rule for target_parameters: the key
+// "<experts path>.<parameter>" (model.layers.0.mlp.experts.down_proj) equals a target or ends with "." + target.
+// Several parameters of one block nest as PEFT nests their wrappers: gate_up_proj (registered first) under
+// "base_layer." of down_proj. Throws UsageError for a target that selects nothing or names another parameter
+// than gate_up_proj / down_proj, and on a model without such experts.
+std::vector<LoraExpertTarget> lora_expert_targets(LanguageModel& model, const std::vector<std::string>& targets);
 
 // Freezes every parameter of `model` (requires_grad off: no gradients, no optimizer state) and, with
 // config.base_in_bf16, converts them to bf16. Then adds adapters on config.target_modules (the family's defaults
-// when empty), initialised as PEFT does: A kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)) from a
-// generator seeded with `seed`, B zeros, so the adapted model starts equal to the base.
+// when empty) and config.target_parameters (the experts), initialised as PEFT does: A kaiming-uniform with
+// a = sqrt(5) (uniform in +-1/sqrt(in)) from a generator seeded with `seed`, B zeros, so the adapted model starts
+// equal to the base. Throws UsageError for dropout on experts (PEFT refuses it).
 std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig& config, uint64_t seed);
 
 // Freezes `model` and adds adapters on exactly the modules of a saved adapter, with its ranks (per module, as

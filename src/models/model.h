@@ -40,6 +40,18 @@ struct GenerationState {
   virtual ~GenerationState() = default;
 };
 
+class Linear;
+
+// A mixture of experts' experts, held here as one linear layer per expert (as the Hub files store them), seen as
+// transformers 5 holds them: per sparse block two stacked parameters under `path`, gate_up_proj (E, 2I, D: each
+// expert's gate rows, then its up rows) and down_proj (E, D, I). PEFT's target_parameters name them so.
+struct StackedExpertLayers {
+  std::string path;                     // transformers' module path ("model.layers.0.mlp.experts")
+  std::vector<Linear*> gate, up, down;  // per expert, this model's layers (owned by the model)
+  // Called before each pass over the experts (a forward of the block, or its recomputation), when set.
+  std::function<void()>* pass_hook = nullptr;
+};
+
 // One transformer block as a function of its tensor inputs (hidden states first), for wrappers such as
 // activation checkpointing. It must capture nothing that needs gradients: every such tensor is an input.
 using BlockFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
@@ -110,6 +122,9 @@ class LanguageModel : public Module {
   // The module path of the text model inside a multimodal model ("model.language_model"), else empty: PEFT
   // adapters then name their targets within it (the towers have layers of the same names).
   virtual std::string text_model_path() const { return {}; }
+  // The experts of every sparse block that are linear layers here (StackedExpertLayers), in layer order; empty for
+  // a dense model (and for Gemma 4, whose experts are stacked tensors here too).
+  virtual std::vector<StackedExpertLayers> stacked_expert_layers() { return {}; }
   // The carried tensors by checkpoint name, in the checkpoint's dtype (filled by load_model).
   std::vector<std::pair<std::string, at::Tensor>>& carried_tensors() { return carried_; }
 

@@ -40,6 +40,7 @@ std::string resume_refusal_reason(const std::string& key) {
       {"lora.r", "the adapter's shape"},
       {"lora.alpha", "the adapter's scaling"},
       {"lora.target_modules", "the adapter's shape"},
+      {"lora.target_parameters", "the adapter's shape"},
       {"lora.rslora", "the adapter's scaling"},
       {"lora.base_in_bf16", "the numerics of the frozen base"},
       {"data.input_field", "which text becomes the examples"},

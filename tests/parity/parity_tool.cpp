@@ -12,7 +12,8 @@
 //   trainer_parity lora-forward MODEL_DIR ADAPTER_DIR BATCH.safetensors OUT.safetensors
 //       the base with a PEFT adapter applied: logits, loss and grad.<PEFT key> of every adapter weight
 //   trainer_parity lora-train MODEL_DIR BATCH.safetensors OUT_DIR LORA_JSON
-//       LoRA applied as training applies it ({"r", "alpha", "rslora", "target_modules", "steps", "lr", "seed"}),
+//       LoRA applied as training applies it ({"r", "alpha", "rslora", "target_modules", "target_parameters", "steps",
+//       "lr", "seed"}),
 //       `steps` SGD steps on the adapters, the adapter saved to OUT_DIR in PEFT's format, and
 //       OUT_DIR/logits.safetensors holding the adapted logits of the same batch after the steps (and "losses": the
 //       mean loss before each step). QLoRA: "quantize" (nf4 | fp4), "block_size", "double_quant" quantize the
@@ -193,6 +194,7 @@ int lora_train(const std::string& model_dir, const std::string& batch_path, cons
   config.dropout = 0.0;
   config.rslora = settings.value("rslora", false);
   config.target_modules = settings.value("target_modules", std::vector<std::string>{});
+  config.target_parameters = settings.value("target_parameters", std::vector<std::string>{});
   std::optional<trainer::Quantize4bitOptions> quantize;
   if (settings.contains("quantize"))
     quantize = trainer::Quantize4bitOptions{trainer::quant::parse_quant_type(settings.at("quantize").get<std::string>()),

@@ -12,7 +12,7 @@ repacks weights for a bf16 GEMM (kept on the dequantize-and-matmul path).
 (a) 4-bit forward (NF4 and FP4, with and without double quantization): trainer's logits equal transformers'
     load_in_4bit model's, and quantization changes the logits by far more than the tolerance;
 (b) a few SGD steps of LoRA on every linear layer over the 4-bit base, from the same adapter: losses and adapter
-    weights equal PEFT's over bitsandbytes' Linear4bit;
+    weights equal PEFT's over bitsandbytes' Linear4bit (a mixture of experts: on its 4-bit experts too);
 (c) `trainer quantize` writes the tensors transformers + bitsandbytes save, byte for byte, and transformers loads
     the directory with the same logits; trainer loads a directory transformers saved in 4 bits with its logits;
 (d) `trainer merge --quantize nf4` and a QLoRA training run with --merge give full-precision models with PEFT's
@@ -41,8 +41,11 @@ TARGETS = {"qwen2-gqa-tied": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj
            # adds its per-layer input projections.
            "phi3-partial-longrope": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
            "gemma4-shared-kv-ple": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-           # A mixture of experts: LoRA on the attention; its experts are 4-bit too (below), its router is not.
+           # A mixture of experts: LoRA on the attention and on the experts (PARAMETERS), which are 4-bit too
+           # (below); its router is not.
            "qwen3-moe-dense-layer": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+# PEFT's target_parameters: the experts' stacked parameters, adapted over their 4-bit values.
+PARAMETERS = {"qwen3-moe-dense-layer": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 FAMILY_NAMES = ["phi3-partial-longrope", "gemma4-shared-kv-ple", "qwen3-moe-dense-layer"]
 MIN_EFFECT = 1e-3
 LR = 0.3
@@ -108,8 +111,8 @@ def bnb_logits(model, batch):
 
 
 def our_run(parity_tool, model_dir, batch_path, out_dir, name, steps, lr=LR, **quantize):
-    settings = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "steps": steps, "lr": lr, "seed": 3,
-                **quantize}
+    settings = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "target_parameters": PARAMETERS.get(name, []),
+                "steps": steps, "lr": lr, "seed": 3, **quantize}
     run_parity_tool(parity_tool, "lora-train", model_dir, batch_path, out_dir, json.dumps(settings))
     return load_file(out_dir / "logits.safetensors")
 
@@ -213,13 +216,15 @@ def test_trainer_loads_a_4bit_model_transformers_saved(name, tmp_path, parity_to
     close(ours["logits"][real], bnb_logits(reference, batch)[real])
 
 
-@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "flan-gated-gelu-untied"])
+# A mixture of experts with adapters on its experts: they are merged over the 4-bit values they were trained on.
+@pytest.mark.parametrize("name", ["qwen2-gqa-tied", "flan-gated-gelu-untied", "qwen3-moe-dense-layer"])
 def test_merge_with_a_4bit_base_gives_peft_adapted_logits(name, tmp_path, run_trainer):
     model_dir, config, batch = setup(name, tmp_path)
     base = bnb_model(model_dir)
     task = "SEQ_2_SEQ_LM" if config.is_encoder_decoder else "CAUSAL_LM"
     model = peft.get_peft_model(base, peft.LoraConfig(task_type=task, r=4, lora_alpha=8, lora_dropout=0.0,
-                                                      target_modules=TARGETS[name]))
+                                                      target_modules=TARGETS[name],
+                                                      target_parameters=PARAMETERS.get(name)))
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for n, p in model.named_parameters():

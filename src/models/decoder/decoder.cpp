@@ -239,6 +239,7 @@ class Experts : public Module {
     items.push_back(register_module(std::to_string(items.size()), std::move(expert)));
   }
   std::vector<std::shared_ptr<Expert>> items;
+  std::function<void()> pass_hook;  // set from outside (StackedExpertLayers): called before each pass over the experts
 };
 
 // The experts' part of a sparse MLP: flat (N, D) tokens, their top-k `weights` and `chosen` experts (N, k); the
@@ -294,6 +295,7 @@ class MoeMlp : public Module {
     auto [weights, chosen] = at::topk(probabilities, spec_.top_k, -1);  // (N, k)
     if (spec_.norm_topk) weights = weights / weights.sum(-1, /*keepdim=*/true);
     if (spec_.weights_in_dtype) weights = weights.to(logits.scalar_type());
+    if (experts->pass_hook) experts->pass_hook();
     at::Tensor out = combine(flat, weights, chosen, spec_.experts, [&](int64_t e, const at::Tensor& tokens) {
       return experts->items[static_cast<std::size_t>(e)]->forward(tokens, act_);
     });
@@ -868,6 +870,23 @@ class DecoderModel : public LanguageModel {
   std::vector<const Module*> blocks() const override {
     std::vector<const Module*> out;
     for (const auto& block : model->layers->items) out.push_back(block.get());
+    return out;
+  }
+
+  // transformers 5 names every family's sparse block "mlp" (Mixtral's files say block_sparse_moe).
+  std::vector<StackedExpertLayers> stacked_expert_layers() override {
+    std::vector<StackedExpertLayers> out;
+    for (std::size_t i = 0; i < model->layers->items.size(); ++i) {
+      const auto& moe = model->layers->items[i]->moe;
+      if (!moe) continue;
+      StackedExpertLayers group{layer_path(i) + ".mlp.experts", {}, {}, {}, &moe->experts->pass_hook};
+      for (const auto& expert : moe->experts->items) {
+        group.gate.push_back(expert->gate.get());
+        group.up.push_back(expert->up.get());
+        group.down.push_back(expert->down.get());
+      }
+      out.push_back(std::move(group));
+    }
     return out;
   }
 

@@ -308,6 +308,11 @@ TEST(ConfigErrors, ValidationChecksRangesAndConsistency) {
                        "not both"));
   EXPECT_TRUE(contains(problem_at(with(R"("optimizer": {"beta2": 1.0})"), "optimizer.beta2"), "[0, 1)"));
   EXPECT_TRUE(contains(problem_at(with(R"("lora": {"enabled": true, "r": 0})"), "lora.r"), "at least 1"));
+  // LoRA on the experts has no dropout (PEFT refuses it there), and lora.dropout defaults to 0.05.
+  EXPECT_TRUE(contains(problem_at(with(R"("lora": {"enabled": true, "target_parameters": ["down_proj"]})"),
+                                  "lora.dropout"),
+                       "set lora.dropout=0"));
+  EXPECT_TRUE(with(R"("lora": {"enabled": true, "dropout": 0, "target_parameters": ["down_proj"]})").empty());
   EXPECT_TRUE(contains(problem_at(with(R"("checkpoint": {"keep_last": 0})"), "checkpoint.keep_last"), "at least 1"));
   EXPECT_TRUE(problems_of(kMinimal).empty());
 }

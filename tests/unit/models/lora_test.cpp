@@ -3,6 +3,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -427,6 +428,241 @@ TEST(Lora, InspectCountsWhatTrainingAllocates) {
     EXPECT_NE(out.str().find(count + " trainable parameters"), std::string::npos) << count << "\n" << out.str();
     EXPECT_EQ(optimizer.state_bytes(), 8 * optimizer.trainable_parameters());
   }
+}
+
+// ---- LoRA on a mixture of experts' experts (lora.target_parameters, PEFT's ParamWrapper layout) --------------------
+
+namespace {
+
+// A tiny mixture of experts with random weights: Qwen3-MoE (layer 1 dense) or Mixtral (w1/w3/w2 under
+// block_sparse_moe), 4 experts of width 16, 2 per token.
+std::unique_ptr<LanguageModel> tiny_moe(const std::string& model_type) {
+  nlohmann::json c = {{"model_type", model_type}, {"vocab_size", 256}, {"hidden_size", 32},
+                      {"intermediate_size", 16}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2}, {"max_position_embeddings", 64}, {"rms_norm_eps", 1e-6},
+                      {"num_experts_per_tok", 2}, {"tie_word_embeddings", false}};
+  if (model_type == "mixtral") {
+    c["num_local_experts"] = 4;
+  } else {
+    c["num_experts"] = 4;
+    c["moe_intermediate_size"] = 16;
+    c["head_dim"] = 8;
+    c["mlp_only_layers"] = {1};
+    c["intermediate_size"] = 48;
+  }
+  auto model = build_model(c, at::TensorOptions().dtype(at::kFloat));
+  at::manual_seed(5);
+  model->init_weights();
+  model->train(false);
+  return model;
+}
+
+LoraConfig expert_lora(std::vector<std::string> parameters) {
+  auto c = lora(2, {"q_proj"});
+  c.target_parameters = std::move(parameters);
+  return c;
+}
+
+void perturb_experts(LoraAdapters& adapters, uint64_t seed) {
+  at::manual_seed(seed);
+  at::NoGradGuard no_grad;
+  for (const auto& [path, experts] : adapters.experts()) experts->lora_B.normal_(0.0, 0.3);
+  perturb(adapters, seed + 1);
+}
+
+std::string usage_error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UsageError& e) {
+    return std::string(e.what()) + " | hint: " + e.hint();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST(LoraExperts, TargetParametersSelectTheStackedExpertsNestedAsPeftNamesThem) {
+  auto model = tiny_moe("qwen3_moe");
+  auto both = apply_lora(*model, expert_lora({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}), 0);
+  ASSERT_EQ(both->experts().size(), 2u);  // layer 1 is dense
+  // PEFT wraps gate_up_proj first and down_proj around it: gate_up_proj's weights sit under base_layer.
+  EXPECT_EQ(both->experts()[0].first, "model.layers.0.mlp.experts.base_layer");
+  EXPECT_EQ(both->experts()[1].first, "model.layers.0.mlp.experts");
+  const auto& gate_up = *both->experts()[0].second;
+  const auto& down = *both->experts()[1].second;
+  EXPECT_EQ(gate_up.lora_A.sizes(), (at::IntArrayRef{2 * 4, 32}));  // (r E, D)
+  EXPECT_EQ(gate_up.lora_B.sizes(), (at::IntArrayRef{2 * 16, 2 * 4}));  // (2I, r E)
+  EXPECT_EQ(down.lora_A.sizes(), (at::IntArrayRef{2 * 4, 16}));
+  EXPECT_EQ(down.lora_B.sizes(), (at::IntArrayRef{32, 2 * 4}));
+  std::set<std::string> names;
+  both->for_each_parameter([&](const std::string& name, at::Tensor&) { names.insert(name); });
+  EXPECT_TRUE(names.contains("model.layers.0.mlp.experts.base_layer.lora_A.weight"));
+  EXPECT_TRUE(names.contains("model.layers.0.mlp.experts.lora_B.weight"));
+  // q_proj (2 layers) + the experts: 2 x 2 x (32 + 32) + (8 x 32 + 32 x 8) + (8 x 16 + 32 x 8)
+  EXPECT_EQ(both->trainable_parameters(), 2 * 2 * 64 + 512 + 384);
+  // One parameter alone is not nested; a last name selects it too (PEFT: equal, or ends with "." + target).
+  auto other = tiny_moe("qwen3_moe");
+  auto one = apply_lora(*other, expert_lora({"down_proj"}), 0);
+  ASSERT_EQ(one->experts().size(), 1u);
+  EXPECT_EQ(one->experts()[0].first, "model.layers.0.mlp.experts");
+  EXPECT_EQ(one->experts()[0].second->in_features(), 16);
+  // Mixtral: transformers 5 names the block mlp (the files: block_sparse_moe.experts.E.w1 / w3 / w2).
+  auto mixtral = tiny_moe("mixtral");
+  auto adapters = apply_lora(*mixtral, expert_lora({"mlp.experts.gate_up_proj"}), 0);
+  ASSERT_EQ(adapters->experts().size(), 2u);
+  EXPECT_EQ(adapters->experts()[1].first, "model.layers.1.mlp.experts");
+}
+
+TEST(LoraExperts, EachExpertComputesPeftsDeltaOfTheStackedParameter) {
+  auto model = tiny_moe("mixtral");
+  auto config = expert_lora({"gate_up_proj", "down_proj"});
+  config.alpha = 6;
+  auto adapters = apply_lora(*model, config, 0);
+  perturb_experts(*adapters, 3);
+  const auto groups = model->stacked_expert_layers();
+  at::manual_seed(4);
+  const at::Tensor x = at::randn({5, 32}), h = at::randn({5, 16});
+  at::NoGradGuard no_grad;
+  for (const auto& [path, experts] : adapters->experts()) {
+    SCOPED_TRACE(path);
+    const bool gate_up = path.ends_with(".base_layer");
+    const auto& group = groups[path.starts_with("model.layers.0.") ? 0 : 1];
+    const int64_t E = 4, r = 2, out = experts->out_features(), in = experts->in_features();
+    // PEFT's get_delta_weight for a 3D parameter (E, out, in): einsum("o r e, e r i -> e o i", B, A) * scaling.
+    const at::Tensor delta = at::einsum("ore,eri->eoi", {experts->lora_B.view({out, r, E}),
+                                                         experts->lora_A.view({E, r, in})}) * 3.0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (gate_up) {
+        Linear& gate = *group.gate[e];
+        Linear& up = *group.up[e];
+        EXPECT_TRUE(at::allclose(gate.forward(x), at::linear(x, gate.weight + delta[e].narrow(0, 0, 16)), 1e-5, 1e-5));
+        EXPECT_TRUE(at::allclose(up.forward(x), at::linear(x, up.weight + delta[e].narrow(0, 16, 16)), 1e-5, 1e-5));
+      } else {
+        Linear& down = *group.down[e];
+        EXPECT_TRUE(at::allclose(down.forward(h), at::linear(h, down.weight + delta[e]), 1e-5, 1e-5));
+      }
+    }
+  }
+}
+
+TEST(LoraExperts, GradientsReachTheSharedTensorsAndMergingGivesTheAdaptedFunction) {
+  auto model = tiny_moe("qwen3_moe");
+  auto adapters = apply_lora(*model, expert_lora({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}), 0);
+  perturb_experts(*adapters, 5);
+  const Batch batch = padded_batch(false);
+  const at::Tensor adapted = logits_of(*model, batch);
+  model->train(true);
+  forward_loss(*model, batch).loss_sum.backward();
+  model->train(false);
+  for (const auto& [path, experts] : adapters->experts()) {
+    ASSERT_TRUE(experts->lora_A.grad().defined() && experts->lora_B.grad().defined()) << path;
+    // Every expert gets tokens in this batch: each one's slices (A's rows, B's interleaved columns) have gradients.
+    const at::Tensor grad_B = experts->lora_B.grad().view({experts->out_features(), 2, 4});
+    for (int64_t e = 0; e < 4; ++e) {
+      EXPECT_GT(experts->lora_A.grad().narrow(0, e * 2, 2).abs().max().item<double>(), 0.0) << path << " " << e;
+      EXPECT_GT(grad_B.select(2, e).abs().max().item<double>(), 0.0) << path << " " << e;
+    }
+  }
+  {
+    AdaptersOff off(adapters.get());
+    EXPECT_FALSE(at::allclose(logits_of(*model, batch), adapted, 1e-3, 1e-3)) << "the expert adapters change nothing";
+  }
+  merge_lora(*adapters);
+  for (const auto& group : model->stacked_expert_layers())
+    for (const Linear* gate : group.gate) EXPECT_FALSE(gate->has_output_hook());
+  const at::Tensor merged = logits_of(*model, batch);
+  EXPECT_TRUE(at::allclose(merged, adapted, 1e-4, 1e-4)) << (merged - adapted).abs().max().item<double>();
+}
+
+TEST(LoraExperts, ActivationCheckpointingGivesTheSameExpertGradients) {
+  auto model = tiny_moe("mixtral");
+  auto adapters = apply_lora(*model, expert_lora({"gate_up_proj", "down_proj"}), 0);
+  perturb_experts(*adapters, 9);
+  model->train(true);
+  const Batch batch = padded_batch(false);
+  forward_loss(*model, batch).loss_sum.backward();
+  const auto plain = adapter_grads(*adapters);
+  apply_activation_checkpointing(*model);
+  forward_loss(*model, batch).loss_sum.backward();
+  const auto checkpointed = adapter_grads(*adapters);
+  ASSERT_EQ(plain.size(), checkpointed.size());
+  for (const auto& [param, grad] : plain) {
+    ASSERT_GT(grad.abs().max().item<double>(), 0.0) << param;
+    EXPECT_LE((grad - checkpointed.at(param)).abs().max().item<double>(), 1e-5 * grad.abs().max().item<double>())
+        << param;
+  }
+  EXPECT_TRUE(plain.contains("model.layers.0.mlp.experts.base_layer.lora_B.weight"));
+}
+
+TEST(LoraExperts, PeftFilesRoundTripWithTargetParameters) {
+  test::TempDir dir;
+  auto model = tiny_moe("qwen3_moe");
+  const auto config = expert_lora({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"});
+  auto adapters = apply_lora(*model, config, 0);
+  perturb_experts(*adapters, 6);
+  const Batch batch = padded_batch(false);
+  const at::Tensor adapted = logits_of(*model, batch);
+  write_peft_adapter(dir.path().string(), to_peft_adapter(*adapters, *model, "/models/moe"));
+  nlohmann::json saved;
+  std::ifstream(dir.file(kAdapterConfigName)) >> saved;
+  EXPECT_EQ(saved["target_parameters"], nlohmann::json(config.target_parameters));
+  EXPECT_EQ(saved["lora_dropout"], 0.0);
+  const auto file = SafetensorsFile::open(dir.file(kAdapterWeightsName));
+  EXPECT_NE(file.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"), nullptr);
+  EXPECT_NE(file.find("base_model.model.model.layers.0.mlp.experts.lora_B.weight"), nullptr);
+
+  const PeftAdapter read = read_peft_adapter(dir.path().string());
+  EXPECT_EQ(read.config.target_parameters, config.target_parameters);
+  auto fresh = tiny_moe("qwen3_moe");
+  auto loaded = apply_peft_adapter(*fresh, read, dir.path().string());
+  EXPECT_EQ(loaded->experts().size(), 2u);
+  EXPECT_TRUE(at::equal(adapted, logits_of(*fresh, batch)));
+  auto resumed_model = tiny_moe("qwen3_moe");
+  auto resumed = apply_lora(*resumed_model, config, 99);
+  load_lora_weights(*resumed, read, dir.path().string());
+  EXPECT_TRUE(at::equal(adapted, logits_of(*resumed_model, batch)));
+  // Adapters applied without the experts do not take it: the error names the experts' tensors.
+  auto attention_only = tiny_moe("qwen3_moe");
+  auto fewer = apply_lora(*attention_only, expert_lora({}), 0);
+  try {
+    load_lora_weights(*fewer, read, "ckpt");
+    FAIL() << "expert weights were dropped silently";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("mlp.experts"), std::string::npos) << e.what();
+  }
+  // Its target_parameters must fit the base: a dense model has no experts.
+  auto dense = tiny_model("tiny-qwen2");
+  EXPECT_THROW(apply_peft_adapter(*dense, read, dir.path().string()), DataError);
+}
+
+TEST(LoraExperts, ExpertTargetsThatPeftCannotLoadAreUsageErrorsNamingTheFix) {
+  // A target_modules name that reaches experts only: transformers 5 has no such modules.
+  auto model = tiny_moe("mixtral");
+  auto error = usage_error_of([&] { apply_lora(*model, lora(2, {"w1"}), 0); });
+  EXPECT_NE(error.find("lora.target_modules: w1"), std::string::npos) << error;
+  EXPECT_NE(error.find("lora.target_parameters"), std::string::npos) << error;
+  // A name that reaches the dense MLP and the experts adapts the dense MLP alone, as PEFT does.
+  auto qwen = tiny_moe("qwen3_moe");
+  auto dense_only = apply_lora(*qwen, lora(2, {"gate_proj"}), 0);
+  EXPECT_EQ(layer_paths(*dense_only), std::vector<std::string>{"model.layers.1.mlp.gate_proj"});
+  EXPECT_TRUE(dense_only->experts().empty());
+  // target_parameters names a parameter, not an expert's projection.
+  auto other = tiny_moe("qwen3_moe");
+  error = usage_error_of([&] { apply_lora(*other, expert_lora({"experts.0.gate_proj"}), 0); });
+  EXPECT_NE(error.find("gate_up_proj and down_proj"), std::string::npos) << error;
+  error = usage_error_of([&] { apply_lora(*other, expert_lora({"block_sparse_moe.experts.down_proj"}), 0); });
+  EXPECT_NE(error.find("match(es) no parameter"), std::string::npos) << error;
+  EXPECT_NE(error.find("model.layers.0.mlp.experts.gate_up_proj"), std::string::npos) << error;
+  // Dropout: PEFT refuses it on parameters.
+  auto config = expert_lora({"down_proj"});
+  config.dropout = 0.05;
+  error = usage_error_of([&] { apply_lora(*other, config, 0); });
+  EXPECT_NE(error.find("lora.dropout"), std::string::npos) << error;
+  EXPECT_NE(error.find("lora.dropout=0"), std::string::npos) << error;
+  // A dense model has no experts.
+  auto dense = tiny_model("tiny-qwen2");
+  error = usage_error_of([&] { apply_lora(*dense, expert_lora({"down_proj"}), 0); });
+  EXPECT_NE(error.find("no experts"), std::string::npos) << error;
 }
 
 }  // namespace trainer

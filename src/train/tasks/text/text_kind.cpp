@@ -55,6 +55,7 @@ TrainPlanLines language_model_plan_lines(const Config& config, const TrainOption
     if (targets.empty())
       targets = model.family == "seq2seq" ? "q,v" : model.model_type == "phi3" ? "qkv_proj" : "q_proj,v_proj";
     std::ostringstream lora;
+    for (const auto& target : l.target_parameters) targets += "," + target;  // the experts (PEFT's target_parameters)
     lora << "r=" << l.r << ", alpha " << l.alpha << (l.rslora ? " (rsLoRA)" : "") << ", on " << targets
          << (l.base_in_bf16 ? "; frozen base in bf16" : "; frozen base") << "; saved as a PEFT adapter"
          << (options.merge ? " and merged" : "");

@@ -47,10 +47,13 @@ void TextModel::check_checkpoint(const fs::path& checkpoint, const nlohmann::jso
   if (config_.lora.enabled) {
     const auto current_lora = nlohmann::json::parse(config_to_json(config_)).at("lora");
     std::string changed;
-    for (const char* key : {"r", "alpha", "target_modules", "rslora"})
-      if (saved_lora.at(key) != current_lora.at(key))
-        changed += std::string("\n  lora.") + key + ": checkpoint " + saved_lora.at(key).dump() + ", config " +
+    // A checkpoint from before lora.target_parameters existed adapted no experts: [].
+    for (const char* key : {"r", "alpha", "target_modules", "target_parameters", "rslora"}) {
+      const auto saved_value = saved_lora.value(key, nlohmann::json::array());
+      if (saved_value != current_lora.at(key))
+        changed += std::string("\n  lora.") + key + ": checkpoint " + saved_value.dump() + ", config " +
                    current_lora.at(key).dump();
+    }
     if (!changed.empty())
       throw DataError("checkpoint " + checkpoint.string() + " was trained with other LoRA settings:" + changed,
                       "resume with the lora settings of the checkpoint");
@@ -136,11 +139,15 @@ void TextModel::apply_lora_for_training(const std::optional<fs::path>& resume) {
   lora_ = apply_lora(*model_, config_.lora, static_cast<uint64_t>(config_.training.seed));
   if (resume) load_lora_weights(*lora_, read_peft_adapter(resume->string()), resume->string());
   const auto& applied = lora_->config();
-  std::string targets;
+  std::string targets, experts;
   for (const auto& t : applied.target_modules) targets += (targets.empty() ? "" : ",") + t;
-  spdlog::info("LoRA r={} alpha={} (scale {:.4g}{}) dropout={} on {} layers ({}); base frozen{}; {} trainable parameters",
+  for (const auto& t : applied.target_parameters) experts += (experts.empty() ? "" : ",") + t;
+  if (!experts.empty())
+    experts = fmt::format(" and {} experts' stacked parameters ({})", lora_->experts().size(), experts);
+  spdlog::info("LoRA r={} alpha={} (scale {:.4g}{}) dropout={} on {} layers ({}){}; base frozen{}; {} trainable "
+               "parameters",
                applied.r, applied.alpha, lora_scaling(applied.alpha, applied.r, applied.rslora),
-               applied.rslora ? ", rsLoRA" : "", applied.dropout, lora_->layers().size(), targets,
+               applied.rslora ? ", rsLoRA" : "", applied.dropout, lora_->layers().size(), targets, experts,
                applied.base_in_bf16 ? " in bf16" : "", lora_->trainable_parameters());
 }
 
