@@ -40,12 +40,9 @@ def make_tiny_dir(root, name, path):
     return path
 
 
-def peft_made_adapter(name, model_dir, adapter_dir):
-    """A PEFT adapter with every weight random (B too), rsLoRA and a per-module rank; returns the PEFT model."""
-    base = hf_model(model_dir)
-    config = peft.LoraConfig(task_type="SEQ_2_SEQ_LM" if base.config.is_encoder_decoder else "CAUSAL_LM", r=4,
-                             lora_alpha=8, lora_dropout=0.1, target_modules=TARGETS[name], use_rslora=True,
-                             rank_pattern=RANK_PATTERN[name])
+def random_peft_adapter(base, config, adapter_dir):
+    """`config`'s PEFT adapter on `base` with every LoRA weight random (B too, so it changes the logits), saved to
+    `adapter_dir`; the PEFT model in eval mode."""
     model = peft.get_peft_model(base, config)
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -55,6 +52,15 @@ def peft_made_adapter(name, model_dir, adapter_dir):
     model.save_pretrained(adapter_dir)
     model.eval()
     return model
+
+
+def peft_made_adapter(name, model_dir, adapter_dir):
+    """A PEFT adapter with every weight random (B too), rsLoRA and a per-module rank; returns the PEFT model."""
+    base = hf_model(model_dir)
+    config = peft.LoraConfig(task_type="SEQ_2_SEQ_LM" if base.config.is_encoder_decoder else "CAUSAL_LM", r=4,
+                             lora_alpha=8, lora_dropout=0.1, target_modules=TARGETS[name], use_rslora=True,
+                             rank_pattern=RANK_PATTERN[name])
+    return random_peft_adapter(base, config, adapter_dir)
 
 
 def batch_for(model_dir, tmp_path):
@@ -246,15 +252,7 @@ def peft_expert_adapter(model_dir, adapter_dir, parameters=EXPERT_PARAMETERS):
     base = hf_model(model_dir)
     config = peft.LoraConfig(task_type="CAUSAL_LM", r=2, lora_alpha=4, lora_dropout=0.0, use_rslora=True,
                              target_modules=["q_proj", "v_proj"], target_parameters=parameters)
-    model = peft.get_peft_model(base, config)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if "lora_" in param_name:
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
-    model.save_pretrained(adapter_dir)
-    model.eval()
-    return model
+    return random_peft_adapter(base, config, adapter_dir)
 
 
 @pytest.mark.parametrize("name", MOE)
