@@ -18,6 +18,8 @@
 namespace trainer::distributed {
 namespace {
 
+constexpr int64_t kReplicatedBucketBytes = 25'000'000;  // the adapters' gradient sums, bucketed
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -82,6 +84,8 @@ class PieceModule final : public Module {
     register_parameter(name, &tensors_.back());
     return tensors_.back();
   }
+  // A parameter kept whole on every rank (LoRA's adapters), by its owner's slot.
+  void add_whole(const std::string& name, at::Tensor* slot) { register_parameter(name, slot); }
 
  private:
   std::deque<at::Tensor> tensors_;
@@ -96,9 +100,18 @@ FullySharded::~FullySharded() = default;
 
 std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, LanguageModel& model,
                                                   FullyShardedOptions options, const c10::Device& device,
-                                                  const std::function<at::Tensor(const std::string&)>& read) {
+                                                  const std::function<at::Tensor(const std::string&)>& read,
+                                                  Module* replicated) {
   std::shared_ptr<FullySharded> sharded(new FullySharded(communicator, options));
   sharded->build(model, device, read);
+  if (replicated) {
+    auto& pieces = static_cast<PieceModule&>(*sharded->pieces_);
+    replicated->for_each_parameter([&](const std::string& name, at::Tensor& p) {
+      if (!p.requires_grad()) return;
+      sharded->replicated_.push_back(&p);
+      pieces.add_whole(name, &p);
+    });
+  }
   model.set_unit_hooks(sharded);
   return sharded;
 }
@@ -370,9 +383,20 @@ void FullySharded::prepare() {
   // The root's gradients, reduced once per attempt; its status is the attempt's last (every rank reaches it).
   reduce_gradients(units_[0]);
   release(units_[0]);
-  in_attempt_ = false;
-  // The optimizer's pieces take their gradients from the reduced shards.
+  // Parameters kept whole on every rank (LoRA's adapters): their gradients summed, as data parallelism sums them.
   at::NoGradGuard no_grad;
+  replicated_squares_ = 0;
+  if (!replicated_.empty()) {
+    std::vector<at::Tensor> grads;
+    for (at::Tensor* p : replicated_) {
+      if (!p->grad().defined()) p->mutable_grad() = at::zeros_like(*p);
+      grads.push_back(p->grad());
+    }
+    status("before summing the adapters' gradients");
+    communicator_.all_reduce_sum(grads, kReplicatedBucketBytes);
+    for (const auto& g : grads) replicated_squares_ += g.to(at::kDouble).pow(2).sum().item<double>();
+  }
+  // The optimizer's pieces take their gradients from the reduced shards.
   const int64_t rank = communicator_.rank();
   std::map<std::string, at::Tensor> grads;
   for (auto& unit : units_)
@@ -384,7 +408,10 @@ void FullySharded::prepare() {
         if (hi > lo) grads[e.name] = g.shard_grad.narrow(0, lo - begin, hi - lo);
       }
     }
-  pieces_->for_each_parameter([&](const std::string& name, at::Tensor& piece) { piece.mutable_grad() = grads.at(name); });
+  pieces_->for_each_parameter([&](const std::string& name, at::Tensor& piece) {
+    if (const auto it = grads.find(name); it != grads.end()) piece.mutable_grad() = it->second;
+  });
+  in_attempt_ = false;
 }
 
 StepSync::Outcome FullySharded::agree(bool fit, int64_t largest_part) {
@@ -396,6 +423,9 @@ StepSync::Outcome FullySharded::agree(bool fit, int64_t largest_part) {
 
 double FullySharded::reduce(double loss_sum) { return communicator_.all_reduce_sum(loss_sum); }
 
-double FullySharded::global_squared_norm(double local) { return communicator_.all_reduce_sum(local); }
+double FullySharded::global_squared_norm(double local) {
+  // Every rank holds the whole adapters' (summed) gradients: counted once, not once per rank.
+  return communicator_.all_reduce_sum(local - replicated_squares_) + replicated_squares_;
+}
 
 }  // namespace trainer::distributed

@@ -43,16 +43,20 @@ struct FullyShardedOptions {
 class FullySharded final : public StepSync, public UnitHooks {
  public:
   // Shards `model` over the ranks; every rank must hold the same values already (rank 0's, broadcast). Installs the
-  // unit hooks on the model (which then holds a reference to this object).
+  // unit hooks on the model (which then holds a reference to this object). `replicated`: trainable parameters outside
+  // the model's tree kept whole on every rank (LoRA's adapters over a sharded frozen base): their gradients are
+  // summed over the ranks and they join trainable_pieces().
   // Parameters on the meta device (pretrained weights not read yet) are read through `read` (on the CPU), one at a
   // time as their unit is cut, so that no rank ever holds the whole model; the shards live on `device`.
   static std::shared_ptr<FullySharded> shard(Communicator& communicator, LanguageModel& model,
                                              FullyShardedOptions options, const c10::Device& device,
-                                             const std::function<at::Tensor(const std::string&)>& read = {});
+                                             const std::function<at::Tensor(const std::string&)>& read = {},
+                                             Module* replicated = nullptr);
   ~FullySharded() override;
 
   // This rank's pieces of the trainable parameters, as a module for the optimizer: each piece is named as its
-  // parameter and is its part of this rank's shard (flat, fp32 master values when the parameter is fp32).
+  // parameter and is its part of this rank's shard (flat, fp32 master values when the parameter is fp32); then the
+  // replicated parameters, whole.
   Module& trainable_pieces();
   // Every piece of this rank (trainable or not), with where it lies in its flattened parameter: what a sharded
   // checkpoint holds.
@@ -137,6 +141,8 @@ class FullySharded final : public StepSync, public UnitHooks {
   std::unordered_map<const Module*, std::size_t> unit_of_;
   std::unordered_map<std::string, std::pair<std::size_t, const at::Tensor*>> parameter_unit_;  // name -> unit, slot
   std::unique_ptr<Module> pieces_;
+  std::vector<at::Tensor*> replicated_;  // kept whole on every rank (LoRA's adapters)
+  double replicated_squares_ = 0;        // their summed gradients' squared norm, after prepare()
   at::Tensor status_;         // int64 (2): preallocated
   bool failure_agreed_ = false;  // this attempt's failure was learnt at a status (nothing to announce)
   bool in_attempt_ = false;

@@ -75,7 +75,8 @@ std::vector<std::string> read_ranges(const fs::path& checkpoint, const std::vect
                                      const std::map<std::string, at::Tensor>& into,
                                      const std::map<std::string, int64_t>& offsets) {
   at::NoGradGuard no_grad;
-  std::map<std::string, int64_t> covered;
+  // Which elements some part gave (a tensor kept whole on every rank is in every part: counted once).
+  std::map<std::string, at::Tensor> covered;
   for (const auto& f : files) {
     const auto file = SafetensorsFile::open((checkpoint / f).string());
     nlohmann::json on_disk = nlohmann::json::object();
@@ -92,12 +93,14 @@ std::vector<std::string> read_ranges(const fs::path& checkpoint, const std::vect
       if (hi <= lo) continue;
       const at::Tensor values = file.load(t.name).reshape({-1});
       want->second.reshape({-1}).narrow(0, lo - begin, hi - lo).copy_(values.narrow(0, lo - from, hi - lo));
-      covered[t.name] += hi - lo;
+      at::Tensor& mask = covered[t.name];
+      if (!mask.defined()) mask = at::zeros({numel}, at::kBool);
+      mask.narrow(0, lo - begin, hi - lo).fill_(true);
     }
   }
   std::vector<std::string> incomplete;
   for (const auto& [name, tensor] : into)
-    if (covered[name] != tensor.numel()) incomplete.push_back(name);
+    if (!covered.contains(name) || !covered.at(name).all().item<bool>()) incomplete.push_back(name);
   return incomplete;
 }
 

@@ -283,7 +283,8 @@ class Engine {
   void read_weights_from_parts();
   // In the ranks' checkpoint parts, a sharded run's pieces of the weights are named by this prefix and the parameter.
   inline static const std::string kWeightsPrefix = "weights.";
-  // With sharded weights: where each of this rank's optimizer state tensors lies in its parameter (checkpoints).
+  // With sharded weights: where each of this rank's optimizer state tensors and pieces of the weights (not with LoRA:
+  // the frozen base is not written) lie in their parameter (checkpoints); empty when nothing of them is sharded.
   std::map<std::string, int64_t> piece_offsets();
   // With sharded weights, the whole model gathered on every rank while `f` runs (every rank calls it).
   template <class F>
@@ -435,26 +436,27 @@ void Engine::shard_weights() {
   };
   LanguageModel* model = task_.shardable_model();
   if (!model) refuse("the " + describe_task(kind_.name) + " task (text tasks only)");
-  if (task_.adapters()) refuse("LoRA (lora.enabled=true)");
+  if (config_.model.quantize != QuantizeMode::kNone) refuse("a 4-bit base (model.quantize, QLoRA)");
   if (config_.optimizer.name != OptimizerName::kAdamW || config_.optimizer.state_dtype == StateDtype::kInt8)
     refuse("this optimizer (AdamW with fp32 or bf16 state only: its update is element by element)");
   if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
   if (config_.training.micro_batch_size.is_auto && config_.training.micro_batch_tokens <= 0)
     refuse("training.micro_batch_size=auto (set a number; out-of-memory errors still shrink it)");
   if (model->has_routing_loss()) refuse("a mixture of experts' load-balancing loss (output_router_logits)");
+  // LoRA: the frozen base is sharded, the adapters stay whole on every rank (their gradients summed).
   sharded_ = distributed::FullySharded::shard(*world_, *model, {config_.distributed.reshard_after_forward}, device_,
-                                              task_.weight_reader());
+                                              task_.weight_reader(), task_.adapters());
 }
 
 std::map<std::string, int64_t> Engine::piece_offsets() {
   std::map<std::string, int64_t> by_parameter, out;
   for (const auto& piece : sharded_->pieces()) {
     by_parameter[piece.name] = piece.offset;
-    out[kWeightsPrefix + piece.name] = piece.offset;
+    if (!task_.adapters()) out[kWeightsPrefix + piece.name] = piece.offset;  // LoRA: the base is not written
   }
   for (const auto& [name, tensor] : optimizer_->state_tensors()) {
-    const auto dot = name.find('.');  // "exp_avg.<parameter>"
-    out[name] = by_parameter.at(name.substr(dot + 1));
+    const auto dot = name.find('.');  // "exp_avg.<parameter>"; parameters kept whole (LoRA's adapters) have none
+    if (const auto it = by_parameter.find(name.substr(dot + 1)); it != by_parameter.end()) out[name] = it->second;
   }
   return out;
 }
@@ -582,14 +584,16 @@ std::string Engine::checkpoint(const LoaderCursor& cursor, const nlohmann::json&
   if (!device_.is_cpu()) rng.emplace_back("rng." + device_.str(), get_rng_state(device_));
   // Sharded weights: each rank writes its pieces of the weights with its optimizer state; rank 0 the model's
   // config and tokenizer beside them. No rank gathers anything.
+  // With LoRA the base is frozen and comes from model.path: the checkpoint holds the adapter alone, as unsharded.
+  const bool weights_in_parts = sharded_ && !task_.adapters();
   NamedTensors pieces;
-  if (sharded_) {
+  if (weights_in_parts) {
     state["weights_in_parts"] = true;
     for (auto& piece : sharded_->pieces()) pieces.emplace_back(kWeightsPrefix + piece.name, piece.values);
   }
   const fs::path final_dir = distributed::write_checkpoint_on_ranks(
       output_dir_, step_index_, on_disk_step_ == step_index_,
-      [&](const fs::path& dir) { sharded_ ? task_.save_without_weights(dir) : task_.save(dir); },
+      [&](const fs::path& dir) { weights_in_parts ? task_.save_without_weights(dir) : task_.save(dir); },
       sharded_ ? sharded_->trainable_pieces() : task_.trainable(), *optimizer_, std::move(state), world_, rng,
       sharded_ ? piece_offsets() : std::map<std::string, int64_t>{}, pieces);
   on_disk_step_ = step_index_;
@@ -713,7 +717,7 @@ void Engine::evaluate() {
 // The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.
 int Engine::finish() {
   checkpoint(task_.cursor(), policy_->state());
-  if (config_.checkpoint.save_final && sharded_) {
+  if (config_.checkpoint.save_final && sharded_ && !task_.adapters()) {
     // One unit gathered at a time; rank 0 writes each file as its units arrive.
     task_.save_streamed(output_dir_ / "final", [&](const std::string& name) {
       const at::Tensor values = sharded_->gathered(name);
