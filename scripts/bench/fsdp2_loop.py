@@ -10,7 +10,7 @@ max_length, batch_size (the global batch: each rank trains its contiguous share 
 steps, lr. The data is read in file order and tokenized as trainer's loader does (hf_stack.tokenize_function). The
 loss is summed over the rank's target tokens and divided by the whole batch's, so the ranks' gradients add up to the
 batch's (trainer's normalisation); AdamW, clipping at 1.0. On the CPU: Gloo. Prints `BENCH step S tokens T loss L`
-per step (rank 0; the parent timestamps the lines) and `BENCH peak_rss_mib R` per rank at the end.
+per step (rank 0; T: the batch's target tokens, as trainer counts them; the parent timestamps the lines) and `BENCH peak_rss_mib R` per rank at the end.
 """
 import json
 import os
@@ -80,11 +80,8 @@ def main(spec_path):
         optimizer.zero_grad()
         summed = loss_sum.detach().clone()
         dist.all_reduce(summed)
-        tokens = int(mask.sum())
-        tokens_all = torch.tensor([tokens])
-        dist.all_reduce(tokens_all)
-        if rank == 0:
-            print(f"BENCH step {step + 1} tokens {int(tokens_all)} loss {float(summed) / targets:.6f}", flush=True)
+        if rank == 0:  # tokens: the batch's target tokens, as trainer counts them
+            print(f"BENCH step {step + 1} tokens {targets} loss {float(summed) / targets:.6f}", flush=True)
     print(f"BENCH peak_rss_mib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} rank {rank}",
           flush=True)
     dist.barrier()

@@ -85,7 +85,12 @@ def run_ours(config_path, ranks, timeout):
     peaks, _ = rank_peaks(run)
     if ranks == 1 and not peaks:
         peaks = [max(hwm for _, hwm, _ in run.peaks.values())]
-    return steps, peaks, [tensors.get(r) for r in range(ranks)]
+    # Between steps (rank 0's last progress line): what stays, the weights, gradients and optimizer state.
+    steady = None
+    for _, line in run.lines:
+        if (m := re.search(r"\] step \d+/\d+ .* memory ([\d.]+) ([KMG]i?B) \(peak", line)):
+            steady = float(m.group(1)) * UNITS[m.group(2)] / 2**20
+    return steps, peaks, [tensors.get(r) for r in range(ranks)], steady
 
 
 def run_fsdp2(spec, ranks, timeout):
@@ -136,17 +141,17 @@ def main():
                     continue
                 log(f"{args.model}: {side} on {ranks} rank(s), repeat {repeat + 1}")
                 if side == "ours":
-                    steps, peaks, tensors = run_ours(config, ranks, args.timeout)
+                    steps, peaks, tensors, steady = run_ours(config, ranks, args.timeout)
                     rows.append(["trainer" + (" sharded" if ranks > 1 else ""), ranks,
                                  f"{tokens_per_second(steps) or 0:.0f}", f"{steps[-1][2]:.4f}" if steps else "-",
-                                 mib(peaks), mib(tensors)])
+                                 mib(peaks), mib(tensors), "-" if steady is None else f"{steady:.0f}"])
                 else:
                     steps, peaks = run_fsdp2(spec, ranks, args.timeout)
                     rows.append(["FSDP2", ranks, f"{tokens_per_second(steps) or 0:.0f}",
-                                 f"{steps[-1][2]:.4f}" if steps else "-", mib(peaks), "-"])
+                                 f"{steps[-1][2]:.4f}" if steps else "-", mib(peaks), "-", "-"])
     print(machine_notes())
-    print(table(["side", "ranks", "tokens/s", "last loss", "peak RSS MiB per rank", "trainer's tensors MiB per rank"],
-                rows))
+    print(table(["side", "ranks", "target tokens/s", "last loss", "peak RSS MiB per rank",
+                 "trainer's tensors, peak MiB per rank", "trainer's tensors between steps MiB (rank 0)"], rows))
 
 
 if __name__ == "__main__":
