@@ -23,6 +23,7 @@
 #include "models/lora.h"
 #include "models/model.h"
 #include "models/weights.h"
+#include "train/checkpoint_parts.h"
 #include "train/engine/task_kind.h"
 #include "trainer/cli.h"
 #include "trainer/config.h"
@@ -352,6 +353,15 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       ->capture_default_str();
   merge_cmd->footer(kExitCodeHelp);
 
+  std::string export_checkpoint_dir, export_output;
+  auto* export_cmd = app.add_subcommand(
+      "export", "Write the model of a checkpoint of fully sharded weights (distributed.shard_weights: each rank's "
+                "pieces in its part) as Hugging Face files, offline, in one process");
+  export_cmd->add_option("checkpoint", export_checkpoint_dir, "A checkpoint-N directory")->required();
+  export_cmd->add_option("--output", export_output, "Directory for the model (config.json, safetensors, tokenizer)")
+      ->required();
+  export_cmd->footer(kExitCodeHelp);
+
   std::string quantize_model_dir, quantize_output, quantize_type = "nf4";
   int64_t quantize_block_size = 64;
   bool quantize_no_double = false;
@@ -466,7 +476,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
       !args.empty() && (args.back() == "train" || args.back() == "data" || args.back() == "plan" ||
                         args.back() == "inspect" || args.back() == "generate" || args.back() == "merge" ||
                         args.back() == "evaluate" || args.back() == "predict" || args.back() == "quantize" ||
-                        args.back() == "launch" || args.back() == "download" ||
+                        args.back() == "launch" || args.back() == "download" || args.back() == "export" ||
                         is_top_level_flag(args.back()));
   if (!args.empty() && !has_subcommand) args.push_back("train");
 
@@ -563,6 +573,13 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     return run_predict(predict_options, out);
   }
   if (launch_cmd->parsed()) return distributed::run_launch(launch_options);
+  if (export_cmd->parsed()) {
+    const int64_t parameters = distributed::export_checkpoint(export_checkpoint_dir, export_output,
+                                                              kDefaultMaxShardBytes);
+    out << "Exported " << parameters << " parameters of " << export_checkpoint_dir << " to " << export_output
+        << " (Hugging Face files)\n";
+    return kExitOk;
+  }
   if (quantize_cmd->parsed()) {
     const Quantize4bitOptions options{quant::parse_quant_type(quantize_type), quantize_block_size, !quantize_no_double};
     const auto result =

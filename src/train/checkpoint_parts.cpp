@@ -13,7 +13,9 @@
 #include <spdlog/spdlog.h>
 
 #include "distributed/process_group.h"
+#include "models/model.h"
 #include "models/module.h"
+#include "models/weights.h"
 #include "train/checkpoint_dir.h"
 #include "train/optim/optimizer.h"
 #include "trainer/errors.h"
@@ -29,18 +31,27 @@ std::string optimizer_part_file(int rank, int world) {
                    : "optimizer-rank-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
 }
 
-void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer,
-                          const std::map<std::string, int64_t>& piece_offsets) {
-  const std::vector<std::string> files = part_files(state);
+namespace {
+
+// Every listed part on disk, or DataError naming the missing ones.
+void require_parts(const fs::path& checkpoint, const std::vector<std::string>& files) {
   std::string missing;
   for (const auto& f : files)
     if (!fs::exists(checkpoint / f)) missing += (missing.empty() ? "" : ", ") + (checkpoint / f).string();
   if (!missing.empty())
-    throw DataError("checkpoint " + checkpoint.string() + " is incomplete: its optimizer state is in " +
+    throw DataError("checkpoint " + checkpoint.string() + " is incomplete: its state is in " +
                         std::to_string(files.size()) + " part(s) (one per rank that wrote it), and " + missing +
                         " is missing",
                     "copy the missing part(s) from where the ranks wrote them (checkpoint.output_dir must be one "
-                    "directory for every rank), or resume from an earlier complete checkpoint");
+                    "directory for every rank), or use an earlier complete checkpoint");
+}
+
+}  // namespace
+
+void load_optimizer_parts(const fs::path& checkpoint, const nlohmann::json& state, Optimizer& optimizer,
+                          const std::map<std::string, int64_t>& piece_offsets) {
+  const std::vector<std::string> files = part_files(state);
+  require_parts(checkpoint, files);
   std::string source = (checkpoint / files.front()).string();
   if (files.size() > 1) source += " (and " + std::to_string(files.size() - 1) + " other part(s))";
   std::map<std::string, at::Tensor> wanted;  // name -> this optimizer's tensor (for its shape)
@@ -102,6 +113,37 @@ std::vector<std::string> read_ranges(const fs::path& checkpoint, const std::vect
   for (const auto& [name, tensor] : into)
     if (!covered.contains(name) || !covered.at(name).all().item<bool>()) incomplete.push_back(name);
   return incomplete;
+}
+
+int64_t export_checkpoint(const fs::path& checkpoint, const fs::path& output_dir, uint64_t max_shard_bytes) {
+  const fs::path state_file = checkpoint / "train_state.json";
+  if (!fs::exists(state_file))
+    throw DataError(checkpoint.string() + " is not a checkpoint of trainer (no train_state.json)",
+                    "name a checkpoint-N directory of a run's checkpoint.output_dir");
+  const nlohmann::json state = read_json_file(state_file.string());
+  if (state.contains("base_model_config"))
+    throw DataError(checkpoint.string() + " holds a LoRA adapter, which PEFT loads as it is",
+                    "merge it into its base with trainer merge --adapter " + checkpoint.string());
+  if (!state.value("weights_in_parts", false))
+    throw DataError(checkpoint.string() + " holds its model as Hugging Face files already (only checkpoints of "
+                                          "distributed.shard_weights keep their weights in the ranks' parts)",
+                    "load it as it is: model.path=" + checkpoint.string() + " or from_pretrained");
+  at::NoGradGuard no_grad;
+  // The pieces are the runs' fp32 master values (sharded weights train fp32 or bf16-mixed).
+  auto model = build_model(read_json_file((checkpoint / "config.json").string()), at::TensorOptions().dtype(at::kFloat));
+  std::map<std::string, at::Tensor> into;
+  model->for_each_parameter([&](const std::string& name, at::Tensor& p) { into["weights." + name] = p; });
+  require_parts(checkpoint, part_files(state));
+  const auto incomplete = read_ranges(checkpoint, part_files(state), into, {});
+  if (!incomplete.empty())
+    throw DataError("checkpoint " + checkpoint.string() + " does not hold all of " + incomplete.front().substr(8) +
+                        (incomplete.size() > 1 ? " (and " + std::to_string(incomplete.size() - 1) + " more)" : "") +
+                        " in its parts " + nlohmann::json(part_files(state)).dump(),
+                    "copy every rank's part into the checkpoint (checkpoint.output_dir must be one directory for "
+                    "every rank), or export an earlier complete checkpoint");
+  save_model(*model, output_dir.string(), max_shard_bytes);
+  copy_tokenizer_files(checkpoint.string(), output_dir.string());
+  return count_parameters(*model);
 }
 
 std::vector<std::string> part_files(const nlohmann::json& state) {

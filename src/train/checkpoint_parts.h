@@ -61,6 +61,14 @@ std::vector<std::string> part_files(const nlohmann::json& state);
 // numel) of the flattened tensor of that name (`offsets`: where each starts, 0 when absent), from the ranges of that
 // name the parts hold (their metadata "piece_offsets" says where each starts; 0 when absent: whole tensors). Returns
 // the names not covered entirely.
+// `trainer export`: the model of a checkpoint of fully sharded weights (held in the ranks' parts) as Hugging Face
+// files in `output_dir` (config.json, the weights sharded above max_shard_bytes, the tokenizer files), offline, in
+// one process: assembled parameter by parameter (the whole model once in memory, fp32). Throws DataError naming the
+// checkpoint when it is not one, holds a LoRA adapter or Hugging Face files already, or misses a part. Returns the
+// number of parameters written.
+int64_t export_checkpoint(const std::filesystem::path& checkpoint, const std::filesystem::path& output_dir,
+                          uint64_t max_shard_bytes);
+
 std::vector<std::string> read_ranges(const std::filesystem::path& checkpoint, const std::vector<std::string>& files,
                                      const std::map<std::string, at::Tensor>& into,
                                      const std::map<std::string, int64_t>& offsets);

@@ -784,6 +784,14 @@ TEST(IntegrationDistributed, ShardedWeightsUnderTorchrunTrainTheWeightsOfOneProc
   const int64_t weights1 = state_elements(checkpoint / "optimizer-rank-1-of-2.safetensors", true);
   EXPECT_EQ(2 * (weights0 + weights1), whole);  // AdamW: two moments per weight
   EXPECT_LE(std::abs(weights0 - weights1), 4) << weights0 << " " << weights1;
+  // `trainer export` assembles them offline into the Hugging Face model final/ holds; a missing part is named.
+  const auto exported = run_trainer({"export", checkpoint.string(), "--output", (dir.path() / "exported").string()});
+  ASSERT_EQ(exported.exit_code, 0) << exported.err;
+  EXPECT_EQ(max_difference(two / "final" / "model.safetensors", dir.path() / "exported" / "model.safetensors"), 0.0);
+  fs::remove(checkpoint / "optimizer-rank-1-of-2.safetensors");
+  const auto incomplete = run_trainer({"export", checkpoint.string(), "--output", (dir.path() / "again").string()});
+  EXPECT_EQ(incomplete.exit_code, 3);
+  EXPECT_NE(incomplete.err.find("optimizer-rank-1-of-2.safetensors is missing"), std::string::npos) << incomplete.err;
 }
 
 // Three ranks by `trainer launch`, a decoder (Qwen2) with packed rows and the blocks kept gathered from forward to
