@@ -868,6 +868,31 @@ TEST(IntegrationDistributed, ShardedWeightsReadAPretrainedModelUnitByUnitAndTrai
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
+// Evaluation and rank 0's samples run on the gathered model: the validation losses and the sampled text are one
+// process's.
+TEST(IntegrationDistributed, ShardedWeightsEvaluateAndSampleAsOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> evaluation = {"--set", "evaluation.every_steps=1", "--set",
+                                               "evaluation.sample_prompts=[\"Recipe: soup\"]"};
+  const auto single = run_trainer(with(short_run("configs/tiny-qwen2.json", one, 2), evaluation), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", two, 2), evaluation), kShardWeights));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  const auto a = metric_values(one / "metrics.jsonl", "eval_loss"), b = metric_values(two / "metrics.jsonl", "eval_loss");
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << "evaluation " << i + 1;
+  auto samples = [](const std::string& log) {
+    std::vector<std::string> lines;
+    for (auto at = log.find("sample step "); at != std::string::npos; at = log.find("sample step ", at + 1))
+      lines.push_back(log.substr(at, log.find('\n', at) - at));
+    return lines;
+  };
+  EXPECT_EQ(samples(single.err), samples(ranks[0].err));
+  EXPECT_EQ(samples(ranks[0].err).size(), 2u) << ranks[0].err;
+}
+
 // LoRA over a sharded frozen base: the base lives in halves, the adapters whole on every rank with their gradients
 // summed; the adapter and its checkpoint (the adapter alone, as unsharded) are one process's.
 TEST(IntegrationDistributed, LoraOverShardedWeightsTrainsTheAdapterOfOneProcess) {

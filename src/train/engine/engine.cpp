@@ -703,15 +703,19 @@ bool Engine::train_one_step() {
 // The task's evaluation (every rank its share), the ranks' agreement on its out-of-memory outcome, then the report
 // and what rank 0 alone shows afterwards.
 void Engine::evaluate() {
-  Evaluated evaluated = with_whole_model([&] { return task_.evaluate(step_index_, *eval_micro_); });
-  eval_micro_->agree();
-  if (evaluated.loss) {
-    last_eval_ = *evaluated.loss;
-    last_eval_metrics_ = evaluated.metrics;
-    last_eval_step_ = step_index_;
-    if (evaluated.report) evaluated.report(reporter_);
-  }
-  if (primary_) task_.after_evaluation(step_index_, reporter_);
+  // Sharded weights: the whole model gathered on every rank for the evaluation and rank 0's samples after it.
+  with_whole_model([&] {
+    Evaluated evaluated = task_.evaluate(step_index_, *eval_micro_);
+    eval_micro_->agree();
+    if (evaluated.loss) {
+      last_eval_ = *evaluated.loss;
+      last_eval_metrics_ = evaluated.metrics;
+      last_eval_step_ = step_index_;
+      if (evaluated.report) evaluated.report(reporter_);
+    }
+    if (primary_) task_.after_evaluation(step_index_, reporter_);
+    return 0;
+  });
 }
 
 // The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.
