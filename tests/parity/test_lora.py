@@ -107,23 +107,31 @@ def test_peft_loads_our_adapter_and_reproduces_our_logits(name, rslora, root, tm
     tolerance_close(ours[real], theirs[real])
 
 
-@pytest.mark.parametrize("name", TINY)
-def test_we_load_a_peft_adapter_and_reproduce_its_logits_loss_and_gradients(name, root, tmp_path, parity_tool):
-    model_dir = make_tiny_dir(root, name, tmp_path / "model")
+def peft_adapter_forward_both_ways(model_dir, make_adapter, tmp_path, parity_tool):
+    """PEFT's adapter (made by `make_adapter` into tmp_path/adapter) and trainer's load of it, on one batch: the
+    adapter must change the logits, and trainer's logits and loss must be PEFT's. Returns the PEFT model (its LoRA
+    gradients from the loss's backward) and trainer's outputs (logits, loss, grad.*)."""
     config, batch = batch_for(model_dir, tmp_path)
     with torch.no_grad():
         base_logits = hf_model(model_dir)(**batch).logits
-    model = peft_made_adapter(name, model_dir, tmp_path / "adapter")
+    model = make_adapter()
     theirs = model(**batch)
     theirs.loss.backward()
     run_parity_tool(parity_tool, "lora-forward", model_dir, tmp_path / "adapter", tmp_path / "batch.safetensors",
                     tmp_path / "ours.safetensors")
     ours = load_file(tmp_path / "ours.safetensors")
-
     real = real_positions(config, batch)
     assert (theirs.logits[real] - base_logits[real]).abs().max() > MIN_EFFECT, "the adapter changes nothing"
     tolerance_close(ours["logits"][real], theirs.logits.detach()[real])
     tolerance_close(ours["loss"][0], theirs.loss.detach())
+    return model, ours
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_we_load_a_peft_adapter_and_reproduce_its_logits_loss_and_gradients(name, root, tmp_path, parity_tool):
+    model_dir = make_tiny_dir(root, name, tmp_path / "model")
+    model, ours = peft_adapter_forward_both_ways(
+        model_dir, lambda: peft_made_adapter(name, model_dir, tmp_path / "adapter"), tmp_path, parity_tool)
     # PEFT's parameter names carry the adapter name ("lora_A.default.weight"); its saved keys, and ours, do not.
     expected = {n.replace(".default.", "."): p.grad for n, p in model.named_parameters() if "lora_" in n}
     grads = {n[len("grad."):]: g for n, g in ours.items() if n.startswith("grad.")}
@@ -288,19 +296,8 @@ def test_peft_loads_our_expert_adapter_and_reproduces_our_logits(name, tmp_path,
 @pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral-sliding"])
 def test_we_load_a_peft_expert_adapter_and_reproduce_its_logits_loss_and_gradients(name, tmp_path, parity_tool):
     model_dir = make_model_dir(name, tmp_path / "model")
-    config, batch = batch_for(model_dir, tmp_path)
-    with torch.no_grad():
-        base_logits = hf_model(model_dir)(**batch).logits
-    model = peft_expert_adapter(model_dir, tmp_path / "adapter")
-    theirs = model(**batch)
-    theirs.loss.backward()
-    run_parity_tool(parity_tool, "lora-forward", model_dir, tmp_path / "adapter", tmp_path / "batch.safetensors",
-                    tmp_path / "ours.safetensors")
-    ours = load_file(tmp_path / "ours.safetensors")
-    real = real_positions(config, batch)
-    assert (theirs.logits[real] - base_logits[real]).abs().max() > MIN_EFFECT, "the adapter changes nothing"
-    tolerance_close(ours["logits"][real], theirs.logits.detach()[real])
-    tolerance_close(ours["loss"][0], theirs.loss.detach())
+    model, ours = peft_adapter_forward_both_ways(
+        model_dir, lambda: peft_expert_adapter(model_dir, tmp_path / "adapter"), tmp_path, parity_tool)
     expected = {n: p.grad for n, p in lora_keys(model).items()}
     grads = {n[len("grad.base_model.model."):]: g for n, g in ours.items() if n.startswith("grad.")}
     assert set(grads) == set(expected)
