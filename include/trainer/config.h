@@ -108,6 +108,13 @@ inline constexpr EnumName<Bf16Update> kBf16UpdateNames[] = {
     {Bf16Update::kStochastic, "stochastic"}, {Bf16Update::kKahan, "kahan"}, {Bf16Update::kNearest, "nearest"}};
 inline std::span<const EnumName<Bf16Update>> enum_names(Bf16Update) { return kBf16UpdateNames; }
 
+// Fully sharded weights' mixed precision (distributed.param_dtype, reduce_dtype: FSDP2's MixedPrecisionPolicy): the
+// dtype weights are gathered in and gradients reduce-scattered in. auto: the compute dtype of precision.mode.
+enum class ShardDtype { kAuto, kFp32, kBf16, kFp16 };
+inline constexpr EnumName<ShardDtype> kShardDtypeNames[] = {
+    {ShardDtype::kAuto, "auto"}, {ShardDtype::kFp32, "fp32"}, {ShardDtype::kBf16, "bf16"}, {ShardDtype::kFp16, "fp16"}};
+inline std::span<const EnumName<ShardDtype>> enum_names(ShardDtype) { return kShardDtypeNames; }
+
 enum class SchedulerName { kConstant, kLinear, kCosine };
 inline constexpr EnumName<SchedulerName> kSchedulerNames[] = {{SchedulerName::kConstant, "constant"},
                                                               {SchedulerName::kLinear, "linear"},
@@ -626,6 +633,8 @@ struct DistributedConfig {
   bool shard_optimizer = false;
   bool shard_weights = false;
   bool reshard_after_forward = true;
+  ShardDtype param_dtype = ShardDtype::kAuto;
+  ShardDtype reduce_dtype = ShardDtype::kFp32;
   bool overlap_grad_reduce = true;
 
   template <class V>
@@ -647,6 +656,14 @@ struct DistributedConfig {
     v("reshard_after_forward", reshard_after_forward,
       "with shard_weights: release each block's gathered weights after its forward and gather them again for its "
       "backward (false keeps them from forward to backward: less communication, more memory)");
+    v("param_dtype", param_dtype,
+      "with shard_weights: the dtype fp32 weights are gathered in for compute (FSDP2's param_dtype): auto is the "
+      "compute dtype of precision.mode (bf16 under bf16-mixed, fp16 under fp16-mixed, else fp32): half the gathered "
+      "memory and traffic, the same products autocast computes; the shards (master weights) stay fp32");
+    v("reduce_dtype", reduce_dtype,
+      "with shard_weights: the dtype gradients are accumulated in and reduce-scattered in (FSDP2's reduce_dtype): "
+      "fp32 (default) sums exactly what one process sums; bf16 halves the gradient buffers and traffic at bf16's "
+      "rounding; auto is param_dtype's");
     v("overlap_grad_reduce", overlap_grad_reduce,
       "data parallelism: during the last micro-batch's backward of each optimizer step, each gradient bucket starts "
       "its sum over the ranks as soon as its gradients are final, overlapping communication with backward (not "

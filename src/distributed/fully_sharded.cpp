@@ -11,6 +11,8 @@
 #include <c10/core/StorageImpl.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "distributed/data_parallel.h"
 #include "trainer/errors.h"
@@ -76,6 +78,14 @@ struct AfterBlockBackward : public torch::autograd::Function<AfterBlockBackward>
   }
 };
 
+// After autograd accumulated a parameter's gradient (an embedding's: nothing of the graph follows its unit).
+struct AccumulatedHook final : torch::autograd::PostAccumulateGradHook {
+  AccumulatedHook(FullySharded* o, std::size_t u) : owner(o), unit(u) {}
+  void operator()(const torch::autograd::Variable&) override { owner->accumulated(unit); }
+  FullySharded* owner;
+  std::size_t unit;
+};
+
 // The optimizer's view of this rank's shards: one parameter per piece, named as the model's parameter.
 class PieceModule final : public Module {
  public:
@@ -126,7 +136,7 @@ void FullySharded::build(LanguageModel& model, const c10::Device& device,
     throw UsageError("distributed.shard_weights: model_type " + model.model_type() + " has no blocks to shard by",
                      "set distributed.shard_weights=false (distributed.shard_optimizer shards the optimizer state)");
   units_.resize(blocks.size() + 1);
-  units_[0].name = "the embeddings and head";
+  units_[0].name = "the root (what no unit holds: final norm, tied embeddings and head)";
   std::map<const Module*, std::size_t> index;
   for (std::size_t i = 0; i < blocks.size(); ++i) index[blocks[i]] = i + 1;
   model.for_each_module([&](const std::string& name, Module& module) {
@@ -159,12 +169,18 @@ void FullySharded::build(LanguageModel& model, const c10::Device& device,
     for (auto& g : unit.groups) {
       g.padded = (g.padded + world - 1) / world * world;
       g.shard_numel = g.padded / world;
-      g.full = at::zeros({g.padded}, at::TensorOptions().dtype(g.dtype).device(device));
+      // fp32 groups are gathered in param_dtype and reduced in reduce_dtype; others (a bf16 base) as they are.
+      const bool cast = g.dtype == at::kFloat;
+      g.compute = cast ? options_.param_dtype : g.dtype;
+      g.grad_dtype = cast ? options_.reduce_dtype : g.dtype;
+      // The unit's values, whole for a moment (one unit at a time), to cut this rank's shard from.
+      at::Tensor whole = at::zeros({g.padded}, at::TensorOptions().dtype(g.dtype).device(device));
+      g.full = at::empty({g.padded}, whole.options().dtype(g.compute));
       for (auto& e : g.entries) {
         if (e.slot->is_meta() && !read)
           throw Error("distributed.shard_weights: " + e.name + " has no values (meta) and no reader");
         read_on_demand += e.slot->is_meta() ? 1 : 0;
-        g.full.narrow(0, e.offset, e.numel).copy_((e.slot->is_meta() ? read(e.name) : *e.slot).reshape({-1}));
+        whole.narrow(0, e.offset, e.numel).copy_((e.slot->is_meta() ? read(e.name) : *e.slot).reshape({-1}));
         // The model's parameter becomes a leaf over the gathered buffer's storage.
         at::Tensor p = at::empty({0}, g.full.options());
         std::vector<int64_t> strides(e.shape.size(), 1);
@@ -172,12 +188,16 @@ void FullySharded::build(LanguageModel& model, const c10::Device& device,
         p.set_(g.full.storage(), e.offset, e.shape, strides);
         p.requires_grad_(g.trainable);
         *e.slot = p;
+        unit_of_tensor_[p.unsafeGetTensorImpl()] = static_cast<std::size_t>(&unit - units_.data());
+        unit.trainable_entries += g.trainable ? 1 : 0;
       }
-      g.shard = g.full.narrow(0, static_cast<int64_t>(rank) * g.shard_numel, g.shard_numel).clone();
+      g.shard = whole.narrow(0, static_cast<int64_t>(rank) * g.shard_numel, g.shard_numel).clone();
       if (g.trainable) g.shard_grad = at::zeros_like(g.shard);
       free_storage(g.full);
     }
   status_ = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
+  if (const auto it = unit_of_tensor_.find(model.lm_head_weight().unsafeGetTensorImpl()); it != unit_of_tensor_.end())
+    head_unit_ = it->second;
 
   auto pieces = std::make_unique<PieceModule>();
   for (auto& unit : units_)
@@ -198,8 +218,10 @@ void FullySharded::build(LanguageModel& model, const c10::Device& device,
       shard_bytes += g.shard_numel * static_cast<int64_t>(c10::elementSize(g.dtype));
       for (const auto& e : g.entries) total += e.numel;
     }
-  spdlog::info("distributed.shard_weights: {} parameters in {} units over {} ranks; this rank holds {:.1f} MiB of them{}",
+  spdlog::info("distributed.shard_weights: {} parameters in {} units over {} ranks; this rank holds {:.1f} MiB of them; "
+               "fp32 weights gathered in {}, gradients reduced in {}{}",
                total, units_.size(), world, static_cast<double>(shard_bytes) / (1 << 20),
+               c10::toString(options_.param_dtype), c10::toString(options_.reduce_dtype),
                read_on_demand ? fmt::format(" ({} read from the checkpoint unit by unit: the whole model was never "
                                             "in memory)", read_on_demand)
                               : std::string());
@@ -229,7 +251,7 @@ int64_t FullySharded::status(const char* what, int64_t value) {
   communicator_.all_reduce_max_in_place(status_, what);
   const at::Tensor values = status_.device().is_cpu() ? status_ : status_.cpu();
   const int64_t* v = values.data_ptr<int64_t>();
-  if (v[0] != 0 && in_attempt_) {
+  if (v[0] != 0 && (in_attempt_ || in_evaluation_)) {
     failure_agreed_ = true;
     throw AgreedOutOfMemory("another rank ran out of memory during this attempt (learnt " + std::string(what) + ")");
   }
@@ -237,7 +259,7 @@ int64_t FullySharded::status(const char* what, int64_t value) {
 }
 
 void FullySharded::announce_failure() {
-  if (!in_attempt_) return;
+  if (!in_attempt_ && !in_evaluation_) return;
   if (!failure_agreed_) {
     at::NoGradGuard no_grad;
     status_.fill_(0);
@@ -251,14 +273,19 @@ void FullySharded::announce_failure() {
 void FullySharded::gather(Unit& unit) {
   if (unit.gathered) return;
   at::NoGradGuard no_grad;
-  for (auto& g : unit.groups) allocate_storage(g.full, static_cast<std::size_t>(g.padded) * c10::elementSize(g.dtype));
+  std::vector<at::Tensor> sent;  // the shards in the compute dtype
+  for (auto& g : unit.groups) {
+    allocate_storage(g.full, static_cast<std::size_t>(g.padded) * c10::elementSize(g.compute));
+    sent.push_back(g.compute == g.dtype ? g.shard : g.shard.to(g.compute));
+  }
   status("before gathering a unit's weights");
-  for (auto& g : unit.groups) communicator_.all_gather_into(g.full, g.shard, "gathering a unit's weights");
+  for (std::size_t i = 0; i < unit.groups.size(); ++i)
+    communicator_.all_gather_into(unit.groups[i].full, sent[i], "gathering a unit's weights");
   unit.gathered = true;
 }
 
 void FullySharded::release(Unit& unit) {
-  if (all_gathered_) return;
+  if (all_gathered_ || unit.pinned) return;
   for (auto& g : unit.groups) free_storage(g.full);
   unit.gathered = false;
 }
@@ -268,7 +295,8 @@ void FullySharded::link_gradients(Unit& unit) {
   at::NoGradGuard no_grad;
   for (auto& g : unit.groups) {
     if (!g.trainable) continue;
-    g.full_grad = at::zeros({g.padded}, g.full.options());
+    // Autograd adds each gradient (in the compute dtype) into this buffer of reduce_dtype.
+    g.full_grad = at::zeros({g.padded}, g.full.options().dtype(g.grad_dtype));
     for (auto& e : g.entries) e.slot->mutable_grad() = g.full_grad.narrow(0, e.offset, e.numel).view(e.shape);
   }
   unit.backward_ready = true;
@@ -278,7 +306,8 @@ void FullySharded::reduce_gradients(Unit& unit) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> reduced;
   for (auto& g : unit.groups)
-    reduced.push_back(g.trainable && g.full_grad.defined() ? at::empty({g.shard_numel}, g.full.options()) : at::Tensor());
+    reduced.push_back(g.trainable && g.full_grad.defined() ? at::empty({g.shard_numel}, g.full_grad.options())
+                                                           : at::Tensor());
   status("before reducing a unit's gradients");
   for (std::size_t i = 0; i < unit.groups.size(); ++i) {
     Group& g = unit.groups[i];
@@ -293,13 +322,15 @@ void FullySharded::reduce_gradients(Unit& unit) {
 
 void FullySharded::reset() {
   for (auto& unit : units_) {
+    const bool keep = all_gathered_ || unit.pinned;
     for (auto& g : unit.groups) {
-      if (!all_gathered_) free_storage(g.full);
+      if (!keep) free_storage(g.full);
       g.full_grad = at::Tensor();
       for (auto& e : g.entries) e.slot->mutable_grad() = at::Tensor();
     }
-    if (!all_gathered_) unit.gathered = false;
+    if (!keep) unit.gathered = false;
     unit.backward_ready = false;
+    unit.accumulated = 0;
   }
 }
 
@@ -310,7 +341,14 @@ at::Tensor FullySharded::run(const Module& module, const BlockFn& block, const s
   Unit& unit = units_[u];
   const bool grad = at::GradMode::is_enabled() && in_attempt_;
   std::vector<at::Tensor> in = inputs;
-  if (grad) {
+  if (grad && !at::isFloatingType(inputs[0].scalar_type())) {
+    // Ids in (an embedding): no gradient flows past the unit, so its end is the parameters' accumulation.
+    if (!unit.watched)
+      for (auto& g : unit.groups)
+        for (auto& e : g.entries)
+          if (g.trainable) torch::autograd::impl::set_post_acc_grad_hooks(*e.slot, std::make_unique<AccumulatedHook>(this, u));
+    unit.watched = true;
+  } else if (grad) {
     const at::Tensor dummy = at::empty({0}, inputs[0].options().dtype(at::kFloat)).requires_grad_(true);
     in[0] = AfterBlockBackward::apply(c10::make_intrusive<UnitRef>(this, u), dummy, in[0])[0];
   }
@@ -336,9 +374,46 @@ void FullySharded::after_backward(std::size_t u) {
   release(unit);
 }
 
+void FullySharded::accumulated(std::size_t u) {
+  Unit& unit = units_[u];
+  if (++unit.accumulated < unit.trainable_entries) return;
+  unit.accumulated = 0;
+  after_backward(u);
+}
+
+void FullySharded::before_head(const at::Tensor& weight) {
+  const auto it = unit_of_tensor_.find(weight.unsafeGetTensorImpl());
+  if (!in_attempt_ || it == unit_of_tensor_.end() || it->second == 0) return;
+  link_gradients(units_[it->second]);
+  gather(units_[it->second]);
+}
+
+void FullySharded::after_head(const at::Tensor& weight) {
+  const auto it = unit_of_tensor_.find(weight.unsafeGetTensorImpl());
+  if (!in_attempt_ || it == unit_of_tensor_.end() || it->second == 0) return;
+  after_backward(it->second);
+}
+
 void FullySharded::gather_all() {
   for (auto& unit : units_) gather(unit);
   all_gathered_ = true;
+}
+
+void FullySharded::begin_evaluation() {
+  in_evaluation_ = true;
+  failure_agreed_ = false;
+  for (const std::size_t u : {std::size_t{0}, head_unit_}) {
+    gather(units_[u]);
+    units_[u].pinned = true;
+  }
+}
+
+void FullySharded::end_evaluation() {
+  in_evaluation_ = false;
+  for (auto& unit : units_) {
+    unit.pinned = false;
+    release(unit);
+  }
 }
 
 void FullySharded::release_all() {
@@ -348,11 +423,26 @@ void FullySharded::release_all() {
 
 at::Tensor FullySharded::gathered(const std::string& name) {
   const auto& [u, slot] = parameter_unit_.at(name);
-  if (!units_[u].gathered)
-    for (auto& unit : units_)
-      if (unit.gathered) release(unit);
-  gather(units_[u]);
-  return *slot;
+  if (exported_unit_ != u) {
+    // The master values (the shards' dtype, whatever param_dtype gathers for compute), one unit at a time.
+    at::NoGradGuard no_grad;
+    exported_.clear();
+    exported_unit_ = SIZE_MAX;
+    for (auto& g : units_[u].groups) exported_.push_back(at::empty({g.padded}, g.shard.options()));
+    status("before gathering a unit's weights to write them");
+    for (std::size_t i = 0; i < units_[u].groups.size(); ++i)
+      communicator_.all_gather_into(exported_[i], units_[u].groups[i].shard, "gathering a unit's weights to write them");
+    exported_unit_ = u;
+  }
+  for (std::size_t i = 0; i < units_[u].groups.size(); ++i)
+    for (const auto& e : units_[u].groups[i].entries)
+      if (e.slot == slot) return exported_[i].narrow(0, e.offset, e.numel).view(e.shape);
+  throw Error("distributed.shard_weights: " + name + " is in no group of its unit");
+}
+
+void FullySharded::release_exported() {
+  exported_.clear();
+  exported_unit_ = SIZE_MAX;
 }
 
 std::pair<int64_t, int64_t> FullySharded::share(std::span<const Example> examples, bool by_tokens, bool) {

@@ -38,6 +38,11 @@ namespace trainer::distributed {
 
 struct FullyShardedOptions {
   bool reshard_after_forward = true;  // false: a block stays gathered from its forward to its backward
+  // Mixed precision (FSDP2's MixedPrecisionPolicy): fp32 weights are gathered in param_dtype for compute (the shards,
+  // the master values, stay fp32); gradients are accumulated and reduce-scattered in reduce_dtype, then added to the
+  // shards' fp32 gradients. kFloat and kFloat: no cast anywhere.
+  at::ScalarType param_dtype = at::kFloat;
+  at::ScalarType reduce_dtype = at::kFloat;
 };
 
 class FullySharded final : public StepSync, public UnitHooks {
@@ -72,10 +77,18 @@ class FullySharded final : public StepSync, public UnitHooks {
   // saving the model): every rank calls gather_all and release_all at the same points.
   void gather_all();
   void release_all();
-  // Parameter `name`'s gathered values, its unit gathered if it is not (and the unit gathered before released): the
-  // final model is written one unit at a time (every rank calls it with the same names in the same order; the tensor
-  // is valid until the next call or release_all).
+  // The validation loss unit by unit: the root and the head's unit gathered until end_evaluation, the other units
+  // gathered for each forward as in training (every rank must run as many: agree_passes). An out-of-memory error is
+  // agreed as in an attempt: begin_evaluation_try before each try, announce_failure on the rank that ran out.
+  void begin_evaluation();
+  void begin_evaluation_try() { failure_agreed_ = false; }
+  void end_evaluation();
+  // Parameter `name`'s master values (the shards' dtype, fp32 for fp32 weights whatever param_dtype), its unit
+  // gathered into a buffer of its own if it is not the last one asked for: the final model is written one unit at a
+  // time (every rank calls it with the same names in the same order; the tensor is valid until the next call for
+  // another unit or release_exported).
   at::Tensor gathered(const std::string& name);
+  void release_exported();
 
   // StepSync
   std::pair<int64_t, int64_t> share(std::span<const Example> examples, bool by_tokens, bool seq2seq) override;
@@ -93,9 +106,13 @@ class FullySharded final : public StepSync, public UnitHooks {
   // UnitHooks
   at::Tensor run(const Module& unit, const BlockFn& block, const std::vector<at::Tensor>& inputs) override;
 
-  // Called from the autograd functions around each block (fully_sharded.cpp).
+  void before_head(const at::Tensor& weight) override;
+  void after_head(const at::Tensor& weight) override;
+
+  // Called from the autograd functions and hooks around each unit (fully_sharded.cpp).
   void before_backward(std::size_t unit);
   void after_backward(std::size_t unit);
+  void accumulated(std::size_t unit);
 
  private:
   struct Entry {
@@ -106,21 +123,28 @@ class FullySharded final : public StepSync, public UnitHooks {
     int64_t numel = 0;
   };
   struct Group {
-    at::ScalarType dtype = at::kFloat;
+    at::ScalarType dtype = at::kFloat;  // the parameters' and the shard's (the master values)
+    at::ScalarType compute = at::kFloat;  // the gathered buffer's: param_dtype for fp32 groups
+    at::ScalarType grad_dtype = at::kFloat;  // full_grad's and the reduce-scatter's
     bool trainable = false;
     std::vector<Entry> entries;
     int64_t padded = 0;  // a multiple of the world size
     int64_t shard_numel = 0;
-    at::Tensor full;        // (padded): storage allocated only while gathered; the parameters point into it
+    at::Tensor full;        // (padded, compute): allocated only while gathered; the parameters point into it
     at::Tensor shard;       // (shard_numel): this rank's master values
     at::Tensor shard_grad;  // (shard_numel): the reduced gradient of the attempt (trainable groups)
-    at::Tensor full_grad;   // (padded): during a block's backward, where autograd accumulates
+    at::Tensor full_grad;   // (padded, grad_dtype): during a block's backward, where autograd accumulates
   };
   struct Unit {
     std::string name;
     std::vector<Group> groups;
     bool gathered = false;
+    bool pinned = false;          // gathered for an evaluation: released by end_evaluation alone
     bool backward_ready = false;  // gradients linked into full_grad
+    // A unit whose input is ids (an embedding): its backward ends when each trainable parameter's gradient has
+    // accumulated (hooks after autograd's accumulation, installed at its first forward with gradients).
+    bool watched = false;
+    int64_t trainable_entries = 0, accumulated = 0;
   };
 
   FullySharded(Communicator& communicator, FullyShardedOptions options);
@@ -140,12 +164,18 @@ class FullySharded final : public StepSync, public UnitHooks {
   std::vector<Unit> units_;  // units_[0]: the root
   std::unordered_map<const Module*, std::size_t> unit_of_;
   std::unordered_map<std::string, std::pair<std::size_t, const at::Tensor*>> parameter_unit_;  // name -> unit, slot
+  std::unordered_map<const void*, std::size_t> unit_of_tensor_;  // a parameter's TensorImpl -> its unit
   std::unique_ptr<Module> pieces_;
+  // gathered(): the unit whose master values are gathered (whole, in the shards' dtype) for writing, and them.
+  std::size_t exported_unit_ = SIZE_MAX;
+  std::vector<at::Tensor> exported_;
   std::vector<at::Tensor*> replicated_;  // kept whole on every rank (LoRA's adapters)
   double replicated_squares_ = 0;        // their summed gradients' squared norm, after prepare()
   at::Tensor status_;         // int64 (2): preallocated
   bool failure_agreed_ = false;  // this attempt's failure was learnt at a status (nothing to announce)
   bool in_attempt_ = false;
+  bool in_evaluation_ = false;
+  std::size_t head_unit_ = 0;  // the unit of the LM head's weight (0: the root)
   bool all_gathered_ = false;  // gather_all: nothing is released until release_all
 };
 

@@ -63,6 +63,11 @@ class StepSync {
   virtual void before_last_backward() {}
   // A gradient accumulated outside autograd (the fused loss's untied LM head) is final for this micro-batch.
   virtual void gradient_ready(const at::Tensor& parameter) { (void)parameter; }
+  // The LM head's weight is used outside autograd (the fused loss) between these two: with fully sharded weights,
+  // before_head gathers it (and gives its gradient a place) when it is a unit of its own, after_head reduces its
+  // gradient to the shards and releases it. Every rank calls them as often (empty passes too).
+  virtual void before_head(const at::Tensor& weight) { (void)weight; }
+  virtual void after_head(const at::Tensor& weight) { (void)weight; }
 
   // Fully sharded weights (distributed.shard_weights, fully_sharded.h): every block's forward and backward is a
   // collective, so every rank runs as many forward/backward passes as the rank with the most (the others run empty

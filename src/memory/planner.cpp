@@ -746,22 +746,45 @@ std::string plan_fully_sharded(MemoryPlan& plan, const Config& config, const nlo
   const double n = static_cast<double>(world);
   const double weight_bytes = plan.weights / static_cast<double>(total);  // per parameter, on average
   const double grad_bytes = plan.gradients / static_cast<double>(std::max<int64_t>(1, plan.trainable_parameters));
+  // Mixed precision (distributed.param_dtype, reduce_dtype) applies to fp32 weights: gathered in param_dtype,
+  // gradients accumulated and reduced in reduce_dtype (engine.cpp resolves auto the same way).
+  const bool mixed = config.precision.mode == PrecisionMode::kBf16Mixed || config.precision.mode == PrecisionMode::kFp16Mixed;
+  const double param_bytes = config.distributed.param_dtype == ShardDtype::kFp32   ? 4.0
+                             : config.distributed.param_dtype == ShardDtype::kAuto ? (mixed ? 2.0 : 4.0)
+                                                                                   : 2.0;
+  const double reduce_bytes = config.distributed.reduce_dtype == ShardDtype::kFp32   ? 4.0
+                              : config.distributed.reduce_dtype == ShardDtype::kAuto ? param_bytes
+                                                                                     : 2.0;
+  const double gathered_weight_bytes = weight_bytes >= 4.0 ? param_bytes : weight_bytes;
+  const double gathered_grad_bytes = grad_bytes >= 4.0 ? reduce_bytes : grad_bytes;
   const double gathered_blocks =
       static_cast<double>(config.distributed.reshard_after_forward ? largest_block : blocks);
   const double whole_weights = plan.weights, whole_gradients = plan.gradients, whole_state = plan.optimizer_state;
-  plan.weights = whole_weights / n + (static_cast<double>(root) + gathered_blocks) * weight_bytes;
-  plan.gradients = whole_gradients / n + static_cast<double>(root + largest_block) * grad_bytes;
+  plan.weights = whole_weights / n + (static_cast<double>(root) + gathered_blocks) * gathered_weight_bytes;
+  plan.gradients = whole_gradients / n + static_cast<double>(root + largest_block) * gathered_grad_bytes;
   plan.optimizer_state = whole_state / n;
+  // Autocast's 16-bit copies (plan_memory counted one of every weight): none of weights gathered in 16 bits already;
+  // of fp32 gathers, those the graph keeps (every unit's without activation checkpointing, else the root's and one
+  // unit's).
+  if (mixed && !(config.lora.enabled && config.lora.base_in_bf16)) {
+    plan.workspace -= 2.0 * static_cast<double>(total);
+    if (gathered_weight_bytes >= 4.0)
+      plan.workspace += 2.0 * (config.training.activation_checkpointing ? static_cast<double>(root + largest_block)
+                                                                        : static_cast<double>(total));
+  }
   std::ostringstream line;
   line << "fully sharded weights (distributed.shard_weights) over " << world << " ranks: each keeps 1/" << world
        << " of the weights (" << human_bytes(whole_weights) << "), gradients (" << human_bytes(whole_gradients)
-       << ") and optimizer state (" << human_bytes(whole_state) << "), and holds gathered the embeddings and head ("
+       << ") and optimizer state (" << human_bytes(whole_state) << "), and holds gathered the root (what no unit holds: "
        << root << " parameters, for a whole step, with their gradient) and "
-       << (config.distributed.reshard_after_forward ? "the largest block (" + std::to_string(largest_block) +
-                                                          " parameters, with its gradient in its backward)"
-                                                    : "every block from its forward to its backward "
-                                                      "(distributed.reshard_after_forward=false)")
-       << "; evaluation gathers the whole model (" << human_bytes(whole_weights) << ")";
+       << (config.distributed.reshard_after_forward
+               ? "the largest unit (" + std::to_string(largest_block) + " parameters, with its gradient in its backward)"
+               : "every unit from its forward to its backward (distributed.reshard_after_forward=false)")
+       << ", gathered in " << (gathered_weight_bytes == 2.0 ? "16" : "32") << "-bit and reduced in "
+       << (gathered_grad_bytes == 2.0 ? "16" : "32")
+       << "-bit (distributed.param_dtype, reduce_dtype); evaluation gathers the root and one unit at a time, generation "
+          "the whole model ("
+       << human_bytes(static_cast<double>(total) * gathered_weight_bytes) << ")";
   return line.str();
 }
 
@@ -806,7 +829,10 @@ int run_plan(const Config& config, std::ostream& out, int64_t world_size, const 
     }
   }
   print_plan(plan, config, out);
-  print_optimizer_choices(config, hf_config, planned.device, capacity, source, out, shape);
+  if (world_size > 1 && config.distributed.shard_weights)
+    out << "(the precision and optimizer choices are planned for unsharded runs: try them here with --set)\n";
+  else
+    print_optimizer_choices(config, hf_config, planned.device, capacity, source, out, shape);
   return kExitOk;
 }
 

@@ -75,9 +75,10 @@ class LanguageModel : public Module {
   bool has_block_runner() const { return static_cast<bool>(block_runner_); }
   void set_unit_hooks(std::shared_ptr<UnitHooks> hooks) { unit_hooks_ = std::move(hooks); }
   bool has_unit_hooks() const { return static_cast<bool>(unit_hooks_); }
-  // The blocks run through run_block, in forward order: the units of fully sharded data parallelism. Their
-  // parameters are used inside the block alone, except those named by parameters_used_outside_blocks (T5's relative
-  // attention bias, read once per stack before its blocks run), which belong to no unit. Empty: no units.
+  // The units of fully sharded data parallelism, in forward order: the blocks run through run_block, and modules run
+  // through run_unit (a decoder's untied embeddings and head). Their parameters are used inside the unit alone,
+  // except those named by parameters_used_outside_blocks (T5's relative attention bias, read once per stack before
+  // its blocks run), which belong to no unit (the root). Empty: no units.
   virtual std::vector<const Module*> blocks() const { return {}; }
   virtual std::vector<std::string> parameters_used_outside_blocks() const { return {}; }
 
@@ -173,6 +174,11 @@ class LanguageModel : public Module {
         return block_runner_ ? block_runner_(block, in) : block(in);
       }, inputs);
     return block_runner_ ? block_runner_(block, inputs) : block(inputs);
+  }
+  // A unit that is not a block (no activation checkpointing): the unit hooks alone. Its first input may be ids (an
+  // embedding): then its parameters' gradients are final when they have accumulated.
+  at::Tensor run_unit(const BlockFn& f, const std::vector<at::Tensor>& inputs, const Module* unit) const {
+    return unit_hooks_ ? unit_hooks_->run(*unit, f, inputs) : f(inputs);
   }
 
  private:

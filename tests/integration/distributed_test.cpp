@@ -906,6 +906,77 @@ TEST(IntegrationDistributed, LoraOverShardedWeightsTrainsTheAdapterOfOneProcess)
   EXPECT_FALSE(fs::exists(two / "checkpoint-3" / "optimizer-rank-1-of-2.safetensors"));
 }
 
+// An untied decoder (Qwen3): its embeddings and its head are units of their own, gathered only around their forward
+// and backward (the embeddings' backward ends when their gradient has accumulated: ids come in). Three ranks, 8
+// examples in micro-batches of 2: a rank runs an empty pass through the same units. The fused loss (the head
+// gathered around it) and the plain one (the head through autograd) both give one process's weights. The validation
+// loss runs unit by unit too (the root and the head gathered for it; empty passes where a rank's share is smaller).
+TEST(IntegrationDistributed, ShardedWeightsMakeAnUntiedDecodersEmbeddingsAndHeadUnitsOfTheirOwn) {
+  TempDir dir;
+  for (const std::string chunked : {"true", "false"}) {
+    SCOPED_TRACE("training.chunked_loss=" + chunked);
+    const auto one = dir.path() / ("one-" + chunked), three = dir.path() / ("three-" + chunked);
+    const std::vector<std::string> loss = {"--set", "training.chunked_loss=" + chunked, "--set",
+                                           "evaluation.every_steps=1", "--set", "evaluation.micro_batch_size=2"};
+    const auto single = run_trainer(with(short_run("configs/tiny-qwen3.json", one, 2), loss), "OMP_NUM_THREADS=1");
+    ASSERT_EQ(single.exit_code, 0) << single.err;
+    const auto ranks = run_ranks(3, with(with(short_run("configs/tiny-qwen3.json", three, 2), loss), kShardWeights));
+    for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+    // The root, the embeddings, 2 blocks, the head.
+    EXPECT_NE(ranks[0].err.find(" in 5 units over 3 ranks"), std::string::npos) << ranks[0].err;
+    EXPECT_LE(max_difference(one / "final" / "model.safetensors", three / "final" / "model.safetensors"), 1e-5);
+    const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(three / "metrics.jsonl", "loss");
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << "step " << i + 1;
+    const auto ea = metric_values(one / "metrics.jsonl", "eval_loss");
+    const auto eb = metric_values(three / "metrics.jsonl", "eval_loss");
+    ASSERT_EQ(ea.size(), 2u);
+    ASSERT_EQ(ea.size(), eb.size());
+    for (std::size_t i = 0; i < ea.size(); ++i) EXPECT_NEAR(ea[i], eb[i], 1e-5) << "evaluation " << i + 1;
+  }
+}
+
+// Mixed precision as FSDP2's policy: under bf16-mixed the fp32 shards are gathered in bf16 (distributed.param_dtype
+// auto) and the gradients reduced in fp32; final/ holds the fp32 master weights. The bf16 weights make the model run
+// in bf16 where one process's autocast keeps fp32 (the embeddings' output, the residual stream), so the first step's
+// gradient norm (the same weights, the same data) is one process's within bf16's noise, and the weights stay within
+// the two AdamW updates (lr 3e-3 each) of one process's. param_dtype=fp32 gathers fp32: one process's numbers.
+TEST(IntegrationDistributed, ShardedWeightsGatherInBf16AndReduceInFp32UnderBf16Mixed) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two", kept = dir.path() / "kept";
+  const std::vector<std::string> mixed = {"--set", "precision.mode=bf16-mixed"};
+  const auto single = run_trainer(with(short_run("configs/tiny-qwen3.json", one, 2), mixed), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen3.json", two, 2), mixed), kShardWeights));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_NE(ranks[0].err.find("fp32 weights gathered in BFloat16, gradients reduced in Float"), std::string::npos)
+      << ranks[0].err;
+  const auto fp32 = run_ranks(2, with(with(with(short_run("configs/tiny-qwen3.json", kept, 2), mixed), kShardWeights),
+                                      {"--set", "distributed.param_dtype=fp32"}));
+  for (const auto& r : fp32) ASSERT_EQ(r.exit_code, 0) << all_errors(fp32);
+  EXPECT_NE(fp32[0].err.find("fp32 weights gathered in Float"), std::string::npos) << fp32[0].err;
+  const auto opened = SafetensorsFile::open((two / "final" / "model.safetensors").string());
+  for (const auto& t : opened.tensors()) EXPECT_EQ(t.dtype_name, "F32") << t.name;
+  const auto norms = metric_values(one / "metrics.jsonl", "grad_norm");
+  const auto bf16_norms = metric_values(two / "metrics.jsonl", "grad_norm");
+  const auto fp32_norms = metric_values(kept / "metrics.jsonl", "grad_norm");
+  ASSERT_EQ(norms.size(), 2u);
+  ASSERT_EQ(bf16_norms.size(), 2u);
+  ASSERT_EQ(fp32_norms.size(), 2u);
+  EXPECT_NEAR(bf16_norms[0], norms[0], 1e-3 * norms[0]);
+  EXPECT_NEAR(fp32_norms[0], norms[0], 1e-5 * norms[0]);
+  const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(two / "metrics.jsonl", "loss");
+  const auto c = metric_values(kept / "metrics.jsonl", "loss");
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_EQ(a.size(), c.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(a[i], b[i], 1e-3) << "step " << i + 1;
+    EXPECT_NEAR(a[i], c[i], 1e-5) << "step " << i + 1;
+  }
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 6e-3);
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", kept / "final" / "model.safetensors"), 2e-3);
+}
+
 // What sharded weights do not cover yet is refused on every rank before any work, naming the key.
 TEST(IntegrationDistributed, ShardedWeightsRefuseQloraNamingTheKey) {
   TempDir dir;

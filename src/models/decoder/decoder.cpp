@@ -490,6 +490,16 @@ class DecoderBody : public Module {
   std::shared_ptr<NormWeight> per_layer_projection_norm;
 };
 
+// An untied LM head's weight (lm_head.weight): a module of its own so that it can be a unit of fully sharded data
+// parallelism (run_unit).
+class HeadWeight : public Module {
+ public:
+  HeadWeight(int64_t vocab, int64_t hidden, const c10::TensorOptions& o) : weight(at::empty({vocab, hidden}, o)) {
+    register_parameter("weight", &weight);
+  }
+  at::Tensor weight;
+};
+
 // model.* of a multimodal checkpoint: the text model as model.language_model (the towers are carried, not built).
 class LanguageModelHolder : public Module {
  public:
@@ -556,9 +566,13 @@ class DecoderModel : public LanguageModel {
   }
 
   at::Tensor embed(const at::Tensor& ids) const {
-    at::Tensor x = model->embed_tokens->forward(ids);
-    if (s_.embedding_scale == 1.0) return x;
-    return x * scale_in(s_.embedding_scale, x.scalar_type());
+    const BlockFn f = [this](const std::vector<at::Tensor>& in) {
+      at::Tensor x = model->embed_tokens->forward(in[0]);
+      if (s_.embedding_scale == 1.0) return x;
+      return x * scale_in(s_.embedding_scale, x.scalar_type());
+    };
+    // Untied, the embeddings are a unit of their own (fully sharded weights); tied, they are the head too (the root).
+    return lm_head_ ? run_unit(f, {ids}, model->embed_tokens.get()) : f({ids});
   }
 
   // Gemma 4's per-layer inputs (B, T, layers, per_layer_input) for ids (B, T) and their embeddings x (B, T, D):
@@ -812,14 +826,15 @@ class DecoderModel : public LanguageModel {
   }
 
   at::Tensor lm_head(const at::Tensor& hidden) override {
-    at::Tensor logits = at::linear(hidden, lm_head_weight());
-    if (s_.logits_scaling != 1.0) logits = logits / s_.logits_scaling;
-    if (s_.final_softcap) logits = at::tanh(logits / *s_.final_softcap) * *s_.final_softcap;
-    return logits;
+    const BlockFn f = [this](const std::vector<at::Tensor>& in) {
+      at::Tensor logits = at::linear(in[0], lm_head_weight());
+      if (s_.logits_scaling != 1.0) logits = logits / s_.logits_scaling;
+      if (s_.final_softcap) logits = at::tanh(logits / *s_.final_softcap) * *s_.final_softcap;
+      return logits;
+    };
+    return lm_head_ ? run_unit(f, {hidden}, lm_head_.get()) : f({hidden});
   }
-  at::Tensor lm_head_weight() const override {
-    return lm_head_weight_.defined() ? lm_head_weight_ : model->embed_tokens->weight;
-  }
+  at::Tensor lm_head_weight() const override { return lm_head_ ? lm_head_->weight : model->embed_tokens->weight; }
   double lm_head_scale() const override { return 1.0 / s_.logits_scaling; }
   std::optional<double> final_logit_softcap() const override { return s_.final_softcap; }
 
@@ -867,9 +882,13 @@ class DecoderModel : public LanguageModel {
 
   std::string text_model_path() const override { return s_.multimodal ? "model.language_model" : ""; }
 
+  // An untied model's embeddings and head are units too (run_unit), as FSDP2 shards them in torchtitan: neither is
+  // then held gathered beyond its own forward and backward.
   std::vector<const Module*> blocks() const override {
     std::vector<const Module*> out;
+    if (lm_head_) out.push_back(model->embed_tokens.get());
     for (const auto& block : model->layers->items) out.push_back(block.get());
+    if (lm_head_) out.push_back(lm_head_.get());
     return out;
   }
 
@@ -896,11 +915,10 @@ class DecoderModel : public LanguageModel {
                                                : std::string("model.embed_tokens.weight")}};
     return {};
   }
-  bool lm_head_tied() const override { return !lm_head_weight_.defined(); }
+  bool lm_head_tied() const override { return !lm_head_; }
   void untie_lm_head() override {
-    if (lm_head_weight_.defined()) return;
-    lm_head_weight_ = at::empty({s_.vocab_size, s_.hidden}, options_);
-    register_parameter("lm_head.weight", &lm_head_weight_);
+    if (lm_head_) return;
+    lm_head_ = register_module("lm_head", std::make_shared<HeadWeight>(s_.vocab_size, s_.hidden, options_));
   }
 
   void init_weights() override {
@@ -908,7 +926,10 @@ class DecoderModel : public LanguageModel {
     // weights, zero biases, ones for norms, a zero padding row.
     at::NoGradGuard no_grad;
     const double std_dev = s_.initializer_range;
+    // The untied head first: the order its values were drawn in when it was the model's first parameter.
+    if (lm_head_) lm_head_->weight.normal_(0.0, std_dev);
     for_each_parameter([&](const std::string& name, at::Tensor& p) {
+      if (name == "lm_head.weight") return;
       if (name.ends_with("norm.weight")) p.fill_(s_.norm == NormKind::kGemma ? 0.0 : 1.0);  // Gemma: 1 + weight
       else if (name.ends_with("router.scale") || name.ends_with("router.per_expert_scale")) p.fill_(1.0);
       else if (name.ends_with(".bias")) p.zero_();
@@ -993,7 +1014,7 @@ class DecoderModel : public LanguageModel {
   std::vector<double> routing_totals_;
   RoutingSummary summary_;
   c10::TensorOptions options_;
-  at::Tensor lm_head_weight_;
+  std::shared_ptr<HeadWeight> lm_head_;  // untied: lm_head.weight
 };
 
 }  // namespace

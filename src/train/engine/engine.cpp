@@ -31,6 +31,7 @@
 #include "train/fixed_memory.h"
 #include "train/optim/grad_scaler.h"
 #include "train/optim/optimizer.h"
+#include "train/precision.h"
 #include "train/resume_check.h"
 #include "train/retention.h"
 #include "train/rng.h"
@@ -49,9 +50,11 @@ namespace fs = std::filesystem;
 bool EvaluationMicroBatch::run(const std::function<void(int64_t micro)>& part) {
   while (!failed_) {
     try {
+      if (begin_) begin_();
       part(std::max<int64_t>(1, micro_));
       return true;
     } catch (const c10::OutOfMemoryError& e) {
+      if (out_of_memory_) out_of_memory_();
       release_cached_memory();
       if (micro_ <= 1 && !world_) throw;
       if (micro_ <= 1) {
@@ -70,9 +73,11 @@ bool EvaluationMicroBatch::run(const std::function<void(int64_t micro)>& part) {
 bool EvaluationMicroBatch::run_once(const std::function<void()>& part) {
   if (failed_) return false;
   try {
+    if (begin_) begin_();
     part();
     return true;
   } catch (const c10::OutOfMemoryError& e) {
+    if (out_of_memory_) out_of_memory_();
     release_cached_memory();
     if (!world_) throw;
     spdlog::warn("evaluation: rank {}: out of memory: {}", world_->rank(),
@@ -299,6 +304,17 @@ class Engine {
     return f();
   }
 
+  // With sharded weights, the validation loss computed unit by unit while `f` runs (every rank calls it).
+  template <class F>
+  auto with_evaluation_units(F&& f) {
+    struct End {
+      distributed::FullySharded* sharded;
+      ~End() { sharded->end_evaluation(); }
+    } end{sharded_.get()};
+    sharded_->begin_evaluation();
+    return f();
+  }
+
   const TaskKind& kind_;  // its name is train_state.json's "task"
   Task& task_;
   const Config& config_;
@@ -345,6 +361,8 @@ void Engine::set_up() {
   else if (config_.training.micro_batch_size.is_auto && !policy_->by_tokens()) probe_micro_batch();
   const auto& evaluation_micro = config_.evaluation.micro_batch_size;
   eval_micro_.emplace(evaluation_micro.is_auto ? task_.evaluation_micro_batch(*policy_) : evaluation_micro.value, world_);
+  if (sharded_)
+    eval_micro_->set_collective([this] { sharded_->begin_evaluation_try(); }, [this] { sharded_->announce_failure(); });
   start_retention();
 }
 
@@ -444,8 +462,23 @@ void Engine::shard_weights() {
     refuse("training.micro_batch_size=auto (set a number; out-of-memory errors still shrink it)");
   if (model->has_routing_loss()) refuse("a mixture of experts' load-balancing loss (output_router_logits)");
   // LoRA: the frozen base is sharded, the adapters stay whole on every rank (their gradients summed).
-  sharded_ = distributed::FullySharded::shard(*world_, *model, {config_.distributed.reshard_after_forward}, device_,
-                                              task_.weight_reader(), task_.adapters());
+  distributed::FullyShardedOptions options;
+  options.reshard_after_forward = config_.distributed.reshard_after_forward;
+  // FSDP2's mixed precision: auto gathers in the compute dtype of precision.mode, reduces in param_dtype's.
+  const auto compute = autocast_dtype(config_.precision.mode).value_or(at::kFloat);
+  auto dtype_of = [&](ShardDtype d, at::ScalarType automatic) {
+    switch (d) {
+      case ShardDtype::kAuto: return automatic;
+      case ShardDtype::kFp32: return at::kFloat;
+      case ShardDtype::kBf16: return at::kBFloat16;
+      case ShardDtype::kFp16: return at::kHalf;
+    }
+    return automatic;
+  };
+  options.param_dtype = dtype_of(config_.distributed.param_dtype, compute);
+  options.reduce_dtype = dtype_of(config_.distributed.reduce_dtype, options.param_dtype);
+  sharded_ = distributed::FullySharded::shard(*world_, *model, options, device_, task_.weight_reader(),
+                                              task_.adapters());
 }
 
 std::map<std::string, int64_t> Engine::piece_offsets() {
@@ -703,19 +736,25 @@ bool Engine::train_one_step() {
 // The task's evaluation (every rank its share), the ranks' agreement on its out-of-memory outcome, then the report
 // and what rank 0 alone shows afterwards.
 void Engine::evaluate() {
-  // Sharded weights: the whole model gathered on every rank for the evaluation and rank 0's samples after it.
-  with_whole_model([&] {
-    Evaluated evaluated = task_.evaluate(step_index_, *eval_micro_);
-    eval_micro_->agree();
-    if (evaluated.loss) {
-      last_eval_ = *evaluated.loss;
-      last_eval_metrics_ = evaluated.metrics;
-      last_eval_step_ = step_index_;
-      if (evaluated.report) evaluated.report(reporter_);
-    }
+  // Sharded weights: the validation loss runs unit by unit (the root and the head gathered for it, the blocks as
+  // they come, as in training); evaluation by generation and rank 0's samples gather the whole model on every rank.
+  const auto run = [&] { return task_.evaluate(step_index_, *eval_micro_); };
+  const Evaluated evaluated = !sharded_                      ? run()
+                              : config_.evaluation.generate ? with_whole_model(run)
+                                                            : with_evaluation_units(run);
+  eval_micro_->agree();
+  if (evaluated.loss) {
+    last_eval_ = *evaluated.loss;
+    last_eval_metrics_ = evaluated.metrics;
+    last_eval_step_ = step_index_;
+    if (evaluated.report) evaluated.report(reporter_);
+  }
+  const auto samples = [&] {
     if (primary_) task_.after_evaluation(step_index_, reporter_);
     return 0;
-  });
+  };
+  if (sharded_ && !config_.evaluation.sample_prompts.empty()) with_whole_model(samples);
+  else samples();
 }
 
 // The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.
@@ -727,7 +766,7 @@ int Engine::finish() {
       const at::Tensor values = sharded_->gathered(name);
       return primary_ ? values.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true) : values;
     }, primary_);
-    sharded_->release_all();
+    sharded_->release_exported();
   } else if (config_.checkpoint.save_final && primary_) {
     task_.save(output_dir_ / "final");
   }

@@ -84,6 +84,13 @@ class EvaluationMicroBatch {
   bool run_once(const std::function<void()>& part);
   int64_t value() const { return micro_; }
   bool failed() const { return failed_; }
+  // Fully sharded weights, evaluated unit by unit: every forward is a collective. `begin` runs before each try,
+  // `out_of_memory` when this rank ran out of memory in one: it tells the other ranks, which fail at their next
+  // collective, so that every rank halves (or stops, at 1) together.
+  void set_collective(std::function<void()> begin, std::function<void()> out_of_memory) {
+    begin_ = std::move(begin);
+    out_of_memory_ = std::move(out_of_memory);
+  }
   // Every rank, after each evaluation: throws OutOfMemoryAtFloor on every rank when any ran out at micro-batch 1.
   void agree();
 
@@ -91,6 +98,7 @@ class EvaluationMicroBatch {
   int64_t micro_;
   distributed::Communicator* world_;
   bool failed_ = false;
+  std::function<void()> begin_, out_of_memory_;
 };
 
 // What an evaluation measured. The engine reports it only once every rank evaluated.

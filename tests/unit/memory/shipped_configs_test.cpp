@@ -129,6 +129,7 @@ const nlohmann::json kClipB32 = {
 struct Card {
   nlohmann::json model;
   double bytes;
+  int64_t world = 1;  // cards (ranks) of a fully sharded config: the plan is one rank's
 };
 
 // The card each GPU config is written for (its comment and the README say which).
@@ -144,6 +145,8 @@ const std::map<std::string, Card>& cards() {
       {"qwen2.5-7b-qlora.json", {kQwen25_7B, 16.0 * (1ull << 30)}},
       {"qwen2.5-14b-qlora.json", {kQwen25_14B, 24.0 * (1ull << 30)}},
       {"t5xl.json", {kFlanT5XL, 32.0 * (1ull << 30)}},
+      {"t5xl-sharded.json", {kFlanT5XL, 16.0 * (1ull << 30), 4}},
+      {"qwen2.5-7b-full-sharded.json", {kQwen25_7B, 24.0 * (1ull << 30), 8}},
       {"vit-base-flowers-lora.json", {kVitBase16, 8.0 * (1ull << 30)}},
       {"vit-base-flowers-probe.json", {kVitBase16, 8.0 * (1ull << 30)}},
   };
@@ -182,13 +185,20 @@ TEST(ShippedConfigs, EveryGpuConfigFitsItsCardByThePlan) {
     }
     // What an example is to the planner is the task's (a DPO pair: two sequences and the reference).
     const ExampleShape shape = task_kind(config).example_shape(config);
-    const MemoryPlan plan = plan_memory(config, hf, c10::Device(c10::kCUDA, 0), card.bytes, "test card", shape);
+    MemoryPlan plan = plan_memory(config, hf, c10::Device(c10::kCUDA, 0), card.bytes, "test card", shape);
+    EXPECT_EQ(config.distributed.shard_weights, card.world > 1);
+    std::string sharded;
+    if (card.world > 1) {  // one rank's plan, as `trainer plan --nproc-per-node N` makes it
+      plan.batch_size = (config.training.batch_size + card.world - 1) / card.world;
+      sharded = plan_fully_sharded(plan, config, hf, card.world);
+    }
+    SCOPED_TRACE(sharded);
     std::ostringstream out;
     print_plan(plan, config, out);
     SCOPED_TRACE(out.str());
     const int64_t micro =
         plan.largest_micro_batch(config.training.activation_checkpointing, config.training.chunked_loss);
-    EXPECT_GE(micro, 1);
+    EXPECT_GE(micro, config.training.micro_batch_size.is_auto ? 1 : config.training.micro_batch_size.value);
     EXPECT_NE(out.str().find("recommendation: micro_batch_size "), std::string::npos);
     ++checked;
   }

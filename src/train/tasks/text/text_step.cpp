@@ -100,6 +100,7 @@ double TrainStep::forward_backward(const Batch& batch, double normaliser) {
     std::tie(hidden, targets) = model_.hidden_and_targets(batch);
   }
   at::Tensor weight = model_.lm_head_weight();
+  if (options_.sync) options_.sync->before_head(weight);  // fully sharded: gathered when it is a unit of its own
   at::Tensor weight_grad;
   if (weight.requires_grad()) {
     if (!weight.grad().defined()) weight.mutable_grad() = at::zeros_like(weight);
@@ -111,6 +112,7 @@ double TrainStep::forward_backward(const Batch& batch, double normaliser) {
                                                 model_.final_logit_softcap());
   // An untied head's gradient is complete now (a tied one still gets the embedding's part from backward).
   if (options_.sync && weight_grad.defined() && !model_.lm_head_tied()) options_.sync->gradient_ready(weight);
+  if (options_.sync) options_.sync->after_head(weight);
   const at::Tensor routing = model_.routing_loss();
   if (routing.defined() && routing.requires_grad()) {
     // One backward from both roots: the routers' logits share the graph below the hidden states.
@@ -243,13 +245,21 @@ void TrainStep::empty_passes(std::size_t count, int64_t step) {
     const at::Tensor one = at::full({1, 1}, options_.pad_id, at::TensorOptions().dtype(at::kLong).device(options_.device));
     const Batch batch{one, at::ones_like(one), at::full_like(one, -100), {}};
     const DropoutScope dropout(options_.seed, step, 0, 1, options_.device);
-    at::Tensor hidden;
+    // The same units' collectives as a real pass, in the same order: the head through lm_head (the plain loss) or
+    // between before_head and after_head (the fused loss), gradients of zero.
+    at::Tensor out;
     {
       const auto dtype = autocast_dtype();
       AutocastScope autocast(dtype.has_value(), options_.device.type(), dtype.value_or(at::kBFloat16));
-      hidden = model_.hidden_and_targets(batch).first;
+      out = model_.hidden_and_targets(batch).first;
+      if (!options_.chunked_loss) out = model_.lm_head(out);
     }
-    (hidden.sum() * 0.0).backward();
+    if (options_.chunked_loss) {
+      const at::Tensor weight = model_.lm_head_weight();
+      options_.sync->before_head(weight);
+      options_.sync->after_head(weight);
+    }
+    (out.sum() * 0.0).backward();
   }
 }
 

@@ -105,6 +105,7 @@ class TextTask final : public LanguageModelTask {
     options.packing = config().data.packing;
     options.pack_capacity = pack_capacity(config().data, family_);
     options.sync = parts.sync;
+    sync_ = parts.sync;
     options.scaler = parts.scaler;
     device_ = parts.device;
     step_ = std::make_unique<TrainStep>(*model_, parts.optimizer, parts.policy, options);
@@ -145,6 +146,7 @@ class TextTask final : public LanguageModelTask {
   DataFamily family_ = DataFamily::kCausal;
   int32_t pad_id_ = 0;
   std::unique_ptr<TrainStep> step_;
+  StepSync* sync_ = nullptr;
   c10::Device device_{c10::kCPU};
 };
 
@@ -153,7 +155,7 @@ Evaluated TextTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
                                            distributed::record_share(world()));
   if (!validation) return {};
   const auto result = validation_loss(*model_, *validation, micro, config(), device_, pad_id_,
-                                      step_->chunked_loss() ? step_->loss_chunk_size() : 0, world());
+                                      step_->chunked_loss() ? step_->loss_chunk_size() : 0, world(), sync_);
   if (!config().evaluation.generate)
     return {result.loss, [step, result](Reporter& reporter) { reporter.on_eval(step, result.loss, result.tokens); }};
   // Evaluation by generation over the validation examples, read again from the start.
@@ -192,7 +194,7 @@ void TextTask::after_evaluation(int64_t step, Reporter& reporter) {
 
 ValidationLoss validation_loss(LanguageModel& model, DataLoader& loader, EvaluationMicroBatch& micro,
                                const Config& config, const c10::Device& device, int32_t pad_id,
-                               int64_t loss_chunk_size, distributed::Communicator* world) {
+                               int64_t loss_chunk_size, distributed::Communicator* world, StepSync* sync) {
   at::NoGradGuard no_grad;
   model.train(false);
   double loss_sum = 0;
@@ -210,7 +212,12 @@ ValidationLoss validation_loss(LanguageModel& model, DataLoader& loader, Evaluat
     const bool fit = micro.run([&](int64_t size) {
       part_sum = 0;
       part_tokens = 0;
-      for (const auto& [begin, count] : split_counts(static_cast<int64_t>(examples.size()), size)) {
+      const auto parts = split_counts(static_cast<int64_t>(examples.size()), size);
+      // Fully sharded weights: every forward is a collective; as many as the rank with the most, agreed first (the
+      // others then run forwards of one padding token that count nothing).
+      const auto mine = static_cast<int64_t>(parts.size());
+      const int64_t passes = sync && sync->shards_weights() ? sync->agree_passes(mine) : mine;
+      for (const auto& [begin, count] : parts) {
         const auto collated = collate(
             examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)), pad_id, device);
         const auto [sum, n] =
@@ -218,6 +225,9 @@ ValidationLoss validation_loss(LanguageModel& model, DataLoader& loader, Evaluat
         part_sum += sum;
         part_tokens += n;
       }
+      const at::Tensor one = at::full({1, 1}, pad_id, at::TensorOptions().dtype(at::kLong).device(device));
+      for (int64_t i = mine; i < passes; ++i)
+        evaluation_loss(model, {one, at::ones_like(one), at::full_like(one, -100), {}}, loss_chunk_size);
     });
     if (fit) {
       loss_sum += part_sum;

@@ -31,9 +31,12 @@ struct ValidationLoss {
 // touched). With `loss_chunk_size` > 0 (training's chunked loss is on) the LM head and the loss run over that many
 // target tokens at a time, so the full logits never exist; the loss is the same. With `world` each rank evaluates its
 // share of every validation batch (the equal-count shares training uses) and the sums are summed over the ranks:
-// every rank returns the whole validation set's loss. Every rank must call it (a collective at the end).
+// every rank returns the whole validation set's loss. Every rank must call it (a collective at the end). With fully
+// sharded weights (`sync` shards them) every forward is a collective: the ranks agree on the number of micro-batches
+// of each try and run empty ones to match.
 ValidationLoss validation_loss(LanguageModel& model, DataLoader& loader, EvaluationMicroBatch& micro,
                                const Config& config, const c10::Device& device, int32_t pad_id,
-                               int64_t loss_chunk_size = 0, distributed::Communicator* world = nullptr);
+                               int64_t loss_chunk_size = 0, distributed::Communicator* world = nullptr,
+                               StepSync* sync = nullptr);
 
 }  // namespace trainer
