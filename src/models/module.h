@@ -37,9 +37,10 @@ class Module {
   void register_parameter(std::string name, at::Tensor* slot) { parameters_.emplace_back(std::move(name), slot); }
   // Removes the parameters whose names start with `prefix` (a layer changing its representation: 4-bit weights).
   void unregister_parameters(const std::string& prefix);
+  // `first`: visited before the other children (a parameter that was the module's own keeps its place in the order).
   template <class M>
-  std::shared_ptr<M> register_module(std::string name, std::shared_ptr<M> child) {
-    children_.emplace_back(std::move(name), child);
+  std::shared_ptr<M> register_module(std::string name, std::shared_ptr<M> child, bool first = false) {
+    children_.emplace(first ? children_.begin() : children_.end(), std::move(name), child);
     return child;
   }
 

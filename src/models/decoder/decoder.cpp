@@ -918,7 +918,9 @@ class DecoderModel : public LanguageModel {
   bool lm_head_tied() const override { return !lm_head_; }
   void untie_lm_head() override {
     if (lm_head_) return;
-    lm_head_ = register_module("lm_head", std::make_shared<HeadWeight>(s_.vocab_size, s_.hidden, options_));
+    // First, where lm_head.weight was when it was the model's own parameter: the order of the parameters (the
+    // initialisation's draws, the gradient norm's sum, the files) stays as it was.
+    lm_head_ = register_module("lm_head", std::make_shared<HeadWeight>(s_.vocab_size, s_.hidden, options_), true);
   }
 
   void init_weights() override {
@@ -926,10 +928,7 @@ class DecoderModel : public LanguageModel {
     // weights, zero biases, ones for norms, a zero padding row.
     at::NoGradGuard no_grad;
     const double std_dev = s_.initializer_range;
-    // The untied head first: the order its values were drawn in when it was the model's first parameter.
-    if (lm_head_) lm_head_->weight.normal_(0.0, std_dev);
     for_each_parameter([&](const std::string& name, at::Tensor& p) {
-      if (name == "lm_head.weight") return;
       if (name.ends_with("norm.weight")) p.fill_(s_.norm == NormKind::kGemma ? 0.0 : 1.0);  // Gemma: 1 + weight
       else if (name.ends_with("router.scale") || name.ends_with("router.per_expert_scale")) p.fill_(1.0);
       else if (name.ends_with(".bias")) p.zero_();
