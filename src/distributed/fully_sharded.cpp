@@ -98,7 +98,7 @@ FullySharded::FullySharded(Communicator& communicator, FullyShardedOptions optio
 
 FullySharded::~FullySharded() = default;
 
-std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, LanguageModel& model,
+std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, ShardableModule& model,
                                                   FullyShardedOptions options, const c10::Device& device,
                                                   const std::function<at::Tensor(const std::string&)>& read,
                                                   Module* replicated) {
@@ -116,7 +116,7 @@ std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, La
   return sharded;
 }
 
-void FullySharded::build(LanguageModel& model, const c10::Device& device,
+void FullySharded::build(ShardableModule& model, const c10::Device& device,
                          const std::function<at::Tensor(const std::string&)>& read) {
   at::NoGradGuard no_grad;
   const int world = communicator_.world_size();
