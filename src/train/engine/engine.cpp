@@ -434,15 +434,17 @@ void Engine::shard_weights() {
   auto refuse = [&](const std::string& what) {
     throw UsageError("distributed.shard_weights=true does not support " + what + " yet", fix);
   };
-  LanguageModel* model = task_.shardable_model();
-  if (!model) refuse("the " + describe_task(kind_.name) + " task (text tasks only)");
+  ShardableModule* model = task_.shardable_model();
+  if (!model)
+    refuse("the " + describe_task(kind_.name) + " task (the text, image-classification and contrastive tasks only)");
   if (config_.model.quantize != QuantizeMode::kNone) refuse("a 4-bit base (model.quantize, QLoRA)");
   if (config_.optimizer.name != OptimizerName::kAdamW || config_.optimizer.state_dtype == StateDtype::kInt8)
     refuse("this optimizer (AdamW with fp32 or bf16 state only: its update is element by element)");
   if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
   if (config_.training.micro_batch_size.is_auto && config_.training.micro_batch_tokens <= 0)
     refuse("training.micro_batch_size=auto (set a number; out-of-memory errors still shrink it)");
-  if (model->has_routing_loss()) refuse("a mixture of experts' load-balancing loss (output_router_logits)");
+  if (const auto* language = dynamic_cast<const LanguageModel*>(model); language && language->has_routing_loss())
+    refuse("a mixture of experts' load-balancing loss (output_router_logits)");
   // LoRA: the frozen base is sharded, the adapters stay whole on every rank (their gradients summed).
   sharded_ = distributed::FullySharded::shard(*world_, *model, {config_.distributed.reshard_after_forward}, device_,
                                               task_.weight_reader(), task_.adapters());
@@ -489,7 +491,7 @@ void Engine::build_optimizer_and_step() {
     scaler_ = std::make_unique<GradScaler>(scaling);
   }
   StepSync* sync = sharded_ ? static_cast<StepSync*>(sharded_.get()) : data_parallel_.get();
-  task_.build_step({*optimizer_, *policy_, sync, scaler_.get(), device_});
+  task_.build_step({*optimizer_, *policy_, sync, scaler_.get(), device_, &trainable});
   device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
 }
 
