@@ -275,6 +275,22 @@ TEST(IntegrationDistributedClip, ShardedWeightsTrainEvaluateAndSaveAsOneProcess)
   EXPECT_EQ(files_exported, files_two);
 }
 
+// A locked image tower (contrastive.freeze_image_tower) over sharded weights: its layers are gathered for pass (a)
+// alone, the text tower's for both passes; one process's weights and losses.
+TEST(IntegrationDistributedClip, ShardedWeightsWithALockedImageTowerTrainWhatOneProcessTrains) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> locked = {"--set", "contrastive.freeze_image_tower=true", "--set",
+                                           "training.batch_size=15"};
+  const auto single = run_trainer(with(clip_run(one, 2, 7), locked), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks =
+      run_ranks(2, with(with(clip_run(two, 2, 7), locked), {"--set", "distributed.shard_weights=true"}));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  expect_same_losses(one, two);
+}
+
 // Micro-batch negatives over sharded weights: each micro-batch's towers and loss in one backward, the empty
 // micro-batch (rank 1's second) a pair whose loss counts zero times; the weights and losses are those of 2 ranks
 // without sharding.

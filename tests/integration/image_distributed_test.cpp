@@ -354,6 +354,18 @@ TEST(IntegrationDistributedImages, ShardedWeightsTrainEvaluateSaveAndResumeAsOne
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", resumed / "final" / "model.safetensors"), 1e-5);
 }
 
+// A linear probe over sharded weights: the frozen encoder layers are gathered for their forward alone (no autograd),
+// the head (in the root) trains; one process's weights and losses (one process ignores distributed.*).
+TEST(IntegrationDistributedImages, ShardedWeightsTrainALinearProbeAsOneProcess) {
+  TempDir dir;
+  const std::vector<std::string> probe = {"--set", "training.batch_size=15", "--set", "training.linear_probe=true",
+                                          "--set", "data.validation_files=[]", "--set", "distributed.shard_weights=true"};
+  const auto ranks = expect_two_ranks_match_one(dir.path() / "one", dir.path() / "two",
+                                                [&](const fs::path& d) { return vit_run(d, 2, 7, probe); },
+                                                "model.safetensors");
+  EXPECT_TRUE(contains(ranks[0].err, "distributed.shard_weights: ")) << ranks[0].err;
+}
+
 // What sharded weights do not cover for image classifiers is refused on every rank before any work, naming the keys:
 // LoRA (its head trains in full beside the adapters).
 TEST(IntegrationDistributedImages, ShardedWeightsRefuseLoraNamingTheKeys) {
