@@ -108,7 +108,7 @@ FullySharded::FullySharded(Communicator& communicator, FullyShardedOptions optio
 
 FullySharded::~FullySharded() = default;
 
-std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, LanguageModel& model,
+std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, ShardableModule& model,
                                                   FullyShardedOptions options, const c10::Device& device,
                                                   const std::function<at::Tensor(const std::string&)>& read,
                                                   Module* replicated) {
@@ -126,7 +126,7 @@ std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, La
   return sharded;
 }
 
-void FullySharded::build(LanguageModel& model, const c10::Device& device,
+void FullySharded::build(ShardableModule& model, const c10::Device& device,
                          const std::function<at::Tensor(const std::string&)>& read) {
   at::NoGradGuard no_grad;
   const int world = communicator_.world_size();
@@ -196,8 +196,11 @@ void FullySharded::build(LanguageModel& model, const c10::Device& device,
       free_storage(g.full);
     }
   status_ = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
-  if (const auto it = unit_of_tensor_.find(model.lm_head_weight().unsafeGetTensorImpl()); it != unit_of_tensor_.end())
-    head_unit_ = it->second;
+  // A language model's head, pinned with the root for an evaluation unit by unit.
+  if (const auto* language = dynamic_cast<const LanguageModel*>(&model))
+    if (const auto it = unit_of_tensor_.find(language->lm_head_weight().unsafeGetTensorImpl());
+        it != unit_of_tensor_.end())
+      head_unit_ = it->second;
 
   auto pieces = std::make_unique<PieceModule>();
   for (auto& unit : units_)

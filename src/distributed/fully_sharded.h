@@ -1,6 +1,6 @@
 // Fully sharded data parallelism (distributed.shard_weights: ZeRO-3, what PyTorch's FSDP2 does as torchtitan applies
 // it): every rank keeps 1/N of every parameter, of its gradient and of its optimizer state. The model is cut into
-// units: each block (LanguageModel::blocks()) and the root (everything else: embeddings, final norm, head, T5's
+// units: each block (ShardableModule::blocks()) and the root (everything else: embeddings, final norm, head, T5's
 // relative attention bias). A unit's parameters of one dtype and trainability are one flat group, padded to a
 // multiple of N; rank r holds elements [r * n, (r + 1) * n) of it, the master values the optimizer updates.
 //
@@ -53,7 +53,7 @@ class FullySharded final : public StepSync, public UnitHooks {
   // summed over the ranks and they join trainable_pieces().
   // Parameters on the meta device (pretrained weights not read yet) are read through `read` (on the CPU), one at a
   // time as their unit is cut, so that no rank ever holds the whole model; the shards live on `device`.
-  static std::shared_ptr<FullySharded> shard(Communicator& communicator, LanguageModel& model,
+  static std::shared_ptr<FullySharded> shard(Communicator& communicator, ShardableModule& model,
                                              FullyShardedOptions options, const c10::Device& device,
                                              const std::function<at::Tensor(const std::string&)>& read = {},
                                              Module* replicated = nullptr);
@@ -148,7 +148,7 @@ class FullySharded final : public StepSync, public UnitHooks {
   };
 
   FullySharded(Communicator& communicator, FullyShardedOptions options);
-  void build(LanguageModel& model, const c10::Device& device,
+  void build(ShardableModule& model, const c10::Device& device,
              const std::function<at::Tensor(const std::string&)>& read);
   void gather(Unit& unit);
   void release(Unit& unit);

@@ -63,7 +63,7 @@ LossSum forward_loss(LanguageModel& model, const Batch& batch, bool keep_logits)
   return out;
 }
 
-std::vector<std::size_t> parameter_units(LanguageModel& model) {
+std::vector<std::size_t> parameter_units(ShardableModule& model) {
   std::map<const Module*, std::size_t> index;
   const auto blocks = model.blocks();
   for (std::size_t i = 0; i < blocks.size(); ++i) index[blocks[i]] = i + 1;

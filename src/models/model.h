@@ -68,8 +68,14 @@ class UnitHooks {
   virtual at::Tensor run(const Module& unit, const BlockFn& block, const std::vector<at::Tensor>& inputs) = 0;
 };
 
-class LanguageModel : public Module {
+// A model made of blocks that wrappers applied from outside wrap one by one: activation checkpointing (the block
+// runner) and fully sharded data parallelism (the unit hooks, whose units are the blocks). The text models, the image
+// classifiers (image/image_model.h) and CLIP (image/clip.h) are: each runs every block through run_block.
+class ShardableModule : public Module {
  public:
+  // config.json's model_type ("qwen2", "vit", "clip"): what messages about the model name.
+  virtual const std::string& model_type() const = 0;
+
   // Wrappers applied from outside (activation checkpointing); an empty runner calls blocks directly.
   void set_block_runner(BlockRunner runner) { block_runner_ = std::move(runner); }
   bool has_block_runner() const { return static_cast<bool>(block_runner_); }
@@ -82,7 +88,28 @@ class LanguageModel : public Module {
   virtual std::vector<const Module*> blocks() const { return {}; }
   virtual std::vector<std::string> parameters_used_outside_blocks() const { return {}; }
 
-  virtual const std::string& model_type() const = 0;
+ protected:
+  // `unit`: the block's module (for the unit hooks).
+  at::Tensor run_block(const BlockFn& block, const std::vector<at::Tensor>& inputs, const Module* unit) const {
+    if (unit_hooks_ && unit)
+      return unit_hooks_->run(*unit, [this, &block](const std::vector<at::Tensor>& in) {
+        return block_runner_ ? block_runner_(block, in) : block(in);
+      }, inputs);
+    return block_runner_ ? block_runner_(block, inputs) : block(inputs);
+  }
+  // A unit that is not a block (no activation checkpointing): the unit hooks alone. Its first input may be ids (an
+  // embedding): then its parameters' gradients are final when they have accumulated.
+  at::Tensor run_unit(const BlockFn& f, const std::vector<at::Tensor>& inputs, const Module* unit) const {
+    return unit_hooks_ ? unit_hooks_->run(*unit, f, inputs) : f(inputs);
+  }
+
+ private:
+  BlockRunner block_runner_;
+  std::shared_ptr<UnitHooks> unit_hooks_;
+};
+
+class LanguageModel : public ShardableModule {
+ public:
   virtual ModelFamily family() const = 0;
   virtual int64_t vocab_size() const = 0;
   virtual const nlohmann::json& hf_config() const = 0;
@@ -166,24 +193,7 @@ class LanguageModel : public Module {
   virtual void select_rows(GenerationState& state, const at::Tensor& rows) = 0;
   virtual std::optional<int64_t> eos_token_id() const = 0;
 
- protected:
-  // `unit`: the block's module (for the unit hooks).
-  at::Tensor run_block(const BlockFn& block, const std::vector<at::Tensor>& inputs, const Module* unit) const {
-    if (unit_hooks_ && unit)
-      return unit_hooks_->run(*unit, [this, &block](const std::vector<at::Tensor>& in) {
-        return block_runner_ ? block_runner_(block, in) : block(in);
-      }, inputs);
-    return block_runner_ ? block_runner_(block, inputs) : block(inputs);
-  }
-  // A unit that is not a block (no activation checkpointing): the unit hooks alone. Its first input may be ids (an
-  // embedding): then its parameters' gradients are final when they have accumulated.
-  at::Tensor run_unit(const BlockFn& f, const std::vector<at::Tensor>& inputs, const Module* unit) const {
-    return unit_hooks_ ? unit_hooks_->run(*unit, f, inputs) : f(inputs);
-  }
-
  private:
-  BlockRunner block_runner_;
-  std::shared_ptr<UnitHooks> unit_hooks_;
   std::vector<std::pair<std::string, at::Tensor>> carried_;
 };
 
@@ -208,7 +218,7 @@ void check_fp16_supported(const std::string& model_type, const std::string& conf
 
 // Fully sharded weights' units (distributed.shard_weights): for each parameter, in for_each_parameter's order, 0 when
 // it belongs to the root (not in a block, or named by parameters_used_outside_blocks), i + 1 in block i.
-std::vector<std::size_t> parameter_units(LanguageModel& model);
+std::vector<std::size_t> parameter_units(ShardableModule& model);
 
 // Parameter counts for `inspect` and `plan`.
 int64_t count_parameters(Module& model);

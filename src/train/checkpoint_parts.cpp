@@ -2,6 +2,8 @@
 #include "train/checkpoint_parts.h"
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <map>
 #include <set>
 #include <utility>
@@ -13,6 +15,8 @@
 #include <spdlog/spdlog.h>
 
 #include "distributed/process_group.h"
+#include "models/image/clip.h"
+#include "models/image/image_model.h"
 #include "models/model.h"
 #include "models/module.h"
 #include "models/weights.h"
@@ -129,8 +133,26 @@ int64_t export_checkpoint(const fs::path& checkpoint, const fs::path& output_dir
                                           "distributed.shard_weights keep their weights in the ranks' parts)",
                     "load it as it is: model.path=" + checkpoint.string() + " or from_pretrained");
   at::NoGradGuard no_grad;
-  // The pieces are the runs' fp32 master values (sharded weights train fp32 or bf16-mixed).
-  auto model = build_model(read_json_file((checkpoint / "config.json").string()), at::TensorOptions().dtype(at::kFloat));
+  // The pieces are the runs' fp32 master values (sharded weights train fp32 or bf16-mixed). The model's architecture
+  // is the task's: an image classifier, a CLIPModel, or a text model (built from config.json; the image models with
+  // throwaway values, which the parts then replace).
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat);
+  const std::string task = state.value("task", std::string("text"));
+  std::unique_ptr<Module> model;
+  std::function<void()> save;
+  if (task == "image") {
+    auto classifier = load_image_classifier(checkpoint.string(), ModelInit::kRandom, fp32);
+    save = [&, m = classifier.get()] { save_image_classifier(*m, output_dir.string()); };
+    model = std::move(classifier);
+  } else if (task == "contrastive") {
+    auto clip = load_clip(checkpoint.string(), ModelInit::kRandom, fp32);
+    save = [&, m = clip.get()] { save_clip(*m, output_dir.string(), max_shard_bytes); };
+    model = std::move(clip);
+  } else {
+    auto language = build_model(read_json_file((checkpoint / "config.json").string()), fp32);
+    save = [&, m = language.get()] { save_model(*m, output_dir.string(), max_shard_bytes); };
+    model = std::move(language);
+  }
   std::map<std::string, at::Tensor> into;
   model->for_each_parameter([&](const std::string& name, at::Tensor& p) { into["weights." + name] = p; });
   require_parts(checkpoint, part_files(state));
@@ -141,8 +163,12 @@ int64_t export_checkpoint(const fs::path& checkpoint, const fs::path& output_dir
                         " in its parts " + nlohmann::json(part_files(state)).dump(),
                     "copy every rank's part into the checkpoint (checkpoint.output_dir must be one directory for "
                     "every rank), or export an earlier complete checkpoint");
-  save_model(*model, output_dir.string(), max_shard_bytes);
+  save();
   copy_tokenizer_files(checkpoint.string(), output_dir.string());
+  // The image models' preprocessing, and CLIP's BPE files beside its tokenizer.json (what the task's save writes).
+  for (const char* name : {"preprocessor_config.json", "vocab.json", "merges.txt"})
+    if (task != "text" && fs::exists(checkpoint / name))
+      fs::copy_file(checkpoint / name, output_dir / name, fs::copy_options::overwrite_existing);
   return count_parameters(*model);
 }
 

@@ -62,7 +62,8 @@ std::vector<std::string> part_files(const nlohmann::json& state);
 // name the parts hold (their metadata "piece_offsets" says where each starts; 0 when absent: whole tensors). Returns
 // the names not covered entirely.
 // `trainer export`: the model of a checkpoint of fully sharded weights (held in the ranks' parts) as Hugging Face
-// files in `output_dir` (config.json, the weights sharded above max_shard_bytes, the tokenizer files), offline, in
+// files in `output_dir` (config.json, the weights sharded above max_shard_bytes, the tokenizer files; an image
+// classifier's or CLIP's preprocessing too: the checkpoint's task names the architecture), offline, in
 // one process: assembled parameter by parameter (the whole model once in memory, fp32). Throws DataError naming the
 // checkpoint when it is not one, holds a LoRA adapter or Hugging Face files already, or misses a part. Returns the
 // number of parameters written.

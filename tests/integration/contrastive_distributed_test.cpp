@@ -217,6 +217,97 @@ TEST(IntegrationDistributedClip, MicroBatchNegativesOnTwoRanksAreEachRanksMicroB
   expect_same_losses(one, two);
 }
 
+// Fully sharded weights (distributed.shard_weights): each rank keeps half of every weight, gradient and AdamW moment,
+// both towers' encoder layers gathered one at a time, in both passes of gradient caching. 15 pairs over 2 ranks (8
+// and 7) in micro-batches of 7: rank 1 runs an empty micro-batch beside its one, in each pass, so that the layers'
+// collectives pair up. The model starts with logit_scale 5 (a scale of 148), above CLIP's cap (ln 100), so the cap
+// binds: the rank that keeps logit_scale's piece applies it after the update. The weights, losses, gradient
+// norms and the final evaluation are one process's, and final/ holds the files one process writes (the tokenizer's
+// too); checkpoint-2 holds each rank's half of the weights, and `trainer export` writes the last checkpoint as final/.
+TEST(IntegrationDistributedClip, ShardedWeightsTrainEvaluateAndSaveAsOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two", model = dir.path() / "model";
+  fs::copy(std::string(TRAINER_SOURCE_DIR) + "/configs/models/tiny-clip", model);
+  auto config = nlohmann::json::parse(read_text(model / "config.json"));
+  config["logit_scale_init_value"] = 5.0;  // exp(5) = 148 > 100: the cap binds from the first step
+  std::ofstream(model / "config.json") << config.dump(2);
+  const std::vector<std::string> common = {
+      "--set", "training.batch_size=15", "--set", "checkpoint.every_steps=2", "--set",
+      "data.validation_files=[\"data/demo/images/validation-captions.jsonl\"]", "--set",
+      "model.path=" + model.string()};
+  const auto single = run_trainer(with(clip_run(one, 3, 7), common), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, with(with(clip_run(two, 3, 7), common), {"--set", "distributed.shard_weights=true"}));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_NE(ranks[0].err.find("distributed.shard_weights: "), std::string::npos) << ranks[0].err;
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  expect_same_losses(one, two);
+  const auto scale = SafetensorsFile::open((two / "final" / "model.safetensors").string()).load("logit_scale");
+  EXPECT_LE(scale.item<double>(), std::log(100.0) + 1e-6) << "the cap on the logit scale";
+  EXPECT_GT(scale.item<double>(), std::log(100.0) - 1e-2);
+  for (const char* key : {"eval_loss", "eval_i2t_r1", "eval_t2i_r5", "eval_zero_shot_top1"}) {
+    const auto a = metric_values(one / "metrics.jsonl", key), b = metric_values(two / "metrics.jsonl", key);
+    ASSERT_EQ(a.size(), 1u) << key;
+    ASSERT_EQ(b.size(), 1u) << key;
+    EXPECT_NEAR(a[0], b[0], 1e-5) << key;
+  }
+  std::vector<std::string> files_one, files_two;
+  for (const auto& entry : fs::directory_iterator(one / "final")) files_one.push_back(entry.path().filename());
+  for (const auto& entry : fs::directory_iterator(two / "final")) files_two.push_back(entry.path().filename());
+  std::sort(files_one.begin(), files_one.end());
+  std::sort(files_two.begin(), files_two.end());
+  EXPECT_EQ(files_one, files_two);
+  for (const char* name : {"config.json", "preprocessor_config.json"})
+    EXPECT_EQ(read_text(one / "final" / name), read_text(two / "final" / name)) << name;
+  const auto checkpoint = two / "checkpoint-2";
+  ASSERT_TRUE(fs::exists(checkpoint / "COMPLETE"));
+  EXPECT_FALSE(fs::exists(checkpoint / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(checkpoint / "optimizer-rank-1-of-2.safetensors"));
+  EXPECT_TRUE(fs::exists(checkpoint / "config.json"));
+  // `trainer export` assembles the last checkpoint's parts offline into what final/ holds, files and weights.
+  const auto exported_dir = dir.path() / "exported";
+  const auto exported = run_trainer({"export", (two / "checkpoint-3").string(), "--output", exported_dir.string()});
+  ASSERT_EQ(exported.exit_code, 0) << exported.err;
+  EXPECT_EQ(max_difference(two / "final" / "model.safetensors", exported_dir / "model.safetensors"), 0.0);
+  std::vector<std::string> files_exported;
+  for (const auto& entry : fs::directory_iterator(exported_dir)) files_exported.push_back(entry.path().filename());
+  std::sort(files_exported.begin(), files_exported.end());
+  EXPECT_EQ(files_exported, files_two);
+}
+
+// A locked image tower (contrastive.freeze_image_tower) over sharded weights: its layers are gathered for pass (a)
+// alone, the text tower's for both passes; one process's weights and losses.
+TEST(IntegrationDistributedClip, ShardedWeightsWithALockedImageTowerTrainWhatOneProcessTrains) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> locked = {"--set", "contrastive.freeze_image_tower=true", "--set",
+                                           "training.batch_size=15"};
+  const auto single = run_trainer(with(clip_run(one, 2, 7), locked), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks =
+      run_ranks(2, with(with(clip_run(two, 2, 7), locked), {"--set", "distributed.shard_weights=true"}));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_LT(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  expect_same_losses(one, two);
+}
+
+// Micro-batch negatives over sharded weights: each micro-batch's towers and loss in one backward, the empty
+// micro-batch (rank 1's second) a pair whose loss counts zero times; the weights and losses are those of 2 ranks
+// without sharding.
+TEST(IntegrationDistributedClip, ShardedWeightsWithMicroBatchNegativesTrainWhatUnshardedRanksTrain) {
+  TempDir dir;
+  const auto plain = dir.path() / "plain", sharded = dir.path() / "sharded";
+  const std::vector<std::string> micro = {"--set", "contrastive.negatives=micro-batch", "--set",
+                                          "training.batch_size=15"};
+  const auto unsharded = run_ranks(2, with(clip_run(plain, 3, 7), micro));
+  for (const auto& r : unsharded) ASSERT_EQ(r.exit_code, 0) << all_errors(unsharded);
+  const auto ranks =
+      run_ranks(2, with(with(clip_run(sharded, 3, 7), micro), {"--set", "distributed.shard_weights=true"}));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_LT(max_difference(plain / "final" / "model.safetensors", sharded / "final" / "model.safetensors"), 1e-5);
+  expect_same_losses(plain, sharded);
+}
+
 // At the floor on one rank (a budget on rank 1 that even one pair with activation checkpointing exceeds), every
 // rank escalates and stops together: exit 4 on both, rank 0 names rank 1, and one checkpoint (rank 0's) of step 0.
 TEST(IntegrationDistributedClip, OutOfMemoryAtTheFloorOnOneRankStopsEveryRankWithOneCheckpoint) {

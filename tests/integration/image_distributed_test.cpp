@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -294,6 +295,88 @@ TEST(IntegrationDistributedImages, TwoRankShardedCheckpointResumesInOneProcess) 
   ASSERT_EQ(a.size(), 6u);
   ASSERT_EQ(b.size(), 3u);
   for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(a[3 + i], b[i], 1e-5) << "loss of step " << 4 + i;
+}
+
+// The files of a saved model directory (names, and config.json and preprocessor_config.json parsed), so that two
+// directories compare as what transformers loads from them; the weights are compared by max_difference.
+std::map<std::string, nlohmann::json> saved_files(const fs::path& dir) {
+  std::map<std::string, nlohmann::json> out;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    out[name] = name.ends_with(".json") ? read_json_file(entry.path().string()) : nlohmann::json(nullptr);
+  }
+  return out;
+}
+
+// Fully sharded weights (distributed.shard_weights): each rank keeps half of every weight, gradient and AdamW moment,
+// the encoder layers gathered one at a time (again for their recomputation under activation checkpointing). 15
+// images over 2 ranks (8 and 7) in micro-batches of 7: rank 0 runs 2 micro-batches, rank 1 one and an empty one, so
+// that the layers' collectives pair up. The weights, losses and final evaluation are one process's, and final/ holds
+// what one process writes. checkpoint-2 holds each rank's half of the weights (nothing gathered), and one process
+// resumes from it to the weights of the uninterrupted run; `trainer export` writes the last checkpoint as final/.
+TEST(IntegrationDistributedImages, ShardedWeightsTrainEvaluateSaveAndResumeAsOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two", resumed = dir.path() / "resumed";
+  const std::vector<std::string> common = {"--set", "training.batch_size=15", "--set",
+                                           "training.activation_checkpointing=true", "--set",
+                                           "checkpoint.every_steps=2"};
+  const auto single = run_trainer(vit_run(one, 3, 7, common), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_two_ranks(vit_run(two, 3, 7, with(common, {"--set", "distributed.shard_weights=true"})));
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_TRUE(contains(ranks[0].err, "distributed.shard_weights: ")) << ranks[0].err;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  EXPECT_EQ(saved_files(one / "final"), saved_files(two / "final"));
+  for (const char* metric : {"loss", "eval_loss", "eval_top1", "eval_top5"}) {
+    const auto a = metric_values(one / "metrics.jsonl", metric), b = metric_values(two / "metrics.jsonl", metric);
+    ASSERT_EQ(a.size(), metric == std::string("loss") ? 3u : 1u) << metric;
+    ASSERT_EQ(a.size(), b.size()) << metric;
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << metric << " " << i + 1;
+  }
+  const auto checkpoint = two / "checkpoint-2";
+  ASSERT_TRUE(fs::exists(checkpoint / "COMPLETE"));
+  EXPECT_FALSE(fs::exists(checkpoint / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(checkpoint / "optimizer-rank-1-of-2.safetensors"));
+  EXPECT_TRUE(read_json_file((checkpoint / "train_state.json").string()).value("weights_in_parts", false));
+  EXPECT_TRUE(fs::exists(checkpoint / "config.json"));
+  EXPECT_TRUE(fs::exists(checkpoint / "preprocessor_config.json"));
+  // `trainer export` assembles the last checkpoint's parts offline into what final/ holds.
+  const auto exported = run_trainer({"export", (two / "checkpoint-3").string(), "--output",
+                                     (dir.path() / "exported").string()});
+  ASSERT_EQ(exported.exit_code, 0) << exported.err;
+  EXPECT_EQ(max_difference(two / "final" / "model.safetensors", dir.path() / "exported" / "model.safetensors"), 0.0);
+  EXPECT_EQ(saved_files(two / "final"), saved_files(dir.path() / "exported"));
+  auto resume = vit_run(resumed, 3, 7, common);
+  resume.insert(resume.end(), {"--resume-from", checkpoint.string()});
+  const auto again = run_trainer(resume, "OMP_NUM_THREADS=1");
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_TRUE(contains(again.err, "at step 2")) << again.err;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", resumed / "final" / "model.safetensors"), 1e-5);
+}
+
+// A linear probe over sharded weights: the frozen encoder layers are gathered for their forward alone (no autograd),
+// the head (in the root) trains; one process's weights and losses (one process ignores distributed.*).
+TEST(IntegrationDistributedImages, ShardedWeightsTrainALinearProbeAsOneProcess) {
+  TempDir dir;
+  const std::vector<std::string> probe = {"--set", "training.batch_size=15", "--set", "training.linear_probe=true",
+                                          "--set", "data.validation_files=[]", "--set", "distributed.shard_weights=true"};
+  const auto ranks = expect_two_ranks_match_one(dir.path() / "one", dir.path() / "two",
+                                                [&](const fs::path& d) { return vit_run(d, 2, 7, probe); },
+                                                "model.safetensors");
+  EXPECT_TRUE(contains(ranks[0].err, "distributed.shard_weights: ")) << ranks[0].err;
+}
+
+// What sharded weights do not cover for image classifiers is refused on every rank before any work, naming the keys:
+// LoRA (its head trains in full beside the adapters).
+TEST(IntegrationDistributedImages, ShardedWeightsRefuseLoraNamingTheKeys) {
+  TempDir dir;
+  const auto ranks = run_two_ranks(vit_run(dir.path() / "run", 1, 8, {"--set", "distributed.shard_weights=true",
+                                                                      "--set", "lora.enabled=true"}));
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.exit_code, 2) << all_errors(ranks);
+    EXPECT_TRUE(contains(r.err, "distributed.shard_weights")) << r.err;
+    EXPECT_TRUE(contains(r.err, "lora.enabled")) << r.err;
+  }
 }
 
 // SIGTERM to rank 1 alone: both ranks stop after the same step (exit 0), and rank 0 writes one complete checkpoint

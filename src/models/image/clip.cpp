@@ -174,21 +174,27 @@ class ClipLayers : public Module {
   std::vector<std::shared_ptr<ClipEncoderLayer>> items;
 };
 
+// Runs a block with its module (the model's run_block: activation checkpointing, fully sharded units).
+using LayerRunner = std::function<at::Tensor(const BlockFn&, const std::vector<at::Tensor>&, const Module*)>;
+
 class ClipEncoder : public Module {
  public:
   ClipEncoder(const ClipTowerHyper& h, const c10::TensorOptions& o) {
     layers = register_module("layers", std::make_shared<ClipLayers>());
     for (int64_t i = 0; i < h.layers; ++i) layers->add(std::make_shared<ClipEncoderLayer>(h, o));
   }
-  // Every block through `runner` (activation checkpointing) when one is set.
-  at::Tensor forward(at::Tensor x, const at::Tensor& allowed, bool training, const BlockRunner& runner) const {
+  // Every block through `run`.
+  at::Tensor forward(at::Tensor x, const at::Tensor& allowed, bool training, const LayerRunner& run) const {
     for (const auto& layer : layers->items) {
       BlockFn block = [layer, allowed, training](const std::vector<at::Tensor>& in) {
         return layer->forward(in[0], allowed, training);
       };
-      x = runner ? runner(block, {x}) : block({x});
+      x = run(block, {x}, layer.get());
     }
     return x;
+  }
+  void add_blocks(std::vector<const Module*>& out) const {
+    for (const auto& layer : layers->items) out.push_back(layer.get());
   }
   std::shared_ptr<ClipLayers> layers;
 };
@@ -336,12 +342,12 @@ class ClipVisionTower : public Module {
     post_layernorm = register_module("post_layernorm", std::make_shared<ClipLayerNorm>(hyper.hidden, o));
   }
   // last_hidden_state (B, 1 + patches, D): the encoder's output, before post_layernorm.
-  at::Tensor last_hidden_state(const at::Tensor& pixel_values, bool training, const BlockRunner& runner) const {
+  at::Tensor last_hidden_state(const at::Tensor& pixel_values, bool training, const LayerRunner& runner) const {
     const at::Tensor x = pre_layrnorm->forward(embeddings->forward(pixel_values), hyper.eps);
     return encoder->forward(x, {}, training, runner);
   }
   // pooler_output (B, D): post_layernorm of the class token.
-  at::Tensor pooled(const at::Tensor& pixel_values, bool training, const BlockRunner& runner) const {
+  at::Tensor pooled(const at::Tensor& pixel_values, bool training, const LayerRunner& runner) const {
     return post_layernorm->forward(last_hidden_state(pixel_values, training, runner).select(1, 0), hyper.eps);
   }
   void init_weights() {
@@ -366,7 +372,7 @@ class ClipTextTower : public Module {
   // does: the largest id for configs with eos_token_id 2 (written before the tokenizer's real id was stored),
   // else the first position holding eos_token_id (position 0 when a row has none).
   at::Tensor pooled(const at::Tensor& input_ids, const at::Tensor& attention_mask, bool training,
-                    const BlockRunner& runner) const {
+                    const LayerRunner& runner) const {
     const int64_t b = input_ids.size(0), t = input_ids.size(1);
     if (t > hyper.max_positions)
       throw UsageError("text of " + std::to_string(t) + " tokens is longer than the model's max_position_embeddings " +
@@ -426,12 +432,30 @@ ClipModel::ClipModel(const nlohmann::json& config, const c10::TensorOptions& opt
   assign_dropout_sites(*this);
 }
 
+const std::string& ClipModel::model_type() const {
+  static const std::string type = "clip";
+  return type;
+}
+
+std::vector<const Module*> ClipModel::blocks() const {
+  std::vector<const Module*> out;
+  vision_->encoder->add_blocks(out);
+  text_->encoder->add_blocks(out);
+  return out;
+}
+
 at::Tensor ClipModel::image_features(const at::Tensor& pixel_values) {
-  return at::linear(vision_->pooled(pixel_values, is_training(), block_runner_), visual_projection_);
+  const LayerRunner run = [this](const BlockFn& block, const std::vector<at::Tensor>& in, const Module* unit) {
+    return run_block(block, in, unit);
+  };
+  return at::linear(vision_->pooled(pixel_values, is_training(), run), visual_projection_);
 }
 
 at::Tensor ClipModel::text_features(const at::Tensor& input_ids, const at::Tensor& attention_mask) {
-  return at::linear(text_->pooled(input_ids, attention_mask, is_training(), block_runner_), text_projection_);
+  const LayerRunner run = [this](const BlockFn& block, const std::vector<at::Tensor>& in, const Module* unit) {
+    return run_block(block, in, unit);
+  };
+  return at::linear(text_->pooled(input_ids, attention_mask, is_training(), run), text_projection_);
 }
 
 ClipOutput ClipModel::forward(const at::Tensor& pixel_values, const at::Tensor& input_ids,
@@ -513,11 +537,17 @@ const std::string& ClipVisionClassifier::model_type() const {
 
 int64_t ClipVisionClassifier::image_size() const { return vision_->hyper.image_size; }
 
+std::vector<const Module*> ClipVisionClassifier::blocks() const {
+  std::vector<const Module*> out;
+  vision_->encoder->add_blocks(out);
+  return out;
+}
+
 at::Tensor ClipVisionClassifier::features(const at::Tensor& pixel_values) {
-  BlockRunner runner;
-  if (has_block_runner())
-    runner = [this](const BlockFn& block, const std::vector<at::Tensor>& in) { return run_block(block, in); };
-  const at::Tensor last = vision_->last_hidden_state(pixel_values, is_training(), runner);
+  const LayerRunner run = [this](const BlockFn& block, const std::vector<at::Tensor>& in, const Module* unit) {
+    return run_block(block, in, unit);
+  };
+  const at::Tensor last = vision_->last_hidden_state(pixel_values, is_training(), run);
   return last.slice(1, 1).mean(1);  // the patch tokens' mean, (B, D)
 }
 
@@ -601,11 +631,14 @@ std::unique_ptr<ClipModel> load_clip(const std::string& dir, ModelInit init, con
   return model;
 }
 
-void save_clip(ClipModel& model, const std::string& dir, uint64_t max_shard_bytes) {
+void save_clip(ClipModel& model, const std::string& dir, uint64_t max_shard_bytes,
+               const std::function<at::Tensor(const std::string&)>& parameter, bool write) {
+  save_module_weights(model, dir, max_shard_bytes, parameter, write);
+  if (write) save_clip_config(model, dir);
+}
+
+void save_clip_config(const ClipModel& model, const std::string& dir) {
   fs::create_directories(dir);
-  NamedTensors tensors;
-  model.for_each_parameter([&](const std::string& name, at::Tensor& p) { tensors.emplace_back(name, p.detach()); });
-  save_state_dict(dir, tensors, max_shard_bytes);
   nlohmann::json config = model.hf_config();
   config["architectures"] = {"CLIPModel"};
   write_text_file((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
@@ -673,11 +706,14 @@ std::unique_ptr<ClipVisionClassifier> load_clip_classifier(const std::string& di
   return model;
 }
 
-void save_clip_classifier(ClipVisionClassifier& model, const std::string& dir) {
+void save_clip_classifier(ClipVisionClassifier& model, const std::string& dir,
+                          const std::function<at::Tensor(const std::string&)>& parameter, bool write) {
+  save_module_weights(model, dir, kDefaultMaxShardBytes, parameter, write);
+  if (write) save_clip_classifier_config(model, dir);
+}
+
+void save_clip_classifier_config(const ClipVisionClassifier& model, const std::string& dir) {
   fs::create_directories(dir);
-  NamedTensors tensors;
-  model.for_each_parameter([&](const std::string& name, at::Tensor& p) { tensors.emplace_back(name, p.detach()); });
-  save_state_dict(dir, tensors, kDefaultMaxShardBytes);
   nlohmann::json config = model.hf_config();
   config["architectures"] = {"CLIPForImageClassification"};
   write_label_maps(config, model.labels());

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,12 +43,16 @@ at::Tensor clip_contrastive_loss(const at::Tensor& image_features, const at::Ten
 // CLIP's cap on the logit scale: exp(logit_scale) <= 100.
 inline constexpr double kClipMaxLogitScale = 4.605170185988092;  // ln(100)
 
-class ClipModel : public Module {
+// Its blocks (ShardableModule::blocks) are the vision tower's encoder layers, then the text tower's: activation
+// checkpointing and fully sharded data parallelism wrap them from outside.
+class ClipModel : public ShardableModule {
  public:
   // config: a CLIPConfig config.json (model_type "clip", text_config, vision_config, projection_dim).
   ClipModel(const nlohmann::json& config, const c10::TensorOptions& options);
 
+  const std::string& model_type() const override;
   const nlohmann::json& hf_config() const { return config_; }
+  std::vector<const Module*> blocks() const override;
   // get_image_features: pixel_values (B, C, H, W) -> (B, P), projected, not normalised. Positions are
   // interpolated when H x W differs from vision_config.image_size.
   at::Tensor image_features(const at::Tensor& pixel_values);
@@ -75,15 +80,12 @@ class ClipModel : public Module {
   int64_t max_text_length() const;
   int64_t eos_token_id() const;
 
-  void set_block_runner(BlockRunner runner) { block_runner_ = std::move(runner); }
-
  private:
   nlohmann::json config_;
   int64_t projection_dim_ = 0;
   std::shared_ptr<ClipVisionTower> vision_;
   std::shared_ptr<ClipTextTower> text_;
   at::Tensor visual_projection_, text_projection_, logit_scale_;
-  BlockRunner block_runner_;
 };
 
 // The CLIP vision tower with a linear head (CLIPForImageClassification): the head reads the mean of the final
@@ -104,6 +106,7 @@ class ClipVisionClassifier : public ImageClassifier {
   std::string image_processor_type() const override { return "CLIPImageProcessor"; }
   const std::vector<std::string>& labels() const override { return labels_; }
   void set_labels(const std::vector<std::string>& labels, const c10::TensorOptions& options) override;
+  std::vector<const Module*> blocks() const override;  // the vision tower's encoder layers
 
  private:
   nlohmann::json config_;
@@ -122,8 +125,11 @@ nlohmann::json clip_classifier_config(const nlohmann::json& config);
 std::unique_ptr<ClipModel> load_clip(const std::string& dir, ModelInit init, const c10::TensorOptions& options,
                                      uint64_t seed = 0);
 // Writes config.json (architectures CLIPModel) and the weights (sharded above max_shard_bytes) so that
-// CLIPModel.from_pretrained loads them.
-void save_clip(ClipModel& model, const std::string& dir, uint64_t max_shard_bytes = 5'000'000'000ull);
+// CLIPModel.from_pretrained loads them. With `parameter`, each tensor's values are fetched through it as its file is
+// written, and only with `write` are files written (fully sharded weights: every rank fetches, rank 0 writes).
+void save_clip(ClipModel& model, const std::string& dir, uint64_t max_shard_bytes = 5'000'000'000ull,
+               const std::function<at::Tensor(const std::string&)>& parameter = {}, bool write = true);
+void save_clip_config(const ClipModel& model, const std::string& dir);  // config.json alone
 
 // Loads a CLIPForImageClassification, CLIPModel, CLIPVisionModel or CLIPVisionModelWithProjection directory as a
 // classifier: the vision tower's weights (with or without the "vision_model." prefix), the head when the checkpoint
@@ -131,7 +137,10 @@ void save_clip(ClipModel& model, const std::string& dir, uint64_t max_shard_byte
 std::unique_ptr<ClipVisionClassifier> load_clip_classifier(const std::string& dir, ModelInit init,
                                                            const c10::TensorOptions& options, uint64_t seed = 0,
                                                            const std::vector<std::string>& labels = {});
-// Writes a directory CLIPForImageClassification.from_pretrained loads, with id2label/label2id.
-void save_clip_classifier(ClipVisionClassifier& model, const std::string& dir);
+// Writes a directory CLIPForImageClassification.from_pretrained loads, with id2label/label2id (`parameter` and
+// `write` as for save_clip).
+void save_clip_classifier(ClipVisionClassifier& model, const std::string& dir,
+                          const std::function<at::Tensor(const std::string&)>& parameter = {}, bool write = true);
+void save_clip_classifier_config(const ClipVisionClassifier& model, const std::string& dir);  // config.json alone
 
 }  // namespace trainer

@@ -10,6 +10,7 @@
 #include "models/hf_config.h"
 #include "models/image/vit.h"
 #include "trainer/errors.h"
+#include "trainer/hf_weights.h"
 #include "trainer/model_dir.h"
 
 namespace trainer {
@@ -69,9 +70,33 @@ std::unique_ptr<ImageClassifier> load_image_classifier(const std::string& dir, M
 }
 
 void save_image_classifier(ImageClassifier& model, const std::string& dir) {
-  if (auto* vit = dynamic_cast<VitForImageClassification*>(&model)) return save_vit(*vit, dir);
-  if (auto* clip = dynamic_cast<ClipVisionClassifier*>(&model)) return save_clip_classifier(*clip, dir);
+  save_image_classifier_streamed(model, dir, {}, true);
+}
+
+void save_image_classifier_streamed(ImageClassifier& model, const std::string& dir,
+                                    const std::function<at::Tensor(const std::string&)>& parameter, bool write) {
+  if (auto* vit = dynamic_cast<VitForImageClassification*>(&model)) return save_vit(*vit, dir, parameter, write);
+  if (auto* clip = dynamic_cast<ClipVisionClassifier*>(&model))
+    return save_clip_classifier(*clip, dir, parameter, write);
   throw std::logic_error("save_image_classifier: no writer for model_type \"" + model.model_type() + "\"");
+}
+
+void save_image_classifier_config(ImageClassifier& model, const std::string& dir) {
+  if (auto* vit = dynamic_cast<VitForImageClassification*>(&model)) return save_vit_config(*vit, dir);
+  if (auto* clip = dynamic_cast<ClipVisionClassifier*>(&model)) return save_clip_classifier_config(*clip, dir);
+  throw std::logic_error("save_image_classifier_config: no writer for model_type \"" + model.model_type() + "\"");
+}
+
+void save_module_weights(Module& model, const std::string& dir, uint64_t max_shard_bytes,
+                         const std::function<at::Tensor(const std::string&)>& parameter, bool write) {
+  if (write) std::filesystem::create_directories(dir);
+  NamedTensors planned;  // the shapes and dtypes the files are planned by; the values come when each file is written
+  model.for_each_parameter([&](const std::string& name, at::Tensor& p) {
+    planned.emplace_back(name, parameter ? at::empty(p.sizes(), p.options().device(at::kMeta)) : p.detach());
+  });
+  save_state_dict_streamed(dir, planned, [&](std::size_t i) {
+    return parameter ? parameter(planned[i].first) : planned[i].second;
+  }, max_shard_bytes, write);
 }
 
 void initialise_randomly(ImageClassifier& model, const c10::TensorOptions& options, uint64_t seed,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,10 +20,10 @@
 
 namespace trainer {
 
-class ImageClassifier : public Module {
+// Its blocks (the encoder layers, ShardableModule::blocks) run through run_block: activation checkpointing and fully
+// sharded data parallelism wrap them from outside; model_type() is config.json's ("vit", "clip").
+class ImageClassifier : public ShardableModule {
  public:
-  // config.json's model_type ("vit", "clip_vision_model", ...).
-  virtual const std::string& model_type() const = 0;
   virtual const nlohmann::json& hf_config() const = 0;
 
   // pixel_values (B, C, H, W) -> logits (B, num_labels); = head(features(pixel_values)).
@@ -46,24 +47,18 @@ class ImageClassifier : public Module {
   virtual const std::vector<std::string>& labels() const = 0;
   // Sets the classes (id2label/label2id in config.json) and rebuilds the head for their number.
   virtual void set_labels(const std::vector<std::string>& labels, const c10::TensorOptions& options) = 0;
-
-  // Activation checkpointing installs a runner that recomputes each block in backward; empty: blocks run directly.
-  void set_block_runner(BlockRunner runner) { block_runner_ = std::move(runner); }
-  bool has_block_runner() const { return static_cast<bool>(block_runner_); }
-
- protected:
-  at::Tensor run_block(const BlockFn& block, const std::vector<at::Tensor>& inputs) const {
-    return block_runner_ ? block_runner_(block, inputs) : block(inputs);
-  }
-
- private:
-  BlockRunner block_runner_;
 };
 
 // A classifier config's class names: id2label by id, or LABEL_i for num_labels (transformers' default: 2).
 std::vector<std::string> config_labels(const nlohmann::json& config);
 // Writes id2label/label2id for `labels` into a config (and drops num_labels, which they imply).
 void write_label_maps(nlohmann::json& config, const std::vector<std::string>& labels);
+
+// The parameters of `model` under their names into dir's weight files (split into shards above max_shard_bytes, as
+// save_state_dict does): the model's own values, or each fetched through `parameter` as its file is written (fully
+// sharded weights; without `write` they are only fetched). What the image models' save functions share.
+void save_module_weights(Module& model, const std::string& dir, uint64_t max_shard_bytes,
+                         const std::function<at::Tensor(const std::string&)>& parameter = {}, bool write = true);
 
 // Whether dir/config.json (or a parsed config) describes an image classifier this build knows.
 bool is_image_model_config(const nlohmann::json& config);
@@ -82,5 +77,11 @@ std::unique_ptr<ImageClassifier> load_image_classifier(const std::string& dir, M
 // Writes config.json (id2label/label2id, architectures) and model.safetensors so that transformers'
 // from_pretrained loads it.
 void save_image_classifier(ImageClassifier& model, const std::string& dir);
+// Fully sharded weights: the same files, each parameter's values fetched by name through `parameter` as its file is
+// written (every rank calls it, with the same names in the same order; rank 0 with `write`, the others only fetch).
+void save_image_classifier_streamed(ImageClassifier& model, const std::string& dir,
+                                    const std::function<at::Tensor(const std::string&)>& parameter, bool write);
+// config.json alone, as save_image_classifier writes it (a checkpoint whose weights are in the ranks' parts).
+void save_image_classifier_config(ImageClassifier& model, const std::string& dir);
 
 }  // namespace trainer

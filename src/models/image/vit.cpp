@@ -276,7 +276,7 @@ at::Tensor VitForImageClassification::features(const at::Tensor& pixel_values) {
   at::Tensor x = vit_->embeddings->forward(pixel_values.to(vit_->embeddings->cls_token.scalar_type()), training);
   for (const auto& layer : vit_->encoder->layer->items) {
     BlockFn block = [layer, training](const std::vector<at::Tensor>& in) { return layer->forward(in[0], training); };
-    x = run_block(block, {x});
+    x = run_block(block, {x}, layer.get());
   }
   // Only the class token is read; LayerNorm is per position, so normalising it alone is the same numbers.
   return vit_->layernorm->forward(x.select(1, 0), vit_->hyper.eps);  // (B, D)
@@ -284,6 +284,12 @@ at::Tensor VitForImageClassification::features(const at::Tensor& pixel_values) {
 
 at::Tensor VitForImageClassification::head(const at::Tensor& features) const {
   return at::linear(features, classifier_weight_, classifier_bias_);
+}
+
+std::vector<const Module*> VitForImageClassification::blocks() const {
+  std::vector<const Module*> out;
+  for (const auto& layer : vit_->encoder->layer->items) out.push_back(layer.get());
+  return out;
 }
 
 const std::string& VitForImageClassification::model_type() const {
@@ -401,11 +407,14 @@ std::unique_ptr<VitForImageClassification> load_vit(const std::string& dir, Mode
   return model;
 }
 
-void save_vit(VitForImageClassification& model, const std::string& dir) {
+void save_vit(VitForImageClassification& model, const std::string& dir,
+              const std::function<at::Tensor(const std::string&)>& parameter, bool write) {
+  save_module_weights(model, dir, /*max_shard_bytes=*/uint64_t{5} << 30, parameter, write);
+  if (write) save_vit_config(model, dir);
+}
+
+void save_vit_config(const VitForImageClassification& model, const std::string& dir) {
   fs::create_directories(dir);
-  NamedTensors tensors;
-  model.for_each_parameter([&](const std::string& name, at::Tensor& p) { tensors.emplace_back(name, p.detach()); });
-  save_state_dict(dir, tensors, /*max_shard_bytes=*/uint64_t{5} << 30);
   nlohmann::json config = model.hf_config();
   config["architectures"] = {"ViTForImageClassification"};
   if (!config.contains("id2label")) write_label_maps(config, model.labels());

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,6 +41,8 @@ class VitForImageClassification : public ImageClassifier {
   int64_t image_size() const override { return image_size_; }
   const std::vector<std::string>& labels() const override { return labels_; }
   void set_labels(const std::vector<std::string>& labels, const c10::TensorOptions& options) override;
+  // The encoder layers ("vit.encoder.layer.i"); the embeddings, the final LayerNorm and the head are outside them.
+  std::vector<const Module*> blocks() const override;
 
  private:
   nlohmann::json config_;
@@ -56,7 +59,10 @@ std::unique_ptr<VitForImageClassification> load_vit(const std::string& dir, Mode
                                                     const c10::TensorOptions& options, uint64_t seed = 0,
                                                     const std::vector<std::string>& labels = {});
 // Writes config.json (with id2label/label2id and architectures = ViTForImageClassification) and
-// model.safetensors so that transformers' from_pretrained loads it.
-void save_vit(VitForImageClassification& model, const std::string& dir);
+// model.safetensors so that transformers' from_pretrained loads it. With `parameter`, each tensor's values are fetched
+// through it as its file is written, and only with `write` are files written (save_image_classifier_streamed).
+void save_vit(VitForImageClassification& model, const std::string& dir,
+              const std::function<at::Tensor(const std::string&)>& parameter = {}, bool write = true);
+void save_vit_config(const VitForImageClassification& model, const std::string& dir);  // config.json alone
 
 }  // namespace trainer

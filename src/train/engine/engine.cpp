@@ -452,15 +452,17 @@ void Engine::shard_weights() {
   auto refuse = [&](const std::string& what) {
     throw UsageError("distributed.shard_weights=true does not support " + what + " yet", fix);
   };
-  LanguageModel* model = task_.shardable_model();
-  if (!model) refuse("the " + describe_task(kind_.name) + " task (text tasks only)");
+  ShardableModule* model = task_.shardable_model();
+  if (!model)
+    refuse("the " + describe_task(kind_.name) + " task (the text, image-classification and contrastive tasks only)");
   if (config_.model.quantize != QuantizeMode::kNone) refuse("a 4-bit base (model.quantize, QLoRA)");
   if (config_.optimizer.name != OptimizerName::kAdamW || config_.optimizer.state_dtype == StateDtype::kInt8)
     refuse("this optimizer (AdamW with fp32 or bf16 state only: its update is element by element)");
   if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
   if (config_.training.micro_batch_size.is_auto && config_.training.micro_batch_tokens <= 0)
     refuse("training.micro_batch_size=auto (set a number; out-of-memory errors still shrink it)");
-  if (model->has_routing_loss()) refuse("a mixture of experts' load-balancing loss (output_router_logits)");
+  if (const auto* language = dynamic_cast<const LanguageModel*>(model); language && language->has_routing_loss())
+    refuse("a mixture of experts' load-balancing loss (output_router_logits)");
   // LoRA: the frozen base is sharded, the adapters stay whole on every rank (their gradients summed).
   distributed::FullyShardedOptions options;
   options.reshard_after_forward = config_.distributed.reshard_after_forward;
@@ -522,7 +524,7 @@ void Engine::build_optimizer_and_step() {
     scaler_ = std::make_unique<GradScaler>(scaling);
   }
   StepSync* sync = sharded_ ? static_cast<StepSync*>(sharded_.get()) : data_parallel_.get();
-  task_.build_step({*optimizer_, *policy_, sync, scaler_.get(), device_});
+  task_.build_step({*optimizer_, *policy_, sync, scaler_.get(), device_, &trainable});
   device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
 }
 
@@ -736,12 +738,13 @@ bool Engine::train_one_step() {
 // The task's evaluation (every rank its share), the ranks' agreement on its out-of-memory outcome, then the report
 // and what rank 0 alone shows afterwards.
 void Engine::evaluate() {
-  // Sharded weights: the validation loss runs unit by unit (the root and the head gathered for it, the blocks as
-  // they come, as in training); evaluation by generation and rank 0's samples gather the whole model on every rank.
+  // Sharded weights: the text validation loss runs unit by unit (the root and the head gathered for it, the blocks
+  // as they come, as in training); evaluation by generation, the image and CLIP tasks' evaluation and rank 0's
+  // samples gather the whole model on every rank.
   const auto run = [&] { return task_.evaluate(step_index_, *eval_micro_); };
-  const Evaluated evaluated = !sharded_                      ? run()
-                              : config_.evaluation.generate ? with_whole_model(run)
-                                                            : with_evaluation_units(run);
+  const Evaluated evaluated = !sharded_                         ? run()
+                              : task_.evaluates_unit_by_unit() ? with_evaluation_units(run)
+                                                               : with_whole_model(run);
   eval_micro_->agree();
   if (evaluated.loss) {
     last_eval_ = *evaluated.loss;

@@ -30,7 +30,7 @@
 namespace trainer {
 
 class Module;
-class LanguageModel;
+class ShardableModule;
 class Optimizer;
 class MemoryPolicy;
 class GradScaler;
@@ -67,6 +67,9 @@ struct StepParts {
   StepSync* sync = nullptr;      // data parallelism
   GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed
   c10::Device device{c10::kCPU};
+  // What the optimizer steps on: the task's trainable(), or with fully sharded weights this rank's pieces of them
+  // (each named as its parameter), where a task changes master values after an update (CLIP's logit scale cap).
+  Module* optimized = nullptr;
 };
 
 // Evaluation's own micro-batch (evaluation.micro_batch_size; kept from one evaluation to the next): an out-of-memory
@@ -146,8 +149,12 @@ class TaskModel {
   virtual void build_model(const std::optional<std::filesystem::path>& resume, const c10::Device& device) = 0;
   virtual Module& model() = 0;
   virtual std::string model_type() const = 0;
-  // The language model, for tasks whose weights can be fully sharded (distributed.shard_weights); null otherwise.
-  virtual LanguageModel* shardable_model() { return nullptr; }
+  // The model, for tasks whose weights can be fully sharded (distributed.shard_weights: its blocks are the units);
+  // null otherwise.
+  virtual ShardableModule* shardable_model() { return nullptr; }
+  // With fully sharded weights: whether evaluate() runs its forwards unit by unit (the same number on every rank,
+  // through the step's StepSync); otherwise the engine gathers the whole model for it.
+  virtual bool evaluates_unit_by_unit() const { return false; }
   // Before build_model, with fully sharded weights: pretrained weights may stay unread (meta) until weight_reader()
   // reads each; an empty reader: the model holds its values.
   virtual void read_weights_on_demand() {}

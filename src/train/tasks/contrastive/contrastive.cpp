@@ -96,6 +96,22 @@ void backward_micro_batches(ClipModel& model, const std::vector<ContrastiveMicro
   }
 }
 
+// Fully sharded weights: pass (c) of the empty micro-batches, each tower back-propagating a zero gradient.
+void backward_empty_passes(ClipModel& model, const ContrastiveOptions& options, const at::Tensor& image_grads,
+                           const at::Tensor& text_grads) {
+  const c10::Device device = model.logit_scale().device();
+  for (int64_t i = 0; i < options.empty_passes; ++i) {
+    if (options.image_tower_trainable && image_grads.defined()) {
+      const at::Tensor embeds = embed_images(model, options.empty, options, device);
+      if (embeds.requires_grad()) torch::autograd::backward({embeds}, {at::zeros_like(embeds)});
+    }
+    if (options.text_tower_trainable && text_grads.defined()) {
+      const at::Tensor embeds = embed_texts(model, options.empty, options, device);
+      if (embeds.requires_grad()) torch::autograd::backward({embeds}, {at::zeros_like(embeds)});
+    }
+  }
+}
+
 ContrastiveResult cached_batch_negatives(ClipModel& model, const std::vector<ContrastiveMicroBatch>& micro_batches,
                                          const ContrastiveOptions& options, int64_t total) {
   ContrastiveResult result;
@@ -161,6 +177,10 @@ ContrastiveResult gathered_batch_negatives(ClipModel& model, const std::vector<C
       result.tower_forwards += 2;
       row += b;
     }
+    for (int64_t i = 0; i < options.empty_passes; ++i) {
+      embed_images(model, options.empty, options, device);
+      embed_texts(model, options.empty, options, device);
+    }
   } catch (const c10::OutOfMemoryError&) {
     shared = at::Tensor();
     out_of_memory = std::current_exception();
@@ -193,6 +213,7 @@ ContrastiveResult gathered_batch_negatives(ClipModel& model, const std::vector<C
   }
   // (c) This rank's micro-batches again, with autograd, each with its rows of the embedding gradients.
   backward_micro_batches(model, micro_batches, options, image_grads, text_grads, ranks.offset, result);
+  backward_empty_passes(model, options, image_grads, text_grads);
   return result;
 }
 
@@ -217,6 +238,20 @@ ContrastiveResult micro_batch_negatives(ClipModel& model, const std::vector<Cont
     const at::Tensor loss = clip_contrastive_loss(images, texts, model.logit_scale()) * weight;
     result.loss += loss.item<double>();
     if (loss.requires_grad()) (loss * options.loss_scale).backward();
+  }
+  // Fully sharded weights: the empty micro-batches run the same graph, their loss counted zero times.
+  for (int64_t i = 0; i < options.empty_passes; ++i) {
+    at::Tensor images, texts;
+    {
+      at::AutoGradMode grad(options.image_tower_trainable);
+      images = embed_images(model, options.empty, options, device);
+    }
+    {
+      at::AutoGradMode grad(options.text_tower_trainable);
+      texts = embed_texts(model, options.empty, options, device);
+    }
+    const at::Tensor loss = clip_contrastive_loss(images, texts, model.logit_scale()) * 0.0;
+    if (loss.requires_grad()) loss.backward();
   }
   return result;
 }

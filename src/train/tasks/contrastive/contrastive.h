@@ -72,6 +72,11 @@ struct ContrastiveOptions {
   bool image_tower_trainable = true;
   bool text_tower_trainable = true;
   const ContrastiveRanks* ranks = nullptr;  // data parallelism; none in a single process
+  // Fully sharded weights (with `ranks`): every block's forward and backward is a collective, so every rank runs as
+  // many micro-batches as the rank with the most. This rank runs `empty_passes` more of `empty` (one pair) after its
+  // own, in each pass and with each tower as for a micro-batch of its own, adding nothing to any gradient.
+  int64_t empty_passes = 0;
+  ContrastiveMicroBatch empty;
 };
 
 struct ContrastiveResult {

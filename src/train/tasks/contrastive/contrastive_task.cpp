@@ -33,6 +33,7 @@
 #include "train/optim/grad_scaler.h"
 #include "train/optim/optimizer.h"
 #include "train/precision.h"
+#include "trainer/hf_weights.h"
 #include "trainer/model_dir.h"
 #include "trainer/tokenizer.h"
 
@@ -149,6 +150,11 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
       throw UsageError("--merge is not implemented for CLIP (training.objective=contrastive)",
                        "drop --merge; PEFT merges the adapter in final/: PeftModel.from_pretrained(CLIPModel."
                        "from_pretrained(base), \"final\").merge_and_unload()");
+    if (world() && config().distributed.shard_weights && config().lora.enabled)
+      throw UsageError("distributed.shard_weights=true does not support lora.enabled=true for training.objective="
+                       "contrastive yet",
+                       "set distributed.shard_weights=false (distributed.shard_optimizer=true shards the optimizer "
+                       "state alone), or train the full model");
   }
 
   nlohmann::json open_data() override {
@@ -170,6 +176,7 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
 
   void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override;
   Module& model() override { return *model_; }
+  ShardableModule* shardable_model() override { return model_.get(); }
   Module* adapters() override { return lora_.get(); }
   Module& trainable() override { return lora_ ? static_cast<Module&>(*lora_) : *model_; }
 
@@ -183,6 +190,7 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
     sync_ = parts.sync;
     scaler_ = parts.scaler;
     device_ = parts.device;
+    sharded_pieces_ = sync_ && sync_->shards_weights() ? parts.optimized : nullptr;
   }
   StepResult train_step(TaskBatch& batch, int64_t step, double lr) override;
   int64_t probe_limit() const override {
@@ -208,6 +216,11 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
 
   Evaluated evaluate(int64_t step, EvaluationMicroBatch& micro) override;
   void save(const fs::path& dir) override;
+  // Fully sharded weights: save() with each weight fetched as its file is written, and the files beside the weights
+  // of a checkpoint whose weights are in the ranks' parts.
+  void save_streamed(const fs::path& dir, const std::function<at::Tensor(const std::string&)>& parameter,
+                     bool write) override;
+  void save_without_weights(const fs::path& dir) override;
 
   // The pairs [first, first + count) of the effective batch (this rank's share), split into micro-batches of
   // `micro`; `ranks`: data parallelism's part of the step (none in the probe and in a single process).
@@ -215,7 +228,7 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
                                      int64_t step, int64_t micro, int64_t first, int64_t count,
                                      const ContrastiveRanks* ranks);
   bool escalate(int64_t step);
-  void clamp_logit_scale() { model_->clamp_logit_scale(); }
+  void clamp_logit_scale();
   int64_t micro_batch() const { return policy_->micro_batch(); }
 
  private:
@@ -260,6 +273,7 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
   MemoryPolicy* policy_ = nullptr;
   StepSync* sync_ = nullptr;
   GradScaler* scaler_ = nullptr;
+  Module* sharded_pieces_ = nullptr;  // fully sharded weights: what the optimizer steps on (this rank's pieces)
   bool checkpointing_on_ = false;
   c10::Device device_{c10::kCPU};
 };
@@ -389,12 +403,32 @@ ContrastiveResult ContrastiveTask::forward_backward(const at::Tensor& pixels, co
   options.step = step;
   options.image_tower_trainable = !config().contrastive.freeze_image_tower;
   options.ranks = ranks;
+  if (ranks && sync_ && sync_->shards_weights()) {
+    // Fully sharded weights: as many micro-batches on every rank (the blocks' gathers and reductions pair up); the
+    // others' extra ones are empty here: one black image and a caption of one padding token.
+    const auto mine = static_cast<int64_t>(parts.size());
+    options.empty_passes = sync_->agree_passes(mine) - mine;
+    const auto on_device = at::TensorOptions().device(device_);
+    options.empty.pixel_values = at::zeros({1, 3, pixels.size(2), pixels.size(3)}, on_device);
+    options.empty.input_ids = at::full({1, 1}, tokenizer_->pad_id(), on_device.dtype(at::kLong));
+    options.empty.attention_mask = at::ones_like(options.empty.input_ids);
+  }
   // fp16-mixed: gradients of the scaled loss (the update divides them by the scale again).
   if (scaler_) options.loss_scale = scaler_->scale();
   // Mixed precision: both passes under the same autocast, so the second pass re-creates the first's embeddings.
   const auto dtype = autocast_dtype(config().precision.mode);
   AutocastScope autocast(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
   return contrastive_forward_backward(*model_, parts, options);
+}
+
+void ContrastiveTask::clamp_logit_scale() {
+  if (!sharded_pieces_) return model_->clamp_logit_scale();
+  // Fully sharded weights: the master value is the piece one rank keeps (the model's own is not gathered now); the
+  // next gather brings the clamped value.
+  at::NoGradGuard no_grad;
+  sharded_pieces_->for_each_parameter([](const std::string& name, at::Tensor& piece) {
+    if (name == "logit_scale") piece.clamp_(0.0, kClipMaxLogitScale);
+  });
 }
 
 bool ContrastiveTask::escalate(int64_t step) {
@@ -427,6 +461,14 @@ StepResult ContrastiveTask::train_step(TaskBatch& task_batch, int64_t step, doub
     ranks.width = model_->projection_dim();
     ranks.logit_scale_gradient = primary();
     ranks.agree = [this](bool fit) { return sync_->agree(fit, 0).all_fit; };
+    if (sync_->shards_weights())
+      // Fully sharded weights: the attempt's agreement must wait for its end (StepSync::agree closes the attempt).
+      // A rank out of memory in pass (a) rethrows at once and tells the others at the attempt's end
+      // (StepSync::announce_failure), which they learn at the status all-reduce here or at a block's gather before it.
+      ranks.agree = [this](bool fit) {
+        if (fit) sync_->sum({0.0}, "agreeing that every rank embedded its share of the pairs");
+        return fit;
+      };
     ranks.sum = [this](at::Tensor& rows) {
       world()->all_reduce_sum({rows}, static_cast<int64_t>(config().distributed.bucket_size.bytes));
     };
@@ -578,6 +620,20 @@ Evaluated ContrastiveTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
 void ContrastiveTask::save(const fs::path& dir) {
   if (lora_) write_clip_adapter(dir.string(), *lora_, lora_base_);
   else save_clip(*model_, dir.string());
+  write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec_));
+  tokenizer_->copy_files_to(dir);
+}
+
+void ContrastiveTask::save_streamed(const fs::path& dir, const std::function<at::Tensor(const std::string&)>& parameter,
+                                    bool write) {
+  save_clip(*model_, dir.string(), kDefaultMaxShardBytes, parameter, write);
+  if (!write) return;
+  write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec_));
+  tokenizer_->copy_files_to(dir);
+}
+
+void ContrastiveTask::save_without_weights(const fs::path& dir) {
+  save_clip_config(*model_, dir.string());
   write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec_));
   tokenizer_->copy_files_to(dir);
 }

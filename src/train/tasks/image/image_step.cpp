@@ -15,8 +15,8 @@
 
 namespace trainer {
 
-double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tensor& labels, int64_t first_image,
-                                        int64_t step, double normaliser) {
+at::Tensor ImageTrainStep::summed_loss(const at::Tensor& pixels, const at::Tensor& labels, int64_t first_image,
+                                       int64_t step) {
   const int64_t count = labels.size(0);
   const DropoutScope dropout(options_.seed, step, first_image, count, options_.device);
   at::Tensor loss_sum;
@@ -39,9 +39,25 @@ double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tens
     }
     loss_sum = at::cross_entropy_loss(logits.to(at::kFloat), labels.to(options_.device), {}, at::Reduction::Sum);
   }
+  return loss_sum;
+}
+
+double ImageTrainStep::forward_backward(const at::Tensor& pixels, const at::Tensor& labels, int64_t first_image,
+                                        int64_t step, double normaliser) {
+  const at::Tensor sum = summed_loss(pixels, labels, first_image, step);
   // fp16-mixed: times the loss scale, so small gradients survive fp16; apply_update divides them by it again.
-  (options_.scaler ? loss_sum * (options_.scaler->scale() / normaliser) : loss_sum / normaliser).backward();
-  return loss_sum.item<double>();
+  (options_.scaler ? sum * (options_.scaler->scale() / normaliser) : sum / normaliser).backward();
+  return sum.item<double>();
+}
+
+std::size_t ImageTrainStep::agreed_passes(std::size_t mine) {
+  if (!options_.sync || !options_.sync->shards_weights()) return mine;
+  return static_cast<std::size_t>(options_.sync->agree_passes(static_cast<int64_t>(mine)));
+}
+
+void ImageTrainStep::empty_passes(std::size_t count, int64_t height, int64_t width, int64_t step) {
+  for (std::size_t i = 0; i < count; ++i)
+    (summed_loss(at::zeros({1, 3, height, width}), at::zeros({1}, at::kLong), 0, step) * 0.0).backward();
 }
 
 bool ImageTrainStep::escalate(int64_t step) {
@@ -68,10 +84,12 @@ class ImageStepWork final : public StepWork {
     for (const auto& part : parts) outcome.largest_part = std::max(outcome.largest_part, part.second);
     outcome.micro_steps = static_cast<int64_t>(parts.size());
     outcome.at_floor = outcome.largest_part <= 1;
+    const std::size_t passes = step_.agreed_passes(parts.size());
     // Dropout masks follow each image's place in the effective batch, so neither the split nor the ranks change them.
     for (const auto& [begin, count] : parts)
       outcome.loss_sum += step_.forward_backward(pixels_.narrow(0, begin, count), labels_.narrow(0, begin, count),
                                                  first_ + begin, step, normaliser_);
+    step_.empty_passes(passes - parts.size(), pixels_.size(2), pixels_.size(3), step);
   }
   bool escalate(int64_t step) override { return step_.escalate(step); }
   std::string floor_hint() const override {

@@ -32,7 +32,9 @@ struct ImageStepOptions {
   bool linear_probe = false;  // the backbone is frozen: features run without autograd, only the head trains
   GradScaler* scaler = nullptr;  // precision.mode=fp16-mixed: dynamic loss scaling (train/optim/grad_scaler.h)
   // Data parallelism: the batch is this rank's share (ImageBatch::first, total); the ranks agree on out-of-memory
-  // errors and sum the gradients, as in the text step.
+  // errors and sum the gradients, as in the text step. With fully sharded weights (StepSync::shards_weights) every
+  // block's forward and backward is a collective: every rank runs as many micro-batches as the rank with the most,
+  // the others empty ones (one black image whose loss counts zero times).
   StepSync* sync = nullptr;
 };
 
@@ -54,6 +56,12 @@ class ImageTrainStep {
   void set_device(const c10::Device& device) { options_.device = device; }
 
  private:
+  // The summed cross-entropy of the images with its graph, under the step's dropout masks and autocast.
+  at::Tensor summed_loss(const at::Tensor& pixels, const at::Tensor& labels, int64_t first_image, int64_t step);
+  // Fully sharded weights: the micro-batches every rank runs (agreed), and `count` passes of one black image of
+  // height x width pixels that add nothing to any gradient.
+  std::size_t agreed_passes(std::size_t mine);
+  void empty_passes(std::size_t count, int64_t height, int64_t width, int64_t step);
   bool escalate(int64_t step);
   friend class ImageStepWork;
 

@@ -48,6 +48,11 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
       throw UsageError("--merge is not implemented for image classifiers",
                        "drop --merge; PEFT merges the adapter in final/: PeftModel.from_pretrained(<classifier>."
                        "from_pretrained(base), \"final\").merge_and_unload()");
+    if (world() && config().distributed.shard_weights && config().lora.enabled)
+      throw UsageError("distributed.shard_weights=true does not support lora.enabled=true for image classification "
+                       "yet (the head trains in full beside the adapters)",
+                       "set distributed.shard_weights=false (distributed.shard_optimizer=true shards the optimizer "
+                       "state alone), or train the full model or a linear probe");
     if (config().lora.enabled && config().training.linear_probe)
       throw UsageError("lora.enabled=true and training.linear_probe=true both choose what trains",
                        "pick one: LoRA adapters plus the head, or the head alone");
@@ -84,6 +89,7 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
 
   void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override;
   Module& model() override { return *model_; }
+  ShardableModule* shardable_model() override { return model_.get(); }
   Module* adapters() override { return lora_.get(); }
   Module& trainable() override { return lora_ ? static_cast<Module&>(*lora_) : *model_; }
 
@@ -142,6 +148,17 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
     } else {
       save_classifier_dir(*model_, spec_, dir);
     }
+  }
+  // Fully sharded weights (never with LoRA): the same directory, each weight fetched as its file is written; and what
+  // a checkpoint whose weights are in the ranks' parts holds beside them.
+  void save_streamed(const fs::path& dir, const std::function<at::Tensor(const std::string&)>& parameter,
+                     bool write) override {
+    save_image_classifier_streamed(*model_, dir.string(), parameter, write);
+    if (write) write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec_));
+  }
+  void save_without_weights(const fs::path& dir) override {
+    save_image_classifier_config(*model_, dir.string());
+    write_text_file((dir / "preprocessor_config.json").string(), data::image_processor_json(spec_));
   }
 
  private:

@@ -74,6 +74,7 @@ class TextTask final : public LanguageModelTask {
 
   Counted counted() const override { return {"tokens_seen", "target tokens", "tokens", true}; }
   LanguageModel* shardable_model() override { return model_; }
+  bool evaluates_unit_by_unit() const override { return !config().evaluation.generate; }
 
   nlohmann::json open_data() override {
     // Without tokenizer files in model.path: pre-tokenized records only (trainer/tokenizer.h).
