@@ -977,6 +977,54 @@ TEST(IntegrationDistributed, ShardedWeightsGatherInBf16AndReduceInFp32UnderBf16M
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", kept / "final" / "model.safetensors"), 2e-3);
 }
 
+// A sharded rank killed mid-run (SIGKILL, no launcher to end the others): the other rank stops by itself within
+// distributed.timeout_s with an error, and the newest complete checkpoint (each rank's part written, COMPLETE last)
+// resumes to the weights of an uninterrupted run.
+TEST(IntegrationDistributed, ShardedWeightsRankKilledMidRunTheOtherStopsAndTheNewestCompleteCheckpointResumes) {
+  TempDir dir;
+  const auto run = dir.path() / "run", one = dir.path() / "one";
+  // A constant learning rate: the schedule does not depend on max_steps, which the resume sets.
+  const std::vector<std::string> settings = {"--set", "scheduler.name=constant", "--set", "checkpoint.every_steps=1",
+                                             "--set", "distributed.timeout_s=5"};
+  const auto args = with(with(short_run("configs/tiny-qwen2.json", run, 100000), kShardWeights), settings);
+  const int port = free_port();
+  std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1\n";
+  for (int r = 0; r < 2; ++r) {
+    command += "RANK=" + std::to_string(r) + " WORLD_SIZE=2 LOCAL_RANK=" + std::to_string(r) +
+               " LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+               " GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 " + shell_quote(trainer_binary());
+    for (const auto& a : args) command += " " + shell_quote(a);
+    command += " </dev/null >" + shell_quote((dir.path() / ("rank" + std::to_string(r) + ".log")).string()) +
+               " 2>&1 & P" + std::to_string(r) + "=$!\n";
+  }
+  // Rank 1 dies once checkpoint-2 is complete, wherever it is then (often inside the next checkpoint's writing).
+  command += "for i in $(seq 1 1500); do [ -e " + shell_quote((run / "checkpoint-2" / "COMPLETE").string()) +
+             " ] && break; sleep 0.1; done\nkill -KILL $P1\nS=$(date +%s)\nwait $P0; echo $? >" +
+             shell_quote((dir.path() / "rc").string()) + "\necho $(( $(date +%s) - S )) >" +
+             shell_quote((dir.path() / "seconds").string()) + "\n";
+  ASSERT_EQ(std::system(("timeout -k 5 300 bash -c " + shell_quote(command)).c_str()), 0);
+  const std::string log0 = read_text(dir.path() / "rank0.log");
+  EXPECT_NE(std::stoi(read_text(dir.path() / "rc")), 0) << log0;
+  EXPECT_LE(std::stoi(read_text(dir.path() / "seconds")), 60) << log0;  // timeout_s 5, and the rest of its step
+  EXPECT_NE(log0.find("distributed.timeout_s"), std::string::npos) << log0;
+  int64_t newest = 0;
+  for (const auto& entry : fs::directory_iterator(run)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("checkpoint-") && fs::exists(entry.path() / "COMPLETE"))
+      newest = std::max<int64_t>(newest, std::stoll(name.substr(11)));
+  }
+  ASSERT_GE(newest, 2) << log0;
+  // Resumed on 2 ranks for one more step: the weights of newest + 1 uninterrupted steps in one process.
+  const auto resumed = run_ranks(2, with(with(with(short_run("configs/tiny-qwen2.json", run, static_cast<int>(newest) + 1),
+                                                   kShardWeights), settings), {"--resume"}));
+  for (const auto& r : resumed) ASSERT_EQ(r.exit_code, 0) << all_errors(resumed);
+  EXPECT_NE(resumed[0].err.find("at step " + std::to_string(newest)), std::string::npos) << resumed[0].err;
+  const auto single = run_trainer(with(short_run("configs/tiny-qwen2.json", one, static_cast<int>(newest) + 1), settings),
+                                  "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", run / "final" / "model.safetensors"), 1e-5);
+}
+
 // What sharded weights do not cover yet is refused on every rank before any work, naming the key.
 TEST(IntegrationDistributed, ShardedWeightsRefuseQloraNamingTheKey) {
   TempDir dir;
