@@ -893,6 +893,27 @@ TEST(IntegrationDistributed, ShardedWeightsEvaluateAndSampleAsOneProcess) {
   EXPECT_EQ(samples(ranks[0].err).size(), 2u) << ranks[0].err;
 }
 
+// The validation loss unit by unit with a budget on rank 1 alone that an evaluation micro-batch of 8 (and 4) exceeds:
+// rank 1 runs out of memory inside a forward, rank 0 learns it at the next collective, both halve together, and the
+// loss is one unconstrained process's.
+TEST(IntegrationDistributed, ShardedWeightsEvaluationOutOfMemoryOnOneRankHalvesEveryRank) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> evaluation = {"--set", "evaluation.every_steps=1", "--set",
+                                               "evaluation.micro_batch_size=8"};
+  const auto single = run_trainer(with(short_run("configs/tiny-qwen2.json", one, 1), evaluation), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", two, 1), evaluation), kShardWeights),
+                               {{}, {"--set", "memory.limit=3MiB"}});
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  for (const auto& r : ranks)
+    EXPECT_NE(r.err.find("evaluation micro-batch 8 -> 4"), std::string::npos) << all_errors(ranks);
+  const auto a = metric_values(one / "metrics.jsonl", "eval_loss"), b = metric_values(two / "metrics.jsonl", "eval_loss");
+  ASSERT_EQ(a.size(), 1u);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_NEAR(a[0], b[0], 1e-5);
+}
+
 // LoRA over a sharded frozen base: the base lives in halves, the adapters whole on every rank with their gradients
 // summed; the adapter and its checkpoint (the adapter alone, as unsharded) are one process's.
 TEST(IntegrationDistributed, LoraOverShardedWeightsTrainsTheAdapterOfOneProcess) {
