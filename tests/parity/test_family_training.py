@@ -1,5 +1,5 @@
 """Training each decoder family with the real trainer binary reaches the weights of a plain PyTorch loop over the
-transformers model: AdamW (trainer's defaults: betas 0.9/0.999, eps 1e-8; weight decay 0.01, gradient clipping at
+transformers model: AdamW (betas 0.9/0.999 as trainer's defaults, eps 1e-5; weight decay 0.01, gradient clipping at
 1.0), three steps of an effective batch of 4 pre-tokenized examples of different lengths (prompt tokens masked),
 the loss the mean over the effective batch's target tokens. Accumulated over micro-batches of one example (what a
 memory budget forces), packed (several examples a row, attention and positions per example) with activation
@@ -18,7 +18,12 @@ from safetensors.torch import load_file, save_file
 
 from test_models import FAMILIES, VOCAB, hf_model, make_model_dir
 
-STEPS, BATCH, LR = 3, 4, 1e-3
+STEPS, BATCH, LR, EPS = 3, 4, 1e-3, 1e-5
+# Adam's eps: with the default 1e-8 an element whose gradient is within summation noise of zero (~1e-6 here, after two
+# steps whose weights differ by 1e-5 between any two ways of computing them) moves by +-0.64 lr on its first update,
+# whichever its sign: PyTorch's own loop accumulated over micro-batches of one example and over the whole padded
+# batch already differ there (Gemma 4's per-layer embedding row of a token first seen in the last step, on AVX2).
+# 1e-5 keeps such elements' updates proportional to their gradients and every other element's sign-like.
 TRAINER = pathlib.Path(os.environ.get("TRAINER_BINARY", pathlib.Path(__file__).resolve().parents[2] / "build" /
                                       "trainer"))
 # Dynamic RoPE and longrope choose their frequencies by the longest position of a forward (as transformers does, and
@@ -47,7 +52,7 @@ def reference_weights(model_dir, records):
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=LR, betas=(0.9, 0.999), eps=1e-8)
+                                  lr=LR, betas=(0.9, 0.999), eps=EPS)
     for step in range(STEPS):
         part = records[step * BATCH:(step + 1) * BATCH]
         width = max(len(r["input_ids"]) for r in part)
@@ -72,7 +77,7 @@ def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpo
         "data": {"train_files": [str(data)], "max_length": 32, "shuffle": False, "packing": packing},
         "training": {"batch_size": BATCH, "micro_batch_size": micro_batch, "max_steps": STEPS, "seed": 1,
                      "activation_checkpointing": checkpointing},
-        "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.01},
+        "optimizer": {"name": "adamw", "lr": LR, "weight_decay": 0.01, "eps": EPS},
         "scheduler": {"name": "constant", "warmup_steps": 0},
         "precision": {"mode": "fp32"},
         "device": {"type": "cpu"},
