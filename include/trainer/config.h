@@ -633,6 +633,7 @@ struct DistributedConfig {
   bool shard_optimizer = false;
   bool shard_weights = false;
   bool reshard_after_forward = true;
+  bool prefetch = true;
   ShardDtype param_dtype = ShardDtype::kAuto;
   ShardDtype reduce_dtype = ShardDtype::kFp32;
   bool overlap_grad_reduce = true;
@@ -656,6 +657,10 @@ struct DistributedConfig {
     v("reshard_after_forward", reshard_after_forward,
       "with shard_weights: release each block's gathered weights after its forward and gather them again for its "
       "backward (false keeps them from forward to backward: less communication, more memory)");
+    v("prefetch", prefetch,
+      "with shard_weights: gather the next unit's weights while the current one computes, in forward and in backward "
+      "order (FSDP2's prefetch): communication overlaps compute, at the memory of one more unit gathered (skipped "
+      "where a rank has not that memory); false gathers each unit when it is needed");
     v("param_dtype", param_dtype,
       "with shard_weights: the dtype fp32 weights are gathered in for compute (FSDP2's param_dtype): auto is the "
       "compute dtype of precision.mode (bf16 under bf16-mixed, fp16 under fp16-mixed, else fp32): half the gathered "

@@ -5,7 +5,7 @@ root, as torchtitan applies it) under torchrun, alternately, on this machine's C
 rank).
 
     .venv/bin/python scripts/bench/sharded_memory.py [--model qwen2-100m] [--ranks 1 2 4] [--steps 4] [--batch 8]
-        [--max-length 256] [--repeats 1] [--skip-fsdp2]
+        [--max-length 256] [--repeats 1] [--skip-fsdp2] [--prefetch-off]
 
 Same work on both sides: vs_hf.py's model directory (config.json, random init on each side), the same recipe JSONL
 in file order, the same tokenizer, fp32, AdamW lr 1e-3, clipping at 1.0, the global batch split into equal contiguous
@@ -18,7 +18,9 @@ Measured per rank: the peak RSS (VmHWM of each rank's process, polled every 0.2 
 trainer the peak of its tensors (the CPU budget allocator's count, in the run's summary), which is what sharding
 divides: weights, gradients, optimizer state, activations. tokens/s over the steps after the first. The weights +
 gradients + AdamW state of the whole model are 16 bytes a parameter; per rank sharded they should fall as 1/N, plus
-the units held gathered (the embeddings and head for a step, one block).
+the units held gathered (the embeddings and head for a step, one block, and the next one while it is prefetched).
+--prefetch-off adds trainer sharded with distributed.prefetch=false, run alternately with the default (prefetch on):
+what gathering the next unit while one computes is worth.
 """
 import argparse
 import json
@@ -60,13 +62,13 @@ def tokens_per_second(steps):
     return sum(tokens for _, tokens, _ in steps[1:]) / (steps[-1][0] - steps[0][0])
 
 
-def run_ours(config_path, ranks, timeout):
+def run_ours(config_path, ranks, timeout, prefetch=True):
     with open(config_path) as f:
         out_dir = json.load(f)["checkpoint"]["output_dir"]
     fresh_dir(out_dir)
     args = ["--config", config_path]
     if ranks > 1:
-        args += ["--set", "distributed.shard_weights=true"]
+        args += ["--set", "distributed.shard_weights=true", "--set", f"distributed.prefetch={str(prefetch).lower()}"]
         command = [TRAINER, "launch", "--nproc-per-node", str(ranks), "--master-port", str(free_port()), "--"] + args
     else:
         command = [TRAINER] + args
@@ -121,6 +123,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--skip-fsdp2", action="store_true")
+    parser.add_argument("--prefetch-off", action="store_true", help="also trainer sharded without prefetch")
     args = parser.parse_args()
     work = fresh_dir(os.path.join(BENCH_DIR, "runs", "sharded-memory", args.model))
     data = ensure_data("causal", args.batch * args.steps)
@@ -135,14 +138,18 @@ def main():
         spec = {"model_dir": directory, "data": data, "max_length": args.max_length, "batch_size": args.batch,
                 "steps": args.steps, "lr": LR, "seed": SEED, "output": os.path.join(work, "fsdp2")}
         for repeat in range(args.repeats):
-            sides = ["ours", "fsdp2"] if repeat % 2 == 0 else ["fsdp2", "ours"]
+            sides = ["ours", "ours-no-prefetch", "fsdp2"]
+            sides = sides if repeat % 2 == 0 else sides[::-1]
             for side in sides:
-                if side == "fsdp2" and args.skip_fsdp2:
+                if side == "fsdp2" and args.skip_fsdp2 or side == "ours-no-prefetch" and (not args.prefetch_off or
+                                                                                          ranks == 1):
                     continue
                 log(f"{args.model}: {side} on {ranks} rank(s), repeat {repeat + 1}")
-                if side == "ours":
-                    steps, peaks, tensors, steady = run_ours(config, ranks, args.timeout)
-                    rows.append(["trainer" + (" sharded" if ranks > 1 else ""), ranks,
+                if side.startswith("ours"):
+                    prefetch = side == "ours"
+                    steps, peaks, tensors, steady = run_ours(config, ranks, args.timeout, prefetch)
+                    rows.append(["trainer" + (" sharded" if ranks > 1 else "") +
+                                 (" (no prefetch)" if not prefetch else ""), ranks,
                                  f"{tokens_per_second(steps) or 0:.0f}", f"{steps[-1][2]:.4f}" if steps else "-",
                                  mib(peaks), mib(tensors), "-" if steady is None else f"{steady:.0f}"])
                 else:

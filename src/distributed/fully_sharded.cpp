@@ -5,6 +5,7 @@
 #include <deque>
 #include <map>
 #include <set>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -15,6 +16,8 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "distributed/data_parallel.h"
+#include "models/layers.h"
+#include "models/linear4bit.h"
 #include "trainer/errors.h"
 
 namespace trainer::distributed {
@@ -145,20 +148,30 @@ void FullySharded::build(ShardableModule& model, const c10::Device& device,
     units_[it->second].name = name;
     unit_of_[&module] = it->second;
   });
+  // A 4-bit layer's state besides its packed codes (block scales, code tables: QLoRA's base) is data, not a weight:
+  // gathered in its own dtype whatever param_dtype.
+  std::set<const at::Tensor*> exact;
+  model.for_each_module([&](const std::string&, Module& module) {
+    if (const auto* linear = dynamic_cast<const Linear*>(&module))
+      if (const QuantState4bit* q = linear->quantized())
+        exact.insert({&q->absmax, &q->quant_map, &q->nested_absmax, &q->nested_quant_map, &q->state_json});
+  });
   const std::vector<std::size_t> units = parameter_units(model);
   std::size_t next = 0;
   model.for_each_parameter([&](const std::string& name, at::Tensor& slot) {
     const std::size_t u = units[next++];
     auto& groups = units_[u].groups;
     const bool trainable = slot.requires_grad();
+    const bool as_stored = exact.contains(&slot);
     auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
-      return g.dtype == slot.scalar_type() && g.trainable == trainable;
+      return g.dtype == slot.scalar_type() && g.trainable == trainable && g.as_stored == as_stored;
     });
     if (it == groups.end()) {
       groups.push_back(Group{});
       it = std::prev(groups.end());
       it->dtype = slot.scalar_type();
       it->trainable = trainable;
+      it->as_stored = as_stored;
     }
     it->entries.push_back(Entry{name, &slot, slot.sizes().vec(), it->padded, slot.numel()});
     parameter_unit_[name] = {u, &slot};
@@ -170,7 +183,7 @@ void FullySharded::build(ShardableModule& model, const c10::Device& device,
       g.padded = (g.padded + world - 1) / world * world;
       g.shard_numel = g.padded / world;
       // fp32 groups are gathered in param_dtype and reduced in reduce_dtype; others (a bf16 base) as they are.
-      const bool cast = g.dtype == at::kFloat;
+      const bool cast = g.dtype == at::kFloat && !g.as_stored;
       g.compute = cast ? options_.param_dtype : g.dtype;
       g.grad_dtype = cast ? options_.reduce_dtype : g.dtype;
       // The unit's values, whole for a moment (one unit at a time), to cut this rank's shard from.
@@ -263,6 +276,14 @@ int64_t FullySharded::status(const char* what, int64_t value) {
 
 void FullySharded::announce_failure() {
   if (!in_attempt_ && !in_evaluation_) return;
+  // Every rank comes here after an attempt or evaluation try that ran out of memory anywhere: from now on no unit
+  // is prefetched (one more unit gathered is memory a tight budget does not have); the micro-batch shrinks as ever.
+  if (options_.prefetch) {
+    options_.prefetch = false;
+    if (communicator_.rank() == 0)
+      spdlog::warn("fully sharded: out of memory: prefetch is off for the rest of the run (it holds the next unit's "
+                   "weights gathered while one computes)");
+  }
   if (!failure_agreed_) {
     at::NoGradGuard no_grad;
     status_.fill_(0);
@@ -273,22 +294,81 @@ void FullySharded::announce_failure() {
   reset();
 }
 
-void FullySharded::gather(Unit& unit) {
-  if (unit.gathered) return;
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> sent;  // the shards in the compute dtype
-  for (auto& g : unit.groups) {
+namespace {
+
+// A unit's gathered buffers given memory, and its shards in the compute dtype (what each rank sends).
+std::vector<at::Tensor> allocate_gathered(auto& groups) {
+  std::vector<at::Tensor> sent;
+  for (auto& g : groups) {
     allocate_storage(g.full, static_cast<std::size_t>(g.padded) * c10::elementSize(g.compute));
     sent.push_back(g.compute == g.dtype ? g.shard : g.shard.to(g.compute));
   }
-  status("before gathering a unit's weights");
-  for (std::size_t i = 0; i < unit.groups.size(); ++i)
-    communicator_.all_gather_into(unit.groups[i].full, sent[i], "gathering a unit's weights");
-  unit.gathered = true;
+  return sent;
+}
+
+}  // namespace
+
+void FullySharded::gather(std::size_t u, int64_t event) {
+  Unit& unit = units_[u];
+  finish(unit);
+  // The unit that followed this event in the last attempt every rank fit, when it is not gathered yet. Not from a
+  // unit pinned for an evaluation: its use is no collective, and a pass that computes no loss (a rank's empty one)
+  // skips the head, so it may not happen on every rank.
+  Unit* next = nullptr;
+  if (options_.prefetch && event >= 0 && !all_gathered_ && !unit.pinned && (in_attempt_ || in_evaluation_) &&
+      static_cast<std::size_t>(event) < next_.size() && next_[event] >= 0 &&
+      static_cast<std::size_t>(next_[event] / 2) != u && !units_[next_[event] / 2].gathered)
+    next = &units_[next_[event] / 2];
+  if (unit.gathered && !next) return;
+  at::NoGradGuard no_grad;
+  const std::vector<at::Tensor> sent = unit.gathered ? std::vector<at::Tensor>{} : allocate_gathered(unit.groups);
+  // The prefetch's memory: a rank that cannot allocate it says so in the status, and every rank skips it.
+  std::vector<at::Tensor> prefetched;
+  bool short_of_memory = false;
+  if (next) {
+    try {
+      prefetched = allocate_gathered(next->groups);
+    } catch (const c10::OutOfMemoryError&) {
+      short_of_memory = true;
+    }
+  }
+  const bool skip = status(unit.gathered ? "before prefetching a unit's weights" : "before gathering a unit's weights",
+                           short_of_memory ? 1 : 0) != 0;
+  if (!unit.gathered) {
+    for (std::size_t i = 0; i < unit.groups.size(); ++i)
+      communicator_.all_gather_into(unit.groups[i].full, sent[i], "gathering a unit's weights");
+    unit.gathered = true;
+  }
+  if (!next) return;
+  if (skip) {
+    for (auto& g : next->groups) free_storage(g.full);
+    if (!prefetch_skipped_ && communicator_.rank() == 0)
+      spdlog::warn("fully sharded: a rank had no memory for the next unit's weights: every rank skipped that "
+                   "prefetch and gathers it when it is needed (distributed.prefetch=false saves the memory always)");
+    prefetch_skipped_ = true;
+    return;
+  }
+  for (std::size_t i = 0; i < next->groups.size(); ++i)
+    next->pending.push_back(
+        communicator_.start_all_gather(next->groups[i].full, prefetched[i], "gathering the next unit's weights"));
+  next->gathered = true;
+}
+
+void FullySharded::finish(Unit& unit) {
+  for (auto& pending : unit.pending) communicator_.wait(*pending);
+  unit.pending.clear();
+}
+
+void FullySharded::note(std::size_t u, bool backward) {
+  if (!in_attempt_ || !options_.prefetch) return;
+  const int64_t event = 2 * static_cast<int64_t>(u) + (backward ? 1 : 0);
+  if (last_event_ >= 0 && static_cast<std::size_t>(last_event_ / 2) != u) learning_[last_event_] = event;
+  last_event_ = event;
 }
 
 void FullySharded::release(Unit& unit) {
   if (all_gathered_ || unit.pinned) return;
+  finish(unit);
   for (auto& g : unit.groups) free_storage(g.full);
   unit.gathered = false;
 }
@@ -325,6 +405,7 @@ void FullySharded::reduce_gradients(Unit& unit) {
 
 void FullySharded::reset() {
   for (auto& unit : units_) {
+    finish(unit);  // every rank started it: it completes
     const bool keep = all_gathered_ || unit.pinned;
     for (auto& g : unit.groups) {
       if (!keep) free_storage(g.full);
@@ -355,7 +436,8 @@ at::Tensor FullySharded::run(const Module& module, const BlockFn& block, const s
     const at::Tensor dummy = at::empty({0}, inputs[0].options().dtype(at::kFloat)).requires_grad_(true);
     in[0] = AfterBlockBackward::apply(c10::make_intrusive<UnitRef>(this, u), dummy, in[0])[0];
   }
-  gather(unit);
+  note(u, false);
+  gather(u, 2 * static_cast<int64_t>(u));
   at::Tensor out = block(in);
   // Autocast keeps its casts of weights for the whole forward: drop this block's, so that what the block does not
   // save for backward (all of it under activation checkpointing) goes with the block.
@@ -366,9 +448,9 @@ at::Tensor FullySharded::run(const Module& module, const BlockFn& block, const s
 }
 
 void FullySharded::before_backward(std::size_t u) {
-  Unit& unit = units_[u];
-  link_gradients(unit);
-  gather(unit);
+  note(u, true);
+  link_gradients(units_[u]);
+  gather(u, 2 * static_cast<int64_t>(u) + 1);
 }
 
 void FullySharded::after_backward(std::size_t u) {
@@ -387,8 +469,9 @@ void FullySharded::accumulated(std::size_t u) {
 void FullySharded::before_head(const at::Tensor& weight) {
   const auto it = unit_of_tensor_.find(weight.unsafeGetTensorImpl());
   if (!in_attempt_ || it == unit_of_tensor_.end() || it->second == 0) return;
+  note(it->second, false);
   link_gradients(units_[it->second]);
-  gather(units_[it->second]);
+  gather(it->second, 2 * static_cast<int64_t>(it->second));
 }
 
 void FullySharded::after_head(const at::Tensor& weight) {
@@ -398,7 +481,7 @@ void FullySharded::after_head(const at::Tensor& weight) {
 }
 
 void FullySharded::gather_all() {
-  for (auto& unit : units_) gather(unit);
+  for (std::size_t u = 0; u < units_.size(); ++u) gather(u);
   all_gathered_ = true;
 }
 
@@ -406,7 +489,7 @@ void FullySharded::begin_evaluation() {
   in_evaluation_ = true;
   failure_agreed_ = false;
   for (const std::size_t u : {std::size_t{0}, head_unit_}) {
-    gather(units_[u]);
+    gather(u);
     units_[u].pinned = true;
   }
 }
@@ -462,7 +545,9 @@ void FullySharded::begin_attempt(bool) {
       if (g.trainable) g.shard_grad.zero_();
   // The root is gathered for the whole attempt, its gradients accumulated in place over the micro-batches.
   link_gradients(units_[0]);
-  gather(units_[0]);
+  gather(0);
+  learning_.assign(2 * units_.size(), -1);
+  last_event_ = -1;
 }
 
 int64_t FullySharded::agree_passes(int64_t mine) { return status("agreeing on the number of micro-batches", mine); }
@@ -475,7 +560,7 @@ std::vector<double> FullySharded::sum(const std::vector<double>& values, const c
 void FullySharded::prepare() {
   // The root's gradients, reduced once per attempt; its status is the attempt's last (every rank reaches it).
   reduce_gradients(units_[0]);
-  release(units_[0]);
+  for (auto& unit : units_) release(unit);  // the root, and a prefetch this attempt did not use
   // Parameters kept whole on every rank (LoRA's adapters): their gradients summed, as data parallelism sums them.
   at::NoGradGuard no_grad;
   replicated_squares_ = 0;
@@ -511,6 +596,15 @@ StepSync::Outcome FullySharded::agree(bool fit, int64_t largest_part) {
   in_attempt_ = false;
   const Outcome outcome = agree_on_attempt(communicator_, fit, largest_part);
   if (!outcome.all_fit) reset();
+  // Every rank ran the same gathers in an attempt that all fit: the order the next attempts prefetch by.
+  else if (!learning_.empty()) {
+    const bool first = next_.empty();
+    next_ = std::exchange(learning_, {});
+    if (first && communicator_.rank() == 0)
+      spdlog::info("fully sharded: prefetch: each of {} gathers of a pass starts the next unit's (the order of the "
+                   "first step; distributed.prefetch)",
+                   std::count_if(next_.begin(), next_.end(), [](int64_t e) { return e >= 0; }));
+  }
   return outcome;
 }
 

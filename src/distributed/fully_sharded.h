@@ -16,6 +16,10 @@
 // next status with its failure (announce_failure), every other rank learns it there and throws AgreedOutOfMemory, and
 // all meet at StepSync::agree with the collectives paired. Every rank runs as many micro-batches as the one with the
 // most (agree_passes): the others run empty ones.
+//
+// Prefetch (FSDP2's): while a unit computes, the next unit's all-gather is in flight. Which unit comes next is
+// learnt from the order of the gathers (forward, then backward) in the last attempt every rank fit, so every rank
+// prefetches alike; a prefetch whose memory one rank cannot allocate is skipped by every rank (its status says so).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +42,7 @@ namespace trainer::distributed {
 
 struct FullyShardedOptions {
   bool reshard_after_forward = true;  // false: a block stays gathered from its forward to its backward
+  bool prefetch = true;  // the next unit's gather is issued before this unit computes
   // Mixed precision (FSDP2's MixedPrecisionPolicy): fp32 weights are gathered in param_dtype for compute (the shards,
   // the master values, stay fp32); gradients are accumulated and reduce-scattered in reduce_dtype, then added to the
   // shards' fp32 gradients. kFloat and kFloat: no cast anywhere.
@@ -127,6 +132,7 @@ class FullySharded final : public StepSync, public UnitHooks {
     at::ScalarType compute = at::kFloat;  // the gathered buffer's: param_dtype for fp32 groups
     at::ScalarType grad_dtype = at::kFloat;  // full_grad's and the reduce-scatter's
     bool trainable = false;
+    bool as_stored = false;  // a 4-bit layer's scales and code tables: never cast to param_dtype
     std::vector<Entry> entries;
     int64_t padded = 0;  // a multiple of the world size
     int64_t shard_numel = 0;
@@ -145,12 +151,19 @@ class FullySharded final : public StepSync, public UnitHooks {
     // accumulated (hooks after autograd's accumulation, installed at its first forward with gradients).
     bool watched = false;
     int64_t trainable_entries = 0, accumulated = 0;
+    // A prefetch in flight (gathered is true, the buffers allocated): wait for it before the weights are read or
+    // their memory freed (finish).
+    std::vector<std::shared_ptr<Communicator::Pending>> pending;
   };
 
   FullySharded(Communicator& communicator, FullyShardedOptions options);
   void build(ShardableModule& model, const c10::Device& device,
              const std::function<at::Tensor(const std::string&)>& read);
-  void gather(Unit& unit);
+  // Unit u gathered for `event` (2u: its forward, 2u + 1: its backward; -1: outside a pass), and the unit that
+  // followed that event last time prefetched.
+  void gather(std::size_t u, int64_t event = -1);
+  void finish(Unit& unit);  // its prefetch waited for
+  void note(std::size_t u, bool backward);  // the pass's order of gathers, learnt
   void release(Unit& unit);
   void link_gradients(Unit& unit);    // full_grad allocated, the parameters' .grad() views of it
   void reduce_gradients(Unit& unit);  // full_grad reduce-scattered into shard_grad, then dropped
@@ -175,6 +188,11 @@ class FullySharded final : public StepSync, public UnitHooks {
   bool failure_agreed_ = false;  // this attempt's failure was learnt at a status (nothing to announce)
   bool in_attempt_ = false;
   bool in_evaluation_ = false;
+  // Prefetch: next_[event] is the event that followed `event` in the last attempt every rank fit (-1: none);
+  // learning_ the current attempt's, committed by agree().
+  std::vector<int64_t> next_, learning_;
+  int64_t last_event_ = -1;
+  bool prefetch_skipped_ = false;  // warned
   std::size_t head_unit_ = 0;  // the unit of the LM head's weight (0: the root)
   bool all_gathered_ = false;  // gather_all: nothing is released until release_all
 };

@@ -369,6 +369,7 @@ void Communicator::broadcast_from(const std::vector<at::Tensor>& tensors, const 
 struct Communicator::Pending {
   c10::intrusive_ptr<c10d::Work> work;
   std::vector<at::Tensor> tensors;  // kept alive until the collective is waited for
+  const char* what = "summing the gradients (overlapped with backward)";
 };
 
 std::shared_ptr<Communicator::Pending> Communicator::start_sum(const at::Tensor& flat, int root) {
@@ -388,12 +389,12 @@ std::shared_ptr<Communicator::Pending> Communicator::start_sum(const at::Tensor&
 
 bool Communicator::finished(Pending& pending) {
   bool done = false;
-  timed("summing the gradients (overlapped with backward)", [&] { done = pending.work->isCompleted(); });
+  timed(pending.what, [&] { done = pending.work->isCompleted(); });
   return done;
 }
 
 void Communicator::wait(Pending& pending) {
-  timed("summing the gradients (overlapped with backward)", [&] { pending.work->wait(); });
+  timed(pending.what, [&] { pending.work->wait(); });
 }
 
 std::vector<int64_t> Communicator::all_reduce_max(const std::vector<int64_t>& values) {
@@ -419,6 +420,15 @@ void Communicator::all_reduce_max_in_place(at::Tensor& values, const char* what)
 void Communicator::all_gather_into(at::Tensor& full, const at::Tensor& shard, const char* what) {
   at::Tensor input = shard;
   timed(what, [&] { impl_->backend->_allgather_base(full, input, c10d::AllgatherOptions{})->wait(); });
+}
+
+std::shared_ptr<Communicator::Pending> Communicator::start_all_gather(at::Tensor& full, const at::Tensor& shard,
+                                                                    const char* what) {
+  auto pending = std::make_shared<Pending>();
+  pending->tensors = {full, shard};
+  pending->what = what;
+  timed(what, [&] { pending->work = impl_->backend->_allgather_base(full, pending->tensors[1], c10d::AllgatherOptions{}); });
+  return pending;
 }
 
 void Communicator::reduce_scatter_sum(at::Tensor& shard, const at::Tensor& full, const char* what) {

@@ -81,12 +81,15 @@ class Communicator {
   // this rank gets its slice [rank * n, (rank + 1) * n) in `shard`. `what` names the collective in errors.
   void all_gather_into(at::Tensor& full, const at::Tensor& shard, const char* what);
   void reduce_scatter_sum(at::Tensor& shard, const at::Tensor& full, const char* what);
+  // all_gather_into started, not waited for (the next unit's weights gathered while this one computes): wait() for
+  // it before `full` is read or freed.
+  struct Pending;
+  std::shared_ptr<Pending> start_all_gather(at::Tensor& full, const at::Tensor& shard, const char* what);
   double all_reduce_sum(double value);
   // Asynchronous sums (distributed.overlap_grad_reduce): `flat` (1-D, contiguous) summed over the ranks in place,
   // into every rank's tensor (root < 0) or rank `root`'s alone (the others' left undefined in value). Collectives
   // pair up in the order the ranks start them. `finished` does not block; `wait` does (time counted as
   // communication) and throws CommunicationError as the blocking collectives do.
-  struct Pending;
   std::shared_ptr<Pending> start_sum(const at::Tensor& flat, int root);
   bool finished(Pending& pending);
   void wait(Pending& pending);

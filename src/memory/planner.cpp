@@ -757,8 +757,10 @@ std::string plan_fully_sharded(MemoryPlan& plan, const Config& config, const nlo
                                                                                      : 2.0;
   const double gathered_weight_bytes = weight_bytes >= 4.0 ? param_bytes : weight_bytes;
   const double gathered_grad_bytes = grad_bytes >= 4.0 ? reduce_bytes : grad_bytes;
-  const double gathered_blocks =
-      static_cast<double>(config.distributed.reshard_after_forward ? largest_block : blocks);
+  // With prefetch, the next unit is gathered while one computes: two of the largest at once.
+  const bool prefetch = config.distributed.prefetch && numel.size() > 2;
+  const double gathered_blocks = static_cast<double>(
+      config.distributed.reshard_after_forward ? (prefetch ? 2 * largest_block : largest_block) : blocks);
   const double whole_weights = plan.weights, whole_gradients = plan.gradients, whole_state = plan.optimizer_state;
   plan.weights = whole_weights / n + (static_cast<double>(root) + gathered_blocks) * gathered_weight_bytes;
   plan.gradients = whole_gradients / n + static_cast<double>(root + largest_block) * gathered_grad_bytes;
@@ -778,7 +780,9 @@ std::string plan_fully_sharded(MemoryPlan& plan, const Config& config, const nlo
        << ") and optimizer state (" << human_bytes(whole_state) << "), and holds gathered the root (what no unit holds: "
        << root << " parameters, for a whole step, with their gradient) and "
        << (config.distributed.reshard_after_forward
-               ? "the largest unit (" + std::to_string(largest_block) + " parameters, with its gradient in its backward)"
+               ? std::string(prefetch ? "two of the largest unit (the one computing and the next, prefetched: "
+                                      : "the largest unit (") +
+                     std::to_string(largest_block) + " parameters, with its gradient in its backward)"
                : "every unit from its forward to its backward (distributed.reshard_after_forward=false)")
        << ", gathered in " << (gathered_weight_bytes == 2.0 ? "16" : "32") << "-bit and reduced in "
        << (gathered_grad_bytes == 2.0 ? "16" : "32")

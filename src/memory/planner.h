@@ -96,7 +96,8 @@ bool choose_dequantized_base(const Config& config, const c10::Device& device, do
 // Each rank keeps 1/N of the weights, gradients and optimizer state, and holds beside them what is gathered at once:
 // the root (what no unit holds: the final norm, a tied embedding and head) for a whole attempt with its full
 // gradient, and the largest unit (a block; an untied model's embeddings or head) with its gradient during its
-// backward (with distributed.reshard_after_forward=false every unit from its forward to its backward); gathered
+// backward, twice with distributed.prefetch (the next unit's weights gathered while one computes; with
+// distributed.reshard_after_forward=false every unit from its forward to its backward); gathered
 // weights and gradients take distributed.param_dtype's and reduce_dtype's bytes. Returns a line that says so.
 std::string plan_fully_sharded(MemoryPlan& plan, const Config& config, const nlohmann::json& hf_config, int64_t world);
 

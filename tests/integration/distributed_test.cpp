@@ -945,6 +945,10 @@ TEST(IntegrationDistributed, ShardedWeightsMakeAnUntiedDecodersEmbeddingsAndHead
     for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
     // The root, the embeddings, 2 blocks, the head.
     EXPECT_NE(ranks[0].err.find(" in 5 units over 3 ranks"), std::string::npos) << ranks[0].err;
+    // From the second step, each gather starts the next unit's (distributed.prefetch): the embeddings, the blocks
+    // and the head in forward order, then the blocks and the embeddings in backward order.
+    EXPECT_NE(ranks[0].err.find("prefetch: each of 6 gathers of a pass starts the next unit's"), std::string::npos)
+        << ranks[0].err;
     EXPECT_LE(max_difference(one / "final" / "model.safetensors", three / "final" / "model.safetensors"), 1e-5);
     const auto a = metric_values(one / "metrics.jsonl", "loss"), b = metric_values(three / "metrics.jsonl", "loss");
     ASSERT_EQ(a.size(), b.size());
@@ -1047,14 +1051,23 @@ TEST(IntegrationDistributed, ShardedWeightsRankKilledMidRunTheOtherStopsAndTheNe
 }
 
 // What sharded weights do not cover yet is refused on every rank before any work, naming the key.
-TEST(IntegrationDistributed, ShardedWeightsRefuseQloraNamingTheKey) {
+// QLoRA over a sharded 4-bit base (the answer.ai recipe): each rank keeps 1/N of the packed codes and block scales,
+// gathered as they are stored (never cast) and dequantized at each use; the adapters are whole on every rank. The
+// adapter is one process's QLoRA adapter, also under bf16-mixed, where the gathered full-precision weights (norms,
+// embeddings) are bf16 but the 4-bit layers' scales and code tables stay fp32.
+TEST(IntegrationDistributed, QloraOverShardedWeightsTrainsTheAdapterOfOneProcess) {
   TempDir dir;
-  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", dir.path()), kShardWeights),
-                                       {"--set", "lora.enabled=true", "--set", "model.quantize=nf4"}));
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> qlora = {"--set", "lora.enabled=true", "--set", "lora.r=8", "--set",
+                                          "optimizer.lr=1e-2", "--set", "model.quantize=nf4"};
+  expect_same_weights(with(short_run("configs/tiny-qwen2.json", one), qlora),
+                      with(with(short_run("configs/tiny-qwen2.json", two), qlora), kShardWeights), one, two, 2,
+                      "adapter_model.safetensors");
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", dir.path() / "kept"), qlora),
+                                       with(kShardWeights, {"--set", "memory.dequantized_base=keep"})));
   for (const auto& r : ranks) {
     EXPECT_EQ(r.exit_code, 2) << all_errors(ranks);
-    EXPECT_NE(r.err.find("distributed.shard_weights"), std::string::npos) << r.err;
-    EXPECT_NE(r.err.find("model.quantize"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("memory.dequantized_base=auto"), std::string::npos) << r.err;
   }
 }
 

@@ -22,6 +22,7 @@
 #include "memory/cpu_budget.h"
 #include "memory/cuda_extras.h"
 #include "memory/policy.h"
+#include "models/linear4bit.h"
 #include "models/module.h"
 #include "train/checkpoint_dir.h"
 #include "train/checkpoint_parts.h"
@@ -455,7 +456,17 @@ void Engine::shard_weights() {
   ShardableModule* model = task_.shardable_model();
   if (!model)
     refuse("the " + describe_task(kind_.name) + " task (the text, image-classification and contrastive tasks only)");
-  if (config_.model.quantize != QuantizeMode::kNone) refuse("a 4-bit base (model.quantize, QLoRA)");
+  // QLoRA: the 4-bit base is sharded as it is stored (packed codes, block scales), dequantized at each use: a kept
+  // dequantized copy would be the whole layer on every rank.
+  if (auto* language = dynamic_cast<LanguageModel*>(model); language && has_quantized_layers(*language)) {
+    if (config_.memory.dequantized_base == DequantizedBase::kKeep)
+      throw UsageError("distributed.shard_weights=true with memory.dequantized_base=keep: a kept dequantized copy "
+                       "of a 4-bit layer would be the whole layer on every rank",
+                       "set memory.dequantized_base=auto (each use dequantizes the gathered 4-bit weights)");
+    if (keep_dequantized_weights(*language, false) > 0)
+      spdlog::info("4-bit base weights: sharded in their 4-bit layout and dequantized at each use (fully sharded: "
+                   "no kept copy)");
+  }
   if (config_.optimizer.name != OptimizerName::kAdamW || config_.optimizer.state_dtype == StateDtype::kInt8)
     refuse("this optimizer (AdamW with fp32 or bf16 state only: its update is element by element)");
   if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
@@ -466,6 +477,7 @@ void Engine::shard_weights() {
   // LoRA: the frozen base is sharded, the adapters stay whole on every rank (their gradients summed).
   distributed::FullyShardedOptions options;
   options.reshard_after_forward = config_.distributed.reshard_after_forward;
+  options.prefetch = config_.distributed.prefetch;
   // FSDP2's mixed precision: auto gathers in the compute dtype of precision.mode, reduces in param_dtype's.
   const auto compute = autocast_dtype(config_.precision.mode).value_or(at::kFloat);
   auto dtype_of = [&](ShardDtype d, at::ScalarType automatic) {

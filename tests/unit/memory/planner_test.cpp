@@ -207,7 +207,8 @@ TEST(Plan, LoraCountsOnlyTheAdaptersAsTrainable) {
 }
 
 // Fully sharded weights: per rank, 1/N of the weights, gradients and AdamW state, plus the gathered root (the
-// embeddings and head, with their gradient) and the largest block (with its gradient); kept gathered, every block.
+// embeddings and head, with their gradient) and the largest block (with its gradient) and, prefetched, the next
+// block's weights; kept gathered, every block.
 TEST(Plan, FullyShardedWeightsKeepOneNthPlusTheGatheredUnits) {
   Config config = case_config({"configs/tiny-qwen2.json", 1, false, false});
   config.distributed.shard_weights = true;
@@ -225,8 +226,12 @@ TEST(Plan, FullyShardedWeightsKeepOneNthPlusTheGatheredUnits) {
   const std::string line = plan_fully_sharded(sharded, config, hf, 4);
   EXPECT_NE(line.find("over 4 ranks"), std::string::npos) << line;
   EXPECT_DOUBLE_EQ(sharded.optimizer_state, whole.optimizer_state / 4);
-  EXPECT_DOUBLE_EQ(sharded.weights, whole.weights / 4 + 4.0 * static_cast<double>(numel[0] + block));
+  EXPECT_DOUBLE_EQ(sharded.weights, whole.weights / 4 + 4.0 * static_cast<double>(numel[0] + 2 * block));
   EXPECT_DOUBLE_EQ(sharded.gradients, whole.gradients / 4 + 4.0 * static_cast<double>(numel[0] + block));
+  config.distributed.prefetch = false;
+  MemoryPlan unprefetched = whole;
+  plan_fully_sharded(unprefetched, config, hf, 4);
+  EXPECT_DOUBLE_EQ(unprefetched.weights, whole.weights / 4 + 4.0 * static_cast<double>(numel[0] + block));
   config.distributed.reshard_after_forward = false;
   MemoryPlan kept = whole;
   plan_fully_sharded(kept, config, hf, 4);
