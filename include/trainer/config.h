@@ -660,7 +660,8 @@ struct DistributedConfig {
     v("prefetch", prefetch,
       "with shard_weights: gather the next unit's weights while the current one computes, in forward and in backward "
       "order (FSDP2's prefetch): communication overlaps compute, at the memory of one more unit gathered (skipped "
-      "where a rank has not that memory); false gathers each unit when it is needed");
+      "where a rank has not that memory, and off for the rest of the run after an out-of-memory error); false gathers "
+      "each unit when it is needed");
     v("param_dtype", param_dtype,
       "with shard_weights: the dtype fp32 weights are gathered in for compute (FSDP2's param_dtype): auto is the "
       "compute dtype of precision.mode (bf16 under bf16-mixed, fp16 under fp16-mixed, else fp32): half the gathered "

@@ -116,7 +116,11 @@ std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, Sh
                                                   const std::function<at::Tensor(const std::string&)>& read,
                                                   Module* replicated) {
   std::shared_ptr<FullySharded> sharded(new FullySharded(communicator, options));
-  sharded->build(model, device, read);
+  // Parameters the replicated module shares with the model (an image classifier's head, trained in full beside the
+  // adapters, registered as the model's own slot) stay whole too: no group holds them.
+  std::set<const at::Tensor*> whole;
+  if (replicated) replicated->for_each_parameter([&](const std::string&, at::Tensor& p) { whole.insert(&p); });
+  sharded->build(model, device, read, whole);
   if (replicated) {
     auto& pieces = static_cast<PieceModule&>(*sharded->pieces_);
     replicated->for_each_parameter([&](const std::string& name, at::Tensor& p) {
@@ -130,7 +134,8 @@ std::shared_ptr<FullySharded> FullySharded::shard(Communicator& communicator, Sh
 }
 
 void FullySharded::build(ShardableModule& model, const c10::Device& device,
-                         const std::function<at::Tensor(const std::string&)>& read) {
+                         const std::function<at::Tensor(const std::string&)>& read,
+                         const std::set<const at::Tensor*>& whole) {
   at::NoGradGuard no_grad;
   const int world = communicator_.world_size();
   const int rank = communicator_.rank();
@@ -160,6 +165,7 @@ void FullySharded::build(ShardableModule& model, const c10::Device& device,
   std::size_t next = 0;
   model.for_each_parameter([&](const std::string& name, at::Tensor& slot) {
     const std::size_t u = units[next++];
+    if (whole.contains(&slot)) return;
     auto& groups = units_[u].groups;
     const bool trainable = slot.requires_grad();
     const bool as_stored = exact.contains(&slot);

@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -53,9 +54,10 @@ struct FullyShardedOptions {
 class FullySharded final : public StepSync, public UnitHooks {
  public:
   // Shards `model` over the ranks; every rank must hold the same values already (rank 0's, broadcast). Installs the
-  // unit hooks on the model (which then holds a reference to this object). `replicated`: trainable parameters outside
-  // the model's tree kept whole on every rank (LoRA's adapters over a sharded frozen base): their gradients are
-  // summed over the ranks and they join trainable_pieces().
+  // unit hooks on the model (which then holds a reference to this object). `replicated`: trainable parameters kept
+  // whole on every rank (LoRA's adapters over a sharded frozen base, and what trains in full beside them, such as an
+  // image classifier's head, which is also the model's): their gradients are summed over the ranks and they join
+  // trainable_pieces().
   // Parameters on the meta device (pretrained weights not read yet) are read through `read` (on the CPU), one at a
   // time as their unit is cut, so that no rank ever holds the whole model; the shards live on `device`.
   static std::shared_ptr<FullySharded> shard(Communicator& communicator, ShardableModule& model,
@@ -158,7 +160,7 @@ class FullySharded final : public StepSync, public UnitHooks {
 
   FullySharded(Communicator& communicator, FullyShardedOptions options);
   void build(ShardableModule& model, const c10::Device& device,
-             const std::function<at::Tensor(const std::string&)>& read);
+             const std::function<at::Tensor(const std::string&)>& read, const std::set<const at::Tensor*>& whole);
   // Unit u gathered for `event` (2u: its forward, 2u + 1: its backward; -1: outside a pass), and the unit that
   // followed that event last time prefetched.
   void gather(std::size_t u, int64_t event = -1);

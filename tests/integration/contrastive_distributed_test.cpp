@@ -199,6 +199,13 @@ TEST(IntegrationDistributedClip, LoraWithALockedImageTowerOnTwoRanksTrainsTheAda
   EXPECT_LT(max_difference(one / "final" / "adapter_model.safetensors", two / "final" / "adapter_model.safetensors"),
             1e-5);
   expect_same_losses(one, two);
+  // Over fully sharded weights: the frozen towers sharded, the adapters whole on every rank.
+  const auto sharded = dir.path() / "sharded";
+  const auto three = run_ranks(2, with(with(clip_run(sharded, 3, 4), lora), {"--set", "distributed.shard_weights=true"}));
+  for (const auto& r : three) ASSERT_EQ(r.exit_code, 0) << all_errors(three);
+  EXPECT_LT(max_difference(one / "final" / "adapter_model.safetensors",
+                           sharded / "final" / "adapter_model.safetensors"), 1e-5);
+  expect_same_losses(one, sharded);
 }
 
 // contrastive.negatives=micro-batch on N ranks: each rank's micro-batches are their own negatives (no gather), so 2

@@ -150,11 +150,6 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
       throw UsageError("--merge is not implemented for CLIP (training.objective=contrastive)",
                        "drop --merge; PEFT merges the adapter in final/: PeftModel.from_pretrained(CLIPModel."
                        "from_pretrained(base), \"final\").merge_and_unload()");
-    if (world() && config().distributed.shard_weights && config().lora.enabled)
-      throw UsageError("distributed.shard_weights=true does not support lora.enabled=true for training.objective="
-                       "contrastive yet",
-                       "set distributed.shard_weights=false (distributed.shard_optimizer=true shards the optimizer "
-                       "state alone), or train the full model");
   }
 
   nlohmann::json open_data() override {

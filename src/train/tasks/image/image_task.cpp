@@ -48,11 +48,6 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
       throw UsageError("--merge is not implemented for image classifiers",
                        "drop --merge; PEFT merges the adapter in final/: PeftModel.from_pretrained(<classifier>."
                        "from_pretrained(base), \"final\").merge_and_unload()");
-    if (world() && config().distributed.shard_weights && config().lora.enabled)
-      throw UsageError("distributed.shard_weights=true does not support lora.enabled=true for image classification "
-                       "yet (the head trains in full beside the adapters)",
-                       "set distributed.shard_weights=false (distributed.shard_optimizer=true shards the optimizer "
-                       "state alone), or train the full model or a linear probe");
     if (config().lora.enabled && config().training.linear_probe)
       throw UsageError("lora.enabled=true and training.linear_probe=true both choose what trains",
                        "pick one: LoRA adapters plus the head, or the head alone");
