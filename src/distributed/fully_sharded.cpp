@@ -282,14 +282,8 @@ int64_t FullySharded::status(const char* what, int64_t value) {
 
 void FullySharded::announce_failure() {
   if (!in_attempt_ && !in_evaluation_) return;
-  // Every rank comes here after an attempt or evaluation try that ran out of memory anywhere: from now on no unit
-  // is prefetched (one more unit gathered is memory a tight budget does not have); the micro-batch shrinks as ever.
-  if (options_.prefetch) {
-    options_.prefetch = false;
-    if (communicator_.rank() == 0)
-      spdlog::warn("fully sharded: out of memory: prefetch is off for the rest of the run (it holds the next unit's "
-                   "weights gathered while one computes)");
-  }
+  // Every rank comes here after an evaluation try that ran out of memory anywhere (an attempt's are agreed in agree).
+  if (in_evaluation_) drop_prefetch();
   if (!failure_agreed_) {
     at::NoGradGuard no_grad;
     status_.fill_(0);
@@ -358,6 +352,16 @@ void FullySharded::gather(std::size_t u, int64_t event) {
     next->pending.push_back(
         communicator_.start_all_gather(next->groups[i].full, prefetched[i], "gathering the next unit's weights"));
   next->gathered = true;
+}
+
+void FullySharded::drop_prefetch() {
+  // From now on no unit is prefetched (one more unit gathered is memory a tight budget does not have); the micro-batch
+  // shrinks as ever. Every rank calls it at the same point (an agreed out-of-memory error).
+  if (!options_.prefetch) return;
+  options_.prefetch = false;
+  if (communicator_.rank() == 0)
+    spdlog::warn("fully sharded: out of memory: prefetch is off for the rest of the run (it holds the next unit's "
+                 "weights gathered while one computes)");
 }
 
 void FullySharded::finish(Unit& unit) {
@@ -601,7 +605,10 @@ void FullySharded::prepare() {
 StepSync::Outcome FullySharded::agree(bool fit, int64_t largest_part) {
   in_attempt_ = false;
   const Outcome outcome = agree_on_attempt(communicator_, fit, largest_part);
-  if (!outcome.all_fit) reset();
+  if (!outcome.all_fit) {
+    drop_prefetch();
+    reset();
+  }
   // Every rank ran the same gathers in an attempt that all fit: the order the next attempts prefetch by.
   else if (!learning_.empty()) {
     const bool first = next_.empty();

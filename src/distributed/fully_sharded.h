@@ -165,6 +165,7 @@ class FullySharded final : public StepSync, public UnitHooks {
   // followed that event last time prefetched.
   void gather(std::size_t u, int64_t event = -1);
   void finish(Unit& unit);  // its prefetch waited for
+  void drop_prefetch();  // after an agreed out-of-memory error, on every rank
   void note(std::size_t u, bool backward);  // the pass's order of gathers, learnt
   void release(Unit& unit);
   void link_gradients(Unit& unit);    // full_grad allocated, the parameters' .grad() views of it
