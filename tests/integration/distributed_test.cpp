@@ -1051,6 +1051,33 @@ TEST(IntegrationDistributed, ShardedWeightsRankKilledMidRunTheOtherStopsAndTheNe
 }
 
 // What sharded weights do not cover yet is refused on every rank before any work, naming the key.
+// DPO over fully sharded weights, with LoRA: the reference is the base under the adapters, run unit by unit as the
+// policy is. An untied Qwen3 base (its head a unit of its own, gathered from the reference's scores to the policy's
+// fused loss), 3 ranks, 8 pairs in micro-batches of 2 (rank 2 runs an empty pass through the same units): the adapter,
+// the loss and the reward metrics of one process. A full fine-tune (a frozen reference copy) is refused, naming the
+// key.
+TEST(IntegrationDistributed, DpoWithLoraOverShardedWeightsTrainsTheAdapterAndMetricsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", three = dir.path() / "three";
+  const std::vector<std::string> dpo = {"--set", "model.path=configs/models/tiny-qwen3", "--set", "data.max_length=96",
+                                        "--set", "optimizer.lr=1e-3"};
+  expect_same_weights(with(short_run("configs/tiny-qwen2-dpo.json", one), dpo),
+                      with(with(short_run("configs/tiny-qwen2-dpo.json", three), dpo), kShardWeights), one, three, 3,
+                      "adapter_model.safetensors");
+  for (const char* metric : {"rewards/chosen", "rewards/margins", "logps/rejected", "logits/chosen", "grad_norm"}) {
+    const auto a = metric_values(one / "metrics.jsonl", metric), b = metric_values(three / "metrics.jsonl", metric);
+    ASSERT_EQ(a.size(), 3u) << metric;
+    ASSERT_EQ(a.size(), b.size()) << metric;
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << metric << " step " << i + 1;
+  }
+  const auto full = run_ranks(2, with(with(with(short_run("configs/tiny-qwen2-dpo.json", dir.path() / "full"), dpo),
+                                           kShardWeights), {"--set", "lora.enabled=false"}));
+  for (const auto& r : full) {
+    EXPECT_EQ(r.exit_code, 2) << all_errors(full);
+    EXPECT_NE(r.err.find("lora.enabled=true"), std::string::npos) << r.err;
+  }
+}
+
 // QLoRA over a sharded 4-bit base (the answer.ai recipe): each rank keeps 1/N of the packed codes and block scales,
 // gathered as they are stored (never cast) and dequantized at each use; the adapters are whole on every rank. The
 // adapter is one process's QLoRA adapter, also under bf16-mixed, where the gathered full-precision weights (norms,

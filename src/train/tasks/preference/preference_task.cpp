@@ -65,6 +65,20 @@ class PreferenceTask final : public LanguageModelTask {
 
   Counted counted() const override { return {"pairs_seen", "preference pairs", "pairs", false}; }
 
+  void check_settings(const TrainOptions& options) const override {
+    LanguageModelTask::check_settings(options);
+    // Fully sharded weights: the reference is the base under the adapters, run unit by unit as the policy is.
+    if (world() && config().distributed.shard_weights &&
+        (!config().lora.enabled || !config().dpo.reference_model.empty() || config().dpo.precompute_reference))
+      throw UsageError("distributed.shard_weights=true trains DPO only with LoRA adapters whose reference is the base "
+                       "under them yet (lora.enabled=true, no dpo.reference_model, dpo.precompute_reference=false): "
+                       "a frozen reference copy and the reference pass are not sharded",
+                       "set lora.enabled=true, or distributed.shard_weights=false (distributed.shard_optimizer=true "
+                       "shards the optimizer state alone)");
+  }
+  // Fully sharded weights (LoRA): the base is sharded, the adapters whole on every rank.
+  ShardableModule* shardable_model() override { return model_; }
+
   nlohmann::json open_data() override {
     tokenizer_ = load_run_tokenizer(config(), /*samples=*/false);
     if (is_ids_only(*tokenizer_))
@@ -128,6 +142,12 @@ class PreferenceTask final : public LanguageModelTask {
   // micro-batches; the loss's part of them. Public for the step's work.
   double forward_backward(std::span<const Example> pairs, int64_t first_pair, const PairTotals& totals, int64_t step,
                           PreferenceSums& sums, bool last_part = false);
+  // Fully sharded weights: as many passes as the rank with the most (agreed), the others empty ones.
+  std::size_t agreed_passes(std::size_t mine) {
+    if (!sync_ || !sync_->shards_weights()) return mine;
+    return static_cast<std::size_t>(sync_->agree_passes(static_cast<int64_t>(mine)));
+  }
+  void empty_pass(int64_t step);
   bool escalate(int64_t step);
   bool may_overlap() const { return !model_->has_block_runner(); }
   MemoryPolicy& policy() { return *policy_; }
@@ -295,6 +315,9 @@ PairScores PreferenceTask::score(const Batch& batch, std::span<const Example> pa
     return per_token.reshape(targets.sizes()).to(at::kDouble).sum(1);  // (2k)
   };
   PairScores out;
+  // Fully sharded weights: an untied head is a unit of its own, gathered from the reference's scores to the policy's
+  // fused loss (forward_backward releases it; outside an attempt, in an evaluation, the hooks do nothing).
+  if (sync_ && hidden_out) sync_->before_head(model_->lm_head_weight());
   if (!config().dpo.precompute_reference) {
     std::tie(out.ref_chosen, out.ref_rejected) = reference_logps(batch, pairs);
   } else if (probing_) {
@@ -359,6 +382,7 @@ double PreferenceTask::forward_backward(std::span<const Example> pairs, int64_t 
                                                 loss_chunk(),
                                                 autocast(), weight_grad, row_weights, model_->final_logit_softcap());
   if (sync_ && weight_grad.defined() && !model_->lm_head_tied()) sync_->gradient_ready(weight);
+  if (sync_) sync_->after_head(weight);
   if (hidden.requires_grad()) hidden.backward(fused.grad_hidden.reshape(hidden.sizes()));
 
   const double value = loss.item<double>();
@@ -367,6 +391,31 @@ double PreferenceTask::forward_backward(std::span<const Example> pairs, int64_t 
   sums.add(config().dpo, s);
   sums.loss += value;
   return value;
+}
+
+// A pass that trains nothing, for a rank with fewer micro-batches than another under fully sharded weights: the same
+// units' collectives in the same order as forward_backward (the head gathered, the reference's forward, the policy's,
+// the head released, the backward), on one padding token, with a gradient of zero.
+void PreferenceTask::empty_pass(int64_t step) {
+  const at::Tensor one = at::full({1, 1}, pad_id_, at::TensorOptions().dtype(at::kLong).device(device_));
+  const Batch batch{one, at::ones_like(one), at::full_like(one, -100), {}};
+  const at::Tensor weight = model_->lm_head_weight();
+  sync_->before_head(weight);
+  const auto dtype = autocast();
+  {
+    at::NoGradGuard no_grad;
+    AdaptersOff off(text_model_.lora());
+    AutocastScope scope(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
+    (void)model_->hidden_and_targets(batch);
+  }
+  const DropoutScope dropout(config().training.seed, step, 0, 1, device_);
+  at::Tensor hidden;
+  {
+    AutocastScope scope(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
+    hidden = model_->hidden_and_targets(batch).first;
+  }
+  sync_->after_head(weight);
+  if (hidden.requires_grad()) (hidden.sum() * 0.0).backward();
 }
 
 // ---- dpo.precompute_reference ------------------------------------------------------------------------------------
@@ -549,12 +598,14 @@ class PreferenceStepWork final : public StepWork {
     for (const auto& [begin, count] : parts) outcome.largest_part = std::max(outcome.largest_part, count);
     outcome.micro_steps = static_cast<int64_t>(parts.size());
     outcome.at_floor = outcome.largest_part <= 1;
+    const std::size_t passes = task_.agreed_passes(parts.size());
     for (std::size_t i = 0; i < parts.size(); ++i) {
       const auto& [begin, count] = parts[i];
       outcome.loss_sum += task_.forward_backward(
           pairs_.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)), first_pair_ + begin,
           totals_, step, sums, i + 1 == parts.size());
     }
+    for (std::size_t i = parts.size(); i < passes; ++i) task_.empty_pass(step);
   }
   bool escalate(int64_t step) override { return task_.escalate(step); }
   bool may_overlap() const override { return task_.may_overlap(); }
