@@ -311,7 +311,9 @@ std::map<std::string, nlohmann::json> saved_files(const fs::path& dir) {
 // Fully sharded weights (distributed.shard_weights): each rank keeps half of every weight, gradient and AdamW moment,
 // the encoder layers gathered one at a time (again for their recomputation under activation checkpointing). 15
 // images over 2 ranks (8 and 7) in micro-batches of 7: rank 0 runs 2 micro-batches, rank 1 one and an empty one, so
-// that the layers' collectives pair up. The weights, losses and final evaluation are one process's, and final/ holds
+// that the layers' collectives pair up; the evaluation the same, unit by unit (the root gathered for it, each layer
+// for its forward; evaluation micro-batches of 7 of the 15 validation images a batch). The weights, losses and final
+// evaluation are one process's, and final/ holds
 // what one process writes. checkpoint-2 holds each rank's half of the weights (nothing gathered), and one process
 // resumes from it to the weights of the uninterrupted run; `trainer export` writes the last checkpoint as final/.
 TEST(IntegrationDistributedImages, ShardedWeightsTrainEvaluateSaveAndResumeAsOneProcess) {
@@ -319,7 +321,7 @@ TEST(IntegrationDistributedImages, ShardedWeightsTrainEvaluateSaveAndResumeAsOne
   const auto one = dir.path() / "one", two = dir.path() / "two", resumed = dir.path() / "resumed";
   const std::vector<std::string> common = {"--set", "training.batch_size=15", "--set",
                                            "training.activation_checkpointing=true", "--set",
-                                           "checkpoint.every_steps=2"};
+                                           "checkpoint.every_steps=2", "--set", "evaluation.micro_batch_size=7"};
   const auto single = run_trainer(vit_run(one, 3, 7, common), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
   const auto ranks = run_two_ranks(vit_run(two, 3, 7, with(common, {"--set", "distributed.shard_weights=true"})));

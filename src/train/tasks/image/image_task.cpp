@@ -86,6 +86,9 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
   Module& model() override { return *model_; }
   ShardableModule* shardable_model() override { return model_.get(); }
   Module* adapters() override { return lora_.get(); }
+  // Fully sharded weights: the root (embeddings, final norm, head) gathered for an evaluation, each encoder layer for
+  // its forward, as in training.
+  bool evaluates_unit_by_unit() const override { return true; }
   Module& trainable() override { return lora_ ? static_cast<Module&>(*lora_) : *model_; }
 
   void open_loader() override { loader_ = make_image_train_loader(config(), dataset_, spec_, shard()); }
@@ -101,6 +104,7 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
     options.sync = parts.sync;
     options.scaler = parts.scaler;
     device_ = parts.device;
+    sync_ = parts.sync;
     step_ = std::make_unique<ImageTrainStep>(*model_, parts.optimizer, parts.policy, options);
   }
   StepResult train_step(TaskBatch& batch, int64_t step, double lr) override {
@@ -173,6 +177,7 @@ class ImageTask final : public LoaderTask<ImageLoader, ImageBatch> {
   data::ImageProcessorSpec spec_;
   std::unique_ptr<ImageTrainStep> step_;
   c10::Device device_{c10::kCPU};
+  StepSync* sync_ = nullptr;
 };
 
 // Resuming a full fine-tune loads the checkpoint's weights; with LoRA the base always comes from model.path (a
@@ -260,7 +265,12 @@ Evaluated ImageTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
     double part_loss = 0, part_top1 = 0, part_top5 = 0;
     const bool fit = micro.run([&](int64_t size) {
       part_loss = part_top1 = part_top5 = 0;
-      for (const auto& [begin, count] : split_counts(batch->size(), size)) {
+      const auto parts = split_counts(batch->size(), size);
+      // Fully sharded weights: every forward is a collective; as many as the rank with the most (agreed first), the
+      // others one black image that counts nothing.
+      const auto mine = static_cast<int64_t>(parts.size());
+      const int64_t passes = sync_ && sync_->shards_weights() ? sync_->agree_passes(mine) : mine;
+      for (const auto& [begin, count] : parts) {
         const at::Tensor logits =
             image_logits(*model_, pixels.narrow(0, begin, count), device_, config().precision.mode).cpu();
         const at::Tensor target = labels.narrow(0, begin, count);
@@ -271,6 +281,8 @@ Evaluated ImageTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
         part_top1 += hit.narrow(1, 0, 1).sum().item<double>();
         part_top5 += hit.any(1).sum().item<double>();
       }
+      for (int64_t i = mine; i < passes; ++i)
+        (void)image_logits(*model_, at::zeros({1, 3, batch->height, batch->width}), device_, config().precision.mode);
     });
     if (fit) {
       loss_sum += part_loss;
