@@ -667,17 +667,45 @@ int run_image_plan(const Config& config, std::ostream& out, int64_t world_size, 
     // Each rank decodes and trains its share of every effective batch (docs/images.md#data-parallelism-for-image-
     // classifiers); sharded, it keeps about 1/N of the AdamW moments (8 bytes per trainable parameter).
     const int64_t share = (config.training.batch_size + world_size - 1) / world_size;
-    const bool sharded = config.distributed.shard_optimizer;
+    const bool sharded = config.distributed.shard_optimizer && !config.distributed.shard_weights;
     out << "data parallelism: " << world_size << " ranks (backend " << (planned.device.is_cuda() ? "nccl" : "gloo")
         << "); each rank decodes and trains about " << share << " of the " << config.training.batch_size
-        << " images of every effective batch and holds the whole model and its gradients"
-        << (sharded ? " and about 1/" + std::to_string(world_size) +
-                          " of the AdamW state (distributed.shard_optimizer)"
-                    : std::string(" and the whole optimizer state"))
+        << " images of every effective batch"
+        << (config.distributed.shard_weights ? std::string()
+                                             : std::string(" and holds the whole model and its gradients") +
+                                                   (sharded ? " and about 1/" + std::to_string(world_size) +
+                                                                  " of the AdamW state (distributed.shard_optimizer)"
+                                                            : std::string(" and the whole optimizer state")))
         << ": every figure below is per rank\n";
     if (sharded)
       fixed -= 8.0 * static_cast<double>(probe ? e.head_parameters : e.parameters) *
                (1.0 - 1.0 / static_cast<double>(world_size));
+    if (config.distributed.shard_weights) {
+      // Fully sharded: 1/N of the weights, gradients and AdamW state, plus what is gathered at once: the root (patch
+      // and position embeddings, final norm, head) for a step with its gradient, and the largest encoder layer with
+      // its gradient in its backward (twice its weights with distributed.prefetch), at param_dtype's bytes.
+      auto model = load_image_classifier(config.model.path, ModelInit::kRandom,
+                                         at::TensorOptions().device(at::kMeta).dtype(at::kFloat));
+      const std::vector<std::size_t> units = parameter_units(*model);
+      std::vector<int64_t> numel(model->blocks().size() + 1, 0);
+      std::size_t i = 0;
+      model->for_each_parameter([&](const std::string&, at::Tensor& p) { numel[units[i++]] += p.numel(); });
+      const int64_t root = numel[0];
+      const int64_t largest = numel.size() > 1 ? *std::max_element(numel.begin() + 1, numel.end()) : 0;
+      const bool mixed = config.precision.mode == PrecisionMode::kBf16Mixed ||
+                         config.precision.mode == PrecisionMode::kFp16Mixed;
+      const double gathered_bytes = config.distributed.param_dtype == ShardDtype::kFp32   ? 4.0
+                                    : config.distributed.param_dtype == ShardDtype::kAuto ? (mixed ? 2.0 : 4.0)
+                                                                                          : 2.0;
+      const int64_t held = config.distributed.reshard_after_forward
+                               ? (config.distributed.prefetch && numel.size() > 2 ? 2 : 1) * largest
+                               : static_cast<int64_t>(e.parameters) - root;
+      fixed = fixed / static_cast<double>(world_size) + gathered_bytes * static_cast<double>(root + held) +
+              (probe ? 0.0 : 4.0 * static_cast<double>(root + largest));
+      out << "fully sharded weights (distributed.shard_weights) over " << world_size << " ranks: each keeps 1/"
+          << world_size << " of the weights, gradients and AdamW state, and holds gathered the root (" << root
+          << " parameters, for a whole step) and " << held << " parameters of encoder layers at a time\n";
+    }
   }
   out << "  mode                      " << (probe ? "linear probe (backbone frozen)" : "full fine-tune") << "\n";
   out << "  weights + grads + AdamW   " << human_bytes(fixed) << "\n";

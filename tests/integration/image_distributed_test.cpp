@@ -129,6 +129,13 @@ TEST(IntegrationDistributedImages, DryRunPlansTheRanksOfImageAndContrastiveRuns)
     return at == std::string::npos ? std::string() : out.substr(at + key.size(), out.find('\n', at) - at - key.size());
   };
   EXPECT_NE(fixed_of(plan.out), fixed_of(sharded.out)) << plan.out << sharded.out;
+  // Fully sharded weights: 1/2 of everything plus the gathered root and encoder layers, not the whole model.
+  const auto weights = run_trainer({"plan", "--config", "configs/tiny-vit.json", "--world-size", "2", "--set",
+                                    "distributed.shard_weights=true"});
+  ASSERT_EQ(weights.exit_code, 0) << weights.err;
+  EXPECT_TRUE(contains(weights.out, "fully sharded weights (distributed.shard_weights) over 2 ranks")) << weights.out;
+  EXPECT_FALSE(contains(weights.out, "holds the whole model")) << weights.out;
+  EXPECT_NE(fixed_of(plan.out), fixed_of(weights.out)) << plan.out << weights.out;
   // A contrastive CLIP run plans its ranks too: each embeds its share, the embeddings are gathered.
   const auto clip = run_trainer({"--config", "configs/tiny-clip.json", "--dry-run"}, rank0);
   ASSERT_EQ(clip.exit_code, 0) << clip.err;
