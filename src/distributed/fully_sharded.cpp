@@ -214,7 +214,7 @@ void FullySharded::build(ShardableModule& model, const c10::Device& device,
       if (g.trainable) g.shard_grad = at::zeros_like(g.shard);
       free_storage(g.full);
     }
-  status_ = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
+  status_ = at::zeros({4}, at::TensorOptions().dtype(at::kLong).device(device));
   // A language model's head, pinned with the root for an evaluation unit by unit.
   if (const auto* language = dynamic_cast<const LanguageModel*>(&model))
     if (const auto it = unit_of_tensor_.find(language->lm_head_weight().unsafeGetTensorImpl());
@@ -266,10 +266,12 @@ std::vector<FullySharded::Piece> FullySharded::pieces() {
   return out;
 }
 
-int64_t FullySharded::status(const char* what, int64_t value) {
+int64_t FullySharded::status(const char* what, int64_t value, int64_t gathers) {
   at::NoGradGuard no_grad;
   status_.fill_(0);
   status_[1].fill_(value);
+  status_[2].fill_(gathers);
+  status_[3].fill_(-gathers);
   communicator_.all_reduce_max_in_place(status_, what);
   const at::Tensor values = status_.device().is_cpu() ? status_ : status_.cpu();
   const int64_t* v = values.data_ptr<int64_t>();
@@ -277,6 +279,12 @@ int64_t FullySharded::status(const char* what, int64_t value) {
     failure_agreed_ = true;
     throw AgreedOutOfMemory("another rank ran out of memory during this attempt (learnt " + std::string(what) + ")");
   }
+  // The largest and (negated) the smallest of the ranks' `gathers`: unequal, the ranks were about to gather
+  // different units (all-gathers of equal sizes would pair silently). Every rank sees it here and stops.
+  if (v[0] == 0 && v[2] != -v[3])
+    throw Error("distributed.shard_weights: the ranks disagree on which units to gather (" + std::string(what) +
+                "): an error in trainer's step protocol, not in the data or the config",
+                "report it with the config; distributed.prefetch=false may avoid it meanwhile");
   return v[1];
 }
 
@@ -332,8 +340,11 @@ void FullySharded::gather(std::size_t u, int64_t event) {
       short_of_memory = true;
     }
   }
+  // What this rank gathers now, the same on every rank (checked by the status).
+  const int64_t gathers = 1 + (unit.gathered ? 0 : static_cast<int64_t>(u) + 1) +
+                          (next ? (static_cast<int64_t>(next - units_.data()) + 1) << 20 : 0);
   const bool skip = status(unit.gathered ? "before prefetching a unit's weights" : "before gathering a unit's weights",
-                           short_of_memory ? 1 : 0) != 0;
+                           short_of_memory ? 1 : 0, gathers) != 0;
   if (!unit.gathered) {
     for (std::size_t i = 0; i < unit.groups.size(); ++i)
       communicator_.all_gather_into(unit.groups[i].full, sent[i], "gathering a unit's weights");

@@ -171,8 +171,9 @@ class FullySharded final : public StepSync, public UnitHooks {
   void link_gradients(Unit& unit);    // full_grad allocated, the parameters' .grad() views of it
   void reduce_gradients(Unit& unit);  // full_grad reduce-scattered into shard_grad, then dropped
   // The status all-reduce before each collective: throws AgreedOutOfMemory when a rank announced a failure.
-  // `value` travels in the same message (its maximum comes back).
-  int64_t status(const char* what, int64_t value = 0);
+  // `value` travels in the same message (its maximum comes back). `gathers` names what the caller gathers next
+  // (0: nothing); ranks that disagree on it throw an Error together instead of pairing different all-gathers.
+  int64_t status(const char* what, int64_t value = 0, int64_t gathers = 0);
   void reset();  // after an attempt that did not fit: nothing gathered, no gradient buffers
 
   Communicator& communicator_;
@@ -187,7 +188,7 @@ class FullySharded final : public StepSync, public UnitHooks {
   std::vector<at::Tensor> exported_;
   std::vector<at::Tensor*> replicated_;  // kept whole on every rank (LoRA's adapters)
   double replicated_squares_ = 0;        // their summed gradients' squared norm, after prepare()
-  at::Tensor status_;         // int64 (2): preallocated
+  at::Tensor status_;         // int64 (4): preallocated
   bool failure_agreed_ = false;  // this attempt's failure was learnt at a status (nothing to announce)
   bool in_attempt_ = false;
   bool in_evaluation_ = false;

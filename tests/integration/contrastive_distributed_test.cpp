@@ -228,8 +228,9 @@ TEST(IntegrationDistributedClip, MicroBatchNegativesOnTwoRanksAreEachRanksMicroB
 // both towers' encoder layers gathered one at a time, in both passes of gradient caching. 15 pairs over 2 ranks (8
 // and 7) in micro-batches of 7: rank 1 runs an empty micro-batch beside its one, in each pass, so that the layers'
 // collectives pair up. The model starts with logit_scale 5 (a scale of 148), above CLIP's cap (ln 100), so the cap
-// binds: the rank that keeps logit_scale's piece applies it after the update. The weights, losses, gradient
-// norms and the final evaluation are one process's, and final/ holds the files one process writes (the tokenizer's
+// binds: the rank that keeps logit_scale's piece applies it after the update. The final evaluation runs unit by unit
+// too (40 validation pairs, batches of 15: 8 and 7 in evaluation micro-batches of 7, rank 1 runs an empty forward in
+// each tower). The weights, losses, gradient norms and the final evaluation are one process's, and final/ holds the files one process writes (the tokenizer's
 // too); checkpoint-2 holds each rank's half of the weights, and `trainer export` writes the last checkpoint as final/.
 TEST(IntegrationDistributedClip, ShardedWeightsTrainEvaluateAndSaveAsOneProcess) {
   TempDir dir;
@@ -241,7 +242,7 @@ TEST(IntegrationDistributedClip, ShardedWeightsTrainEvaluateAndSaveAsOneProcess)
   const std::vector<std::string> common = {
       "--set", "training.batch_size=15", "--set", "checkpoint.every_steps=2", "--set",
       "data.validation_files=[\"data/demo/images/validation-captions.jsonl\"]", "--set",
-      "model.path=" + model.string()};
+      "model.path=" + model.string(), "--set", "evaluation.micro_batch_size=7"};
   const auto single = run_trainer(with(clip_run(one, 3, 7), common), "OMP_NUM_THREADS=1");
   ASSERT_EQ(single.exit_code, 0) << single.err;
   const auto ranks = run_ranks(2, with(with(clip_run(two, 3, 7), common), {"--set", "distributed.shard_weights=true"}));

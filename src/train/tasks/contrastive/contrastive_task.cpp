@@ -172,6 +172,9 @@ class ContrastiveTask final : public LoaderTask<ImageLoader, ImageBatch> {
   void build_model(const std::optional<fs::path>& resume, const c10::Device& device) override;
   Module& model() override { return *model_; }
   ShardableModule* shardable_model() override { return model_.get(); }
+  // Fully sharded weights: the root (embeddings, projections, logit scale) gathered for an evaluation, each encoder
+  // layer of either tower for its forward, as in training.
+  bool evaluates_unit_by_unit() const override { return true; }
   Module* adapters() override { return lora_.get(); }
   Module& trainable() override { return lora_ ? static_cast<Module&>(*lora_) : *model_; }
 
@@ -497,12 +500,24 @@ at::Tensor ContrastiveTask::embed(const at::Tensor& pixels, const at::Tensor& id
   const auto dtype = autocast_dtype(config().precision.mode);  // evaluate in the precision training runs in
   AutocastScope autocast(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
   std::vector<at::Tensor> parts;
-  for (const auto& [begin, count] : split_counts(n, micro)) {
+  const auto pieces = split_counts(n, micro);
+  // Fully sharded weights: every forward is a collective; as many as the rank with the most (agreed first), the others
+  // one black image or a caption of one padding token that counts nothing.
+  const auto mine = static_cast<int64_t>(pieces.size());
+  const int64_t passes = sync_ && sync_->shards_weights() ? sync_->agree_passes(mine) : mine;
+  for (const auto& [begin, count] : pieces) {
     const at::Tensor features = images ? model_->image_features(pixels.narrow(0, begin, count).to(device_))
                                        : model_->text_features(ids.narrow(0, begin, count).to(device_),
                                                                mask.narrow(0, begin, count).to(device_));
     parts.push_back(features.to(at::kFloat).cpu());
   }
+  const auto [height, width] = spec_.output_size();
+  for (int64_t i = mine; i < passes; ++i) {
+    const at::Tensor one = at::full({1, 1}, tokenizer_->pad_id(), at::TensorOptions().dtype(at::kLong).device(device_));
+    (void)(images ? model_->image_features(at::zeros({1, 3, height, width}, at::TensorOptions().device(device_)))
+                  : model_->text_features(one, at::ones_like(one)));
+  }
+  if (parts.empty()) return at::zeros({0, model_->projection_dim()});  // a rank's empty share
   const at::Tensor all = at::cat(parts);
   return all / all.norm(2, {1}, true);
 }
@@ -530,7 +545,8 @@ Evaluated ContrastiveTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
     // (pairs, 2 x width): images, then texts. A rank out of memory at micro-batch 1 contributes zeros and goes on
     // with the exchanges; the engine then stops every rank.
     at::Tensor mine = at::zeros({batch->size(), 2 * width});
-    if (batch->size() > 0)
+    // Fully sharded weights: a rank with an empty share still takes part in the forwards (empty ones).
+    if (batch->size() > 0 || (sync_ && sync_->shards_weights()))
       micro.run([&](int64_t size) {
         mine = at::cat({embed(pixels_of(*batch), {}, {}, true, size), embed({}, ids, mask, false, size)}, 1);
       });
