@@ -1008,9 +1008,11 @@ TEST(IntegrationDistributed, ShardedWeightsGatherInBf16AndReduceInFp32UnderBf16M
 TEST(IntegrationDistributed, ShardedWeightsRankKilledMidRunTheOtherStopsAndTheNewestCompleteCheckpointResumes) {
   TempDir dir;
   const auto run = dir.path() / "run", one = dir.path() / "one";
-  // A constant learning rate: the schedule does not depend on max_steps, which the resume sets.
+  // A constant learning rate: the schedule does not depend on max_steps, which the resume sets. Every checkpoint kept:
+  // pruned, checkpoint-2 could be gone before the loop below sees it (under load), and the run would go on for
+  // minutes, its resumed weights hundreds of steps from one process's.
   const std::vector<std::string> settings = {"--set", "scheduler.name=constant", "--set", "checkpoint.every_steps=1",
-                                             "--set", "distributed.timeout_s=5"};
+                                             "--set", "distributed.timeout_s=5", "--set", "checkpoint.keep_last=1000"};
   const auto args = with(with(short_run("configs/tiny-qwen2.json", run, 100000), kShardWeights), settings);
   const int port = free_port();
   std::string command = "cd " + shell_quote(TRAINER_SOURCE_DIR) + " || exit 1\n";
