@@ -266,6 +266,22 @@ std::vector<FullySharded::Piece> FullySharded::pieces() {
   return out;
 }
 
+std::vector<FullySharded::Piece> FullySharded::trainable_layout() const {
+  std::vector<Piece> out;
+  const int64_t rank = communicator_.rank();
+  for (const auto& unit : units_)
+    for (const auto& g : unit.groups) {
+      if (!g.trainable) continue;
+      const int64_t begin = rank * g.shard_numel;
+      for (const auto& e : g.entries) {
+        const int64_t lo = std::max(begin, e.offset), hi = std::min(begin + g.shard_numel, e.offset + e.numel);
+        out.push_back(hi > lo ? Piece{e.name, e.shape, lo - e.offset, g.shard.narrow(0, lo - begin, hi - lo)}
+                              : Piece{e.name, e.shape, -1, {}});
+      }
+    }
+  return out;
+}
+
 int64_t FullySharded::status(const char* what, int64_t value, int64_t gathers) {
   at::NoGradGuard no_grad;
   status_.fill_(0);

@@ -79,6 +79,10 @@ class FullySharded final : public StepSync, public UnitHooks {
     at::Tensor values;           // 1-D, the piece (a view of the shard: writing it changes the master values)
   };
   std::vector<Piece> pieces();
+  // Every sharded trainable parameter, the same list in the same order on every rank, with where this rank's piece
+  // of it starts (offset; -1 and no values where this rank holds none of it): what an optimizer that sums over
+  // whole parameters (Adafactor) steps by.
+  std::vector<Piece> trainable_layout() const;
 
   // Every unit gathered, for what runs outside training attempts with the whole model (evaluation, generation,
   // saving the model): every rank calls gather_all and release_all at the same points.

@@ -791,8 +791,23 @@ std::string plan_fully_sharded(MemoryPlan& plan, const Config& config, const nlo
       config.distributed.reshard_after_forward ? (prefetch ? 2 * largest_block : largest_block) : blocks);
   const double whole_weights = plan.weights, whole_gradients = plan.gradients, whole_state = plan.optimizer_state;
   plan.weights = whole_weights / n + (static_cast<double>(root) + gathered_blocks) * gathered_weight_bytes;
-  plan.gradients = whole_gradients / n + static_cast<double>(root + largest_block) * gathered_grad_bytes;
-  plan.optimizer_state = whole_state / n;
+  // LoRA's adapters are whole on every rank (their gradients and state too); a full fine-tune's are 1/N, but for
+  // Adafactor's row and column statistics, which every rank holding a piece of a matrix keeps whole.
+  const double trained_share = config.lora.enabled ? 1.0 : n;
+  plan.gradients = whole_gradients / trained_share +
+                   (config.lora.enabled ? 0.0 : static_cast<double>(root + largest_block) * gathered_grad_bytes);
+  plan.optimizer_state = whole_state / trained_share;
+  if (!config.lora.enabled && config.optimizer.name == OptimizerName::kAdafactor) {
+    plan.optimizer_state = 0;
+    model->for_each_parameter([&](const std::string&, at::Tensor& p) {
+      const auto sizes = p.sizes();
+      if (sizes.size() >= 2)
+        plan.optimizer_state += 4.0 * static_cast<double>(p.numel() / sizes.back() + p.numel() / sizes[sizes.size() - 2]);
+      else
+        plan.optimizer_state += 4.0 * static_cast<double>(p.numel()) / n;
+      if (config.optimizer.adafactor_beta1) plan.optimizer_state += 4.0 * static_cast<double>(p.numel()) / n;
+    });
+  }
   // Autocast's 16-bit copies (plan_memory counted one of every weight): none of weights gathered in 16 bits already;
   // of fp32 gathers, those the graph keeps (every unit's without activation checkpointing, else the root's and one
   // unit's).

@@ -830,6 +830,43 @@ TEST(IntegrationDistributed, ShardedWeightsResumeOnThreeRanksAndInOneProcessExac
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", run / "final" / "model.safetensors"), 1e-5);
 }
 
+// Adafactor over sharded weights (T5's optimizer; scale_parameter and a first moment so that every sum over the ranks
+// counts): 3 sharded ranks train 2 steps, whose pieces cut matrices mid-row; 2 sharded ranks continue to 3 (the row
+// and column statistics whole in every part, the rest in pieces), one process to 4: the weights of 4 uninterrupted
+// steps in one process.
+TEST(IntegrationDistributed, ShardedWeightsWithAdafactorResumeOnTwoRanksAndInOneProcessAsOneProcessT5) {
+  TempDir dir;
+  const auto one = dir.path() / "one", run = dir.path() / "run";
+  const std::vector<std::string> adafactor = {"--set", "optimizer.name=adafactor", "--set",
+                                              "optimizer.scale_parameter=true", "--set",
+                                              "optimizer.adafactor_beta1=true", "--set", "optimizer.lr=1e-2"};
+  const auto args = [&](const fs::path& out, int steps) {
+    return with(short_run("configs/tiny-t5.json", out, steps), adafactor);
+  };
+  const auto single = run_trainer(args(one, 4), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto first = run_ranks(3, with(args(run, 2), kShardWeights));
+  for (const auto& r : first) ASSERT_EQ(r.exit_code, 0) << all_errors(first);
+  const auto part = SafetensorsFile::open((run / "checkpoint-2" / "optimizer-rank-1-of-3.safetensors").string());
+  // A matrix's row statistics whole (2-D matrices: one value per row), its first moment a flat piece.
+  bool whole_rows = false, piece_of_moment = false;
+  for (const auto& t : part.tensors())
+    if (t.name.starts_with("exp_avg_sq_row.") && t.shape.size() == 1) {
+      const std::string name = t.name.substr(std::string("exp_avg_sq_row.").size());
+      for (const auto& u : part.tensors())
+        if (u.name == "exp_avg." + name && u.shape.size() == 1) piece_of_moment = true;
+      whole_rows = true;
+    }
+  EXPECT_TRUE(whole_rows && piece_of_moment);
+  const auto middle = run_ranks(2, with(with(args(run, 3), kShardWeights), {"--resume"}));
+  for (const auto& r : middle) ASSERT_EQ(r.exit_code, 0) << all_errors(middle);
+  EXPECT_NE(middle[0].err.find("at step 2"), std::string::npos) << middle[0].err;
+  const auto last = run_trainer(with(args(run, 4), {"--resume"}), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(last.exit_code, 0) << last.err;
+  EXPECT_NE(last.err.find("at step 3"), std::string::npos) << last.err;
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", run / "final" / "model.safetensors"), 1e-5);
+}
+
 // Rank 1 runs out of memory inside the blocks' collectives (a 6 MiB budget for micro-batches of 4): it tells rank
 // 0 at the next status all-reduce, both drop the attempt, shrink and retry, and the weights are one process's.
 TEST(IntegrationDistributed, ShardedWeightsOutOfMemoryOnOneRankShrinksEveryRankAndKeepsTheWeights) {
@@ -1056,8 +1093,8 @@ TEST(IntegrationDistributed, ShardedWeightsRankKilledMidRunTheOtherStopsAndTheNe
 // DPO over fully sharded weights, with LoRA: the reference is the base under the adapters, run unit by unit as the
 // policy is. An untied Qwen3 base (its head a unit of its own, gathered from the reference's scores to the policy's
 // fused loss), 3 ranks, 8 pairs in micro-batches of 2 (rank 2 runs an empty pass through the same units): the adapter,
-// the loss and the reward metrics of one process. A full fine-tune (a frozen reference copy) is refused, naming the
-// key.
+// the loss and the reward metrics of one process. A full fine-tune with a frozen reference copy is refused, naming
+// dpo.precompute_reference.
 TEST(IntegrationDistributed, DpoWithLoraOverShardedWeightsTrainsTheAdapterAndMetricsOfOneProcess) {
   TempDir dir;
   const auto one = dir.path() / "one", three = dir.path() / "three";
@@ -1076,8 +1113,40 @@ TEST(IntegrationDistributed, DpoWithLoraOverShardedWeightsTrainsTheAdapterAndMet
                                            kShardWeights), {"--set", "lora.enabled=false"}));
   for (const auto& r : full) {
     EXPECT_EQ(r.exit_code, 2) << all_errors(full);
-    EXPECT_NE(r.err.find("lora.enabled=true"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("dpo.precompute_reference=true"), std::string::npos) << r.err;
   }
+}
+
+// A DPO full fine-tune over fully sharded weights against the reference pass's table (dpo.precompute_reference):
+// before the first step the pass runs the sharded model unit by unit (the validation split's 3 pieces of 8 pairs on 2
+// ranks: rank 1 runs an empty forward); then training, and evaluation unit by unit in micro-batches of 3 (unequal
+// forwards per rank), are one process's: the weights, the losses, the reward metrics, the validation loss. With a
+// budget on rank 1 alone that the pass's forwards of 8 pairs exceed, every rank halves them together, and the weights
+// are still one process's.
+TEST(IntegrationDistributed, DpoFullFineTuneOverShardedWeightsWithAPrecomputedReferenceTrainsAsOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two", tight = dir.path() / "tight";
+  const std::vector<std::string> dpo = {"--set", "data.max_length=96", "--set", "lora.enabled=false", "--set",
+                                        "dpo.precompute_reference=true", "--set", "optimizer.lr=1e-4", "--set",
+                                        "evaluation.every_steps=2", "--set", "evaluation.micro_batch_size=3"};
+  expect_same_weights(with(short_run("configs/tiny-qwen2-dpo.json", one, 2), dpo),
+                      with(with(short_run("configs/tiny-qwen2-dpo.json", two, 2), dpo), kShardWeights), one, two, 2,
+                      "model.safetensors");
+  for (const char* metric : {"rewards/chosen", "rewards/margins", "logps/rejected", "eval_loss"}) {
+    const auto a = metric_values(one / "metrics.jsonl", metric), b = metric_values(two / "metrics.jsonl", metric);
+    ASSERT_FALSE(a.empty()) << metric;
+    ASSERT_EQ(a.size(), b.size()) << metric;
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5) << metric << " " << i;
+  }
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2-dpo.json", tight, 2), dpo), kShardWeights),
+                               {{}, {"--set", "memory.limit=3MiB"}});
+  for (const auto& r : ranks) {
+    ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+    EXPECT_NE(r.err.find("DPO reference pass: out of memory; DPO reference pass micro-batch 8 -> 4"),
+              std::string::npos)
+        << all_errors(ranks);
+  }
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", tight / "final" / "model.safetensors"), 1e-5);
 }
 
 // QLoRA over a sharded 4-bit base (the answer.ai recipe): each rank keeps 1/N of the packed codes and block scales,

@@ -59,12 +59,12 @@ bool EvaluationMicroBatch::run(const std::function<void(int64_t micro)>& part) {
       release_cached_memory();
       if (micro_ <= 1 && !world_) throw;
       if (micro_ <= 1) {
-        spdlog::warn("evaluation: rank {}: out of memory at evaluation micro-batch 1: {}", world_->rank(),
+        spdlog::warn("{}: rank {}: out of memory at {} micro-batch 1: {}", what_, world_->rank(), what_,
                      std::string(e.what_without_backtrace()).substr(0, 200));
         failed_ = true;
         break;
       }
-      spdlog::warn("evaluation: out of memory; evaluation micro-batch {} -> {}", micro_, micro_ / 2);
+      spdlog::warn("{}: out of memory; {} micro-batch {} -> {}", what_, what_, micro_, micro_ / 2);
       micro_ /= 2;
     }
   }
@@ -467,8 +467,9 @@ void Engine::shard_weights() {
       spdlog::info("4-bit base weights: sharded in their 4-bit layout and dequantized at each use (fully sharded: "
                    "no kept copy)");
   }
-  if (config_.optimizer.name != OptimizerName::kAdamW || config_.optimizer.state_dtype == StateDtype::kInt8)
-    refuse("this optimizer (AdamW with fp32 or bf16 state only: its update is element by element)");
+  if (config_.optimizer.name == OptimizerName::kAdamW && config_.optimizer.state_dtype == StateDtype::kInt8)
+    refuse("optimizer.state_dtype=int8 (its blocks of 256 elements would straddle the ranks' pieces; use fp32 or "
+           "bf16 state, or Adafactor)");
   if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
   if (config_.training.micro_batch_size.is_auto && config_.training.micro_batch_tokens <= 0)
     refuse("training.micro_batch_size=auto (set a number; out-of-memory errors still shrink it)");
@@ -502,6 +503,7 @@ std::map<std::string, int64_t> Engine::piece_offsets() {
     if (!task_.adapters()) out[kWeightsPrefix + piece.name] = piece.offset;  // LoRA: the base is not written
   }
   for (const auto& [name, tensor] : optimizer_->state_tensors()) {
+    if (optimizer_->whole_state(name)) continue;  // Adafactor's row and column statistics: whole in every part
     const auto dot = name.find('.');  // "exp_avg.<parameter>"; parameters kept whole (LoRA's adapters) have none
     if (const auto it = by_parameter.find(name.substr(dot + 1)); it != by_parameter.end()) out[name] = it->second;
   }
@@ -517,7 +519,20 @@ void Engine::build_optimizer_and_step() {
   Module& trainable = sharded_ ? sharded_->trainable_pieces() : task_.trainable();
   // distributed.shard_optimizer (ZeRO-1): this rank's state covers its share of the parameters only.
   OptimizerShard shard;
-  if (world_ && config_.distributed.shard_optimizer && !sharded_) shard = {world_->rank(), world_->world_size()};
+  if (world_ && config_.distributed.shard_optimizer && !sharded_) {
+    shard.rank = world_->rank();
+    shard.world = world_->world_size();
+  }
+  if (sharded_) {
+    // Adafactor sums its statistics and RMS values over whole parameters: over the ranks' pieces.
+    for (const auto& piece : sharded_->trainable_layout()) shard.pieced.push_back({piece.name, piece.shape, piece.offset});
+    shard.sum_floats = [this](at::Tensor& values) {
+      world_->all_reduce_sum({values}, static_cast<int64_t>(values.nbytes()));
+    };
+    shard.sum_doubles = [this](std::vector<double>& values) {
+      values = world_->all_reduce_sum(values, "summing Adafactor's squares over the ranks");
+    };
+  }
   optimizer_ = fixed_part(config_, device_, state_name, [&] {
     return make_optimizer(trainable, config_.optimizer, static_cast<uint64_t>(config_.training.seed), shard);
   });
@@ -536,7 +551,16 @@ void Engine::build_optimizer_and_step() {
     scaler_ = std::make_unique<GradScaler>(scaling);
   }
   StepSync* sync = sharded_ ? static_cast<StepSync*>(sharded_.get()) : data_parallel_.get();
-  task_.build_step({*optimizer_, *policy_, sync, scaler_.get(), device_, &trainable});
+  StepParts parts{*optimizer_, *policy_, sync, scaler_.get(), device_, &trainable, {}};
+  if (sharded_)
+    parts.evaluate_unit_by_unit = [this](EvaluationMicroBatch& micro, const std::function<void()>& f) {
+      micro.set_collective([this] { sharded_->begin_evaluation_try(); }, [this] { sharded_->announce_failure(); });
+      with_evaluation_units([&] {
+        f();
+        return 0;
+      });
+    };
+  task_.build_step(parts);
   device_ladder_ = std::make_unique<DeviceLadder>(config_, device_);
 }
 
@@ -750,9 +774,9 @@ bool Engine::train_one_step() {
 // The task's evaluation (every rank its share), the ranks' agreement on its out-of-memory outcome, then the report
 // and what rank 0 alone shows afterwards.
 void Engine::evaluate() {
-  // Sharded weights: the text validation loss runs unit by unit (the root and the head gathered for it, the blocks
-  // as they come, as in training); evaluation by generation, the image and CLIP tasks' evaluation and rank 0's
-  // samples gather the whole model on every rank.
+  // Sharded weights: the validation loss and metrics run unit by unit (the root and the head gathered for them, the
+  // blocks as they come, as in training: text, DPO, image classification, CLIP); evaluation by generation and
+  // rank 0's samples gather the whole model on every rank.
   const auto run = [&] { return task_.evaluate(step_index_, *eval_micro_); };
   const Evaluated evaluated = !sharded_                         ? run()
                               : task_.evaluates_unit_by_unit() ? with_evaluation_units(run)

@@ -61,6 +61,8 @@ struct TaskBatch {
 };
 
 // What the engine built for the task's step.
+class EvaluationMicroBatch;
+
 struct StepParts {
   Optimizer& optimizer;
   MemoryPolicy& policy;
@@ -70,6 +72,11 @@ struct StepParts {
   // What the optimizer steps on: the task's trainable(), or with fully sharded weights this rank's pieces of them
   // (each named as its parameter), where a task changes master values after an update (CLIP's logit scale cap).
   Module* optimized = nullptr;
+  // Fully sharded weights (null otherwise): runs `f` with the model evaluated unit by unit as the engine's evaluation
+  // runs it (the root and the head gathered throughout, each block for its forward), `micro`'s tries agreed by every
+  // rank (an out-of-memory error on one fails every rank's try, and all halve together). Every rank calls it at the
+  // same point: DPO's reference pass before training.
+  std::function<void(EvaluationMicroBatch& micro, const std::function<void()>& f)> evaluate_unit_by_unit;
 };
 
 // Evaluation's own micro-batch (evaluation.micro_batch_size; kept from one evaluation to the next): an out-of-memory
@@ -79,7 +86,9 @@ struct StepParts {
 // stops every rank with one error that names the ranks.
 class EvaluationMicroBatch {
  public:
-  EvaluationMicroBatch(int64_t start, distributed::Communicator* world) : micro_(start), world_(world) {}
+  // `what` names the work and its micro-batch in the warnings ("evaluation" and "evaluation micro-batch").
+  EvaluationMicroBatch(int64_t start, distributed::Communicator* world, std::string what = "evaluation")
+      : micro_(start), world_(world), what_(std::move(what)) {}
   // Runs `part` with the current micro-batch until it fits; false when this rank ran out of memory at 1.
   bool run(const std::function<void(int64_t micro)>& part);
   // Runs `part` once: work whose size no micro-batch changes (CLIP's scores over every validation pair). An
@@ -102,6 +111,7 @@ class EvaluationMicroBatch {
   distributed::Communicator* world_;
   bool failed_ = false;
   std::function<void()> begin_, out_of_memory_;
+  std::string what_;
 };
 
 // What an evaluation measured. The engine reports it only once every rank evaluated.

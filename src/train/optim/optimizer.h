@@ -35,9 +35,24 @@ namespace trainer {
 // parameters it owns. Whole parameters, not flat ranges: Adafactor's factored statistics and its update RMS are
 // per parameter, stochastic rounding is keyed by (parameter, offset), and checkpoint names stay per parameter, so
 // a sharded step computes exactly the unsharded step's numbers and any world size reads any checkpoint.
+//
+// Fully sharded weights (distributed.shard_weights) are the other way: the optimizer's parameters are this rank's
+// pieces (flat ranges) of the model's parameters. `pieced` lists every sharded trainable parameter with its whole
+// shape, the same list in the same order on every rank, and where this rank's piece starts in its flattened elements
+// (-1: this rank holds none of it). AdamW needs none of it (element by element); Adafactor sums its row and column
+// statistics and its RMS values over the ranks (`sum_floats` in place, `sum_doubles`), so that every rank computes
+// the unsharded update's numbers for its elements.
+struct PiecedParameter {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = -1;
+};
 struct OptimizerShard {
   int rank = 0;
   int world = 1;
+  std::vector<PiecedParameter> pieced;
+  std::function<void(at::Tensor&)> sum_floats;
+  std::function<void(std::vector<double>&)> sum_doubles;
 };
 
 class Optimizer {
@@ -62,6 +77,12 @@ class Optimizer {
   std::vector<at::Tensor> gradients() const;
 
   int64_t steps() const { return step_; }
+  // Fully sharded weights: whether state tensor `name` is kept whole (not a piece of its parameter's elements, as
+  // Adafactor's row and column statistics): checkpoints write it whole from every rank that holds it.
+  virtual bool whole_state(const std::string& name) const {
+    (void)name;
+    return false;
+  }
   // ZeRO-1: each trainable parameter's owner rank (all 0 unsharded), and whether this rank owns parameter i.
   const std::vector<int>& owners() const { return owners_; }
   bool owns(std::size_t i) const { return owners_[i] == shard_.rank; }
@@ -167,20 +188,38 @@ class AdamW final : public Optimizer {
 // factored into row and column statistics over the last two dimensions; unfactored for vectors; beta2 at step t
 // 1 - t^decay_rate; eps pair (adafactor_eps1, adafactor_eps2); update clipped to RMS clip_threshold; optional
 // first moment (adafactor_beta1, with beta1); scale_parameter, relative_step, warmup_init. Its state is fp32.
+//
+// Over fully sharded weights (OptimizerShard::pieced) a parameter's row and column statistics are kept whole by every
+// rank holding a piece of it (they are small: rows + columns per matrix), the unfactored statistics and the first
+// moment as pieces; each step sums the pieces' row and column sums of g^2 + eps1 over the ranks, then their squares
+// of the parameter and of the update (RMS): two collectives per step for all parameters.
 class Adafactor final : public Optimizer {
  public:
   Adafactor(Module& model, const OptimizerConfig& config, uint64_t seed = 0, OptimizerShard shard = {});
   const char* name() const override { return "Adafactor"; }
   void step(double lr) override;
+  bool whole_state(const std::string& name) const override;
 
  private:
   struct State {
     int64_t matrices = 1, rows = 1, cols = 1;  // factored: the parameter as (matrices, rows, cols)
     bool factored = false;
     at::Tensor row, col;     // factored: (..., rows) and (..., cols) as transformers shapes them
-    at::Tensor sq;           // unfactored: same shape as the parameter
+    at::Tensor sq;           // unfactored: same shape as the parameter (over sharded weights: as its piece)
     at::Tensor exp_avg;      // with adafactor_beta1
   };
+  // A sharded parameter (OptimizerShard::pieced): its piece's index in params_ (-1: none on this rank), where the
+  // piece starts, and where its row and column sums lie in sums_.
+  struct Pieced {
+    int64_t index = -1;
+    int64_t offset = 0;
+    int64_t numel = 0;  // the whole parameter's
+    State layout;       // matrices, rows, cols, factored (no tensors)
+    int64_t row_at = 0, col_at = 0;
+  };
+  void step_pieced(double relative, double beta2t);
+  // rsqrt(row / mean(row)) and rsqrt(col) of matrix m into row_factor_ and col_factor_.
+  void factors(const State& s, int64_t m);
   std::vector<std::pair<std::string, at::Tensor>> own_state() const override;
   int64_t own_state_bytes() const override;
   void for_each_own_tensor(const std::function<void(at::Tensor&)>& visit) override;
@@ -190,6 +229,9 @@ class Adafactor final : public Optimizer {
                        const at::Tensor& scratch);
 
   std::vector<State> state_;
+  std::vector<Pieced> pieced_;
+  std::vector<bool> is_piece_;  // per parameter: a piece of a sharded parameter (stepped by step_pieced)
+  at::Tensor sums_;             // fp32: every sharded factored parameter's row sums, then column sums
   int64_t chunk_ = 0;
   at::Tensor scratch_a_, scratch_b_, scratch_c_;  // fp32 chunk buffers
   at::Tensor row_factor_, col_factor_, col_sum_;  // fp32, the largest rows / cols of one parameter

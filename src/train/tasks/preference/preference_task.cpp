@@ -67,14 +67,18 @@ class PreferenceTask final : public LanguageModelTask {
 
   void check_settings(const TrainOptions& options) const override {
     LanguageModelTask::check_settings(options);
-    // Fully sharded weights: the reference is the base under the adapters, run unit by unit as the policy is.
-    if (world() && config().distributed.shard_weights &&
-        (!config().lora.enabled || !config().dpo.reference_model.empty() || config().dpo.precompute_reference))
-      throw UsageError("distributed.shard_weights=true trains DPO only with LoRA adapters whose reference is the base "
-                       "under them yet (lora.enabled=true, no dpo.reference_model, dpo.precompute_reference=false): "
-                       "a frozen reference copy and the reference pass are not sharded",
-                       "set lora.enabled=true, or distributed.shard_weights=false (distributed.shard_optimizer=true "
-                       "shards the optimizer state alone)");
+    // Fully sharded weights: the reference is the base under the adapters, run unit by unit as the policy is, or
+    // the reference pass's table (its forwards unit by unit); a frozen copy beside the sharded model during training
+    // would be whole on every rank.
+    if (world() && config().distributed.shard_weights && !config().dpo.precompute_reference &&
+        (!config().lora.enabled || !config().dpo.reference_model.empty()))
+      throw UsageError(std::string("distributed.shard_weights=true with DPO ") +
+                           (config().lora.enabled ? "and dpo.reference_model" : "as a full fine-tune") +
+                           " needs dpo.precompute_reference=true: a frozen reference copy kept beside the sharded "
+                           "model for the whole run would be whole on every rank",
+                       "set dpo.precompute_reference=true (one pass before training computes the reference's "
+                       "log-probabilities, unit by unit over the sharded model), or train LoRA adapters "
+                       "(lora.enabled=true: the reference is the base under them)");
   }
   // Fully sharded weights (LoRA): the base is sharded, the adapters whole on every rank.
   ShardableModule* shardable_model() override { return model_; }
@@ -103,6 +107,7 @@ class PreferenceTask final : public LanguageModelTask {
     sync_ = parts.sync;
     scaler_ = parts.scaler;
     device_ = parts.device;
+    evaluate_unit_by_unit_ = parts.evaluate_unit_by_unit;
     if (config().dpo.precompute_reference) prepare_reference();
   }
   StepResult train_step(TaskBatch& batch, int64_t step, double lr) override;
@@ -137,6 +142,8 @@ class PreferenceTask final : public LanguageModelTask {
   }
 
   Evaluated evaluate(int64_t step, EvaluationMicroBatch& micro) override;
+  // Fully sharded weights: the validation pairs' scores unit by unit, as the text task's loss.
+  bool evaluates_unit_by_unit() const override { return true; }
 
   // One attempt's forward and backward of `pairs` (the effective batch's pairs from `first_pair` on) in
   // micro-batches; the loss's part of them. Public for the step's work.
@@ -148,6 +155,9 @@ class PreferenceTask final : public LanguageModelTask {
     return static_cast<std::size_t>(sync_->agree_passes(static_cast<int64_t>(mine)));
   }
   void empty_pass(int64_t step);
+  // The forwards of an empty pass outside training (an evaluation, the reference pass): the reference's (when it
+  // runs) then, with `policy`, the policy's, on one padding token, without gradients.
+  void empty_forwards(bool policy);
   bool escalate(int64_t step);
   bool may_overlap() const { return !model_->has_block_runner(); }
   MemoryPolicy& policy() { return *policy_; }
@@ -177,9 +187,16 @@ class PreferenceTask final : public LanguageModelTask {
   void prepare_reference();
   nlohmann::json reference_identity() const;
   // One split's pass from `chunks` finished chunks on (the loader at `position`); returns the pairs computed.
-  int64_t reference_pass(const ReferenceStore& store, const std::string& split, int64_t chunks, uint64_t position);
+  // `micro`: over fully sharded weights, the pass runs unit by unit (reference_by_units).
+  int64_t reference_pass(const ReferenceStore& store, const std::string& split, int64_t chunks, uint64_t position,
+                         EvaluationMicroBatch* micro);
   // The reference of `pairs` into out[2i], out[2i + 1], in pieces of pass_fit_ pairs, halved at each out-of-memory.
   void reference_of(std::span<const Example> pairs, double* out);
+  // The same over fully sharded weights for this rank's `pieces` of a chunk's `pairs` (each forward a collective):
+  // every rank runs as many forwards as the rank with the most, and an out-of-memory error halves every rank's
+  // forwards together (`micro`).
+  void reference_by_units(std::span<const Example> pairs, const std::vector<std::pair<int64_t, int64_t>>& pieces,
+                          double* out, EvaluationMicroBatch& micro);
   Batch collate_pairs(std::span<const Example> pairs) const;
   std::optional<at::ScalarType> autocast() const { return autocast_dtype(config().precision.mode); }
   bool dropout_on() const { return !config().dpo.disable_dropout; }
@@ -197,6 +214,7 @@ class PreferenceTask final : public LanguageModelTask {
   MemoryPolicy* policy_ = nullptr;
   StepSync* sync_ = nullptr;
   GradScaler* scaler_ = nullptr;
+  std::function<void(EvaluationMicroBatch&, const std::function<void()>&)> evaluate_unit_by_unit_;
   c10::Device device_{c10::kCPU};
   int32_t pad_id_ = 0;
 };
@@ -402,7 +420,7 @@ void PreferenceTask::empty_pass(int64_t step) {
   const at::Tensor weight = model_->lm_head_weight();
   sync_->before_head(weight);
   const auto dtype = autocast();
-  {
+  if (!config().dpo.precompute_reference) {  // as score(): a precomputed reference runs no forward
     at::NoGradGuard no_grad;
     AdaptersOff off(text_model_.lora());
     AutocastScope scope(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
@@ -416,6 +434,22 @@ void PreferenceTask::empty_pass(int64_t step) {
   }
   sync_->after_head(weight);
   if (hidden.requires_grad()) (hidden.sum() * 0.0).backward();
+}
+
+void PreferenceTask::empty_forwards(bool policy) {
+  const at::Tensor one = at::full({1, 1}, pad_id_, at::TensorOptions().dtype(at::kLong).device(device_));
+  const Batch batch{one, at::ones_like(one), at::full_like(one, -100), {}};
+  const auto dtype = autocast();
+  at::NoGradGuard no_grad;
+  const bool was_training = model_->is_training();
+  model_->train(false);
+  AutocastScope scope(dtype.has_value(), device_.type(), dtype.value_or(at::kBFloat16));
+  if (!config().dpo.precompute_reference || !policy) {  // the reference pass, or the reference as score() runs it
+    AdaptersOff off(text_model_.lora());
+    (void)model_->hidden_and_targets(batch);
+  }
+  if (policy) (void)model_->hidden_and_targets(batch);
+  model_->train(was_training);
 }
 
 // ---- dpo.precompute_reference ------------------------------------------------------------------------------------
@@ -482,8 +516,19 @@ void PreferenceTask::prepare_reference() {
       spdlog::info("DPO reference: going on with the pass in {} after {} train and {} validation chunks",
                    store.dir().string(), state[1], state[3]);
     pass_fit_ = std::max<int64_t>(1, config().training.batch_size);
-    const int64_t pairs = reference_pass(store, "train", state[1], static_cast<uint64_t>(state[2])) +
-                          reference_pass(store, "validation", state[3], static_cast<uint64_t>(state[4]));
+    int64_t pairs = 0;
+    auto pass = [&](EvaluationMicroBatch* micro) {
+      pairs = reference_pass(store, "train", state[1], static_cast<uint64_t>(state[2]), micro) +
+              reference_pass(store, "validation", state[3], static_cast<uint64_t>(state[4]), micro);
+    };
+    if (evaluate_unit_by_unit_ && !reference_) {
+      // Fully sharded weights: the reference is the sharded model itself (the base under the adapters, or the
+      // weights before the first step), run unit by unit.
+      EvaluationMicroBatch micro(pass_fit_, world(), "DPO reference pass");
+      evaluate_unit_by_unit_(micro, [&] { pass(&micro); });
+    } else {
+      pass(nullptr);
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (primary()) store.mark_complete({{"pairs_computed", pairs}, {"seconds", seconds}});
     spdlog::info("DPO reference: {} pairs computed in {:.1f} s into {}", pairs, seconds, store.dir().string());
@@ -495,7 +540,7 @@ void PreferenceTask::prepare_reference() {
 }
 
 int64_t PreferenceTask::reference_pass(const ReferenceStore& store, const std::string& split, int64_t chunks,
-                                       uint64_t position) {
+                                       uint64_t position, EvaluationMicroBatch* micro) {
   // The records in file order, one pass, a chunk per batch; each rank maps its share of the records and gets the
   // others' (RecordShare), so every rank sees every chunk whole.
   Config pass = config();
@@ -525,11 +570,15 @@ int64_t PreferenceTask::reference_pass(const ReferenceStore& store, const std::s
     // computed as in one process, and the sum over the ranks (zeros elsewhere) is exact.
     std::vector<double> values(2 * pairs.size(), 0.0);
     const auto pieces = split_counts(static_cast<int64_t>(pairs.size()), piece);
-    for (std::size_t i = 0; i < pieces.size(); ++i) {
-      if (static_cast<int>(i % static_cast<std::size_t>(ranks)) != rank) continue;
-      const auto& [begin, count] = pieces[i];
-      reference_of(pairs.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
-                   values.data() + 2 * begin);
+    std::vector<std::pair<int64_t, int64_t>> mine;
+    for (std::size_t i = 0; i < pieces.size(); ++i)
+      if (static_cast<int>(i % static_cast<std::size_t>(ranks)) == rank) mine.push_back(pieces[i]);
+    if (micro) {
+      reference_by_units(pairs, mine, values.data(), *micro);
+    } else {
+      for (const auto& [begin, count] : mine)
+        reference_of(pairs.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
+                     values.data() + 2 * begin);
     }
     if (world()) values = world()->all_reduce_sum(values, "exchanging DPO's reference log-probabilities");
     std::vector<ReferenceEntry> entries(pairs.size());
@@ -570,6 +619,30 @@ void PreferenceTask::reference_of(std::span<const Example> pairs, double* out) {
       spdlog::warn("DPO reference: out of memory with {} pairs in a forward; going on with {}", n, pass_fit_);
     }
   }
+}
+
+void PreferenceTask::reference_by_units(std::span<const Example> pairs,
+                                        const std::vector<std::pair<int64_t, int64_t>>& pieces, double* out,
+                                        EvaluationMicroBatch& micro) {
+  const bool fit = micro.run([&](int64_t size) {
+    std::vector<std::pair<int64_t, int64_t>> forwards;
+    for (const auto& [begin, count] : pieces)
+      for (const auto& [first, n] : split_counts(count, size)) forwards.emplace_back(begin + first, n);
+    const std::size_t passes = agreed_passes(forwards.size());
+    for (const auto& [begin, n] : forwards) {
+      const auto some = pairs.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(n));
+      const auto [chosen, rejected] = reference_logps(collate_pairs(some), n);
+      const at::Tensor both = at::stack({chosen, rejected}, 1).to(at::kCPU).contiguous();  // (n, 2)
+      std::copy_n(both.data_ptr<double>(), 2 * n, out + 2 * begin);
+    }
+    for (std::size_t i = forwards.size(); i < passes; ++i) empty_forwards(/*policy=*/false);
+  });
+  // An out-of-memory error is agreed: at one pair per forward every rank fails this chunk together.
+  if (!fit)
+    throw OutOfMemoryAtFloor("out of memory in DPO's reference pass (fully sharded, unit by unit) with one pair (two "
+                             "sequences of up to data.max_length) in a forward",
+                             "lower data.max_length, or raise memory.limit");
+  pass_fit_ = micro.value();
 }
 
 bool PreferenceTask::escalate(int64_t step) {
@@ -661,7 +734,11 @@ Evaluated PreferenceTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
     PreferenceSums part;
     const bool fit = micro.run([&](int64_t size) {
       part = PreferenceSums{};
-      for (const auto& [begin, n] : split_counts(static_cast<int64_t>(pairs.size()), size)) {
+      const auto parts = split_counts(static_cast<int64_t>(pairs.size()), size);
+      // Fully sharded weights: as many forwards as the rank with the most, agreed first (the others run empty ones).
+      for (std::size_t i = parts.size(), passes = agreed_passes(parts.size()); i < passes; ++i)
+        empty_forwards(/*policy=*/true);
+      for (const auto& [begin, n] : parts) {
         const auto some = pairs.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(n));
         const PairScores scores = score(collate_pairs(some), some,
                                         validation_reference_ ? &*validation_reference_ : nullptr, nullptr, nullptr);
