@@ -633,7 +633,7 @@ StepSync::Outcome FullySharded::agree(bool fit, int64_t largest_part) {
   in_attempt_ = false;
   const Outcome outcome = agree_on_attempt(communicator_, fit, largest_part);
   if (!outcome.all_fit) {
-    drop_prefetch();
+    if (!probing_) drop_prefetch();
     reset();
   }
   // Every rank ran the same gathers in an attempt that all fit: the order the next attempts prefetch by.

@@ -113,6 +113,8 @@ class FullySharded final : public StepSync, public UnitHooks {
   int64_t agree_passes(int64_t mine) override;
   void announce_failure() override;
   bool shards_weights() const override { return true; }
+  // micro_batch_size=auto's probe: its agreed out-of-memory errors are what it looks for, and keep prefetch on.
+  void set_probing(bool probing) { probing_ = probing; }
 
   // UnitHooks
   at::Tensor run(const Module& unit, const BlockFn& block, const std::vector<at::Tensor>& inputs) override;
@@ -203,6 +205,7 @@ class FullySharded final : public StepSync, public UnitHooks {
   bool prefetch_skipped_ = false;  // warned
   std::size_t head_unit_ = 0;  // the unit of the LM head's weight (0: the root)
   bool all_gathered_ = false;  // gather_all: nothing is released until release_all
+  bool probing_ = false;
 };
 
 }  // namespace trainer::distributed

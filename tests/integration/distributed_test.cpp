@@ -888,6 +888,24 @@ TEST(IntegrationDistributed, ShardedWeightsOutOfMemoryOnOneRankShrinksEveryRankA
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
 }
 
+// micro_batch_size=auto over sharded weights: each try of the probe is a collective attempt. Rank 1 alone has a
+// budget too small for the larger tries: rank 0 learns it inside the collectives, both take each decision together
+// and start with the same micro-batch, and the weights are one process's (which probes its own).
+TEST(IntegrationDistributed, ShardedWeightsProbeTheMicroBatchTogetherAndTrainTheWeightsOfOneProcess) {
+  TempDir dir;
+  const auto one = dir.path() / "one", two = dir.path() / "two";
+  const std::vector<std::string> automatic = {"--set", "training.micro_batch_size=auto", "--set", "memory.limit=2GiB"};
+  const auto single = run_trainer(with(short_run("configs/tiny-qwen2.json", one), automatic), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(single.exit_code, 0) << single.err;
+  const auto ranks = run_ranks(2, with(with(short_run("configs/tiny-qwen2.json", two), automatic), kShardWeights),
+                               {{}, {"--set", "memory.limit=8MiB"}});
+  for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+  EXPECT_NE(ranks[0].err.find("does not fit (out of memory on another rank)"), std::string::npos) << ranks[0].err;
+  for (const auto& r : ranks)  // the same start on both (micro-batch 2: rank 1 runs out of memory at 4)
+    EXPECT_NE(r.err.find("micro-batch 8 -> 2 (micro_batch_size=auto probe)"), std::string::npos) << all_errors(ranks);
+  EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+}
+
 // From a pretrained model.path, each rank reads the weights unit by unit as it shards them (the model stays on the
 // meta device until then), and trains one process's weights.
 TEST(IntegrationDistributed, ShardedWeightsReadAPretrainedModelUnitByUnitAndTrainTheWeightsOfOneProcess) {
@@ -1089,7 +1107,6 @@ TEST(IntegrationDistributed, ShardedWeightsRankKilledMidRunTheOtherStopsAndTheNe
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", run / "final" / "model.safetensors"), 1e-5);
 }
 
-// What sharded weights do not cover yet is refused on every rank before any work, naming the key.
 // DPO over fully sharded weights, with LoRA: the reference is the base under the adapters, run unit by unit as the
 // policy is. An untied Qwen3 base (its head a unit of its own, gathered from the reference's scores to the policy's
 // fused loss), 3 ranks, 8 pairs in micro-batches of 2 (rank 2 runs an empty pass through the same units): the adapter,

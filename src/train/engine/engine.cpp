@@ -471,8 +471,6 @@ void Engine::shard_weights() {
     refuse("optimizer.state_dtype=int8 (its blocks of 256 elements would straddle the ranks' pieces; use fp32 or "
            "bf16 state, or Adafactor)");
   if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
-  if (config_.training.micro_batch_size.is_auto && config_.training.micro_batch_tokens <= 0)
-    refuse("training.micro_batch_size=auto (set a number; out-of-memory errors still shrink it)");
   if (const auto* language = dynamic_cast<const LanguageModel*>(model); language && language->has_routing_loss())
     refuse("a mixture of experts' load-balancing loss (output_router_logits)");
   // LoRA: the frozen base is sharded, the adapters stay whole on every rank (their gradients summed).
@@ -601,9 +599,13 @@ void Engine::restore() {
 // the capacity (memory.limit, or the device's total) free: doubling, then bisecting between the last fit and the
 // first failure; with data parallelism what fits on every rank.
 void Engine::probe_micro_batch() {
+  // Fully sharded weights: each try is a collective attempt whose outcome every rank shares (its out-of-memory
+  // errors do not turn prefetch off: the probe looks for them).
+  if (sharded_) sharded_->set_probing(true);
   int64_t probed = trainer::probe_micro_batch(config_, device_, task_.probe_limit(), *optimizer_,
                                               [this](int64_t n) { task_.probe(n); },
-                                              [this](int64_t n) { return task_.probe_case(n); });
+                                              [this](int64_t n) { return task_.probe_case(n); }, sharded_.get());
+  if (sharded_) sharded_->set_probing(false);
   if (world_) probed = -world_->all_reduce_max({-probed})[0];  // what fits on every rank
   if (probed == 0) {
     const auto [what, hint] = task_.probe_failure();
@@ -840,26 +842,38 @@ int Engine::finish() {
 
 int64_t probe_micro_batch(const Config& config, const c10::Device& device, int64_t limit, Optimizer& optimizer,
                           const std::function<void(int64_t)>& run,
-                          const std::function<std::string(int64_t)>& describe) {
+                          const std::function<std::string(int64_t)>& describe, StepSync* sync) {
   const int64_t capacity = memory_capacity(config, device);
   const double allowed = static_cast<double>(capacity) * (1.0 - config.memory.auto_safety_margin);
   std::optional<double> peak_of_one;  // set when one example ran without running out of memory
   auto fits = [&](int64_t n) {
     reset_peak(device);
+    bool fit = true, failed_here = false;
     try {
+      if (sync) sync->begin_attempt(false);
       run(n);
-      optimizer.zero_grad();
+      if (sync) sync->prepare();
+    } catch (const AgreedOutOfMemory&) {
+      fit = false;  // another rank's, learnt inside a collective
     } catch (const c10::OutOfMemoryError&) {
-      optimizer.zero_grad();
+      fit = false;
+      failed_here = true;
+    }
+    if (failed_here && sync) sync->announce_failure();
+    if (sync) fit = sync->agree(fit, n).all_fit;
+    optimizer.zero_grad();
+    if (!fit) {
       release_cached_memory();
-      spdlog::info("micro_batch_size=auto: {} does not fit (out of memory)", n);
+      spdlog::info("micro_batch_size=auto: {} does not fit (out of memory{})", n,
+                   sync && !failed_here ? " on another rank" : "");
       return false;
     }
     const auto peak = static_cast<double>(memory_now(device).peak);
     if (n == 1) peak_of_one = peak;
-    const bool ok = capacity == 0 || peak <= allowed;
+    bool ok = capacity == 0 || peak <= allowed;
+    if (sync) ok = sync->sum({ok ? 0.0 : 1.0}, "agreeing on the micro_batch_size=auto probe")[0] == 0.0;
     spdlog::info("micro_batch_size=auto: {} peaks at {}{}", describe ? describe(n) : std::to_string(n), human_bytes(peak),
-                 ok ? "" : " (inside the safety margin: too close)");
+                 ok ? "" : sync ? " (inside the safety margin on some rank: too close)" : " (inside the safety margin: too close)");
     return ok;
   };
   const int64_t chosen = largest_that_fits(limit, fits);

@@ -21,6 +21,7 @@
 namespace trainer {
 
 class Optimizer;
+class StepSync;
 namespace distributed {
 class Communicator;
 }
@@ -38,8 +39,11 @@ int train(const Config& config, const ResolvedDevice& device, const TrainOptions
 // 1 with a warning when one example runs but only inside the margin (no smaller micro-batch to choose); 0 when one
 // runs out of memory. The optimizer's gradients are zeroed after every try.
 // `describe(n)` says what a try ran, for its log line.
+// `sync` (fully sharded weights, where every forward and backward is a collective): each try runs as a training
+// attempt does (begin_attempt, prepare, an out-of-memory error announced to the ranks inside the collectives) and
+// every rank takes each decision together: a try fits when it fit, inside the margin, on every rank.
 int64_t probe_micro_batch(const Config& config, const c10::Device& device, int64_t limit, Optimizer& optimizer,
                           const std::function<void(int64_t)>& run,
-                          const std::function<std::string(int64_t)>& describe = {});
+                          const std::function<std::string(int64_t)>& describe = {}, StepSync* sync = nullptr);
 
 }  // namespace trainer

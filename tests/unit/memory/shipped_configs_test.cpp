@@ -145,7 +145,7 @@ const std::map<std::string, Card>& cards() {
       {"qwen2.5-7b-qlora.json", {kQwen25_7B, 16.0 * (1ull << 30)}},
       {"qwen2.5-14b-qlora.json", {kQwen25_14B, 24.0 * (1ull << 30)}},
       {"t5xl.json", {kFlanT5XL, 32.0 * (1ull << 30)}},
-      {"t5xl-sharded.json", {kFlanT5XL, 16.0 * (1ull << 30), 4}},
+      {"t5xl-sharded.json", {kFlanT5XL, 16.0 * (1ull << 30), 2}},
       {"qwen2.5-7b-full-sharded.json", {kQwen25_7B, 24.0 * (1ull << 30), 8}},
       {"vit-base-flowers-lora.json", {kVitBase16, 8.0 * (1ull << 30)}},
       {"vit-base-flowers-probe.json", {kVitBase16, 8.0 * (1ull << 30)}},
