@@ -90,9 +90,10 @@ constexpr const char* kHintExperts =
 
 }  // namespace
 
-LoraLinear::LoraLinear(Linear& base, int64_t r, double scaling, double dropout)
+LoraLinear::LoraLinear(Linear& base, int64_t r, double scaling, double dropout, std::optional<c10::Device> device)
     : base_(&base), r_(r), scaling_(scaling) {
-  const auto options = base.weight.options().dtype(at::kFloat);
+  auto options = base.weight.options().dtype(at::kFloat);
+  if (device && base.weight.is_meta()) options = options.device(*device);
   lora_A = at::zeros({r, base.in_features()}, options);
   lora_B = at::zeros({base.out_features(), r}, options);
   lora_A.requires_grad_(true);
@@ -115,12 +116,14 @@ at::Tensor LoraLinear::merged_weight() const {
   return weight_plus(*base_, at::matmul(lora_B.to(at::kFloat), lora_A.to(at::kFloat)) * scaling_);  // (out, in)
 }
 
-LoraExperts::LoraExperts(std::vector<std::vector<Linear*>> parts, int64_t r, double scaling)
+LoraExperts::LoraExperts(std::vector<std::vector<Linear*>> parts, int64_t r, double scaling,
+                         std::optional<c10::Device> device)
     : parts_(std::move(parts)), r_(r), scaling_(scaling) {
   const Linear& first = *parts_.at(0).at(0);
   int64_t out = 0;
   for (const Linear* part : parts_[0]) out += part->out_features();
-  const auto options = first.weight.options().dtype(at::kFloat);
+  auto options = first.weight.options().dtype(at::kFloat);
+  if (device && first.weight.is_meta()) options = options.device(*device);
   lora_A = at::zeros({r * experts(), first.in_features()}, options);
   lora_B = at::zeros({out, r * experts()}, options);
   lora_A.requires_grad_(true);
@@ -301,7 +304,8 @@ std::vector<LoraExpertTarget> lora_expert_targets(LanguageModel& model, const st
   return out;
 }
 
-std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig& config, uint64_t seed) {
+std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig& config, uint64_t seed,
+                                         std::optional<c10::Device> device) {
   LoraConfig applied = config;
   applied.enabled = true;
   if (applied.target_modules.empty()) applied.target_modules = default_lora_targets(model);
@@ -319,12 +323,12 @@ std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig&
   at::Generator generator = at::detail::createCPUGenerator(seed);
   at::NoGradGuard no_grad;
   for (const auto& path : paths) {
-    auto layer = std::make_shared<LoraLinear>(*linears.at(path), config.r, scaling, config.dropout);
+    auto layer = std::make_shared<LoraLinear>(*linears.at(path), config.r, scaling, config.dropout, device);
     init_lora_A(layer->lora_A, generator);
     adapters->add(path, std::move(layer));
   }
   for (const auto& target : expert_targets) {  // after the linear layers, as PEFT injects target_parameters
-    auto experts = std::make_shared<LoraExperts>(target.parts, config.r, scaling);
+    auto experts = std::make_shared<LoraExperts>(target.parts, config.r, scaling, device);
     init_lora_A(experts->lora_A, generator);
     adapters->add_experts(target, std::move(experts));
   }

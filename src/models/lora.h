@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,10 +25,11 @@
 
 namespace trainer {
 
-// One adapted linear layer: A (r, in) and B (out, r), fp32, on the base weight's device.
+// One adapted linear layer: A (r, in) and B (out, r), fp32, on the base weight's device (on `device` when the base
+// weight is still on the meta device: read later, unit by unit, by fully sharded weights).
 class LoraLinear : public Module {
  public:
-  LoraLinear(Linear& base, int64_t r, double scaling, double dropout);
+  LoraLinear(Linear& base, int64_t r, double scaling, double dropout, std::optional<c10::Device> device = std::nullopt);
 
   // The base layer's output `y` with the adapter's term added, in PEFT's order (dropout on A's input, scaling
   // after B) and dtypes (the input cast to the adapter's fp32, the sum cast back to y's dtype).
@@ -61,7 +63,8 @@ class LoraLinear : public Module {
 class LoraExperts : public Module {
  public:
   // parts[e]: expert e's layers, in row order; every expert alike.
-  LoraExperts(std::vector<std::vector<Linear*>> parts, int64_t r, double scaling);
+  LoraExperts(std::vector<std::vector<Linear*>> parts, int64_t r, double scaling,
+              std::optional<c10::Device> device = std::nullopt);
 
   int64_t experts() const { return static_cast<int64_t>(parts_.size()); }
   int64_t r() const { return r_; }
@@ -163,8 +166,10 @@ std::vector<LoraExpertTarget> lora_expert_targets(LanguageModel& model, const st
 // config.base_in_bf16, converts them to bf16. Then adds adapters on config.target_modules (the family's defaults
 // when empty) and config.target_parameters (the experts), initialised as PEFT does: A kaiming-uniform with
 // a = sqrt(5) (uniform in +-1/sqrt(in)) from a generator seeded with `seed`, B zeros, so the adapted model starts
-// equal to the base. Throws UsageError for dropout on experts (PEFT refuses it).
-std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig& config, uint64_t seed);
+// equal to the base. Throws UsageError for dropout on experts (PEFT refuses it). `device`: where the adapters live when
+// the base is still on the meta device (fully sharded weights read it unit by unit later).
+std::unique_ptr<LoraAdapters> apply_lora(LanguageModel& model, const LoraConfig& config, uint64_t seed,
+                                         std::optional<c10::Device> device = std::nullopt);
 
 // Freezes `model` and adds adapters on exactly the modules of a saved adapter, with its ranks (per module, as
 // rank_pattern may give), scaling, dropout and weights. Throws DataError when a module is not in the model, or

@@ -907,7 +907,8 @@ TEST(IntegrationDistributed, ShardedWeightsProbeTheMicroBatchTogetherAndTrainThe
 }
 
 // From a pretrained model.path, each rank reads the weights unit by unit as it shards them (the model stays on the
-// meta device until then), and trains one process's weights.
+// meta device until then), and trains one process's weights; with LoRA, the frozen base alike and one process's
+// adapter.
 TEST(IntegrationDistributed, ShardedWeightsReadAPretrainedModelUnitByUnitAndTrainTheWeightsOfOneProcess) {
   TempDir dir;
   const auto base = dir.path() / "base", one = dir.path() / "one", two = dir.path() / "two";
@@ -921,6 +922,20 @@ TEST(IntegrationDistributed, ShardedWeightsReadAPretrainedModelUnitByUnitAndTrai
   for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
   EXPECT_NE(ranks[0].err.find("the whole model was never in memory"), std::string::npos) << ranks[0].err;
   EXPECT_LE(max_difference(one / "final" / "model.safetensors", two / "final" / "model.safetensors"), 1e-5);
+  // LoRA over the same pretrained base: the frozen base read unit by unit too, the adapters made whole at once.
+  const std::vector<std::string> lora = {"--set", "lora.enabled=true", "--set", "lora.r=4", "--set",
+                                         "optimizer.lr=1e-2"};
+  const auto lora_one = dir.path() / "lora-one", lora_two = dir.path() / "lora-two";
+  const auto adapter =
+      run_trainer(with(with(short_run("configs/tiny-qwen2.json", lora_one), pretrained), lora), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(adapter.exit_code, 0) << adapter.err;
+  const auto adapters =
+      run_ranks(2, with(with(with(short_run("configs/tiny-qwen2.json", lora_two), pretrained), lora), kShardWeights));
+  for (const auto& r : adapters) ASSERT_EQ(r.exit_code, 0) << all_errors(adapters);
+  EXPECT_NE(adapters[0].err.find("the whole model was never in memory"), std::string::npos) << adapters[0].err;
+  EXPECT_LE(max_difference(lora_one / "final" / "adapter_model.safetensors",
+                           lora_two / "final" / "adapter_model.safetensors"),
+            1e-5);
 }
 
 // Evaluation and rank 0's samples run on the gathered model: the validation losses and the sampled text are one

@@ -86,8 +86,9 @@ void TextModel::build(const std::optional<fs::path>& resume, const c10::Device& 
       check_fp16_supported(read_json_file(config_json.string()).value("model_type", std::string()),
                            config_json.string());
   }
-  // With LoRA the base always comes from model.path; the checkpoint holds only the adapter.
-  WeightReader* reader = on_demand_ && !config_.lora.enabled ? &reader_ : nullptr;
+  // With LoRA the base always comes from model.path; the checkpoint holds only the adapter. Fully sharded weights
+  // read the base (or the full fine-tune's weights) unit by unit as they cut it; the adapters are made at once.
+  WeightReader* reader = on_demand_ ? &reader_ : nullptr;
   model_ = resume && !config_.lora.enabled
                ? load_model(resume->string(), ModelInit::kPretrained, options, 0, std::nullopt, reader)
                : load_model(config_.model.path, config_.model.init, options,
@@ -113,7 +114,7 @@ void TextModel::build(const std::optional<fs::path>& resume, const c10::Device& 
   model_->for_each_parameter([](const std::string&, at::Tensor& p) {
     if (at::isFloatingType(p.scalar_type())) p.requires_grad_(true);
   });
-  if (config_.lora.enabled) apply_lora_for_training(resume);
+  if (config_.lora.enabled) apply_lora_for_training(resume, device);
   if (config_.training.activation_checkpointing) apply_activation_checkpointing(*model_);
   family_ = model_->family() == ModelFamily::kSeq2Seq ? DataFamily::kSeq2Seq : DataFamily::kCausal;
   if (tokenizer.vocab_size() > model_->vocab_size())
@@ -126,7 +127,7 @@ void TextModel::build(const std::optional<fs::path>& resume, const c10::Device& 
 // LoRA on the frozen base, restored from `resume` when resuming. The adapter's base is model.path; a randomly
 // initialised base (the tiny demos) is saved to output_dir/base at the start of a run (a resumed run recreates the
 // same one from training.seed), so the adapter has a base to be loaded onto.
-void TextModel::apply_lora_for_training(const std::optional<fs::path>& resume) {
+void TextModel::apply_lora_for_training(const std::optional<fs::path>& resume, const c10::Device& device) {
   lora_base_ = fs::absolute(config_.model.path).lexically_normal().string();
   if (config_.model.init == ModelInit::kRandom) {
     const fs::path saved = fs::absolute(fs::path(config_.checkpoint.output_dir) / "base").lexically_normal();
@@ -136,7 +137,7 @@ void TextModel::apply_lora_for_training(const std::optional<fs::path>& resume) {
     }
     lora_base_ = saved.string();
   }
-  lora_ = apply_lora(*model_, config_.lora, static_cast<uint64_t>(config_.training.seed));
+  lora_ = apply_lora(*model_, config_.lora, static_cast<uint64_t>(config_.training.seed), device);
   if (resume) load_lora_weights(*lora_, read_peft_adapter(resume->string()), resume->string());
   const auto& applied = lora_->config();
   std::string targets, experts;

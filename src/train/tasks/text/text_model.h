@@ -63,7 +63,7 @@ class TextModel {
   void after_final_save(const std::filesystem::path& output_dir, const TrainOptions& options);  // --merge
 
  private:
-  void apply_lora_for_training(const std::optional<std::filesystem::path>& resume);
+  void apply_lora_for_training(const std::optional<std::filesystem::path>& resume, const c10::Device& device);
   // The tokenizer files (and the chat template) beside the saved weights, so a saved directory is complete for
   // from_pretrained and for `trainer generate --prompt` / `--chat`.
   void copy_tokenizer_files_to(const std::filesystem::path& to) const;
