@@ -155,17 +155,23 @@ void FullySharded::build(ShardableModule& model, const c10::Device& device,
   });
   // A 4-bit layer's state besides its packed codes (block scales, code tables: QLoRA's base) is data, not a weight:
   // gathered in its own dtype whatever param_dtype.
-  std::set<const at::Tensor*> exact;
+  std::set<const at::Tensor*> exact, in_place;
   model.for_each_module([&](const std::string&, Module& module) {
     if (const auto* linear = dynamic_cast<const Linear*>(&module))
-      if (const QuantState4bit* q = linear->quantized())
-        exact.insert({&q->absmax, &q->quant_map, &q->nested_absmax, &q->nested_quant_map, &q->state_json});
+      if (const QuantState4bit* q = linear->quantized()) {
+        exact.insert({&q->absmax, &q->quant_map, &q->nested_absmax, &q->nested_quant_map});
+        in_place.insert(&q->state_json);
+      }
   });
   const std::vector<std::size_t> units = parameter_units(model);
   std::size_t next = 0;
   model.for_each_parameter([&](const std::string& name, at::Tensor& slot) {
     const std::size_t u = units[next++];
     if (whole.contains(&slot)) return;
+    if (in_place.contains(&slot)) {
+      units_[u].in_place.emplace_back(name, &slot);
+      return;
+    }
     auto& groups = units_[u].groups;
     const bool trainable = slot.requires_grad();
     const bool as_stored = exact.contains(&slot);
@@ -184,7 +190,7 @@ void FullySharded::build(ShardableModule& model, const c10::Device& device,
     it->padded += slot.numel();
   });
   int64_t read_on_demand = 0;  // parameters read from the checkpoint here
-  for (auto& unit : units_)
+  for (auto& unit : units_) {
     for (auto& g : unit.groups) {
       g.padded = (g.padded + world - 1) / world * world;
       g.shard_numel = g.padded / world;
@@ -214,6 +220,13 @@ void FullySharded::build(ShardableModule& model, const c10::Device& device,
       if (g.trainable) g.shard_grad = at::zeros_like(g.shard);
       free_storage(g.full);
     }
+    for (auto& [name, slot] : unit.in_place)
+      if (slot->is_meta()) {
+        if (!read) throw Error("distributed.shard_weights: " + name + " has no values (meta) and no reader");
+        *slot = read(name).to(device);
+        ++read_on_demand;
+      }
+  }
   status_ = at::zeros({4}, at::TensorOptions().dtype(at::kLong).device(device));
   // A language model's head, pinned with the root for an evaluation unit by unit.
   if (const auto* language = dynamic_cast<const LanguageModel*>(&model))

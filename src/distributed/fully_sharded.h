@@ -162,6 +162,9 @@ class FullySharded final : public StepSync, public UnitHooks {
     // A prefetch in flight (gathered is true, the buffers allocated): wait for it before the weights are read or
     // their memory freed (finish).
     std::vector<std::shared_ptr<Communicator::Pending>> pending;
+    // Kept whole on every rank, never gathered: a 4-bit layer's quant_state JSON (a few hundred bytes, only ever
+    // written, and of a length that depends on the values, so it is read as the unit is cut).
+    std::vector<std::pair<std::string, at::Tensor*>> in_place;
   };
 
   FullySharded(Communicator& communicator, FullyShardedOptions options);

@@ -36,6 +36,9 @@ class Linear : public Module {
   void set_quantized(at::Tensor packed, const QuantState4bit& state);
   void set_weight(at::Tensor full);
   const QuantState4bit* quantized() const { return quant_.get(); }
+  // The state's scalar fields may be set in place (fully sharded loading quantizes a layer after its tensors'
+  // shapes were laid out: its nested_offset comes with the values); the tensors' slots stay where they are.
+  QuantState4bit* quantized() { return quant_.get(); }
   // A 4-bit layer may keep its weight dequantized (memory.dequantized_base): computed at the first use, then reused
   // by every forward and backward until it is dropped (keep false, a new weight, or another device or dtype). The
   // same bits either way: only when the dequantization runs changes.

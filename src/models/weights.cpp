@@ -3,6 +3,8 @@
 
 #include <filesystem>
 #include <map>
+#include <memory>
+#include <optional>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -10,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "models/layers.h"
+#include "quant/blockwise.h"
 #include "trainer/errors.h"
 #include "trainer/hf_weights.h"
 #include "trainer/safetensors.h"
@@ -31,6 +34,30 @@ void quantize_layer(Linear& linear, const at::Tensor& full, const Quantize4bitOp
                     const c10::Device& device) {
   auto [packed, state] = quantize_weight(full, options, device);
   linear.set_quantized(std::move(packed), state);
+}
+
+// A layer to be quantized when fully sharded weights read it (load_model with on_demand): the packed codes and the
+// state's tensors on the meta device with the shapes quantization gives them (the JSON's length depends on the
+// values: empty until read).
+void quantize_later(Linear& linear, const Quantize4bitOptions& options, at::ScalarType dtype) {
+  const auto meta = at::TensorOptions().device(at::kMeta);
+  QuantState4bit state;
+  state.type = options.type;
+  state.blocksize = options.blocksize;
+  state.out_features = linear.out_features();
+  state.in_features = linear.in_features();
+  state.dtype = dtype;
+  state.nested = options.double_quant;
+  const int64_t blocks = (state.numel() + state.blocksize - 1) / state.blocksize;
+  state.absmax = at::empty({blocks}, meta.dtype(state.nested ? at::kByte : at::kFloat));
+  state.quant_map = at::empty({16}, meta.dtype(at::kFloat));
+  if (state.nested) {
+    const int64_t nested = quant::Quantized4bit::kNestedBlocksize;
+    state.nested_absmax = at::empty({(blocks + nested - 1) / nested}, meta.dtype(at::kFloat));
+    state.nested_quant_map = at::empty({256}, meta.dtype(at::kFloat));
+  }
+  state.state_json = at::empty({0}, meta.dtype(at::kByte));
+  linear.set_quantized(at::empty({(state.numel() + 1) / 2, 1}, meta.dtype(at::kByte)), state);
 }
 
 std::string tensor_text(const at::Tensor& bytes) {
@@ -131,6 +158,7 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
 
   // 4-bit layers first: loaded as saved, or quantized one at a time from their full-precision weight.
   std::set<std::string> to_quantize;
+  std::map<std::string, Linear*> deferred;  // on_demand: quantized when read
   if (quantize)
     for (const auto& path : quantizable_layers(*model, quantize->experts)) to_quantize.insert(path);
   for (const auto& [path, linear] : layers) {
@@ -153,6 +181,9 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
                             " weight packs into " + std::to_string((state.numel() + 1) / 2) + " bytes",
                         "the checkpoint is damaged or not in bitsandbytes' 4-bit layout");
       linear->set_quantized(packed.to(device), state_to(std::move(state), device));
+    } else if (to_quantize.count(path) && on_demand) {
+      quantize_later(*linear, *quantize, dtype);
+      deferred[path] = linear;
     } else if (to_quantize.count(path)) {
       const auto& [file, tensor] = where.at(weight);
       quantize_layer(*linear, files[file].load(tensor->name, dtype), *quantize, device);
@@ -162,11 +193,48 @@ std::unique_ptr<LanguageModel> load_model(const std::string& dir, ModelInit init
   // Carried tensors stay on the CPU in their stored dtype: never computed with, written back as they were.
   for (const auto& [name, location] : carried)
     model->carried_tensors().emplace_back(name, files[location.first].load(name));
-  if (on_demand && !quantize) {
-    // The parameters stay on the meta device; each is read when asked for, on the CPU (the caller moves it).
-    *on_demand = [files, where, dtype](const std::string& name) {
-      const auto& [file, tensor] = where.at(name);
-      return files[file].load(tensor->name, dtype);
+  if (on_demand) {
+    // The parameters stay on the meta device; each is read when asked for, on the CPU (the caller moves it). A layer
+    // to quantize is quantized at the first of its tensors asked for (its nested_offset set then), and kept until
+    // each of them was handed out: one block's layers at a time.
+    using Quantized = std::pair<at::Tensor, QuantState4bit>;
+    auto pending = std::make_shared<std::map<std::string, std::pair<int, Quantized>>>();
+    std::optional<Quantize4bitOptions> options = quantize;
+    *on_demand = [files, where, dtype, deferred, pending, options](const std::string& name) -> at::Tensor {
+      std::string path, part;
+      if (name.ends_with(".weight") && deferred.contains(name.substr(0, name.size() - 7))) {
+        path = name.substr(0, name.size() - 7);
+      } else if (const auto at = name.rfind(".weight."); at != std::string::npos &&
+                                                         deferred.contains(name.substr(0, at))) {
+        path = name.substr(0, at);
+        part = name.substr(at + 8);
+      }
+      if (path.empty()) {
+        const auto& [file, tensor] = where.at(name);
+        return files[file].load(tensor->name, dtype);
+      }
+      auto it = pending->find(path);
+      if (it == pending->end()) {
+        const auto& [file, tensor] = where.at(path + ".weight");
+        Quantized q = quantize_weight(files[file].load(tensor->name, dtype), *options, at::kCPU);
+        QuantState4bit& laid_out = *deferred.at(path)->quantized();
+        if (q.second.nested != laid_out.nested || q.second.absmax.numel() != laid_out.absmax.numel())
+          throw Error("4-bit layer " + path + ": quantized to other shapes than laid out for sharding");
+        laid_out.nested_offset = q.second.nested_offset;
+        it = pending->emplace(path, std::pair<int, Quantized>{0, std::move(q)}).first;
+      }
+      auto& [served, q] = it->second;
+      const QuantState4bit& state = q.second;
+      at::Tensor out = part.empty()                  ? q.first
+                       : part == "absmax"            ? state.absmax
+                       : part == "quant_map"         ? state.quant_map
+                       : part == "nested_absmax"     ? state.nested_absmax
+                       : part == "nested_quant_map"  ? state.nested_quant_map
+                       : part == state.state_key()   ? state.state_json
+                                                     : at::Tensor();
+      if (!out.defined()) throw Error("4-bit layer " + path + " has no tensor " + part);
+      if (++served == (state.nested ? 6 : 4)) pending->erase(it);
+      return out;
     };
     return model;
   }

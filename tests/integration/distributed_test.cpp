@@ -907,8 +907,8 @@ TEST(IntegrationDistributed, ShardedWeightsProbeTheMicroBatchTogetherAndTrainThe
 }
 
 // From a pretrained model.path, each rank reads the weights unit by unit as it shards them (the model stays on the
-// meta device until then), and trains one process's weights; with LoRA, the frozen base alike and one process's
-// adapter.
+// meta device until then), and trains one process's weights; with LoRA and QLoRA (each 4-bit layer quantized as its
+// unit is cut), the frozen base alike and one process's adapter.
 TEST(IntegrationDistributed, ShardedWeightsReadAPretrainedModelUnitByUnitAndTrainTheWeightsOfOneProcess) {
   TempDir dir;
   const auto base = dir.path() / "base", one = dir.path() / "one", two = dir.path() / "two";
@@ -935,6 +935,20 @@ TEST(IntegrationDistributed, ShardedWeightsReadAPretrainedModelUnitByUnitAndTrai
   EXPECT_NE(adapters[0].err.find("the whole model was never in memory"), std::string::npos) << adapters[0].err;
   EXPECT_LE(max_difference(lora_one / "final" / "adapter_model.safetensors",
                            lora_two / "final" / "adapter_model.safetensors"),
+            1e-5);
+  // QLoRA: each 4-bit layer is quantized as its unit is cut (its codes and scales laid out on the meta device first).
+  const std::vector<std::string> qlora = with(lora, {"--set", "model.quantize=nf4"});
+  const auto qlora_one = dir.path() / "qlora-one", qlora_two = dir.path() / "qlora-two";
+  const auto quantized =
+      run_trainer(with(with(short_run("configs/tiny-qwen2.json", qlora_one), pretrained), qlora), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(quantized.exit_code, 0) << quantized.err;
+  const auto quantized_ranks =
+      run_ranks(2, with(with(with(short_run("configs/tiny-qwen2.json", qlora_two), pretrained), qlora), kShardWeights));
+  for (const auto& r : quantized_ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(quantized_ranks);
+  EXPECT_NE(quantized_ranks[0].err.find("the whole model was never in memory"), std::string::npos)
+      << quantized_ranks[0].err;
+  EXPECT_LE(max_difference(qlora_one / "final" / "adapter_model.safetensors",
+                           qlora_two / "final" / "adapter_model.safetensors"),
             1e-5);
 }
 
