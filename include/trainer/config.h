@@ -653,7 +653,8 @@ struct DistributedConfig {
       "optimizer state; a block's weights are gathered just before its forward and its backward and released after, "
       "its gradients reduce-scattered to their shards. A full fine-tune larger than one card. Same weights as one "
       "process (fp32). Checkpoints hold each rank's shards; final/ is the Hugging Face model. Text, image and CLIP "
-      "tasks (full, LoRA, QLoRA; DPO with LoRA), AdamW; moot in a single process (docs/distributed.md)");
+      "tasks (full, LoRA, QLoRA; DPO with LoRA, or as a full fine-tune with dpo.precompute_reference), AdamW or "
+      "Adafactor; moot in a single process (docs/distributed.md)");
     v("reshard_after_forward", reshard_after_forward,
       "with shard_weights: release each block's gathered weights after its forward and gather them again for its "
       "backward (false keeps them from forward to backward: less communication, more memory)");

@@ -71,7 +71,8 @@ def reference_weights(model_dir, records):
     return {n: p.detach() for n, p in model.state_dict().items()}
 
 
-def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpointing=False, ranks=1, limit=None):
+def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpointing=False, ranks=1, limit=None,
+          shard_weights=False):
     config = {
         "model": {"path": str(model_dir), "init": "pretrained"},
         "data": {"train_files": [str(data)], "max_length": 32, "shuffle": False, "packing": packing},
@@ -84,6 +85,7 @@ def train(run_trainer, model_dir, data, out, micro_batch, packing=False, checkpo
         "memory": {"limit": limit} if limit else {},
         "checkpoint": {"output_dir": str(out), "every_steps": 0},
         "logging": {"progress": "off"},
+        "distributed": {"shard_weights": shard_weights},
     }
     path = out.parent / f"{out.name}.json"
     path.write_text(json.dumps(config))
@@ -178,7 +180,8 @@ def test_the_load_balancing_loss_is_the_effective_batchs_under_any_split(tmp_pat
     effective batch's, so the balancing loss must be too: its assignments counted over the whole batch (a pass
     without gradients when the batch is split, summed over the ranks) before the first backward. The whole batch,
     one example a micro-batch, packed rows with activation checkpointing and two ranks all reach the PyTorch loop's
-    weights; the loss's coefficient is large enough that leaving it out would not (checked)."""
+    weights, and so do two ranks over fully sharded weights (micro-batches of one: the counting pass is a collective
+    forward per micro-batch); the loss's coefficient is large enough that leaving it out would not (checked)."""
     name = "qwen3-moe-dense-layer"
     model_dir = make_model_dir(name, tmp_path / "model", output_router_logits=True, router_aux_loss_coef=0.5)
     records = examples()
@@ -195,17 +198,19 @@ def test_the_load_balancing_loss_is_the_effective_batchs_under_any_split(tmp_pat
     mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in first])
     with torch.no_grad():
         balancing = model(input_ids=ids, attention_mask=mask).aux_loss.item()
-    for micro_batch, packing, ranks in ((BATCH, False, 1), (1, False, 1), (2, True, 1), (BATCH, False, 2)):
-        out = tmp_path / f"run-{micro_batch}-{packing}-{ranks}"
+    for micro_batch, packing, ranks, sharded in ((BATCH, False, 1, False), (1, False, 1, False), (2, True, 1, False),
+                                                 (BATCH, False, 2, False), (1, False, 2, True)):
+        out = tmp_path / f"run-{micro_batch}-{packing}-{ranks}-{sharded}"
         final = train(run_trainer, model_dir, data, out, micro_batch, packing=packing, checkpointing=packing,
-                      ranks=ranks)
+                      ranks=ranks, shard_weights=sharded)
         logged = metric(out, "router/balancing_loss")
         assert len(logged) == STEPS and abs(logged[0] - balancing) < 1e-5, (logged, balancing)
         assert all(m >= 1.0 for m in metric(out, "router/busiest_expert_load"))
         ours = hf_model(final).state_dict()
         for n, p in expected.items():
             torch.testing.assert_close(ours[n], p, atol=1e-4, rtol=1e-4, msg=lambda m, n=n, mb=micro_batch, pk=packing,
-                                       r=ranks: f"micro-batch {mb}, packing {pk}, ranks {r}, {n}: {m}")
+                                       r=ranks, sh=sharded: f"micro-batch {mb}, packing {pk}, ranks {r}, "
+                                                            f"sharded {sh}, {n}: {m}")
 
 
 def test_mixtrals_router_jitter_is_keyed_like_dropout(tmp_path, run_trainer):

@@ -471,8 +471,6 @@ void Engine::shard_weights() {
     refuse("optimizer.state_dtype=int8 (its blocks of 256 elements would straddle the ranks' pieces; use fp32 or "
            "bf16 state, or Adafactor)");
   if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
-  if (const auto* language = dynamic_cast<const LanguageModel*>(model); language && language->has_routing_loss())
-    refuse("a mixture of experts' load-balancing loss (output_router_logits)");
   // LoRA: the frozen base is sharded, the adapters stay whole on every rank (their gradients summed).
   distributed::FullyShardedOptions options;
   options.reshard_after_forward = config_.distributed.reshard_after_forward;

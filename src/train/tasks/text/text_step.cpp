@@ -183,7 +183,7 @@ void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, 
     outcome.at_floor = outcome.largest_part <= 1 &&
                        std::all_of(rows.begin(), rows.end(), [](const PackedRow& row) { return row.examples.size() <= 1; });
     const std::size_t passes = agreed_passes(parts.size());
-    if (!count_routing(parts.size(), outcome, [&](std::size_t i) {
+    if (!count_routing(parts.size(), passes, outcome, [&](std::size_t i) {
           const auto& [begin, count] = parts[i];
           const PackedBatch packed = collate_packed(
               examples, std::span<const PackedRow>(rows).subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count)),
@@ -215,7 +215,7 @@ void TrainStep::attempt(std::span<const Example> examples, int64_t share_begin, 
   outcome.micro_steps = static_cast<int64_t>(parts.size());
   outcome.at_floor = outcome.largest_part <= 1;
   const std::size_t passes = agreed_passes(parts.size());
-  if (!count_routing(parts.size(), outcome, [&](std::size_t i) {
+  if (!count_routing(parts.size(), passes, outcome, [&](std::size_t i) {
         const auto& [begin, count] = parts[i];
         const DropoutScope dropout(options_.seed, step, share_begin + begin, count, options_.device);
         const auto part = examples.subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(count));
@@ -269,7 +269,7 @@ std::vector<double> TrainStep::routing_counts(const Batch& batch) {
   return model_.routing_counts(batch);
 }
 
-bool TrainStep::count_routing(std::size_t parts, AttemptOutcome& outcome,
+bool TrainStep::count_routing(std::size_t parts, std::size_t passes, AttemptOutcome& outcome,
                               const std::function<std::vector<double>(std::size_t)>& counts_of) {
   if (!model_.has_routing_loss()) return true;
   // One micro-batch on one process: its forward counts its own routing, which is the batch's.
@@ -281,6 +281,10 @@ bool TrainStep::count_routing(std::size_t parts, AttemptOutcome& outcome,
   // first backward (the balancing loss's assignments carry no gradient but must be the whole batch's), summed over
   // the ranks. Every rank takes part in the sum, one that ran out of memory too (its flag, the last number, makes
   // the attempt an out-of-memory attempt on every rank).
+  // Fully sharded weights: each counting forward is a collective, so a rank with fewer micro-batches runs forwards
+  // of one padding token that count nothing (as many passes as the rank with the most), and an out-of-memory error
+  // is the attempt's, agreed through the collectives as any other.
+  const bool sharded = options_.sync && options_.sync->shards_weights();
   std::vector<double> totals;
   std::optional<std::string> failed;
   try {
@@ -289,7 +293,12 @@ bool TrainStep::count_routing(std::size_t parts, AttemptOutcome& outcome,
       if (totals.empty()) totals.assign(counts.size(), 0.0);
       for (std::size_t j = 0; j < counts.size(); ++j) totals[j] += counts[j];
     }
+    for (std::size_t i = parts; sharded && i < passes; ++i) {
+      const at::Tensor one = at::full({1, 1}, options_.pad_id, at::TensorOptions().dtype(at::kLong).device(options_.device));
+      (void)routing_counts(Batch{one, at::ones_like(one), at::full_like(one, -100), {}});
+    }
   } catch (const c10::OutOfMemoryError& e) {
+    if (sharded) throw;
     failed = e.what_without_backtrace();
   }
   if (options_.sync) {

@@ -79,8 +79,9 @@ class TrainStep {
                AttemptOutcome& outcome);
   // The mixture of experts' load-balancing loss: the effective batch's routing counted over this attempt's `parts`
   // micro-batches (counts_of(i): one's counts) and the ranks before the first backward, given to the model; false
-  // (and outcome.dropped) when a rank ran out of memory counting. Nothing without the loss.
-  bool count_routing(std::size_t parts, AttemptOutcome& outcome,
+  // (and outcome.dropped) when a rank ran out of memory counting. Nothing without the loss. `passes`: the agreed
+  // number of passes under fully sharded weights (the rank's missing ones run as empty counting forwards).
+  bool count_routing(std::size_t parts, std::size_t passes, AttemptOutcome& outcome,
                      const std::function<std::vector<double>(std::size_t)>& counts_of);
   std::vector<double> routing_counts(const Batch& batch);
   // Fully sharded weights: every rank runs as many forward/backward passes as the rank with the most (each block's
