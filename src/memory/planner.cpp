@@ -829,9 +829,8 @@ std::string plan_fully_sharded(MemoryPlan& plan, const Config& config, const nlo
                : "every unit from its forward to its backward (distributed.reshard_after_forward=false)")
        << ", gathered in " << (gathered_weight_bytes == 2.0 ? "16" : "32") << "-bit and reduced in "
        << (gathered_grad_bytes == 2.0 ? "16" : "32")
-       << "-bit (distributed.param_dtype, reduce_dtype); evaluation gathers the root and one unit at a time, generation "
-          "the whole model ("
-       << human_bytes(static_cast<double>(total) * gathered_weight_bytes) << ")";
+       << "-bit (distributed.param_dtype, reduce_dtype); evaluation (generation and samples too) gathers the root "
+          "and one unit at a time";
   return line.str();
 }
 

@@ -118,6 +118,20 @@ at::Tensor long_tensor(const std::vector<int64_t>& values, const at::Device& dev
   return at::tensor(values, at::kLong).to(device);
 }
 
+// Fully sharded weights (options.pace): this batch is done while another rank's goes on. Each of its decoding steps
+// is one of the collectives the others' steps pair with, so it steps on with its `rows` rows (their outputs unused)
+// until no rank needs another step.
+void step_on_until_all_done(LanguageModel& model, GenerationState& state, int64_t rows, const GenerateOptions& options,
+                            const at::Device& device) {
+  const at::Tensor tokens = at::full({rows, 1}, options.pad_token_id.value_or(0), at::TensorOptions().dtype(at::kLong).device(device));
+  do {
+    (void)model.decode_step(state, tokens);
+  } while (options.pace(false));
+}
+
+// Whether this batch takes another decoding step: `mine`, or with options.pace whether any rank's batch does.
+bool any_goes_on(bool mine, const GenerateOptions& options) { return options.pace ? options.pace(mine) : mine; }
+
 // Greedy or sampling: every row advances by one token a step; finished rows leave the batch.
 std::vector<std::vector<int64_t>> greedy_or_sample(LanguageModel& model, PaddedPrompts& prompts,
                                                    const GenerateOptions& options, const std::vector<int64_t>& eos) {
@@ -151,7 +165,12 @@ std::vector<std::vector<int64_t>> greedy_or_sample(LanguageModel& model, PaddedP
       kept_rows.push_back(alive[j]);
       kept_tokens.push_back(tokens[j]);
     }
-    if (keep.empty() || step + 1 == options.max_new_tokens) break;
+    const bool more = !keep.empty() && step + 1 < options.max_new_tokens;
+    if (!any_goes_on(more, options)) break;
+    if (!more) {
+      step_on_until_all_done(model, *state, static_cast<int64_t>(alive.size()), options, device);
+      break;
+    }
     if (keep.size() < alive.size()) model.select_rows(*state, at::tensor(keep, at::kLong));
     alive = std::move(kept_rows);
     logits = model.decode_step(*state, long_tensor(kept_tokens, device).unsqueeze(1));
@@ -279,11 +298,10 @@ std::vector<std::vector<int64_t>> beam_search(LanguageModel& model, PaddedPrompt
       running[item] = std::move(next);
     }
     length += 1;
-    if (at_limit) break;
 
     // Which prompts can still improve (transformers' _check_early_stop_heuristic), and which are frozen.
     std::vector<int64_t> still_active, rows;
-    for (int64_t a = 0; a < n_active; ++a) {
+    for (int64_t a = 0; a < n_active && !at_limit; ++a) {
       const auto item = static_cast<std::size_t>(active[static_cast<std::size_t>(a)]);
       const int64_t hypothetical = options.early_stopping == EarlyStopping::kNever && penalty > 0.0
                                        ? max_length - prompt_length
@@ -304,7 +322,12 @@ std::vector<std::vector<int64_t>> beam_search(LanguageModel& model, PaddedPrompt
       still_active.push_back(static_cast<int64_t>(item));
       for (int64_t j = 0; j < beams; ++j) rows.push_back(reorder[static_cast<std::size_t>(a * beams + j)]);
     }
-    if (still_active.empty()) break;
+    const bool more = !at_limit && !still_active.empty();
+    if (!any_goes_on(more, options)) break;
+    if (!more) {
+      step_on_until_all_done(model, *state, n_active * beams, options, device);
+      break;
+    }
     // Most steps reorder beams; a step where every beam continues itself copies nothing.
     std::vector<int64_t> same(rows.size());
     std::iota(same.begin(), same.end(), 0);

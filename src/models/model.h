@@ -241,6 +241,10 @@ struct GenerateOptions {
   int64_t no_repeat_ngram_size = 0;     // no n-gram of this size occurs twice in a sequence (prompt included)
   std::vector<int64_t> eos_token_ids;   // empty: the model's eos_token_id
   std::optional<int64_t> pad_token_id;  // fills left padding; default the model's pad, else its EOS, else 0
+  // Fully sharded weights, where every forward is a collective: called before each decoding step after the first
+  // with whether this batch needs it; returns whether any rank's does (every rank calls it alike). While another
+  // rank's batch goes on, a finished one steps on with its outputs unused. Empty: each batch stops by itself.
+  std::function<bool(bool)> pace;
 };
 // A text prompt as the model saw inputs in training: a seq2seq input with its EOS (when add_eos), a causal
 // prompt without one (the model continues it).

@@ -110,6 +110,45 @@ TEST(IntegrationGenerationEval, TwoRanksScoreAsOneProcess) {
             read_jsonl(dir.path() / "one" / "evaluations" / "step-2" / "predictions.jsonl"));
 }
 
+// Over fully sharded weights generation runs unit by unit, every forward a collective: 3 ranks share the 8 examples
+// 2/3/3 in batches of 2 (the rank with one batch generates for a one-token prompt while the others run their second),
+// and each decoding step is agreed (a batch whose answers all ended steps on with its outputs unused). Greedy and
+// beam search: the scores and answers are one process's.
+TEST(IntegrationGenerationEval, ShardedWeightsGenerateUnitByUnitAsOneProcess) {
+  TempDir dir;
+  auto args_for = [&](const fs::path& out, const std::string& beams) {
+    std::vector<std::string> args = {"--config", "configs/tiny-t5.json", "--set", "training.max_steps=2",
+                                     "--set", "training.batch_size=8", "--set", "training.micro_batch_size=4",
+                                     "--set", "optimizer.lr=1e-12", "--set", "evaluation.every_steps=0",
+                                     "--set", "evaluation.sample_prompts=[]", "--set", "evaluation.micro_batch_size=2",
+                                     "--set", "evaluation.generate_num_beams=" + beams,
+                                     "--set", "checkpoint.every_steps=0", "--set", "checkpoint.output_dir=" + out.string()};
+    args.insert(args.end(), kGenerate.begin(), kGenerate.end());
+    return args;
+  };
+  auto generation_record = [](const fs::path& out) {
+    for (const auto& record : read_jsonl(out / "metrics.jsonl"))
+      if (record.contains("eval_rougeL")) return record;
+    return nlohmann::json();
+  };
+  for (const std::string beams : {"1", "2"}) {
+    SCOPED_TRACE("num_beams " + beams);
+    const fs::path one = dir.path() / ("one-" + beams), three = dir.path() / ("three-" + beams);
+    const auto single = run_trainer(args_for(one, beams), "OMP_NUM_THREADS=1");
+    ASSERT_EQ(single.exit_code, 0) << single.err;
+    auto sharded = args_for(three, beams);
+    sharded.insert(sharded.end(), {"--set", "distributed.shard_weights=true"});
+    const auto ranks = run_ranks(3, sharded);
+    for (const auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << all_errors(ranks);
+    const auto a = generation_record(one), b = generation_record(three);
+    ASSERT_FALSE(a.is_null());
+    for (const char* key : {"eval_rougeL", "eval_exact_match", "eval_bleu", "eval_generated"})
+      EXPECT_NEAR(a.at(key).get<double>(), b.at(key).get<double>(), 1e-9) << key;
+    EXPECT_EQ(read_jsonl(three / "evaluations" / "step-2" / "predictions.jsonl"),
+              read_jsonl(one / "evaluations" / "step-2" / "predictions.jsonl"));
+  }
+}
+
 TEST(IntegrationGenerationEval, BestMetricMustBeMeasured) {
   TempDir dir;
   const auto run = run_trainer({"--config", "configs/tiny-t5.json", "--set", "checkpoint.keep_best=true", "--set",

@@ -674,9 +674,14 @@ class DecoderModel : public LanguageModel {
       const KeysValues* reuse = s_.layers[i].kv_from ? &shared.at(*s_.layers[i].kv_from) : nullptr;
       const bool produces = shared_from_.count(i) > 0;
       if (state) {
+        // Generation with the cache: no gradients, no block runner; fully sharded weights gather the block for it.
         KeysValues produced;
-        x = block->forward(x, cos, sin, mask, &state->cache, i, nullptr, nullptr, std::nullopt, layer_input, reuse,
-                           produces ? &produced : nullptr);
+        x = run_unit(
+            [&](const std::vector<at::Tensor>& in) {
+              return block->forward(in[0], cos, sin, mask, &state->cache, i, nullptr, nullptr, std::nullopt,
+                                    layer_input, reuse, produces ? &produced : nullptr);
+            },
+            {x}, block.get());
         if (produces) shared[i] = produced;
         continue;
       }

@@ -338,8 +338,10 @@ class T5Stack : public Module {
     return final_dropout->forward(t5_rms_norm(x, final_layer_norm->weight, h_.eps), is_training());
   }
 
-  // One decoder position with the cache. embedding (B, 1, D): every row at the same position.
-  at::Tensor decode_step(const at::Tensor& embedding, T5GenerationState& state) {
+  // One decoder position with the cache. embedding (B, 1, D): every row at the same position. `unit` runs each
+  // block's step (fully sharded weights gather the block for it).
+  template <class Unit>
+  at::Tensor decode_step(const at::Tensor& embedding, T5GenerationState& state, const Unit& unit) {
     const int64_t key_length = state.position + 1;
     // The position bias of this query, from the table computed for the whole generation (past it: computed here).
     const at::Tensor self_bias = key_length <= state.self_bias.size(3)
@@ -348,19 +350,22 @@ class T5Stack : public Module {
     at::Tensor x = embedding;
     for (std::size_t i = 0; i < block->items.size(); ++i) {
       auto& b = *block->items[i];
-      auto& sa = *b.self_attention->attention;
-      at::Tensor normed = t5_rms_norm(x, b.self_attention->layer_norm->weight, h_.eps);
-      const auto [keys, values] = state.self_cache.append(i, sa.heads(*sa.k, normed), sa.heads(*sa.v, normed));
-      x = x + sa.attend(normed, keys, values, self_bias);
-      auto& ca = *b.cross_attention->attention;
-      normed = t5_rms_norm(x, b.cross_attention->layer_norm->weight, h_.eps);
-      // A prompt's G rows (B, 1, D) attend as G queries of one row (B / G, G, D): the same per query.
-      const int64_t g = state.rows_per_prompt;
-      x = x + ca.attend(normed.reshape({-1, g, normed.size(2)}), state.cross_keys[i], state.cross_values[i],
-                        state.cross_bias)
-                  .reshape(normed.sizes());
-      auto& ff = *b.feed_forward;
-      x = x + ff.DenseReluDense->forward(t5_rms_norm(x, ff.layer_norm->weight, h_.eps));
+      x = unit([&, i](const std::vector<at::Tensor>& in) {
+        at::Tensor y = in[0];
+        auto& sa = *b.self_attention->attention;
+        at::Tensor normed = t5_rms_norm(y, b.self_attention->layer_norm->weight, h_.eps);
+        const auto [keys, values] = state.self_cache.append(i, sa.heads(*sa.k, normed), sa.heads(*sa.v, normed));
+        y = y + sa.attend(normed, keys, values, self_bias);
+        auto& ca = *b.cross_attention->attention;
+        normed = t5_rms_norm(y, b.cross_attention->layer_norm->weight, h_.eps);
+        // A prompt's G rows (B, 1, D) attend as G queries of one row (B / G, G, D): the same per query.
+        const int64_t g = state.rows_per_prompt;
+        y = y + ca.attend(normed.reshape({-1, g, normed.size(2)}), state.cross_keys[i], state.cross_values[i],
+                          state.cross_bias)
+                    .reshape(normed.sizes());
+        auto& ff = *b.feed_forward;
+        return y + ff.DenseReluDense->forward(t5_rms_norm(y, ff.layer_norm->weight, h_.eps));
+      }, std::vector<at::Tensor>{x}, static_cast<const Module*>(&b));
     }
     state.position += 1;
     return t5_rms_norm(x, final_layer_norm->weight, h_.eps);
@@ -544,12 +549,21 @@ class T5Model : public LanguageModel {
     // together, each group padded to its own longest prompt only; the keys and values at the rest of the padding
     // are zeros (the cross-attention mask hides them).
     const auto groups = prefill_groups(prompt_extents(attention_mask, /*left_padded=*/false));
+    // Fully sharded weights: each decoder block is gathered for its keys and values (run_unit), as for its steps.
+    auto cross_inputs = [this](T5Block& b, const at::Tensor& encoder_states) {
+      const at::Tensor both = run_unit([&b](const std::vector<at::Tensor>& in) {
+        auto& ca = *b.cross_attention->attention;
+        return at::stack({ca.k->forward(in[0]), ca.v->forward(in[0])});
+      }, {encoder_states}, &b);
+      return std::pair<at::Tensor, at::Tensor>{both[0], both[1]};  // (B, S, H * d_kv) each
+    };
     if (groups.size() == 1) {
       const at::Tensor encoder_states = encode(prompt_ids, attention_mask);
       for (auto& b : decoder->block->items) {
         auto& ca = *b->cross_attention->attention;
-        state->prompt_cross_keys.push_back(ca.heads(*ca.k, encoder_states));
-        state->prompt_cross_values.push_back(ca.heads(*ca.v, encoder_states));
+        const auto [k, v] = cross_inputs(*b, encoder_states);
+        state->prompt_cross_keys.push_back(ca.split_heads(k));
+        state->prompt_cross_values.push_back(ca.split_heads(v));
       }
     } else {
       const int64_t batch = prompt_ids.size(0), width = prompt_ids.size(1);
@@ -559,8 +573,7 @@ class T5Model : public LanguageModel {
         const at::Tensor encoder_states = encode(prompt_ids.index_select(0, rows).narrow(1, 0, group.width),
                                                  attention_mask.index_select(0, rows).narrow(1, 0, group.width));
         for (std::size_t i = 0; i < decoder->block->items.size(); ++i) {
-          auto& ca = *decoder->block->items[i]->cross_attention->attention;
-          const at::Tensor k = ca.k->forward(encoder_states), v = ca.v->forward(encoder_states);
+          const auto [k, v] = cross_inputs(*decoder->block->items[i], encoder_states);
           if (keys.size() <= i) {
             keys.push_back(at::zeros({batch, width, k.size(2)}, k.options()));
             values.push_back(at::zeros({batch, width, v.size(2)}, v.options()));
@@ -586,7 +599,10 @@ class T5Model : public LanguageModel {
 
   at::Tensor decode_step(GenerationState& state, const at::Tensor& tokens) override {
     auto& s = static_cast<T5GenerationState&>(state);
-    const at::Tensor hidden = decoder->decode_step(shared->forward(tokens), s);
+    const at::Tensor hidden = decoder->decode_step(
+        shared->forward(tokens), s, [this](const BlockFn& f, const std::vector<at::Tensor>& in, const Module* unit) {
+          return run_unit(f, in, unit);
+        });
     return lm_head(hidden).select(1, 0);  // (B, V)
   }
 

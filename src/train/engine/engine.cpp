@@ -775,8 +775,8 @@ bool Engine::train_one_step() {
 // and what rank 0 alone shows afterwards.
 void Engine::evaluate() {
   // Sharded weights: the validation loss and metrics run unit by unit (the root and the head gathered for them, the
-  // blocks as they come, as in training: text, DPO, image classification, CLIP); evaluation by generation and
-  // rank 0's samples gather the whole model on every rank.
+  // blocks as they come, as in training: text with evaluation by generation and its samples, DPO, image
+  // classification, CLIP).
   const auto run = [&] { return task_.evaluate(step_index_, *eval_micro_); };
   const Evaluated evaluated = !sharded_                         ? run()
                               : task_.evaluates_unit_by_unit() ? with_evaluation_units(run)
@@ -792,8 +792,17 @@ void Engine::evaluate() {
     if (primary_) task_.after_evaluation(step_index_, reporter_);
     return 0;
   };
-  if (sharded_ && !config_.evaluation.sample_prompts.empty()) with_whole_model(samples);
-  else samples();
+  // Sharded weights: a task that evaluates unit by unit generates its samples so on every rank, in step (rank 0
+  // reports them; the others' lines are below their log level); otherwise the whole model is gathered for rank 0.
+  if (sharded_ && !config_.evaluation.sample_prompts.empty() && task_.evaluates_unit_by_unit())
+    with_evaluation_units([&] {
+      task_.after_evaluation(step_index_, reporter_);
+      return 0;
+    });
+  else if (sharded_ && !config_.evaluation.sample_prompts.empty())
+    with_whole_model(samples);
+  else
+    samples();
 }
 
 // The end of the run: a checkpoint to continue from (a longer max_steps, more epochs), then the model itself.

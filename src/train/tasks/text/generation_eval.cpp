@@ -98,7 +98,7 @@ GenerateOptions evaluation_generate_options(const Config& config, ModelFamily fa
 GenerationScores evaluate_by_generation(LanguageModel& model, const Tokenizer& tokenizer, DataLoader& validation,
                                         const Config& config, const GenerateOptions& options,
                                         EvaluationMicroBatch& micro, distributed::Communicator* world,
-                                        const fs::path& predictions_file) {
+                                        const fs::path& predictions_file, StepSync* sync) {
   const auto& e = config.evaluation;
   const bool seq2seq = model.family() == ModelFamily::kSeq2Seq;
   GenerationScores scores;
@@ -129,14 +129,26 @@ GenerationScores evaluate_by_generation(LanguageModel& model, const Tokenizer& t
   });
   std::vector<std::vector<int64_t>> answers(items.size());
   std::size_t done = 0;
-  while (done < order.size()) {
+  // Fully sharded weights: each round of batches and each decoding step agreed by every rank (a status that also
+  // carries another rank's out-of-memory error into this rank's try).
+  const bool paced = sync && sync->shards_weights();
+  GenerateOptions step_options = options;
+  if (paced) step_options.pace = [sync](bool mine) { return sync->agree_passes(mine ? 1 : 0) > 0; };
+  const std::vector<int64_t> placeholder = {step_options.pad_token_id.value_or(0)};
+  while (true) {
+    const bool mine = done < order.size();
+    if (!(paced ? step_options.pace(mine) : mine)) break;
     std::size_t count = 0;
     std::vector<std::vector<int64_t>> out;
     const bool fit = micro.run([&](int64_t size) {
+      if (!mine) {  // another rank still generates: this one paces it with a one-token prompt
+        (void)generate_batch(model, {placeholder}, step_options);
+        return;
+      }
       count = std::min(order.size() - done, static_cast<std::size_t>(size));
       std::vector<std::vector<int64_t>> prompts;
       for (std::size_t i = done; i < done + count; ++i) prompts.push_back(items[order[i]].prompt);
-      out = generate_batch(model, prompts, options);
+      out = generate_batch(model, prompts, step_options);
     });
     if (!fit) break;  // this rank ran out of memory at 1: the engine's agreement stops every rank
     for (std::size_t i = 0; i < count; ++i) answers[order[done + i]] = std::move(out[i]);

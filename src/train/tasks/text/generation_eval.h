@@ -15,6 +15,8 @@
 
 namespace trainer {
 
+class StepSync;
+
 class EvaluationMicroBatch;
 namespace distributed {
 class Communicator;
@@ -40,10 +42,13 @@ struct GenerationScores {
 // come from `tokenizer` (pre-tokenized data with no tokenizer: the ids, space-separated). With a non-empty
 // `predictions_path`, this process writes one JSON line per example there: {"index", "prompt", "reference",
 // "prediction"}. Every rank must call it (collectives).
+// `sync` with fully sharded weights (the model evaluated unit by unit, every forward a collective): every rank runs
+// as many batches as the rank with the most (the others generate for a one-token prompt, unused) and each batch as
+// many decoding steps as the longest of that round (GenerateOptions::pace).
 GenerationScores evaluate_by_generation(LanguageModel& model, const Tokenizer& tokenizer, DataLoader& validation,
                                         const Config& config, const GenerateOptions& options,
                                         EvaluationMicroBatch& micro, distributed::Communicator* world,
-                                        const std::filesystem::path& predictions_file);
+                                        const std::filesystem::path& predictions_file, StepSync* sync = nullptr);
 
 // output_dir/evaluations/step-N/predictions.jsonl: where training writes the answers of evaluation step N.
 std::filesystem::path predictions_path(const std::filesystem::path& output_dir, int64_t step);

@@ -74,7 +74,9 @@ class TextTask final : public LanguageModelTask {
 
   Counted counted() const override { return {"tokens_seen", "target tokens", "tokens", true}; }
   LanguageModel* shardable_model() override { return model_; }
-  bool evaluates_unit_by_unit() const override { return !config().evaluation.generate; }
+  // Fully sharded weights: the validation loss, evaluation by generation and the samples unit by unit (every decoding
+  // step agreed; every rank generates the samples, rank 0 reports them).
+  bool evaluates_unit_by_unit() const override { return true; }
 
   nlohmann::json open_data() override {
     // Without tokenizer files in model.path: pre-tokenized records only (trainer/tokenizer.h).
@@ -165,7 +167,7 @@ Evaluated TextTask::evaluate(int64_t step, EvaluationMicroBatch& micro) {
   const auto options = evaluation_generate_options(config(), model_->family(), config().model.path);
   const fs::path predictions = primary() ? predictions_path(output_dir(), step) : fs::path();
   const auto scores = evaluate_by_generation(*model_, *tokenizer_, *examples, config(), options, micro, world(),
-                                             predictions);
+                                             predictions, sync_);
   if (scores.skipped > 0 && primary())
     spdlog::warn("evaluation.generate: {} validation examples have no prompt (plain text records) and were not "
                  "generated for; prompt/completion records give a prompt and a reference", scores.skipped);
@@ -185,6 +187,8 @@ void TextTask::after_evaluation(int64_t step, Reporter& reporter) {
     if (ids.empty()) continue;
     GenerateOptions options;
     options.max_new_tokens = config().evaluation.max_new_tokens;
+    if (sync_ && sync_->shards_weights())  // every rank generates it in step: each forward is a collective
+      options.pace = [sync = sync_](bool mine) { return sync->agree_passes(mine ? 1 : 0) > 0; };
     const auto generated = generate(*model_, at::tensor(ids, at::kLong).unsqueeze(0).to(device_), options);
     const std::vector<int32_t> out(generated.begin(), generated.end());
     reporter.on_sample(step, i, prompt, tokenizer_->decode(out));
