@@ -470,7 +470,6 @@ void Engine::shard_weights() {
   if (config_.optimizer.name == OptimizerName::kAdamW && config_.optimizer.state_dtype == StateDtype::kInt8)
     refuse("optimizer.state_dtype=int8 (its blocks of 256 elements would straddle the ranks' pieces; use fp32 or "
            "bf16 state, or Adafactor)");
-  if (config_.precision.mode == PrecisionMode::kBf16) refuse("precision.mode=bf16 (use bf16-mixed)");
   // LoRA: the frozen base is sharded, the adapters stay whole on every rank (their gradients summed).
   distributed::FullyShardedOptions options;
   options.reshard_after_forward = config_.distributed.reshard_after_forward;
@@ -521,7 +520,15 @@ void Engine::build_optimizer_and_step() {
   }
   if (sharded_) {
     // Adafactor sums its statistics and RMS values over whole parameters: over the ranks' pieces.
-    for (const auto& piece : sharded_->trainable_layout()) shard.pieced.push_back({piece.name, piece.shape, piece.offset});
+    // bf16 weights round stochastically as in one process: keyed by the parameter's index among the trainable ones.
+    std::map<std::string, int64_t> index;
+    task_.trainable().for_each_parameter([&](const std::string& name, at::Tensor& p) {
+      if (p.requires_grad()) index.emplace(name, static_cast<int64_t>(index.size()));
+    });
+    for (const auto& piece : sharded_->trainable_layout()) {
+      const auto it = index.find(piece.name);
+      shard.pieced.push_back({piece.name, piece.shape, piece.offset, it == index.end() ? -1 : it->second});
+    }
     shard.sum_floats = [this](at::Tensor& values) {
       world_->all_reduce_sum({values}, static_cast<int64_t>(values.nbytes()));
     };

@@ -39,6 +39,17 @@ Optimizer::Optimizer(Module& model, const OptimizerConfig& config, uint64_t seed
     if (!p.requires_grad()) return;
     params_.push_back({name, &p, config.decay_norms_biases_embeddings || decays_by_default(name), {}});
   });
+  std::map<std::string, std::size_t> by_name;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    rounding_index_.push_back(i);
+    rounding_offset_.push_back(0);
+    by_name[params_[i].name] = i;
+  }
+  for (const PiecedParameter& whole : shard.pieced)
+    if (const auto it = by_name.find(whole.name); it != by_name.end() && whole.offset >= 0 && whole.key >= 0) {
+      rounding_index_[it->second] = static_cast<uint64_t>(whole.key);
+      rounding_offset_[it->second] = whole.offset;
+    }
   std::vector<int64_t> numels;
   for (const auto& param : params_) numels.push_back(param.param->numel());
   owners_ = shard_owners(numels, std::max(1, shard.world));
@@ -94,7 +105,8 @@ void Optimizer::store_master(std::size_t index, at::Tensor& flat_param, int64_t 
     at::sub_out(lost, master, lost);
     compensation.view({-1}).narrow(0, begin, n).copy_(lost);
   } else if (config_.bf16_update == Bf16Update::kStochastic && chunk.scalar_type() == at::kBFloat16) {
-    stochastic_round_bf16_(chunk, master, counter_key({seed_, static_cast<uint64_t>(step_), index}), begin);
+    stochastic_round_bf16_(chunk, master, counter_key({seed_, static_cast<uint64_t>(step_), rounding_index_[index]}),
+                           rounding_offset_[index] + begin);
   } else {
     chunk.copy_(master);
   }
@@ -106,7 +118,8 @@ void Optimizer::store_bf16_state(at::Tensor& dst, const at::Tensor& src, std::si
     dst.copy_(src);
     return;
   }
-  stochastic_round_bf16_(dst, src, counter_key({seed_, static_cast<uint64_t>(step_), index, stream}), begin);
+  stochastic_round_bf16_(dst, src, counter_key({seed_, static_cast<uint64_t>(step_), rounding_index_[index], stream}),
+                         rounding_offset_[index] + begin);
 }
 
 double Optimizer::squared_grad_norm() const {

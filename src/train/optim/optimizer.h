@@ -46,6 +46,9 @@ struct PiecedParameter {
   std::string name;
   std::vector<int64_t> shape;
   int64_t offset = -1;
+  // The parameter's index among the model's trainable parameters: with where the piece starts, what a bf16 piece's
+  // stochastic rounding is keyed by, so that each element rounds as it does in one process (-1: the piece's own).
+  int64_t key = -1;
 };
 struct OptimizerShard {
   int rank = 0;
@@ -134,6 +137,10 @@ class Optimizer {
   void store_bf16_state(at::Tensor& dst, const at::Tensor& src, std::size_t index, uint64_t stream, int64_t begin);
 
   std::vector<Param> params_;
+  // Per parameter, what stochastic rounding is keyed by: its index and the offset of its first element (a piece of a
+  // sharded parameter: the whole parameter's index and the piece's place in it; else i and 0).
+  std::vector<uint64_t> rounding_index_;
+  std::vector<int64_t> rounding_offset_;
   OptimizerShard shard_;
   std::vector<int> owners_;  // per parameter
   at::Tensor compensation_scratch_;  // fp32, defined when some parameter has Kahan compensation
