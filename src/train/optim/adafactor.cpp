@@ -311,25 +311,31 @@ void Adafactor::step_pieced(double relative, double beta2t) {
   auto max_rows = [&](const Pieced& e) {
     return e.layout.factored ? std::max<int64_t>(1, chunk_ / e.layout.cols) : chunk_;
   };
+  // Each sharded parameter this rank holds a piece of, with its gradient: body(k, entry, parameter index, the flat
+  // piece, its state, the piece's flat gradient).
+  auto for_each_held = [&](auto&& body) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const Pieced& e = pieced_[k];
+      if (e.index < 0) continue;
+      const auto i = static_cast<std::size_t>(e.index);
+      at::Tensor& p = *params_[i].param;
+      if (!p.grad().defined()) continue;
+      at::Tensor flat = p.view({-1});
+      body(k, e, i, flat, state_[i], p.grad().view({-1}));
+    }
+  };
   // 1. This rank's part of the sums; unfactored statistics (element by element) updated at once.
-  for (std::size_t k = 0; k < n; ++k) {
-    const Pieced& e = pieced_[k];
-    if (e.index < 0) continue;
-    const auto i = static_cast<std::size_t>(e.index);
-    const at::Tensor& p = *params_[i].param;
-    if (!p.grad().defined()) continue;
-    State& s = state_[i];
-    const at::Tensor param = p.view({-1}), grad = p.grad().view({-1});
+  for_each_held([&](std::size_t k, const Pieced& e, std::size_t, at::Tensor& param, State& s, const at::Tensor& grad) {
     if (config_.scale_parameter)
-      for (int64_t begin = 0; begin < p.numel(); begin += chunk_) {
-        const int64_t count = std::min(chunk_, p.numel() - begin);
+      for (int64_t begin = 0; begin < param.numel(); begin += chunk_) {
+        const int64_t count = std::min(chunk_, param.numel() - begin);
         at::Tensor a = scratch_a_.narrow(0, 0, count), b = scratch_b_.narrow(0, 0, count);
         a.copy_(param.narrow(0, begin, count));
         at::mul_out(b, a, a);
         squares[k] += sum_of(sum_, b);
       }
     const int64_t rows = e.layout.rows, cols = e.layout.cols;
-    for_each_span(e.offset, p.numel(), rows, cols, max_rows(e), [&](const Span& span) {
+    for_each_span(e.offset, param.numel(), rows, cols, max_rows(e), [&](const Span& span) {
       at::Tensor a = scratch_a_.narrow(0, 0, span.count()), b = scratch_b_.narrow(0, 0, span.count());
       a.copy_(grad_chunk(grad, span, b));
       at::mul_out(b, a, a);
@@ -346,26 +352,9 @@ void Adafactor::step_pieced(double relative, double beta2t) {
       at::sum_out(part, sq, {0});
       sums_.narrow(0, e.col_at + span.matrix * cols + span.col, span.cols).add_(part);
     });
-  }
+  });
   shard_.sum_floats(sums_);
 
-  // 2. The factored statistics, then this rank's part of the squares of the unscaled update.
-  for (std::size_t k = 0; k < n; ++k) {
-    const Pieced& e = pieced_[k];
-    if (e.index < 0) continue;
-    const auto i = static_cast<std::size_t>(e.index);
-    const at::Tensor& p = *params_[i].param;
-    if (!p.grad().defined()) continue;
-    State& s = state_[i];
-    const at::Tensor grad = p.grad().view({-1});
-    if (s.factored) {
-      const int64_t m = s.matrices;
-      s.row.view({m, s.rows}).mul_(scalar_b_).add_(sums_.narrow(0, e.row_at, m * s.rows).view({m, s.rows}),
-                                                     (1.0 - beta2t) / static_cast<double>(s.cols));
-      s.col.view({m, s.cols}).mul_(scalar_b_).add_(sums_.narrow(0, e.col_at, m * s.cols).view({m, s.cols}),
-                                                     (1.0 - beta2t) / static_cast<double>(s.rows));
-    }
-  }
   // u of a span into `out`, the factors of its matrix in row_factor_ and col_factor_.
   auto unscaled = [&](const State& s, const at::Tensor& grad, const Span& span, at::Tensor& out) {
     const at::Tensor g = grad_chunk(grad, span, scratch_b_);
@@ -379,42 +368,37 @@ void Adafactor::step_pieced(double relative, double beta2t) {
       out.mul_(g);
     }
   };
-  for (std::size_t k = 0; k < n; ++k) {
-    const Pieced& e = pieced_[k];
-    if (e.index < 0) continue;
-    const auto i = static_cast<std::size_t>(e.index);
-    const at::Tensor& p = *params_[i].param;
-    if (!p.grad().defined()) continue;
-    const State& s = state_[i];
-    const at::Tensor grad = p.grad().view({-1});
+  // 2. The factored statistics from the sums, then this rank's part of the squares of the unscaled update.
+  for_each_held([&](std::size_t k, const Pieced& e, std::size_t, at::Tensor& param, State& s, const at::Tensor& grad) {
+    if (s.factored) {
+      const int64_t m = s.matrices;
+      scalar_b_.fill_(beta2t);
+      s.row.view({m, s.rows}).mul_(scalar_b_).add_(sums_.narrow(0, e.row_at, m * s.rows).view({m, s.rows}),
+                                                     (1.0 - beta2t) / static_cast<double>(s.cols));
+      s.col.view({m, s.cols}).mul_(scalar_b_).add_(sums_.narrow(0, e.col_at, m * s.cols).view({m, s.cols}),
+                                                     (1.0 - beta2t) / static_cast<double>(s.rows));
+    }
     int64_t matrix = -1;
-    for_each_span(e.offset, p.numel(), e.layout.rows, e.layout.cols, max_rows(e), [&](const Span& span) {
+    for_each_span(e.offset, param.numel(), e.layout.rows, e.layout.cols, max_rows(e), [&](const Span& span) {
       if (span.matrix != matrix) factors(s, matrix = span.matrix);
       at::Tensor a = scratch_a_.narrow(0, 0, span.count()), c = scratch_c_.narrow(0, 0, span.count());
       unscaled(s, grad, span, a);
       at::mul_out(c, a, a);
       squares[n + k] += sum_of(sum_, c);
     });
-  }
+  });
   shard_.sum_doubles(squares);
 
   // 3. Apply: u / divisor x lr_t, through the first moment if any, with decoupled weight decay.
-  for (std::size_t k = 0; k < n; ++k) {
-    const Pieced& e = pieced_[k];
-    if (e.index < 0) continue;
-    const auto i = static_cast<std::size_t>(e.index);
-    at::Tensor& p = *params_[i].param;
-    if (!p.grad().defined()) continue;
-    State& s = state_[i];
-    at::Tensor param = p.view({-1});
-    const at::Tensor grad = p.grad().view({-1});
+  for_each_held([&](std::size_t k, const Pieced& e, std::size_t i, at::Tensor& param, State& s,
+                    const at::Tensor& grad) {
     const auto whole = static_cast<double>(e.numel);
     double lr_t = relative;
     if (config_.scale_parameter) lr_t *= std::max(config_.adafactor_eps2, std::sqrt(squares[k] / whole));
     const double divisor = std::max(1.0, std::sqrt(squares[n + k] / whole) / config_.clip_threshold);
     const bool decay = params_[i].decay && config_.weight_decay != 0;
     int64_t matrix = -1;
-    for_each_span(e.offset, p.numel(), e.layout.rows, e.layout.cols, max_rows(e), [&](const Span& span) {
+    for_each_span(e.offset, param.numel(), e.layout.rows, e.layout.cols, max_rows(e), [&](const Span& span) {
       if (span.matrix != matrix) factors(s, matrix = span.matrix);
       scalar_a_.fill_(divisor);
       scalar_b_.fill_(lr_t);
@@ -432,7 +416,7 @@ void Adafactor::step_pieced(double relative, double beta2t) {
       master.sub_(update);
       store_master(i, param, span.local, span.count(), master, scratch_c_);
     });
-  }
+  });
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Adafactor::own_state() const {
